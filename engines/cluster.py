@@ -1,0 +1,100 @@
+"""Worker groups: N copies of a backend class, called together.
+
+`RayWorkerGroup` runs each copy in a long-lived Ray actor; `LocalWorkerGroup` keeps them in this
+process. Both have the same three verbs, so the RL loop is written once and runs with or without Ray
+(the bare loop is the benchmark's baseline and the first debugging tool).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engines.config import ClusterConfig
+
+
+class LocalWorkerGroup:
+    """Workers as plain objects in this process (one worker, or sequential calls for tests)."""
+
+    def __init__(self, workers: Sequence[Any]):
+        self.workers = list(workers)
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Same arguments to every worker; results in rank order."""
+        return [getattr(w, method)(*args, **kwargs) for w in self.workers]
+
+    def call_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+        """Worker i gets per_worker_args[i] (e.g. its shard of a batch)."""
+        return [getattr(w, method)(*a) for w, a in zip(self.workers, per_worker_args, strict=True)]
+
+    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.workers[0], method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        self.workers.clear()
+
+
+class RayWorkerGroup:
+    """Workers as Ray actors; calls fan out concurrently and are gathered once per batch, never per sample."""
+
+    def __init__(self, cls: type, num_workers: int, make_kwargs: Callable[[int], dict], num_cpus: float,
+                 name: str, num_gpus: float = 0):
+        import ray
+
+        actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(cls)
+        self.workers = [
+            actor_cls.options(name=f"{name}-{rank}", max_concurrency=1).remote(**make_kwargs(rank))
+            for rank in range(num_workers)
+        ]
+        ray.get([w.__ray_ready__.remote() for w in self.workers])  # surface constructor errors here
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def call_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args, strict=True)])
+
+    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        import ray
+
+        return ray.get(getattr(self.workers[0], method).remote(*args, **kwargs))
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+        self.workers.clear()
+
+
+def init_ray(cfg: ClusterConfig) -> None:
+    """Join `cfg.address`, or start a small local Ray (no dashboard: it costs seconds and memory)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    # the driver's modules (engines, user rewards) must import inside actors: ship the working directory
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}}
+    if cfg.address:
+        ray.init(address=cfg.address, runtime_env=env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
+                 object_store_memory=cfg.object_store_mb * 1024 * 1024)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,232 @@
+"""The one configuration tree of rlflow.
+
+A recipe (YAML in deployments/) is parsed into `RLConfig`; the same model is the post_train flow's
+parameter type, so Prefect's run form shows these fields with their defaults and descriptions.
+Every section forbids unknown keys, so a typo is an error that names the field, not a silent default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str | None = Field(
+        None,
+        description="Local Hugging Face causal-LM directory. Empty: build a tiny model from the fields "
+        "below with the built-in character tokenizer (the CPU demo).",
+    )
+    arch: Literal["llama", "qwen2"] = Field("llama", description="Architecture of a model built from scratch.")
+    hidden_size: int = Field(96, gt=0)
+    intermediate_size: int = Field(256, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(4, gt=0)
+    max_seq_len: int = Field(64, gt=0, description="Longest prompt + response, in tokens.")
+
+
+class BuiltinTaskConfig(Section):
+    task: Literal["sort", "reverse", "add"] = Field(..., description="Which built-in verifiable task to generate.")
+    num_digits: int = Field(4, gt=0, le=12)
+    num_train: int = Field(20000, gt=0)
+    num_eval: int = Field(256, gt=0)
+    seed: int = 1234
+
+
+class DataConfig(Section):
+    train_path: str = Field(..., description="Prompt file for training: .jsonl or .parquet.")
+    eval_path: str | None = Field(None, description="Held-out prompt file; empty disables eval.")
+    prompt_key: str = Field("prompt", description="Column holding the prompt text.")
+    label_key: str = Field("label", description="Column holding what the reward checks against.")
+    shuffle: bool = True
+    seed: int = 0
+    generate: BuiltinTaskConfig | None = Field(
+        None, description="Write a built-in task to train_path/eval_path first, if those files are missing."
+    )
+
+
+class RolloutConfig(Section):
+    backend: Literal["torch"] = Field("torch", description="Rollout engine: the embedded PyTorch generator.")
+    num_workers: int = Field(1, gt=0)
+    prompts_per_step: int = Field(64, gt=0)
+    samples_per_prompt: int = Field(8, gt=0, description="Group size for group-relative advantages.")
+    max_new_tokens: int = Field(8, gt=0)
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings besides the EOS token.")
+    batch_size: int = Field(512, gt=0, description="Sequences generated together per worker.")
+
+
+class RewardConfig(Section):
+    fn: str = Field(
+        "engines.rewards:sort_reward",
+        description="Import path 'module:function' of f(prompts, responses, labels) -> list[float] (sync or async).",
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the reward.")
+
+
+class AlgorithmConfig(Section):
+    advantage: Literal["grpo", "dr_grpo"] = Field(
+        "grpo", description="grpo: (r - mean) / std per group; dr_grpo: r - mean, no std."
+    )
+    normalize_std: bool | None = Field(None, description="Override std normalisation (default: grpo yes, dr_grpo no).")
+    clip_low: float = Field(0.2, ge=0.0)
+    clip_high: float = Field(0.2, ge=0.0)
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean",
+        description="How per-token losses become one number: over all tokens, per sequence then batch, or "
+        "Dr.GRPO's sum over tokens divided by a constant (max_new_tokens).",
+    )
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL to the frozen reference model; 0 disables it.")
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="k1: log-ratio; k3: low-variance estimator.")
+    entropy_coef: float = Field(0.0, description="Entropy bonus weight (subtracted from the loss).")
+
+
+class TrainConfig(Section):
+    backend: Literal["torch"] = Field("torch", description="Train engine: the native PyTorch backend.")
+    num_workers: int = Field(1, gt=0, description="Data-parallel workers (gloo on CPU, nccl on GPU).")
+    steps: int = Field(100, gt=0, description="RL iterations.")
+    lr: float = Field(3e-3, gt=0.0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = Field(1.0, gt=0.0)
+    mini_batches: int = Field(1, gt=0, description="Optimizer steps per RL iteration (PPO mini-batches).")
+    micro_batch_size: int = Field(512, gt=0, description="Sequences per forward/backward on one worker.")
+    precision: Literal["fp32", "bf16"] = "fp32"
+    threads: int = Field(2, gt=0, description="torch threads per worker.")
+    device: Literal["cpu", "cuda"] = "cpu"
+
+
+class ClusterConfig(Section):
+    address: str | None = Field(None, description="Ray address to join; empty starts a local Ray.")
+    num_cpus: int | None = Field(None, gt=0, description="CPUs for a local Ray; empty: all.")
+    cpus_per_worker: float = Field(0.5, ge=0, description="CPUs Ray reserves for each train/rollout actor.")
+    object_store_mb: int = Field(512, gt=0, description="Object store size of a local Ray, MiB.")
+    use_ray: bool = Field(True, description="False runs the workers inside the flow process (debugging).")
+
+
+class CheckpointConfig(Section):
+    every: int = Field(0, ge=0, description="Save every N steps; 0 saves only at the end.")
+    keep_last: int = Field(2, gt=0)
+
+
+class EvalConfig(Section):
+    every: int = Field(10, ge=0, description="Evaluate every N steps on data.eval_path; 0 disables.")
+    max_prompts: int = Field(256, gt=0)
+    temperature: float = Field(0.0, ge=0.0, description="0 means greedy decoding.")
+
+
+class TrackingConfig(Section):
+    uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI.")
+    experiment: str = "rlflow"
+    log_samples: int = Field(8, ge=0, description="Sample rollouts logged as a table each eval.")
+
+
+class StorageConfig(Section):
+    uri: str = Field("runs", description="Run store root: a local path, file:// or s3:// URI.")
+
+
+class RLConfig(Section):
+    """A whole post-training run."""
+
+    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name: its folder in the run store.")
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RLConfig:
+        batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if batch % (self.train.num_workers * self.train.mini_batches) != 0:
+            raise ValueError(
+                f"train: rollout.prompts_per_step * rollout.samples_per_prompt = {batch} must divide evenly "
+                f"into train.num_workers ({self.train.num_workers}) x train.mini_batches ({self.train.mini_batches})"
+            )
+        if self.model.hidden_size % self.model.num_heads or self.model.num_heads % self.model.num_kv_heads:
+            raise ValueError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+        return self
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message lists every problem, one per line, each naming its field."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source, self.problems = source, problems
+        super().__init__(f"{source}: {len(problems)} problem(s)\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _format_errors(err: ValidationError) -> list[str]:
+    out = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<recipe>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        elif "input" in e and e["type"] not in ("value_error",):
+            msg = f"{msg} (got {e['input']!r})"
+        out.append(f"{field}: {msg}")
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'a.b=c' -> (['a', 'b'], value), the value parsed as YAML so numbers and lists keep their types."""
+    if "=" not in text:
+        raise RecipeError("--set", [f"{text!r}: expected KEY.PATH=VALUE"])
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise RecipeError("--set", [f"{text!r}: {part} is not a section"])
+        node[path[-1]] = value
+    return raw
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RLConfig:
+    """Read a YAML recipe, apply `--set` overrides, validate. Raises RecipeError naming every bad field."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(str(path), ["recipe file not found"])
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(str(path), [f"not valid YAML: {e}"]) from None
+    if not isinstance(raw, dict):
+        raise RecipeError(str(path), ["top level must be a mapping of sections"])
+    return config_from_dict(apply_overrides(raw, overrides or []), source=str(path))
+
+
+def config_from_dict(raw: dict, source: str = "<config>") -> RLConfig:
+    try:
+        return RLConfig.model_validate(raw)
+    except ValidationError as e:
+        raise RecipeError(source, _format_errors(e)) from None

@@ -1,0 +1,39 @@
+"""Checks a recipe beyond its types before anything starts: files exist, user code imports.
+
+Problems are collected, not raised one at a time, so `rlflow validate` reports all of them at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engines.config import RecipeError, RLConfig
+from engines.data import DataError, load_prompts
+from engines.rewards import RewardError, load_reward_fn
+
+
+def find_problems(cfg: RLConfig) -> list[str]:
+    problems: list[str] = []
+    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+        problems.append(f"model.path: no Hugging Face model (config.json) in {cfg.model.path}")
+    generated = cfg.data.generate is not None
+    for field, path in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
+        if not path or (generated and not Path(path).exists()):
+            continue  # written by data.generate when the run starts
+        try:
+            load_prompts(path, cfg.data.prompt_key, cfg.data.label_key)
+        except DataError as e:
+            problems.append(f"{field}: {e}")
+    try:
+        load_reward_fn(cfg.reward.fn)
+    except RewardError as e:
+        problems.append(str(e))
+    return problems
+
+
+def check(cfg: RLConfig, source: str = "<config>") -> RLConfig:
+    """Raise RecipeError listing every problem, or return the config unchanged."""
+    problems = find_problems(cfg)
+    if problems:
+        raise RecipeError(source, problems)
+    return cfg

@@ -1,0 +1,131 @@
+"""Reward functions: built-in verifiers for the built-in tasks, and loading and calling a user's reward.
+
+A reward is f(prompts, responses, labels, **kwargs) -> list[float], called once per batch so a user's
+function can batch its own work (a judge model, a sandbox); it may be sync or async.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib
+import inspect
+import math
+import numbers
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+RewardFn = Callable[..., Any]
+
+_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+
+
+class RewardError(ValueError):
+    """A reward that cannot be loaded or returned something unusable; the message starts with "reward.fn: "."""
+
+
+def _match(response: str, label: Any) -> float:
+    response, label = response.strip(), str(label)
+    if response == label:
+        return 1.0
+    hits = sum(r == c for r, c in zip(response, label, strict=False))
+    return hits / max(len(label), len(response))
+
+
+def match_reward(prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any], **kw: Any) -> list[float]:
+    """Partial credit by position: matching characters over the longer of label and response, so a
+    near-miss still gives a learning signal and padding the answer is penalised."""
+    return [_match(r, lab) for r, lab in zip(responses, labels, strict=True)]
+
+
+sort_reward = reverse_reward = add_reward = match_reward
+
+
+def exact_match_reward(
+    prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any], **kw: Any
+) -> list[float]:
+    """1.0 when the stripped response equals the label, else 0.0."""
+    return [float(r.strip() == str(lab).strip()) for r, lab in zip(responses, labels, strict=True)]
+
+
+def load_reward_fn(path: str) -> RewardFn:
+    """Import "package.module:function" (or "package.module.function"); RewardError says which step failed."""
+    if re.fullmatch(rf"{_DOTTED}:{_DOTTED}", path):
+        module_name, attr = path.split(":")
+    elif re.fullmatch(rf"{_DOTTED}\.[A-Za-z_]\w*", path):
+        module_name, attr = path.rsplit(".", 1)
+    else:
+        raise RewardError(f"reward.fn: {path!r} is not of the form 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise RewardError(
+            f"reward.fn: cannot import module {module_name!r} for {path!r}: {type(e).__name__}: {e}"
+        ) from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RewardError(f"reward.fn: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardError(f"reward.fn: {path!r} is not callable (it is a {type(obj).__name__})")
+    return obj
+
+
+def _name(fn: RewardFn) -> str:
+    qualname = getattr(fn, "__qualname__", None)
+    return f"{fn.__module__}:{qualname}" if qualname and getattr(fn, "__module__", None) else repr(fn)
+
+
+async def _await(aw: Awaitable[Any]) -> Any:
+    return await aw
+
+
+def _run_awaitable(aw: Awaitable[Any]) -> Any:
+    """Finish an awaitable from sync code; inside a running loop, use a fresh loop on a fresh thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_await(aw))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, _await(aw)).result()
+
+
+def _validate(name: str, result: Any, n: int) -> list[float]:
+    if hasattr(result, "tolist") and not isinstance(result, (list, tuple)):  # numpy array, torch tensor
+        result = result.tolist()
+    if isinstance(result, (str, bytes, dict)) or not isinstance(result, Sequence):
+        raise RewardError(f"reward.fn: {name} returned a {type(result).__name__}, expected a list of {n} floats")
+    if len(result) != n:
+        raise RewardError(f"reward.fn: {name} returned {len(result)} rewards for {n} prompts")
+    out = []
+    for i, v in enumerate(result):
+        if not isinstance(v, numbers.Real):
+            raise RewardError(f"reward.fn: {name} returned {v!r} ({type(v).__name__}) at index {i}, expected a number")
+        if not math.isfinite(v):
+            raise RewardError(f"reward.fn: {name} returned {v!r} at index {i}, expected a finite number")
+        out.append(float(v))
+    return out
+
+
+def compute_rewards(
+    fn: RewardFn,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    labels: Sequence[Any],
+    kwargs: dict[str, Any],
+) -> list[float]:
+    """Call fn once on the whole batch, awaiting it if async, and check it gave one finite number per prompt."""
+    if not len(prompts) == len(responses) == len(labels):
+        raise ValueError(
+            f"compute_rewards: {len(prompts)} prompts, {len(responses)} responses and {len(labels)} labels differ"
+        )
+    name = _name(fn)
+    try:
+        result = fn(list(prompts), list(responses), list(labels), **kwargs)
+        if inspect.isawaitable(result):
+            result = _run_awaitable(result)
+    except Exception as e:
+        raise RewardError(f"reward.fn: {name} raised {type(e).__name__}: {e}") from e
+    return _validate(name, result, len(prompts))

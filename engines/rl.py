@@ -1,0 +1,261 @@
+"""One RL run's engines and the work of each stage, independent of Prefect.
+
+`RLSession` owns the tokenizer, the data cursor, the train and rollout worker groups, and the step in
+flight. Each stage method does one stage and returns a small dict of metrics; tensors stay here or
+in the workers. The Prefect flow calls these methods from tasks; the bare loop (bench/, tests) calls
+them directly, with or without Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engines import algorithms
+from engines.batch import pack_samples, shard_for_workers
+from engines.builtin_tasks import write_task_files
+from engines.cluster import LocalWorkerGroup, RayWorkerGroup, free_port, init_ray
+from engines.config import RLConfig
+from engines.data import PromptCursor, load_prompts
+from engines.model import DTYPES, build_tiny_model, load_tokenizer
+from engines.rewards import compute_rewards, load_reward_fn
+from engines.rollout_torch import Generation, TorchRolloutBackend
+from engines.sampling import SamplingParams
+from engines.train_torch import TorchTrainBackend
+from engines.weight_sync import plan_buckets
+
+SYNC_BUCKET_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class StepState:
+    """What one iteration has produced so far; a stage reads the fields earlier stages filled."""
+
+    step: int
+    rows: list[dict]
+    generations: list[Generation] = field(default_factory=list)
+    responses: list[str] = field(default_factory=list)
+    rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+
+
+def prepare_data(cfg: RLConfig) -> None:
+    """Write the built-in task files the recipe asks for, if they are not there yet."""
+    gen = cfg.data.generate
+    missing = not Path(cfg.data.train_path).exists() or (cfg.data.eval_path and not Path(cfg.data.eval_path).exists())
+    if gen is not None and missing:
+        write_task_files(gen, cfg.data.train_path, cfg.data.eval_path)
+
+
+def prepare_model(cfg: RLConfig, workdir: str | Path) -> str:
+    """The HF directory the engines load: the recipe's model, or a tiny one built from the recipe."""
+    if cfg.model.path:
+        if not (Path(cfg.model.path) / "config.json").is_file():
+            raise FileNotFoundError(f"model.path: no Hugging Face model (config.json) in {cfg.model.path}")
+        return cfg.model.path
+    out = Path(workdir) / "base_model"
+    if not (out / "model.safetensors").is_file():
+        build_tiny_model(cfg.model, out, seed=cfg.seed)
+    return str(out)
+
+
+class RLSession:
+    def __init__(self, cfg: RLConfig, model_path: str, train_group, rollout_group):
+        self.cfg, self.model_path = cfg, model_path
+        self.train_group, self.rollout_group = train_group, rollout_group
+        self.tokenizer = load_tokenizer(model_path)
+        self.reward_fn = load_reward_fn(cfg.reward.fn)
+        self.train_rows = load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.label_key)
+        self.eval_rows = (
+            load_prompts(cfg.data.eval_path, cfg.data.prompt_key, cfg.data.label_key) if cfg.data.eval_path else []
+        )
+        self.cursor = PromptCursor(len(self.train_rows), cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle)
+        self.weight_version = 0
+        self.current: StepState | None = None
+
+    # ---- construction --------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, cfg: RLConfig, model_path: str, use_ray: bool | None = None) -> RLSession:
+        """Start the workers: Ray actors (the default) or objects in this process."""
+        use_ray = cfg.cluster.use_ray if use_ray is None else use_ray
+        train_kwargs = _train_kwargs(cfg, model_path)
+        rollout_kwargs = _rollout_kwargs(cfg, model_path)
+        if not use_ray:
+            train = LocalWorkerGroup([TorchTrainBackend(**train_kwargs(0))])
+            if cfg.train.num_workers > 1:
+                raise ValueError("train.num_workers > 1 needs cluster.use_ray: true")
+            rollout = LocalWorkerGroup([TorchRolloutBackend(**rollout_kwargs(r)) for r in range(cfg.rollout.num_workers)])
+        else:
+            init_ray(cfg.cluster)
+            cpus = cfg.cluster.cpus_per_worker
+            train = RayWorkerGroup(TorchTrainBackend, cfg.train.num_workers, train_kwargs, cpus, f"{cfg.name}-train")
+            rollout = RayWorkerGroup(
+                TorchRolloutBackend, cfg.rollout.num_workers, rollout_kwargs, cpus, f"{cfg.name}-rollout"
+            )
+        return cls(cfg, model_path, train, rollout)
+
+    def shutdown(self) -> None:
+        self.train_group.shutdown()
+        self.rollout_group.shutdown()
+
+    # ---- stages --------------------------------------------------------------------------------------
+    def rollout(self, step: int) -> dict[str, float]:
+        """Generate samples_per_prompt responses for the next prompts_per_step prompts."""
+        t0 = time.perf_counter()
+        rows = [self.train_rows[i] for i in self.cursor.next_batch()]
+        group = self.cfg.rollout.samples_per_prompt
+        prompt_ids = [ids for r in rows for ids in [self._encode(r["prompt"])] * group]
+        gens = self._generate(prompt_ids, self._sampling(self.cfg.rollout.temperature), seed=self._seed(step))
+        self.current = StepState(step, rows, gens)
+        n_tokens = sum(len(g.output_ids) for g in gens)
+        dt = time.perf_counter() - t0
+        return {
+            "rollout/response_len_mean": n_tokens / len(gens),
+            "rollout/tokens": float(n_tokens),
+            "rollout/tokens_per_s": n_tokens / dt,
+            "rollout/weight_version": float(min(g.weight_version for g in gens)),
+        }
+
+    def reward(self, step: int) -> dict[str, float]:
+        st = self._state(step)
+        group = self.cfg.rollout.samples_per_prompt
+        st.responses = [self.tokenizer.decode(g.output_ids, skip_special_tokens=True) for g in st.generations]
+        prompts = [r["prompt"] for r in st.rows for _ in range(group)]
+        labels = [r["label"] for r in st.rows for _ in range(group)]
+        st.rewards = torch.tensor(
+            compute_rewards(self.reward_fn, prompts, st.responses, labels, self.cfg.reward.kwargs), dtype=torch.float32
+        )
+        return {
+            "rollout/reward_mean": float(st.rewards.mean()),
+            "rollout/reward_std": float(st.rewards.std()) if len(st.rewards) > 1 else 0.0,
+            "rollout/accuracy": float((st.rewards >= 1.0).float().mean()),
+        }
+
+    def advantages(self, step: int) -> dict[str, float]:
+        st = self._state(step)
+        algo = self.cfg.algorithm
+        normalize = algo.normalize_std if algo.normalize_std is not None else algo.advantage == "grpo"
+        st.advantages = algorithms.group_advantages(st.rewards, self.cfg.rollout.samples_per_prompt, normalize)
+        groups = st.rewards.view(-1, self.cfg.rollout.samples_per_prompt)
+        return {
+            "adv/abs_mean": float(st.advantages.abs().mean()),
+            "adv/zero_std_groups": float((groups.std(dim=1) == 0).float().mean()),
+        }
+
+    def train(self, step: int) -> dict[str, float]:
+        st = self._state(step)
+        batch = pack_samples(
+            [g.prompt_ids for g in st.generations], [g.output_ids for g in st.generations],
+            [g.output_logprobs for g in st.generations], st.advantages, self.tokenizer.pad_token_id,
+        )
+        t0 = time.perf_counter()
+        shards = shard_for_workers(batch, len(self.train_group), self.cfg.train.mini_batches)
+        results = self.train_group.call_each("train_step", [(s,) for s in shards])
+        dt = time.perf_counter() - t0
+        tokens = float(batch["attention_mask"].sum())
+        return {f"train/{k}": v for k, v in results[0].items()} | {"train/tokens_per_s": tokens / dt}
+
+    def sync_weights(self, step: int) -> dict[str, float]:
+        """Send the trainer's weights to every rollout worker, bucket by bucket, as version step+1."""
+        t0 = time.perf_counter()
+        layout = self.train_group.call_rank0("weight_layout")
+        version = step + 1
+        for names in plan_buckets(layout, SYNC_BUCKET_BYTES):
+            tensors = self.train_group.call_rank0("named_tensors", names)
+            self.rollout_group.call("update_weights", tensors, version)
+        self.weight_version = version
+        nbytes = sum(b for _, b in layout)
+        dt = time.perf_counter() - t0
+        return {"sync/weight_version": float(version), "sync/bytes": float(nbytes), "sync/gb_per_s": nbytes / dt / 1e9}
+
+    def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
+        """Held-out reward with eval.temperature (greedy by default); also returns a few sample rows."""
+        rows = self.eval_rows[: self.cfg.eval.max_prompts]
+        if not rows:
+            return {}, []
+        gens = self._generate([self._encode(r["prompt"]) for r in rows], self._sampling(self.cfg.eval.temperature),
+                              seed=self._seed(step) + 1)
+        responses = [self.tokenizer.decode(g.output_ids, skip_special_tokens=True) for g in gens]
+        rewards = compute_rewards(
+            self.reward_fn, [r["prompt"] for r in rows], responses, [r["label"] for r in rows], self.cfg.reward.kwargs
+        )
+        samples = [
+            {"step": step, "prompt": r["prompt"], "response": s, "label": str(r["label"]), "reward": w}
+            for r, s, w in zip(rows, responses, rewards, strict=True)
+        ]
+        metrics = {
+            "eval/reward_mean": sum(rewards) / len(rewards),
+            "eval/accuracy": sum(w >= 1.0 for w in rewards) / len(rewards),
+            "eval/response_len_mean": sum(len(g.output_ids) for g in gens) / len(gens),
+        }
+        return metrics, samples
+
+    def sample_rows(self, step: int, k: int) -> list[dict]:
+        """A few (prompt, response, reward) rows of the current step, for the samples table."""
+        st = self._state(step)
+        group = self.cfg.rollout.samples_per_prompt
+        return [
+            {"step": step, "prompt": st.rows[i // group]["prompt"], "response": st.responses[i],
+             "label": str(st.rows[i // group]["label"]), "reward": float(st.rewards[i])}
+            for i in range(min(k, len(st.responses)))
+        ]
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> dict:
+        """Every worker saves its state into `path`; returns the controller state to store beside it."""
+        self.train_group.call("save", str(path))
+        return {"cursor": self.cursor.state_dict(), "weight_version": self.weight_version}
+
+    def load(self, path: str | Path, controller_state: dict) -> None:
+        self.train_group.call("load", str(path))
+        self.cursor.load_state_dict(controller_state["cursor"])
+        self.weight_version = controller_state["weight_version"]
+        tensors = self.train_group.call_rank0("named_tensors")
+        self.rollout_group.call("update_weights", tensors, self.weight_version)
+
+    # ---- helpers -------------------------------------------------------------------------------------
+    def _state(self, step: int) -> StepState:
+        if self.current is None or self.current.step != step:
+            raise RuntimeError(f"step {step}: no rollout in flight (run the rollout stage first)")
+        return self.current
+
+    def _encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt)["input_ids"]
+
+    def _sampling(self, temperature: float) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p,
+                              top_k=r.top_k or -1, stop=r.stop)
+
+    def _seed(self, step: int) -> int:
+        return self.cfg.seed * 1_000_003 + step * 7919
+
+    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> list[Generation]:
+        """Split requests evenly over the rollout workers (one call per worker per batch)."""
+        n = len(self.rollout_group)
+        per = -(-len(prompt_ids) // n)
+        chunks = [(prompt_ids[i * per : (i + 1) * per], params, seed + i) for i in range(n)]
+        return [g for part in self.rollout_group.call_each("generate", chunks) for g in part]
+
+
+def _train_kwargs(cfg: RLConfig, model_path: str):
+    dist_url = f"tcp://127.0.0.1:{free_port()}" if cfg.train.num_workers > 1 else None
+    norm_len = cfg.rollout.max_new_tokens
+
+    def make(rank: int) -> dict:
+        return dict(model_path=model_path, train=cfg.train, algorithm=cfg.algorithm,
+                    temperature=cfg.rollout.temperature or 1.0, norm_len=norm_len, rank=rank,
+                    world_size=cfg.train.num_workers, dist_url=dist_url, seed=cfg.seed)
+
+    return make
+
+
+def _rollout_kwargs(cfg: RLConfig, model_path: str):
+    def make(rank: int) -> dict:
+        return dict(model_path=model_path, device=cfg.train.device, dtype=DTYPES["fp32"],
+                    threads=cfg.train.threads, batch_size=cfg.rollout.batch_size)
+
+    return make

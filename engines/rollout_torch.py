@@ -1,0 +1,128 @@
+"""The embedded rollout engine: batched generation with a KV cache in plain PyTorch.
+
+It runs anywhere (CPU or GPU) and is what the embedded rollout server puts behind SGLang's HTTP routes.
+It returns token ids and per-token logprobs (of the temperature-scaled distribution the tokens were
+drawn from), so the trainer can use them as behaviour-policy logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from engines.algorithms import token_logprobs
+from engines.model import load_model, load_tokenizer
+from engines.sampling import SamplingParams, sample_tokens, scaled_logits
+
+
+@dataclass
+class Generation:
+    """One finished request, in SGLang's terms (finish_reason is {"type": "stop"|"length", ...})."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: dict
+    weight_version: int
+    meta: dict = field(default_factory=dict)
+
+
+class TorchRolloutBackend:
+    def __init__(
+        self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None,
+        batch_size: int = 512,
+    ):
+        if threads:
+            torch.set_num_threads(threads)
+        self.device, self.batch_size = device, batch_size
+        self.model = load_model(model_path, dtype=dtype, device=device).eval()
+        self.tokenizer = load_tokenizer(model_path)
+        self.params = dict(self.model.named_parameters())
+        self.weight_version = 0
+
+    # ---- weights -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
+        """Copy HF-named tensors into the model; the version goes with every sample generated after."""
+        for name, tensor in named_tensors:
+            if name not in self.params:
+                raise KeyError(f"update_weights: unknown parameter {name!r}")
+            self.params[name].copy_(tensor.to(self.params[name].dtype))
+        if version is not None:
+            self.weight_version = version
+        return self.weight_version
+
+    # ---- generation ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+        out: list[Generation] = []
+        for i in range(0, len(prompts), self.batch_size):
+            out += self._generate_batch(prompts[i : i + self.batch_size], params, gen)
+        return out
+
+    def _generate_batch(self, prompts: list[list[int]], p: SamplingParams, gen) -> list[Generation]:
+        bsz, width = len(prompts), max(len(x) for x in prompts)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((bsz, width), pad, dtype=torch.long)
+        attn = torch.zeros((bsz, width), dtype=torch.long)
+        for b, ids in enumerate(prompts):  # left padding keeps every row's next token in the last column
+            input_ids[b, width - len(ids) :] = torch.tensor(ids)
+            attn[b, width - len(ids) :] = 1
+        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else {self.tokenizer.eos_token_id})
+        stop_ids_t = torch.tensor(sorted(stop_ids), device=self.device)
+
+        cache = DynamicCache()
+        logits = self.model(input_ids, attention_mask=attn, position_ids=pos, past_key_values=cache).logits[:, -1]
+        tokens, logps = [], []
+        done = torch.zeros(bsz, dtype=torch.bool, device=self.device)
+        stop_at = [0] * bsz  # 1 + index of the token that stopped a row; 0 while it runs
+        next_pos = pos[:, -1] + 1
+        texts = [""] * bsz if p.stop else None
+        for step in range(p.max_new_tokens):
+            nxt = sample_tokens(logits, p, gen)
+            lp = token_logprobs(scaled_logits(logits, p.temperature)[:, None], nxt[:, None])[:, 0]
+            nxt = nxt.masked_fill(done, pad)
+            tokens.append(nxt)
+            logps.append(lp)
+            hit = torch.isin(nxt, stop_ids_t) & ~done
+            if texts is not None:
+                hit |= self._stop_strings(nxt, done, texts, p.stop)
+            for b in hit.nonzero().flatten().tolist():
+                stop_at[b] = step + 1
+            done |= hit
+            if bool(done.all()):
+                break
+            attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=self.device)], dim=1)
+            logits = self.model(
+                nxt[:, None], attention_mask=attn, position_ids=next_pos[:, None], past_key_values=cache
+            ).logits[:, -1]
+            next_pos = next_pos + 1
+        return self._collect(prompts, tokens, logps, stop_at)
+
+    def _stop_strings(self, nxt: torch.Tensor, done: torch.Tensor, texts: list[str], stops: list[str]) -> torch.Tensor:
+        hit = torch.zeros_like(done)
+        for b in (~done).nonzero().flatten().tolist():
+            texts[b] += self.tokenizer.decode([int(nxt[b])], skip_special_tokens=True)
+            hit[b] = any(texts[b].endswith(s) for s in stops)
+        return hit
+
+    def _collect(self, prompts, tokens, logps, stop_at: list[int]) -> list[Generation]:
+        toks = torch.stack(tokens, 1).cpu() if tokens else torch.zeros((len(prompts), 0), dtype=torch.long)
+        lps = torch.stack(logps, 1).float().cpu() if logps else torch.zeros((len(prompts), 0))
+        out = []
+        for b, prompt in enumerate(prompts):
+            n = stop_at[b] or toks.shape[1]
+            if stop_at[b]:
+                finish = {"type": "stop", "matched": int(toks[b, n - 1])}
+            else:
+                finish = {"type": "length", "length": n}
+            out.append(Generation(list(prompt), toks[b, :n].tolist(), lps[b, :n].tolist(), finish, self.weight_version))
+        return out

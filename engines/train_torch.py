@@ -1,0 +1,242 @@
+"""The native PyTorch train engine: data-parallel workers over torch.distributed (gloo on CPU, nccl on GPU).
+
+One instance per worker. The losses come from engines.algorithms; this file only batches, reduces and
+steps. Every loss is normalised by the *global* token/sequence count of its mini-batch, so W workers
+take the same optimizer steps as one worker on the whole batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from engines import algorithms
+from engines.batch import TrainBatch, batch_size, select
+from engines.config import AlgorithmConfig, TrainConfig
+from engines.model import DTYPES, load_model
+from engines.sampling import scaled_logits
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Multiplier of the base LR at optimizer step s: linear warmup, then constant/cosine/linear decay."""
+    total = max(cfg.steps * cfg.mini_batches, 1)
+    warm = cfg.warmup_steps * cfg.mini_batches
+
+    def f(s: int) -> float:
+        if warm and s < warm:
+            return (s + 1) / warm
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        frac = min(max((s - warm) / max(total - warm, 1), 0.0), 1.0)
+        decay = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.lr_schedule == "cosine" else 1 - frac
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+    return f
+
+
+class TorchTrainBackend:
+    def __init__(
+        self,
+        model_path: str,
+        train: TrainConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        temperature: float = 1.0,
+        norm_len: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        dist_url: str | None = None,
+        seed: int = 0,
+    ):
+        torch.set_num_threads(train.threads)
+        self.cfg, self.algo = train, algorithm
+        self.temperature, self.norm_len = temperature, norm_len
+        self.rank, self.world_size = rank, world_size
+        if world_size > 1:
+            backend = "nccl" if train.device == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=dist_url, rank=rank, world_size=world_size)
+        torch.manual_seed(seed + rank)
+        self.device = train.device
+        self.model = load_model(model_path, dtype=torch.float32, device=self.device)
+        self.ref_model = None
+        if algorithm.kl_coef > 0:  # frozen copy of the starting policy, for the KL penalty
+            self.ref_model = load_model(model_path, dtype=DTYPES[train.precision], device=self.device).eval()
+            self.ref_model.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train))
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def _autocast(self):
+        return torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
+
+    def _forward(self, model, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids, attn = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        with self._autocast():
+            logits = model(ids, attention_mask=attn, position_ids=pos).logits[:, :-1]
+        logits = scaled_logits(logits, self.temperature)
+        logprobs = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
+        logprobs[:, 1:] = algorithms.token_logprobs(logits, ids[:, 1:])
+        entropy = None
+        if with_entropy:
+            entropy = torch.zeros_like(logprobs)
+            entropy[:, 1:] = algorithms.entropy_from_logits(logits)
+        return logprobs, entropy
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """Per-token logprobs [N, L] (aligned with input_ids) under the policy or the reference model."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise ValueError("forward_logprobs(reference=True) needs algorithm.kl_coef > 0")
+        model.eval()
+        n, step = batch_size(batch), self.cfg.micro_batch_size
+        return torch.cat([self._forward(model, select(batch, slice(i, i + step)), False)[0].cpu()
+                          for i in range(0, n, step)])
+
+    # ---- training ------------------------------------------------------------------------------------
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(t)
+        return t
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL iteration on this worker's shard: `mini_batches` optimizer steps. Returns global metrics."""
+        if self.ref_model is not None and "ref_logprobs" not in batch:
+            batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
+        self.model.train()
+        n = batch_size(batch)
+        per_mb = n // self.cfg.mini_batches
+        sums: dict[str, torch.Tensor] = {}
+        for m in range(self.cfg.mini_batches):
+            mb = select(batch, slice(m * per_mb, (m + 1) * per_mb))
+            stats = self._optimizer_step(mb)
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v / self.cfg.mini_batches
+        self.scheduler.step()
+        return {k: float(v) for k, v in sums.items()}
+
+    def _optimizer_step(self, mb: TrainBatch) -> dict[str, torch.Tensor]:
+        mode = self.algo.loss_agg
+        total_weight = self._all_reduce(algorithms.aggregation_weight(mb["loss_mask"], mode).double().clone())
+        self.optimizer.zero_grad(set_to_none=False)
+        metric_sums: dict[str, torch.Tensor] = {}
+        want_entropy = True  # entropy is a logged metric even when it is not in the loss
+        for i in range(0, batch_size(mb), self.cfg.micro_batch_size):
+            micro = {k: v.to(self.device) for k, v in select(mb, slice(i, i + self.cfg.micro_batch_size)).items()}
+            logprobs, entropy = self._forward(self.model, micro, want_entropy)
+            loss, metrics = algorithms.rl_loss(
+                logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"],
+                clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, loss_agg=mode, norm_len=self.norm_len,
+                ref_logprobs=micro.get("ref_logprobs"), kl_coef=self.algo.kl_coef,
+                kl_estimator=self.algo.kl_estimator,
+                entropy=entropy if self.algo.entropy_coef else entropy.detach(), entropy_coef=self.algo.entropy_coef,
+            )
+            share = algorithms.aggregation_weight(micro["loss_mask"], mode).double() / total_weight.clamp(min=1)
+            (loss * share.float()).backward()
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().double().cpu() * share.cpu()
+        grads = [p.grad for p in self.model.parameters()]
+        if self.world_size > 1:  # one flat all-reduce instead of one per parameter
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        keys = sorted(metric_sums)
+        reduced = self._all_reduce(torch.stack([metric_sums[k] for k in keys])) if keys else torch.zeros(0)
+        out = dict(zip(keys, reduced, strict=True))
+        out["grad_norm"] = grad_norm.detach().double().cpu()
+        out["lr"] = torch.tensor(self.scheduler.get_last_lr()[0], dtype=torch.float64)
+        return out
+
+    # ---- weights and checkpoints ---------------------------------------------------------------------
+    def named_tensors(self, names: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """HF-named weights (all, or the named ones) on CPU: what weight sync sends to rollout engines."""
+        params = dict(self.model.named_parameters())
+        return [(n, params[n].detach().cpu()) for n in (names or list(params))]
+
+    def weight_layout(self) -> list[tuple[str, int]]:
+        """(name, bytes) of every weight, in order: lets the sync plan buckets without moving tensors."""
+        return [(n, p.numel() * p.element_size()) for n, p in self.model.named_parameters()]
+
+    def save(self, path: str | Path) -> None:
+        """Model, optimizer, scheduler and RNG state in safetensors + JSON (no pickle)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            self.model.save_pretrained(path / "model")
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        tensors, scalars = {}, {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if torch.is_tensor(value) and value.dim() > 0:
+                        tensors[f"{names[id(p)]}.{key}"] = value.detach().cpu().contiguous()
+                    else:
+                        scalars[f"{names[id(p)]}.{key}"] = float(value)
+        if self.rank == 0:
+            save_file(tensors, str(path / "optimizer.safetensors"))
+        state = {
+            "optimizer_scalars": scalars,
+            "scheduler": self.scheduler.state_dict() | {"lr_lambdas": None},
+            "rng": rng_state(),
+        }
+        (path / f"trainer_rank{self.rank}.json").write_text(json.dumps(state))
+
+    def load(self, path: str | Path) -> None:
+        path = Path(path)
+        model_file = path / "model" / "model.safetensors"
+        with torch.no_grad():
+            for name, t in load_file(str(model_file)).items():
+                dict(self.model.named_parameters())[name].copy_(t)
+        state = json.loads((path / f"trainer_rank{self.rank}.json").read_text())
+        tensors = load_file(str(path / "optimizer.safetensors"))
+        for name, p in self.model.named_parameters():
+            st = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                if f"{name}.{key}" in tensors:
+                    st[key] = tensors[f"{name}.{key}"].to(p.device)
+            if f"{name}.step" in state["optimizer_scalars"]:
+                st["step"] = torch.tensor(state["optimizer_scalars"][f"{name}.step"])
+            if st:
+                self.optimizer.state[p] = st
+        sched = state["scheduler"]
+        sched.pop("lr_lambdas", None)
+        self.scheduler.load_state_dict(sched | {"lr_lambdas": [None]})
+        set_rng_state(state["rng"])
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def rng_state() -> dict:
+    """Python, numpy and torch RNG state as JSON-friendly values."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state().tolist(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+

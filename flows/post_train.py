@@ -1,0 +1,48 @@
+"""The post-training flow: one flow run per training run, one task per stage per step.
+
+    rollout -> reward -> advantages -> train -> sync weights -> (checkpoint) -> (eval)
+
+Prefect carries step numbers and metric dicts; tensors stay in the Ray actors and the run store.
+"""
+
+from __future__ import annotations
+
+import time
+from prefect import flow
+
+from engines.config import RLConfig
+from tasks import stages
+from tasks.run_context import RunContext, open_run
+
+
+def _due(every: int, step: int, last: int) -> bool:
+    return step == last or (every > 0 and (step + 1) % every == 0)
+
+
+@flow(name="post-train", log_prints=True)
+def post_train(config: RLConfig) -> dict[str, float]:
+    """Run (or resume) the RL run `config.name` and return its last step's metrics."""
+    run: RunContext = open_run(config)
+    last = config.train.steps - 1
+    metrics: dict[str, float] = {}
+    status = "FAILED"
+    try:
+        for step in range(run.start_step, config.train.steps):
+            t0 = time.perf_counter()
+            metrics = {}
+            metrics |= stages.rollout(run, step)
+            metrics |= stages.reward(run, step)
+            metrics |= stages.advantages(run, step)
+            metrics |= stages.train(run, step)
+            metrics |= stages.sync_weights(run, step)
+            if _due(config.checkpoint.every, step, last):
+                metrics |= stages.checkpoint(run, step)
+            if config.data.eval_path and _due(config.eval.every, step, last):
+                metrics |= stages.evaluate(run, step)
+            metrics["time/step"] = time.perf_counter() - t0
+            run.tracker.log_metrics(metrics, step)
+            run.notify(step, metrics)
+        status = "FINISHED"
+    finally:
+        run.close(status)
+    return metrics

@@ -1,0 +1,73 @@
+"""Everything a running post-training flow holds: config, engines, run store, tracker.
+
+Made once per flow run by `open_run`. Starting a run whose name has a committed checkpoint in the store
+continues from it (same MLflow run, same data cursor, same weights and optimizer).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engines.config import RLConfig
+from engines.rl import RLSession, prepare_data, prepare_model
+from tasks.run_store import RunStore
+from tasks.tracking import Tracker
+
+log = logging.getLogger("rlflow")
+
+# Callables (step, metrics) told about every finished step, e.g. the CLI's progress bar. Kept out of the
+# flow's parameters so the parameter schema is the config tree alone.
+STEP_LISTENERS: list[Callable[[int, dict], None]] = []
+
+
+@dataclass
+class RunContext:
+    cfg: RLConfig
+    session: RLSession
+    store: RunStore
+    tracker: Tracker
+    workdir: Path
+    start_step: int = 0
+
+    def notify(self, step: int, metrics: dict) -> None:
+        for listener in STEP_LISTENERS:
+            listener(step, metrics)
+
+    def checkpoint(self, step: int) -> dict[str, float]:
+        """Save every worker's state, commit it to the store (marker last), prune old ones."""
+        with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
+            controller = self.session.save(tmp)
+            meta = {"step": step, "next_step": step + 1, "mlflow_run_id": self.tracker.run_id, **controller}
+            uri = self.store.commit_checkpoint(step, tmp, meta)
+        pruned = self.store.prune(self.cfg.checkpoint.keep_last)
+        log.info("checkpoint step %d committed at %s (pruned %s)", step, uri, pruned or "none")
+        return {"checkpoint/step": float(step)}
+
+    def close(self, status: str) -> None:
+        self.tracker.finish(status)
+        self.session.shutdown()
+
+
+def open_run(cfg: RLConfig) -> RunContext:
+    store = RunStore(cfg.storage.uri, cfg.name)
+    workdir = Path(tempfile.mkdtemp(prefix=f"rlflow-{cfg.name}-"))
+    prepare_data(cfg)
+    model_dir = workdir / "model"
+    model_path = prepare_model(cfg, model_dir)
+    latest = store.latest_step()
+    meta = store.read_json("checkpoints", latest, "meta.json") if latest is not None else None
+    if meta is None:
+        store.write_json(cfg.model_dump(mode="json"), "config.json")
+    tracker = Tracker(cfg, run_id=meta["mlflow_run_id"] if meta else None)
+    session = RLSession.create(cfg, model_path)
+    ctx = RunContext(cfg, session, store, tracker, workdir)
+    if meta is not None:
+        local = store.download_checkpoint(latest, workdir / f"resume-{latest}")
+        session.load(local, meta)
+        ctx.start_step = meta["next_step"]
+        log.info("resuming run %s from committed step %d", cfg.name, latest)
+    return ctx

@@ -1,0 +1,178 @@
+"""Built-in task generation, prompt file loading and the resumable prompt cursor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engines.builtin_tasks import make_examples, write_task_files
+from engines.config import BuiltinTaskConfig
+from engines.data import DataError, PromptCursor, load_prompts
+
+VOCAB = set("0123456789+=SR")
+
+
+@pytest.mark.parametrize("task", ["sort", "reverse", "add"])
+def test_make_examples_deterministic_and_correct(task: str) -> None:
+    a = make_examples(task, 4, 200, seed=7)
+    assert a == make_examples(task, 4, 200, seed=7)
+    assert a != make_examples(task, 4, 200, seed=8)
+    for ex in a:
+        assert set(ex["prompt"] + ex["label"]) <= VOCAB
+        body = ex["prompt"][:-1]
+        assert ex["prompt"].endswith("=")
+        if task == "sort":
+            assert body[0] == "S"
+            assert len(body) == 5
+            assert ex["label"] == "".join(sorted(body[1:]))
+        elif task == "reverse":
+            assert body[0] == "R"
+            assert len(body) == 5
+            assert ex["label"] == body[1:][::-1]
+        else:
+            x, y = body.split("+")
+            assert len(x) <= 4
+            assert len(y) <= 4
+            assert ex["label"] == str(int(x) + int(y))
+
+
+def test_unknown_task() -> None:
+    with pytest.raises(ValueError, match="unknown built-in task"):
+        make_examples("mul", 4, 1, 0)
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "parquet"])
+def test_write_task_files_disjoint_and_round_trip(tmp_path: Path, ext: str) -> None:
+    cfg = BuiltinTaskConfig(task="sort", num_digits=3, num_train=2000, num_eval=100, seed=3)
+    train_path, eval_path = tmp_path / "a" / f"train.{ext}", tmp_path / "b" / f"eval.{ext}"
+    write_task_files(cfg, str(train_path), str(eval_path))
+    train, held_out = load_prompts(str(train_path)), load_prompts(str(eval_path))
+    assert len(train) == 2000
+    assert len(held_out) == 100
+    eval_prompts = {r["prompt"] for r in held_out}
+    assert len(eval_prompts) == 100
+    assert not eval_prompts & {r["prompt"] for r in train}
+    assert all(r["label"] == "".join(sorted(r["prompt"][1:-1])) and r["meta"] == {} for r in train)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b", f"eval.{ext}", f"train.{ext}"]  # no temp files
+
+    again = tmp_path / "again"
+    write_task_files(cfg, str(again / f"train.{ext}"), None)
+    assert load_prompts(str(again / f"train.{ext}")) == train
+    assert not (again / f"eval.{ext}").exists()
+
+
+def test_write_task_files_refuses_too_small_space(tmp_path: Path) -> None:
+    cfg = BuiltinTaskConfig(task="reverse", num_digits=1, num_train=10, num_eval=8)
+    with pytest.raises(ValueError, match="num_eval=8"):
+        write_task_files(cfg, str(tmp_path / "t.jsonl"), str(tmp_path / "e.jsonl"))
+    assert not list(tmp_path.iterdir())
+
+
+def test_load_jsonl_keeps_extra_columns_as_meta(tmp_path: Path) -> None:
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"q": "S21=", "a": "12", "src": "x"}\n\n{"q": "S31=", "a": "13"}\n')
+    rows = load_prompts(str(p), prompt_key="q", label_key="a")
+    assert rows == [
+        {"prompt": "S21=", "label": "12", "meta": {"src": "x"}},
+        {"prompt": "S31=", "label": "13", "meta": {}},
+    ]
+
+
+def test_load_parquet(tmp_path: Path) -> None:
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": ["1+2=", "3+4="], "label": ["3", "7"], "id": [1, 2]}), str(p))
+    assert load_prompts(str(p)) == [
+        {"prompt": "1+2=", "label": "3", "meta": {"id": 1}},
+        {"prompt": "3+4=", "label": "7", "meta": {"id": 2}},
+    ]
+
+
+def _jsonl(tmp_path: Path, lines: list[str]) -> str:
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(line + "\n" for line in lines))
+    return str(p)
+
+
+def test_load_errors(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match=f"data file not found: {missing}"):
+        load_prompts(missing)
+
+    csv = tmp_path / "d.csv"
+    csv.write_text("prompt,label\n")
+    with pytest.raises(DataError, match=r"d\.csv: unknown extension '\.csv'"):
+        load_prompts(str(csv))
+
+    ok = json.dumps({"prompt": "S1=", "label": "1"})
+    with pytest.raises(DataError, match=r"d\.jsonl: bad JSON on line 2"):
+        load_prompts(_jsonl(tmp_path, [ok, "{not json", ok]))
+
+    with pytest.raises(
+        DataError, match=r'd\.jsonl: missing key "label" in row 2 \(line 3\); keys present: "prompt", "x"'
+    ):
+        load_prompts(_jsonl(tmp_path, [ok, "", json.dumps({"prompt": "S1=", "x": 1})]))
+
+    with pytest.raises(DataError, match=r'missing key "question" in row 1.*"prompt", "label"'):
+        load_prompts(_jsonl(tmp_path, [ok]), prompt_key="question")
+
+    with pytest.raises(DataError, match=r"d\.jsonl: row 1 \(line 1\): expected a JSON object, got list"):
+        load_prompts(_jsonl(tmp_path, ["[1, 2]"]))
+
+    with pytest.raises(DataError, match=r'row 1 \(line 1\): "prompt" must be a string, got int'):
+        load_prompts(_jsonl(tmp_path, [json.dumps({"prompt": 5, "label": "1"})]))
+
+    with pytest.raises(DataError, match=r"d\.jsonl: data file is empty"):
+        load_prompts(_jsonl(tmp_path, ["", "  "]))
+
+
+def test_load_parquet_errors(tmp_path: Path) -> None:
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": ["S1="], "answer": ["1"]}), str(p))
+    with pytest.raises(DataError, match=r'd\.parquet: missing key "label" in row 1; keys present: "prompt", "answer"'):
+        load_prompts(str(p))
+
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "label": pa.array([], pa.string())}), str(p))
+    with pytest.raises(DataError, match=r"d\.parquet: data file is empty"):
+        load_prompts(str(p))
+
+    p.write_text("not parquet")
+    with pytest.raises(DataError, match=r"d\.parquet: not a readable parquet file"):
+        load_prompts(str(p))
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_cursor_resume_gives_identical_batches(shuffle: bool) -> None:
+    a = PromptCursor(num_prompts=23, batch_size=5, seed=11, shuffle=shuffle)
+    for _ in range(7):
+        a.next_batch()
+    state = json.loads(json.dumps(a.state_dict()))
+    b = PromptCursor(num_prompts=23, batch_size=5, seed=0, shuffle=shuffle)
+    b.load_state_dict(state)
+    assert [a.next_batch() for _ in range(5)] == [b.next_batch() for _ in range(5)]
+
+
+def test_cursor_epochs_are_permutations_and_wrap_mid_batch() -> None:
+    c = PromptCursor(num_prompts=10, batch_size=4, seed=1)
+    flat = [i for _ in range(5) for i in c.next_batch()]  # 20 indices = exactly two epochs
+    assert sorted(flat[:10]) == list(range(10))
+    assert sorted(flat[10:]) == list(range(10))
+    assert flat[:10] != flat[10:]  # each epoch has its own permutation
+    assert c.state_dict()["epoch"] == 2
+    assert c.state_dict()["offset"] == 0
+
+    big = PromptCursor(num_prompts=3, batch_size=7, seed=0, shuffle=False)
+    assert big.next_batch() == [0, 1, 2, 0, 1, 2, 0]
+    assert big.state_dict()["epoch"] == 2
+    assert big.state_dict()["offset"] == 1
+
+
+def test_cursor_same_seed_same_walk_and_refuses_other_size() -> None:
+    a, b = PromptCursor(50, 8, seed=4), PromptCursor(50, 8, seed=4)
+    assert [a.next_batch() for _ in range(9)] == [b.next_batch() for _ in range(9)]
+    assert PromptCursor(50, 8, seed=5).next_batch() != PromptCursor(50, 8, seed=4).next_batch()
+    with pytest.raises(ValueError, match="saved over 50 prompts"):
+        PromptCursor(49, 8, seed=4).load_state_dict(a.state_dict())
