@@ -35,6 +35,10 @@ class LocalWorkerGroup:
     def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.workers[0], method)(*args, **kwargs)
 
+    def submit_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Start a call on rank 0 and return a handle another group's `call` accepts as an argument."""
+        return self.call_rank0(method, *args, **kwargs)
+
     def shutdown(self) -> None:
         self.workers.clear()
 
@@ -70,6 +74,10 @@ class RayWorkerGroup:
         import ray
 
         return ray.get(getattr(self.workers[0], method).remote(*args, **kwargs))
+
+    def submit_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """An ObjectRef: passed to another group's `call`, the data goes actor to actor, not via the driver."""
+        return getattr(self.workers[0], method).remote(*args, **kwargs)
 
     def shutdown(self) -> None:
         import ray

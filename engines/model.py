@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, processors
-from transformers.utils import logging as hf_logging
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers.utils import logging as hf_logging
 
 from engines.config import ModelConfig
 

@@ -22,7 +22,7 @@ from engines.config import RLConfig
 from engines.data import PromptCursor, load_prompts
 from engines.model import DTYPES, build_tiny_model, load_tokenizer
 from engines.rewards import compute_rewards, load_reward_fn
-from engines.rollout_torch import Generation, TorchRolloutBackend
+from engines.rollout_torch import TorchRolloutBackend, concat_packed, split_packed
 from engines.sampling import SamplingParams
 from engines.train_torch import TorchTrainBackend
 from engines.weight_sync import plan_buckets
@@ -36,7 +36,8 @@ class StepState:
 
     step: int
     rows: list[dict]
-    generations: list[Generation] = field(default_factory=list)
+    prompt_ids: list[list[int]]
+    generated: dict  # flat arrays from engines.rollout_torch.pack_generations
     responses: list[str] = field(default_factory=list)
     rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
@@ -75,6 +76,7 @@ class RLSession:
         self.cursor = PromptCursor(len(self.train_rows), cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle)
         self.weight_version = 0
         self.current: StepState | None = None
+        self._weight_layout: list[tuple[str, int]] | None = None
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
@@ -87,7 +89,9 @@ class RLSession:
             train = LocalWorkerGroup([TorchTrainBackend(**train_kwargs(0))])
             if cfg.train.num_workers > 1:
                 raise ValueError("train.num_workers > 1 needs cluster.use_ray: true")
-            rollout = LocalWorkerGroup([TorchRolloutBackend(**rollout_kwargs(r)) for r in range(cfg.rollout.num_workers)])
+            rollout = LocalWorkerGroup(
+                [TorchRolloutBackend(**rollout_kwargs(r)) for r in range(cfg.rollout.num_workers)]
+            )
         else:
             init_ray(cfg.cluster)
             cpus = cfg.cluster.cpus_per_worker
@@ -108,21 +112,22 @@ class RLSession:
         rows = [self.train_rows[i] for i in self.cursor.next_batch()]
         group = self.cfg.rollout.samples_per_prompt
         prompt_ids = [ids for r in rows for ids in [self._encode(r["prompt"])] * group]
-        gens = self._generate(prompt_ids, self._sampling(self.cfg.rollout.temperature), seed=self._seed(step))
-        self.current = StepState(step, rows, gens)
-        n_tokens = sum(len(g.output_ids) for g in gens)
+        gen = self._generate(prompt_ids, self._sampling(self.cfg.rollout.temperature), seed=self._seed(step))
+        self.current = StepState(step, rows, prompt_ids, gen)
+        n_tokens = int(gen["lengths"].sum())
         dt = time.perf_counter() - t0
         return {
-            "rollout/response_len_mean": n_tokens / len(gens),
+            "rollout/response_len_mean": n_tokens / len(prompt_ids),
             "rollout/tokens": float(n_tokens),
             "rollout/tokens_per_s": n_tokens / dt,
-            "rollout/weight_version": float(min(g.weight_version for g in gens)),
+            "rollout/truncated": float(1 - gen["stopped"].mean()),
+            "rollout/weight_version": float(gen["weight_version"].min()),
         }
 
     def reward(self, step: int) -> dict[str, float]:
         st = self._state(step)
         group = self.cfg.rollout.samples_per_prompt
-        st.responses = [self.tokenizer.decode(g.output_ids, skip_special_tokens=True) for g in st.generations]
+        st.responses = self.tokenizer.batch_decode(split_packed(st.generated, "output_ids"), skip_special_tokens=True)
         prompts = [r["prompt"] for r in st.rows for _ in range(group)]
         labels = [r["label"] for r in st.rows for _ in range(group)]
         st.rewards = torch.tensor(
@@ -148,8 +153,8 @@ class RLSession:
     def train(self, step: int) -> dict[str, float]:
         st = self._state(step)
         batch = pack_samples(
-            [g.prompt_ids for g in st.generations], [g.output_ids for g in st.generations],
-            [g.output_logprobs for g in st.generations], st.advantages, self.tokenizer.pad_token_id,
+            st.prompt_ids, split_packed(st.generated, "output_ids"), split_packed(st.generated, "output_logprobs"),
+            st.advantages, self.tokenizer.pad_token_id,
         )
         t0 = time.perf_counter()
         shards = shard_for_workers(batch, len(self.train_group), self.cfg.train.mini_batches)
@@ -161,10 +166,12 @@ class RLSession:
     def sync_weights(self, step: int) -> dict[str, float]:
         """Send the trainer's weights to every rollout worker, bucket by bucket, as version step+1."""
         t0 = time.perf_counter()
-        layout = self.train_group.call_rank0("weight_layout")
+        if self._weight_layout is None:
+            self._weight_layout = self.train_group.call_rank0("weight_layout")
+        layout = self._weight_layout
         version = step + 1
         for names in plan_buckets(layout, SYNC_BUCKET_BYTES):
-            tensors = self.train_group.call_rank0("named_tensors", names)
+            tensors = self.train_group.submit_rank0("named_tensors", names)
             self.rollout_group.call("update_weights", tensors, version)
         self.weight_version = version
         nbytes = sum(b for _, b in layout)
@@ -176,9 +183,9 @@ class RLSession:
         rows = self.eval_rows[: self.cfg.eval.max_prompts]
         if not rows:
             return {}, []
-        gens = self._generate([self._encode(r["prompt"]) for r in rows], self._sampling(self.cfg.eval.temperature),
-                              seed=self._seed(step) + 1)
-        responses = [self.tokenizer.decode(g.output_ids, skip_special_tokens=True) for g in gens]
+        gen = self._generate([self._encode(r["prompt"]) for r in rows], self._sampling(self.cfg.eval.temperature),
+                             seed=self._seed(step) + 1)
+        responses = self.tokenizer.batch_decode(split_packed(gen, "output_ids"), skip_special_tokens=True)
         rewards = compute_rewards(
             self.reward_fn, [r["prompt"] for r in rows], responses, [r["label"] for r in rows], self.cfg.reward.kwargs
         )
@@ -189,7 +196,7 @@ class RLSession:
         metrics = {
             "eval/reward_mean": sum(rewards) / len(rewards),
             "eval/accuracy": sum(w >= 1.0 for w in rewards) / len(rewards),
-            "eval/response_len_mean": sum(len(g.output_ids) for g in gens) / len(gens),
+            "eval/response_len_mean": float(gen["lengths"].mean()),
         }
         return metrics, samples
 
@@ -233,12 +240,12 @@ class RLSession:
     def _seed(self, step: int) -> int:
         return self.cfg.seed * 1_000_003 + step * 7919
 
-    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> list[Generation]:
+    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> dict:
         """Split requests evenly over the rollout workers (one call per worker per batch)."""
         n = len(self.rollout_group)
         per = -(-len(prompt_ids) // n)
         chunks = [(prompt_ids[i * per : (i + 1) * per], params, seed + i) for i in range(n)]
-        return [g for part in self.rollout_group.call_each("generate", chunks) for g in part]
+        return concat_packed(self.rollout_group.call_each("generate_packed", chunks))
 
 
 def _train_kwargs(cfg: RLConfig, model_path: str):

@@ -8,6 +8,7 @@ Prefect carries step numbers and metric dicts; tensors stay in the Ray actors an
 from __future__ import annotations
 
 import time
+
 from prefect import flow
 
 from engines.config import RLConfig

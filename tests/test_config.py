@@ -1,0 +1,97 @@
+"""Recipes: every bad one gives one clear error naming the field; --set overrides keep their types."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import yaml
+
+from engines.config import RecipeError, load_recipe
+from engines.preflight import check
+from flows.cli import main
+from tests.conftest import small_recipe
+
+
+def write(tmp_path, raw: dict | str) -> str:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(raw if isinstance(raw, str) else yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_demo_recipe_is_valid():
+    cfg = load_recipe("deployments/sort-tiny.yaml")
+    assert cfg.rollout.prompts_per_step == 64 and cfg.rollout.samples_per_prompt == 8
+
+
+def test_overrides_set_nested_fields_with_types(tmp_path):
+    path = write(tmp_path, small_recipe(tmp_path))
+    cfg = load_recipe(path, ["train.steps=7", "tracking.uri=http://127.0.0.1:5000", "storage.uri=s3://b/runs",
+                             "algorithm.clip_high=0.28", "rollout.stop=[a, b]"])
+    assert cfg.train.steps == 7 and cfg.algorithm.clip_high == 0.28 and cfg.rollout.stop == ["a", "b"]
+    assert cfg.tracking.uri == "http://127.0.0.1:5000" and cfg.storage.uri == "s3://b/runs"
+
+
+def test_unknown_key_names_the_field(tmp_path):
+    raw = small_recipe(tmp_path, train={"stpes": 3})
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, raw))
+    assert e.value.problems == ["train.stpes: unknown key"]
+
+
+def test_wrong_type_names_the_field_and_value(tmp_path):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, small_recipe(tmp_path)), ["rollout.temperature=hot"])
+    assert len(e.value.problems) == 1
+    assert e.value.problems[0].startswith("rollout.temperature:") and "'hot'" in e.value.problems[0]
+
+
+def test_all_problems_reported_at_once(tmp_path):
+    raw = small_recipe(tmp_path, train={"steps": -1}, eval={"evry": 1})
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, raw))
+    fields = sorted(p.split(":")[0] for p in e.value.problems)
+    assert fields == ["eval.evry", "train.steps"]
+
+
+def test_missing_data_file_names_field_and_file(tmp_path):
+    raw = small_recipe(tmp_path)
+    raw["data"] = {"train_path": str(tmp_path / "nope.jsonl")}
+    cfg = load_recipe(write(tmp_path, raw))
+    with pytest.raises(RecipeError) as e:
+        check(cfg)
+    assert e.value.problems == [f"data.train_path: data file not found: {tmp_path / 'nope.jsonl'}"]
+
+
+def test_reward_import_failure_names_field(tmp_path):
+    cfg = load_recipe(write(tmp_path, small_recipe(tmp_path, reward={"fn": "no_such_module:score"})))
+    with pytest.raises(RecipeError) as e:
+        check(cfg)
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith("reward.fn: ")
+    assert "no_such_module" in e.value.problems[0]
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(write(tmp_path, "train: [unclosed"))
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load_recipe(tmp_path / "missing.yaml")
+
+
+def test_batch_must_split_over_workers(tmp_path):
+    raw = small_recipe(tmp_path, train={"num_workers": 3})
+    with pytest.raises(RecipeError, match="must divide evenly"):
+        load_recipe(write(tmp_path, raw))
+
+
+def test_cli_validate_exit_codes(tmp_path, capsys):
+    good = write(tmp_path, small_recipe(tmp_path))
+    assert main(["validate", good]) == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(textwrap.dedent("""
+        data: {train_path: /nonexistent/x.jsonl}
+        rollout: {tempreature: 1}
+    """))
+    assert main(["validate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.tempreature: unknown key" in err
