@@ -37,7 +37,8 @@ def group_advantages(
     r = rewards.float().view(-1, group_size)
     centered = r - r.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
-        centered = centered / (r.std(dim=1, keepdim=True) + eps)
+        std = r.std(dim=1, keepdim=True)
+        centered = torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
     return centered.view(-1)
 
 
