@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 
 class Section(BaseModel):
@@ -119,7 +119,9 @@ class ClusterConfig(Section):
 
 class CheckpointConfig(Section):
     every: int = Field(0, ge=0, description="Save every N steps; 0 saves only at the end.")
-    keep_last: int = Field(2, gt=0)
+    keep_last: int = Field(2, gt=0, description="Committed checkpoints kept; the newest is never deleted.")
+    save_rollouts: bool = Field(True, description="Persist each step's samples so a retried step reuses them.")
+    keep_rollouts: bool = Field(False, description="Keep rollout batches older than the newest checkpoint.")
 
 
 class EvalConfig(Section):
@@ -136,6 +138,30 @@ class TrackingConfig(Section):
 
 class StorageConfig(Section):
     uri: str = Field("runs", description="Run store root: a local path, file:// or s3:// URI.")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto, ...); empty: AWS.")
+    profile: str | None = Field(None, description="AWS profile name; empty: the environment's credentials.")
+    key: SecretStr | None = Field(None, description="Access key id (prefer the environment: AWS_ACCESS_KEY_ID).")
+    secret: SecretStr | None = Field(None, description="Secret key (prefer the environment: AWS_SECRET_ACCESS_KEY).")
+    region: str | None = None
+    retries: int = Field(5, ge=0, description="Retries of a storage call after a transient error (backoff).")
+
+    def fsspec_options(self) -> dict[str, Any]:
+        """Keyword arguments for fsspec; empty for local paths. Secrets appear here and nowhere else."""
+        if not self.uri.startswith(("s3://", "s3a://")):
+            return {}
+        opts: dict[str, Any] = {}
+        client: dict[str, Any] = {}
+        if self.endpoint_url:
+            client["endpoint_url"] = self.endpoint_url
+        if self.region:
+            client["region_name"] = self.region
+        if client:
+            opts["client_kwargs"] = client
+        if self.profile:
+            opts["profile"] = self.profile
+        if self.key and self.secret:
+            opts["key"], opts["secret"] = self.key.get_secret_value(), self.secret.get_secret_value()
+        return opts
 
 
 class RLConfig(Section):

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import torch
 
 from engines import algorithms
@@ -114,15 +116,39 @@ class RLSession:
         prompt_ids = [ids for r in rows for ids in [self._encode(r["prompt"])] * group]
         gen = self._generate(prompt_ids, self._sampling(self.cfg.rollout.temperature), seed=self._seed(step))
         self.current = StepState(step, rows, prompt_ids, gen)
-        n_tokens = int(gen["lengths"].sum())
-        dt = time.perf_counter() - t0
-        return {
-            "rollout/response_len_mean": n_tokens / len(prompt_ids),
-            "rollout/tokens": float(n_tokens),
-            "rollout/tokens_per_s": n_tokens / dt,
-            "rollout/truncated": float(1 - gen["stopped"].mean()),
-            "rollout/weight_version": float(gen["weight_version"].min()),
+        metrics = _generation_metrics(gen)
+        return metrics | {"rollout/tokens_per_s": metrics["rollout/tokens"] / (time.perf_counter() - t0)}
+
+    def rollout_table(self, step: int) -> pa.Table:
+        """The step's samples as one table (a row per sample): what the run store persists."""
+        st = self._state(step)
+        group = self.cfg.rollout.samples_per_prompt
+        g = st.generated
+        return pa.table({
+            "prompt": [r["prompt"] for r in st.rows for _ in range(group)],
+            "prompt_ids": st.prompt_ids,
+            "output_ids": split_packed(g, "output_ids"),
+            "output_logprobs": split_packed(g, "output_logprobs"),
+            "stopped": g["stopped"],
+            "weight_version": g["weight_version"],
+        })
+
+    def restore_rollout(self, step: int, table: pa.Table) -> dict[str, float]:
+        """Take a persisted batch as this step's rollout; the data cursor moves exactly as a fresh rollout would."""
+        rows = [self.train_rows[i] for i in self.cursor.next_batch()]
+        prompts = [r["prompt"] for r in rows for _ in range(self.cfg.rollout.samples_per_prompt)]
+        if table.column("prompt").to_pylist() != prompts:
+            raise RuntimeError(f"step {step}: the stored rollout batch was made from other prompts (data changed?)")
+        ids, lps = table.column("output_ids").to_pylist(), table.column("output_logprobs").to_pylist()
+        generated = {
+            "output_ids": np.array([t for x in ids for t in x], dtype=np.int64),
+            "output_logprobs": np.array([t for x in lps for t in x], dtype=np.float32),
+            "lengths": np.array([len(x) for x in ids], dtype=np.int64),
+            "stopped": table.column("stopped").to_numpy(zero_copy_only=False),
+            "weight_version": table.column("weight_version").to_numpy(),
         }
+        self.current = StepState(step, rows, table.column("prompt_ids").to_pylist(), generated)
+        return _generation_metrics(generated)
 
     def reward(self, step: int) -> dict[str, float]:
         st = self._state(step)
@@ -246,6 +272,16 @@ class RLSession:
         per = -(-len(prompt_ids) // n)
         chunks = [(prompt_ids[i * per : (i + 1) * per], params, seed + i) for i in range(n)]
         return concat_packed(self.rollout_group.call_each("generate_packed", chunks))
+
+
+def _generation_metrics(gen: dict) -> dict[str, float]:
+    n_tokens = int(gen["lengths"].sum())
+    return {
+        "rollout/response_len_mean": n_tokens / len(gen["lengths"]),
+        "rollout/tokens": float(n_tokens),
+        "rollout/truncated": float(1 - gen["stopped"].mean()),
+        "rollout/weight_version": float(gen["weight_version"].min()),
+    }
 
 
 def _train_kwargs(cfg: RLConfig, model_path: str):

@@ -44,16 +44,27 @@ class RunContext:
             meta = {"step": step, "next_step": step + 1, "mlflow_run_id": self.tracker.run_id, **controller}
             uri = self.store.commit_checkpoint(step, tmp, meta)
         pruned = self.store.prune(self.cfg.checkpoint.keep_last)
+        if not self.cfg.checkpoint.keep_rollouts:
+            self.store.prune_rollouts(before_step=step)
         log.info("checkpoint step %d committed at %s (pruned %s)", step, uri, pruned or "none")
         return {"checkpoint/step": float(step)}
 
     def close(self, status: str) -> None:
+        self.store.write_json({"status": status.lower(), "mlflow_run_id": self.tracker.run_id}, "status.json")
         self.tracker.finish(status)
         self.session.shutdown()
 
 
+def stored_config(cfg: RLConfig) -> dict:
+    """The resolved recipe as persisted and logged: credentials are left out, never written anywhere."""
+    return cfg.model_dump(mode="json", exclude={"storage": {"key", "secret"}})
+
+
 def open_run(cfg: RLConfig) -> RunContext:
-    store = RunStore(cfg.storage.uri, cfg.name)
+    store = RunStore(cfg.storage, cfg.name)
+    torn = store.clean_torn()
+    if torn:
+        log.warning("removed uncommitted leftovers of an interrupted attempt: %s", ", ".join(torn))
     workdir = Path(tempfile.mkdtemp(prefix=f"rlflow-{cfg.name}-"))
     prepare_data(cfg)
     model_dir = workdir / "model"
@@ -61,9 +72,10 @@ def open_run(cfg: RLConfig) -> RunContext:
     latest = store.latest_step()
     meta = store.read_json("checkpoints", latest, "meta.json") if latest is not None else None
     if meta is None:
-        store.write_json(cfg.model_dump(mode="json"), "config.json")
+        store.write_json(stored_config(cfg), "config.json")
     tracker = Tracker(cfg, run_id=meta["mlflow_run_id"] if meta else None)
     session = RLSession.create(cfg, model_path)
+    store.write_json({"status": "running", "mlflow_run_id": tracker.run_id}, "status.json")
     ctx = RunContext(cfg, session, store, tracker, workdir)
     if meta is not None:
         local = store.download_checkpoint(latest, workdir / f"resume-{latest}")

@@ -11,7 +11,7 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.run_context import RunContext
+from tasks.run_context import RunContext, log
 
 
 def _timed(stage: str, fn, *args) -> dict[str, float]:
@@ -26,7 +26,17 @@ def _stage(name: str):
 
 @_stage("rollout")
 def rollout(run: RunContext, step: int) -> dict[str, float]:
-    return _timed("rollout", run.session.rollout, step)
+    """Generate the step's samples, or reuse the batch a failed attempt at this step already committed."""
+    t0 = time.perf_counter()
+    stored = run.store.load_rollout(step) if run.cfg.checkpoint.save_rollouts else None
+    if stored is not None:
+        metrics = run.session.restore_rollout(step, stored)
+        log.info("step %d: reusing the committed rollout batch %s", step, run.store.uri("steps", step))
+    else:
+        metrics = run.session.rollout(step)
+        if run.cfg.checkpoint.save_rollouts:
+            run.store.save_rollout(step, run.session.rollout_table(step))
+    return metrics | {"time/rollout": time.perf_counter() - t0}
 
 
 @_stage("reward")

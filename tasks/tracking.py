@@ -5,6 +5,7 @@ Metric logging is asynchronous (MLflow's own queue), so tracking never sits on a
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -36,11 +37,12 @@ class Tracker:
         if run_id is None:
             run = self.client.create_run(exp_id, run_name=cfg.name, tags={"rlflow.run": cfg.name})
             self.run_id = run.info.run_id
-            params = {k: str(v)[:6000] for k, v in flatten(cfg.model_dump(mode="json")).items()}
+            recipe = cfg.model_dump(mode="json", exclude={"storage": {"key", "secret"}})
+            params = {k: str(v)[:6000] for k, v in flatten(recipe).items()}
             items = list(params.items())
             for i in range(0, len(items), 100):
                 self.client.log_batch(self.run_id, params=[mlflow.entities.Param(k, v) for k, v in items[i : i + 100]])
-            self.client.log_text(self.run_id, cfg.model_dump_json(indent=2), "recipe.json")
+            self.client.log_text(self.run_id, json.dumps(recipe, indent=2), "recipe.json")
         else:
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
