@@ -164,6 +164,12 @@ class StorageConfig(Section):
         return opts
 
 
+class OrchestrationConfig(Section):
+    flow_retries: int = Field(0, ge=0, description="Prefect retries of a failed flow run; each resumes from the store.")
+    task_retries: int = Field(0, ge=0, description="Retries of rollout, reward, checkpoint and eval (safe to rerun).")
+    retry_delay_s: float = Field(10.0, ge=0)
+
+
 class RLConfig(Section):
     """A whole post-training run."""
 
@@ -180,6 +186,7 @@ class RLConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> RLConfig:

@@ -79,6 +79,7 @@ class RLSession:
         self.weight_version = 0
         self.current: StepState | None = None
         self._weight_layout: list[tuple[str, int]] | None = None
+        self._rows_taken: tuple[int, list[dict]] | None = None
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
@@ -111,7 +112,7 @@ class RLSession:
     def rollout(self, step: int) -> dict[str, float]:
         """Generate samples_per_prompt responses for the next prompts_per_step prompts."""
         t0 = time.perf_counter()
-        rows = [self.train_rows[i] for i in self.cursor.next_batch()]
+        rows = self._take_rows(step)
         group = self.cfg.rollout.samples_per_prompt
         prompt_ids = [ids for r in rows for ids in [self._encode(r["prompt"])] * group]
         gen = self._generate(prompt_ids, self._sampling(self.cfg.rollout.temperature), seed=self._seed(step))
@@ -135,7 +136,7 @@ class RLSession:
 
     def restore_rollout(self, step: int, table: pa.Table) -> dict[str, float]:
         """Take a persisted batch as this step's rollout; the data cursor moves exactly as a fresh rollout would."""
-        rows = [self.train_rows[i] for i in self.cursor.next_batch()]
+        rows = self._take_rows(step)
         prompts = [r["prompt"] for r in rows for _ in range(self.cfg.rollout.samples_per_prompt)]
         if table.column("prompt").to_pylist() != prompts:
             raise RuntimeError(f"step {step}: the stored rollout batch was made from other prompts (data changed?)")
@@ -240,6 +241,7 @@ class RLSession:
     def save(self, path: str | Path) -> dict:
         """Every worker saves its state into `path`; returns the controller state to store beside it."""
         self.train_group.call("save", str(path))
+        self.tokenizer.save_pretrained(Path(path) / "model")  # so model/ loads with transformers as it is
         return {"cursor": self.cursor.state_dict(), "weight_version": self.weight_version}
 
     def load(self, path: str | Path, controller_state: dict) -> None:
@@ -250,6 +252,12 @@ class RLSession:
         self.rollout_group.call("update_weights", tensors, self.weight_version)
 
     # ---- helpers -------------------------------------------------------------------------------------
+    def _take_rows(self, step: int) -> list[dict]:
+        """The step's prompts; asking again for the same step (a retried task) does not move the cursor."""
+        if self._rows_taken is None or self._rows_taken[0] != step:
+            self._rows_taken = (step, [self.train_rows[i] for i in self.cursor.next_batch()])
+        return self._rows_taken[1]
+
     def _state(self, step: int) -> StepState:
         if self.current is None or self.current.step != step:
             raise RuntimeError(f"step {step}: no rollout in flight (run the rollout stage first)")

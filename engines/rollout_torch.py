@@ -7,6 +7,7 @@ drawn from), so the trainer can use them as behaviour-policy logprobs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -43,6 +44,10 @@ class TorchRolloutBackend:
         self.tokenizer = load_tokenizer(model_path)
         self.params = dict(self.model.named_parameters())
         self.weight_version = 0
+
+    def pid(self) -> int:
+        """This worker's process id (fault-injection drills kill it)."""
+        return os.getpid()
 
     # ---- weights -------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from pathlib import Path
 
@@ -217,6 +218,10 @@ class TorchTrainBackend:
         sched.pop("lr_lambdas", None)
         self.scheduler.load_state_dict(sched | {"lr_lambdas": [None]})
         set_rng_state(state["rng"])
+
+    def pid(self) -> int:
+        """This worker's process id (fault-injection drills kill it)."""
+        return os.getpid()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

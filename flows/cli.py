@@ -2,6 +2,9 @@
 
     rlflow run deployments/sort-tiny.yaml [--set train.steps=20 --set tracking.uri=...]
     rlflow validate deployments/sort-tiny.yaml
+    rlflow runs [--store s3://bucket/runs]
+    rlflow resume RUN [--store ...] [--set train.steps=200]
+    rlflow export RUN OUT_DIR [--step N] [--store ...]
     rlflow data make --task sort --num-digits 4 --train data/sort4/train.jsonl --eval data/sort4/eval.jsonl
 """
 
@@ -29,7 +32,70 @@ def cmd_validate(args) -> int:
 
 
 def cmd_run(args) -> int:
-    cfg = _load(args)
+    return _run(_load(args))
+
+
+def _store_config(args):
+    from engines.config import StorageConfig
+
+    opts = {"uri": args.store}
+    for text in args.overrides:
+        if text.startswith("storage."):
+            key, value = text.split("=", 1)
+            opts[key.removeprefix("storage.")] = value
+    return StorageConfig(**opts)
+
+
+def cmd_resume(args) -> int:
+    """Continue a run from its store: the stored recipe, with --set overrides on top."""
+    from engines.config import apply_overrides, config_from_dict
+    from engines.preflight import check
+    from tasks.run_store import RunStore
+
+    store = RunStore(_store_config(args), args.run)
+    if not store.exists("config.json"):
+        print(f"error: no run '{args.run}' in {args.store} (no {store.uri('config.json')})", file=sys.stderr)
+        return 2
+    raw = apply_overrides(store.read_json("config.json"), [f"storage.uri={args.store}", *args.overrides])
+    cfg = check(config_from_dict(raw, source=store.uri("config.json")), store.uri("config.json"))
+    return _run(cfg)
+
+
+def cmd_runs(args) -> int:
+    from tasks.run_store import list_runs
+
+    runs = list_runs(_store_config(args))
+    if not runs:
+        print(f"no runs in {args.store}")
+    for r in runs:
+        step = "-" if r["latest_step"] is None else r["latest_step"]
+        print(f"{r['run']:<32} latest step {step!s:<8} {r.get('status', 'unknown')}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    """Copy a committed checkpoint's model/ (HF safetensors + config + tokenizer) to a local directory."""
+    import tempfile
+    from pathlib import Path
+
+    from tasks.run_store import RunStore
+
+    store = RunStore(_store_config(args), args.run)
+    step = args.step if args.step is not None else store.latest_step()
+    if step is None or step not in store.committed_steps():
+        print(f"error: run '{args.run}' has no committed checkpoint {'' if step is None else step}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        local = store.download_checkpoint(step, tmp)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in (local / "model").iterdir():
+            (out / f.name).write_bytes(f.read_bytes())
+    print(f"exported step {step} of '{args.run}' to {out} (load with AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
+def _run(cfg) -> int:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the progress bar says what the task logs would
     logging.getLogger("rlflow").setLevel(logging.INFO)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -54,7 +120,9 @@ def cmd_run(args) -> int:
 
         STEP_LISTENERS.append(on_step)
         try:
-            final = post_train(cfg)
+            final = post_train.with_options(
+                retries=cfg.orchestration.flow_retries, retry_delay_seconds=cfg.orchestration.retry_delay_s
+            )(cfg)
         finally:
             STEP_LISTENERS.remove(on_step)
     print(f"done: run '{cfg.name}' in store {cfg.storage.uri}; MLflow at {cfg.tracking.uri} "
@@ -83,6 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("recipe")
         p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY.PATH=VALUE",
                        help="override a recipe field, e.g. --set train.steps=20 (repeatable)")
+        p.set_defaults(fn=fn)
+    for name, fn, text in (("resume", cmd_resume, "continue a run from its store"),
+                           ("runs", cmd_runs, "list the runs in a store"),
+                           ("export", cmd_export, "write a checkpoint as a Hugging Face model directory")):
+        p = sub.add_parser(name, help=text)
+        if name != "runs":
+            p.add_argument("run")
+        if name == "export":
+            p.add_argument("out")
+            p.add_argument("--step", type=int, help="checkpoint step (default: the newest committed)")
+        p.add_argument("--store", default="runs", help="run store root (default: runs)")
+        p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY.PATH=VALUE",
+                       help="override a field (storage.endpoint_url=..., train.steps=...)")
         p.set_defaults(fn=fn)
     data = sub.add_parser("data", help="built-in datasets").add_subparsers(dest="data_command", required=True)
     make = data.add_parser("make", help="write a built-in verifiable task as train/eval files")

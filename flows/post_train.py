@@ -1,6 +1,6 @@
 """The post-training flow: one flow run per training run, one task per stage per step.
 
-    rollout -> reward -> advantages -> train -> sync weights -> (checkpoint) -> (eval)
+    rollout -> reward -> advantages -> train -> sync weights -> (eval) -> log metrics -> (checkpoint)
 
 Prefect carries step numbers and metric dicts; tensors stay in the Ray actors and the run store.
 """
@@ -24,6 +24,7 @@ def _due(every: int, step: int, last: int) -> bool:
 def post_train(config: RLConfig) -> dict[str, float]:
     """Run (or resume) the RL run `config.name` and return its last step's metrics."""
     run: RunContext = open_run(config)
+    s = stages.bind(config)  # the stage tasks, with the recipe's retry settings
     last = config.train.steps - 1
     metrics: dict[str, float] = {}
     status = "FAILED"
@@ -31,17 +32,17 @@ def post_train(config: RLConfig) -> dict[str, float]:
         for step in range(run.start_step, config.train.steps):
             t0 = time.perf_counter()
             metrics = {}
-            metrics |= stages.rollout(run, step)
-            metrics |= stages.reward(run, step)
-            metrics |= stages.advantages(run, step)
-            metrics |= stages.train(run, step)
-            metrics |= stages.sync_weights(run, step)
-            if _due(config.checkpoint.every, step, last):
-                metrics |= stages.checkpoint(run, step)
+            metrics |= s.rollout(run, step)
+            metrics |= s.reward(run, step)
+            metrics |= s.advantages(run, step)
+            metrics |= s.train(run, step)
+            metrics |= s.sync_weights(run, step)
             if config.data.eval_path and _due(config.eval.every, step, last):
-                metrics |= stages.evaluate(run, step)
+                metrics |= s.evaluate(run, step)
             metrics["time/step"] = time.perf_counter() - t0
             run.tracker.log_metrics(metrics, step)
+            if _due(config.checkpoint.every, step, last):  # after logging: a committed step has its metrics
+                s.checkpoint(run, step)
             run.notify(step, metrics)
         status = "FINISHED"
     finally:

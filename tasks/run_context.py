@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,12 @@ class RunContext:
             listener(step, metrics)
 
     def checkpoint(self, step: int) -> dict[str, float]:
-        """Save every worker's state, commit it to the store (marker last), prune old ones."""
+        """Save every worker's state, commit it to the store (marker last), prune old ones.
+
+        Metrics logged so far are flushed first, so a committed step never lacks its metrics.
+        """
+        t0 = time.perf_counter()
+        self.tracker.flush()
         with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
             controller = self.session.save(tmp)
             meta = {"step": step, "next_step": step + 1, "mlflow_run_id": self.tracker.run_id, **controller}
@@ -47,6 +53,7 @@ class RunContext:
         if not self.cfg.checkpoint.keep_rollouts:
             self.store.prune_rollouts(before_step=step)
         log.info("checkpoint step %d committed at %s (pruned %s)", step, uri, pruned or "none")
+        self.tracker.log_metrics({"time/checkpoint": time.perf_counter() - t0}, step)
         return {"checkpoint/step": float(step)}
 
     def close(self, status: str) -> None:

@@ -6,11 +6,15 @@ Prefect caching is off: a stage's output lives in the engines and the run store,
 
 from __future__ import annotations
 
+import functools
 import time
+from dataclasses import dataclass
 
-from prefect import task
+from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
+from engines.config import RLConfig
+from tasks.faults import maybe_inject
 from tasks.run_context import RunContext, log
 
 
@@ -21,7 +25,19 @@ def _timed(stage: str, fn, *args) -> dict[str, float]:
 
 
 def _stage(name: str):
-    return task(name=name, task_run_name=f"{name}-{{step}}", cache_policy=NO_CACHE, persist_result=False)
+    """A Prefect task for one stage, with the fault-injection points of tasks/faults.py around it."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def body(run: RunContext, step: int) -> dict[str, float]:
+            maybe_inject(run, name, step, "before")
+            out = fn(run, step)
+            maybe_inject(run, name, step, "after")
+            return out
+
+        return task(name=name, task_run_name=f"{name}-{{step}}", cache_policy=NO_CACHE, persist_result=False)(body)
+
+    return wrap
 
 
 @_stage("rollout")
@@ -61,7 +77,7 @@ def sync_weights(run: RunContext, step: int) -> dict[str, float]:
 
 @_stage("checkpoint")
 def checkpoint(run: RunContext, step: int) -> dict[str, float]:
-    return _timed("checkpoint", run.checkpoint, step)
+    return run.checkpoint(step)
 
 
 @_stage("evaluate")
@@ -70,3 +86,28 @@ def evaluate(run: RunContext, step: int) -> dict[str, float]:
     metrics, samples = run.session.evaluate(step)
     run.tracker.log_table(samples[: run.cfg.tracking.log_samples], f"samples/eval_step_{step:06d}.json")
     return metrics | {"time/eval": time.perf_counter() - t0}
+
+
+IDEMPOTENT = ("rollout", "reward", "checkpoint", "evaluate")
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The stage tasks with the recipe's retry settings applied (retries only where a rerun is safe)."""
+
+    rollout: Task
+    reward: Task
+    advantages: Task
+    train: Task
+    sync_weights: Task
+    checkpoint: Task
+    evaluate: Task
+
+
+def bind(cfg: RLConfig) -> Stages:
+    o = cfg.orchestration
+    tasks = {name: globals()[name] for name in Stages.__dataclass_fields__}
+    if o.task_retries:
+        for name in IDEMPOTENT:
+            tasks[name] = tasks[name].with_options(retries=o.task_retries, retry_delay_seconds=o.retry_delay_s)
+    return Stages(**tasks)

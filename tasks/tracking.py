@@ -59,6 +59,9 @@ class Tracker:
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
 
+    def flush(self) -> None:
+        mlflow.flush_async_logging()
+
     def finish(self, status: str = "FINISHED") -> None:
         mlflow.flush_async_logging()
         self.client.set_terminated(self.run_id, status=status)

@@ -48,3 +48,48 @@ def recipe(tmp_path):
         return config_from_dict(small_recipe(tmp_path, **sections))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3-compatible server on loopback (moto's server mode, as s3fs's own tests use)."""
+    from moto.server import ThreadedMotoServer
+
+    from engines.cluster import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh bucket; returns (root URI, endpoint)."""
+    import uuid
+
+    import s3fs
+
+    name = f"b{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server}).mkdir(name)
+    return f"s3://{name}/runs", s3_server
+
+
+@pytest.fixture(params=["file", "s3"])
+def storage(request, tmp_path):
+    """A StorageConfig for each kind of store the tests cover."""
+    from engines.config import StorageConfig
+
+    if request.param == "file":
+        return StorageConfig(uri=str(tmp_path / "store"))
+    root, endpoint = request.getfixturevalue("s3_bucket")
+    return StorageConfig(uri=root, endpoint_url=endpoint)

@@ -1,0 +1,29 @@
+"""Fault injection for resume drills and tests: SIGKILL a process at a chosen point of a run.
+
+    RLFLOW_FAULT="<stage>:<step>:<when>:<target>"   e.g. "train:3:before:flow", "rollout:1:after:rollout"
+
+stage is a task name (rollout, reward, advantages, train, sync-weights, checkpoint, evaluate), when is
+`before` or `after` that task's work, target is `flow` (this process), `train` or `rollout` (rank 0 of
+that actor group). Unset (the normal case), it costs one dict lookup per task.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "RLFLOW_FAULT"
+
+
+def maybe_inject(run, stage: str, step: int, when: str) -> None:
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    f_stage, f_step, f_when, target = spec.split(":")
+    if (f_stage, int(f_step), f_when) != (stage, step, when):
+        return
+    if target == "flow":
+        os.kill(os.getpid(), signal.SIGKILL)
+    group = {"train": run.session.train_group, "rollout": run.session.rollout_group}[target]
+    pid = group.call_rank0("pid")
+    os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,180 @@
+"""Kill anywhere, resume, and end bit-identical to a run that was never interrupted.
+
+Each trial SIGKILLs the flow process, the train actor or the rollout actor at a seeded random point
+(a stage of a step, before or after its work; see tasks/faults.py), resumes the run, and compares
+the final weights and every logged metric with an uninterrupted run of the same recipe. Trials
+alternate between a local store and an S3 server (moto). 10 trials run by default, 20 with -m slow.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from engines.builtin_tasks import write_task_files
+from engines.config import BuiltinTaskConfig, StorageConfig
+from tasks.run_store import RunStore
+from tests.conftest import small_recipe
+
+STEPS = 5
+STAGES = ["rollout", "reward", "advantages", "train", "sync-weights", "checkpoint", "evaluate"]
+TIMING = ("time/", "_per_s", "gb_per_s")
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    """A Prefect server (SQLite) shared by the trials' flow processes."""
+    from engines.cluster import free_port
+
+    home = tmp_path_factory.mktemp("prefect")
+    port = free_port()
+    env = os.environ | {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db"}
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    import httpx
+
+    for _ in range(120):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("Prefect server did not start")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """One Ray cluster for all flow processes: a killed driver's actors die with it, the cluster stays."""
+    from engines.cluster import free_port
+
+    port = free_port()
+    env = os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    ray = str(Path(sys.executable).parent / "ray")
+    subprocess.run([ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2",
+                    "--include-dashboard", "false", "--object-store-memory", str(300 * 1024 * 1024),
+                    "--disable-usage-stats"], env=env, check=True, capture_output=True)
+    yield f"127.0.0.1:{port}"
+    subprocess.run([ray, "stop", "--force"], env=env, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    write_task_files(BuiltinTaskConfig(task="sort", num_digits=3, num_train=2000, num_eval=32, seed=3),
+                     str(d / "train.jsonl"), str(d / "eval.jsonl"))
+    return d
+
+
+def _recipe(tmp_path: Path, data_dir: Path, storage: StorageConfig, name: str, ray: str) -> Path:
+    raw = small_recipe(tmp_path, name=name, train={"steps": STEPS, "threads": 1, "mini_batches": 2},
+                       checkpoint={"every": 2, "keep_last": 2}, eval={"every": 3, "max_prompts": 16},
+                       cluster={"address": ray})
+    raw["data"] = {"train_path": str(data_dir / "train.jsonl"), "eval_path": str(data_dir / "eval.jsonl")}
+    raw["storage"] = {"uri": storage.uri, **({"endpoint_url": storage.endpoint_url} if storage.endpoint_url else {})}
+    raw["tracking"] = {"uri": f"sqlite:///{data_dir}/mlflow.db", "experiment": name}  # one db: migrations once
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _rlflow(args: list[str], api: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = os.environ | {"PREFECT_API_URL": api, "PREFECT_LOGGING_LEVEL": "WARNING", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RLFLOW_FAULT", None)
+    if fault:
+        env["RLFLOW_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).resolve().parent.parent)
+
+
+def _outcome(recipe: Path, storage: StorageConfig, name: str) -> tuple[dict, dict]:
+    """(final weights, {metric: {step: last logged value}}) of a finished run."""
+    store = RunStore(storage, name)
+    assert store.read_json("status.json")["status"] == "finished"
+    step = store.latest_step()
+    assert step == STEPS - 1
+    weights = load_file(str(store.download_checkpoint(step, recipe.parent / f"dl-{name}") / "model/model.safetensors"))
+    cfg = yaml.safe_load(recipe.read_text())
+    client = MlflowClient(cfg["tracking"]["uri"])
+    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    assert len(runs) == 1, "a resumed run must log into the same MLflow run"
+    metrics = {}
+    for key in runs[0].data.metrics:
+        if any(t.replace("/", ".") in key for t in TIMING):
+            continue
+        metrics[key] = {m.step: m.value for m in sorted(client.get_metric_history(runs[0].info.run_id, key),
+                                                        key=lambda m: m.timestamp)}
+    return weights, metrics
+
+
+def _storage(kind: str, tmp_path: Path, request) -> StorageConfig:
+    if kind == "file":
+        return StorageConfig(uri=str(tmp_path / "store"))
+    root, endpoint = request.getfixturevalue("s3_bucket")
+    return StorageConfig(uri=root, endpoint_url=endpoint)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data_dir, prefect_api, ray_head):
+    tmp = tmp_path_factory.mktemp("reference")
+    storage = StorageConfig(uri=str(tmp / "store"))
+    recipe = _recipe(tmp, data_dir, storage, "ref", ray_head)
+    proc = _rlflow(["run", str(recipe)], prefect_api)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _outcome(recipe, storage, "ref")
+
+
+TRIALS = [pytest.param(i, marks=pytest.mark.slow) if i >= 10 else i for i in range(20)]
+
+
+@pytest.mark.parametrize("trial", TRIALS)
+def test_kill_anywhere_then_resume_is_exact(trial, tmp_path, data_dir, prefect_api, ray_head, uninterrupted, request):
+    rng = random.Random(trial)
+    target = ["flow", "train", "rollout"][trial % 3]
+    stage, step, when = rng.choice(STAGES), rng.randrange(STEPS), rng.choice(["before", "after"])
+    if stage == "checkpoint":
+        step = rng.choice([1, 3, 4])  # the steps that checkpoint (every 2, and the last)
+    if stage == "evaluate":
+        step = rng.choice([2, 4])
+    storage = _storage("s3" if trial % 2 else "file", tmp_path, request)
+    name = f"trial{trial}"
+    recipe = _recipe(tmp_path, data_dir, storage, name, ray_head)
+
+    killed = _rlflow(["run", str(recipe)], prefect_api, fault=f"{stage}:{step}:{when}:{target}")
+    assert killed.returncode != 0, f"fault {stage}:{step}:{when}:{target} did not stop the run"
+    store = RunStore(storage, name)
+    assert store.read_json("status.json")["status"] in ("running", "failed")
+
+    if trial % 4 < 2:  # resume both ways: the same recipe again, or `rlflow resume` from the store
+        resumed = _rlflow(["run", str(recipe)], prefect_api)
+    else:
+        sets = ["--set", f"tracking.uri={yaml.safe_load(recipe.read_text())['tracking']['uri']}"]
+        if storage.endpoint_url:
+            sets += ["--set", f"storage.endpoint_url={storage.endpoint_url}"]
+        resumed = _rlflow(["resume", name, "--store", storage.uri, *sets], prefect_api)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    weights, metrics = _outcome(recipe, storage, name)
+    ref_weights, ref_metrics = uninterrupted
+    assert weights.keys() == ref_weights.keys()
+    for k in weights:
+        assert (weights[k] == ref_weights[k]).all(), k
+    assert metrics.keys() == ref_metrics.keys()
+    for key in metrics:
+        assert metrics[key] == ref_metrics[key], key

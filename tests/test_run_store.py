@@ -1,0 +1,116 @@
+"""The run store on file:// and on an S3 server: commit markers, torn writes, retention, retries."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from tasks.run_store import RunStore, StorageError, is_transient, list_runs
+
+
+def _ckpt(tmp_path, step: int):
+    d = tmp_path / f"local{step}"
+    (d / "model").mkdir(parents=True)
+    (d / "model" / "w.bin").write_bytes(bytes([step]) * 10)
+    (d / "state.json").write_text("{}")
+    return d
+
+
+def test_commit_latest_and_download(storage, tmp_path):
+    store = RunStore(storage, "r1")
+    assert store.latest_step() is None
+    store.commit_checkpoint(3, _ckpt(tmp_path, 3), {"step": 3})
+    store.commit_checkpoint(5, _ckpt(tmp_path, 5), {"step": 5})
+    assert store.committed_steps() == [3, 5] and store.latest_step() == 5
+    assert store.read_bytes("latest") == b"5"
+    got = store.download_checkpoint(5, tmp_path / "dl")
+    assert (got / "model" / "w.bin").read_bytes() == bytes([5]) * 10
+    assert store.read_json("checkpoints", 5, "meta.json") == {"step": 5}
+
+
+def test_torn_checkpoint_is_ignored_and_cleaned(storage, tmp_path):
+    store = RunStore(storage, "r2")
+    store.commit_checkpoint(2, _ckpt(tmp_path, 2), {"step": 2})
+    # a crash mid-upload: files of step 4 without COMMITTED, and a rollout without its marker
+    store.write_bytes(b"partial", "checkpoints", 4, "model", "w.bin")
+    store.write_bytes(b"partial", "steps", 5, "rollout.parquet")
+    assert store.latest_step() == 2 and store.load_rollout(5) is None
+    assert sorted(store.clean_torn()) == ["checkpoints/4", "steps/5"]
+    assert not store.exists("checkpoints", 4) and store.committed_steps() == [2]
+
+
+def test_prune_keeps_newest(storage, tmp_path):
+    store = RunStore(storage, "r3")
+    for s in (1, 2, 3, 4):
+        store.commit_checkpoint(s, _ckpt(tmp_path, s), {"step": s})
+    assert store.prune(keep_last=2) == [1, 2]
+    assert store.committed_steps() == [3, 4]
+    assert store.prune(keep_last=0) == [3]  # never below one: the newest survives
+    assert store.committed_steps() == [4]
+
+
+def test_rollout_batches_round_trip(storage):
+    store = RunStore(storage, "r4")
+    table = pa.table({"prompt": ["a", "b"], "output_ids": [[1, 2], [3]], "output_logprobs": [[-0.5, -1.0], [-2.0]]})
+    store.save_rollout(7, table)
+    assert store.load_rollout(7).equals(table)
+    store.prune_rollouts(before_step=7)
+    assert store.load_rollout(7) is None
+
+
+def test_list_runs(storage, tmp_path):
+    for name in ("a", "b"):
+        RunStore(storage, name).write_json({"name": name}, "config.json")
+    RunStore(storage, "a").commit_checkpoint(9, _ckpt(tmp_path, 9), {})
+    RunStore(storage, "a").write_json({"status": "finished"}, "status.json")
+    runs = {r["run"]: r for r in list_runs(storage)}
+    assert runs["a"]["latest_step"] == 9 and runs["a"]["status"] == "finished"
+    assert runs["b"]["latest_step"] is None
+
+
+class _Throttled(Exception):
+    """Shaped like botocore's ClientError for a 503 SlowDown (a mock: real S3 throttling cannot be provoked here)."""
+
+    response = {"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}
+
+
+class _Denied(Exception):
+    response = {"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {"HTTPStatusCode": 403}}
+
+
+def test_transient_errors_are_retried(tmp_path, monkeypatch):
+    store = RunStore(str(tmp_path / "s"), "r", backoff_s=0.001)
+    real, calls = store.fs.pipe_file, []
+
+    def flaky(path, data, **kw):
+        calls.append(path)
+        if len(calls) < 3:
+            raise [TimeoutError("read timed out"), _Throttled("slow down")][len(calls) - 1]
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(store.fs, "pipe_file", flaky)
+    store.write_bytes(b"x", "f")
+    assert len(calls) == 3 and store.read_bytes("f") == b"x"
+
+
+def test_permanent_error_names_uri_and_reason(tmp_path, monkeypatch):
+    store = RunStore(str(tmp_path / "s"), "r", backoff_s=0.001)
+
+    def denied(path, data, **kw):
+        raise _Denied("access denied")
+
+    monkeypatch.setattr(store.fs, "pipe_file", denied)
+    with pytest.raises(StorageError, match=r"write .*/r/f failed \(error\): _Denied: access denied"):
+        store.write_bytes(b"x", "f")
+
+
+def test_transient_classification():
+    assert is_transient(TimeoutError()) and is_transient(_Throttled())
+    assert not is_transient(_Denied()) and not is_transient(ValueError("bad"))
+    try:
+        try:
+            raise _Throttled()
+        except _Throttled as inner:
+            raise OSError("translated by s3fs") from inner
+    except OSError as outer:
+        assert is_transient(outer)
