@@ -80,7 +80,9 @@ def open_run(cfg: RLConfig) -> RunContext:
     meta = store.read_json("checkpoints", latest, "meta.json") if latest is not None else None
     if meta is None:
         store.write_json(stored_config(cfg), "config.json")
-    tracker = Tracker(cfg, run_id=meta["mlflow_run_id"] if meta else None)
+    # an earlier attempt's MLflow run continues, also when it died before its first checkpoint
+    earlier = store.read_json("status.json") if store.exists("status.json") else {}
+    tracker = Tracker(cfg, run_id=meta["mlflow_run_id"] if meta else earlier.get("mlflow_run_id"))
     session = RLSession.create(cfg, model_path)
     store.write_json({"status": "running", "mlflow_run_id": tracker.run_id}, "status.json")
     ctx = RunContext(cfg, session, store, tracker, workdir)
