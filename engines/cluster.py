@@ -14,6 +14,8 @@ from typing import Any
 
 from engines.config import ClusterConfig
 
+PLACEMENT_TIMEOUT_S = 300
+
 
 class LocalWorkerGroup:
     """Workers as plain objects in this process (one worker, or sequential calls for tests)."""
@@ -44,15 +46,24 @@ class LocalWorkerGroup:
 
 
 class RayWorkerGroup:
-    """Workers as Ray actors; calls fan out concurrently and are gathered once per batch, never per sample."""
+    """Workers as Ray actors in one placement group (one bundle per worker, packed onto as few nodes as
+    fit); calls fan out concurrently and are gathered once per batch, never per sample."""
 
     def __init__(self, cls: type, num_workers: int, make_kwargs: Callable[[int], dict], num_cpus: float,
                  name: str, num_gpus: float = 0):
         import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        bundle = {"CPU": num_cpus} | ({"GPU": num_gpus} if num_gpus else {})
+        self.placement_group = placement_group([bundle] * num_workers, strategy="PACK", name=f"{name}-pg")
+        ray.get(self.placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(cls)
         self.workers = [
-            actor_cls.options(name=f"{name}-{rank}", max_concurrency=1).remote(**make_kwargs(rank))
+            actor_cls.options(
+                name=f"{name}-{rank}", max_concurrency=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, rank),
+            ).remote(**make_kwargs(rank))
             for rank in range(num_workers)
         ]
         ray.get([w.__ray_ready__.remote() for w in self.workers])  # surface constructor errors here
@@ -81,10 +92,12 @@ class RayWorkerGroup:
 
     def shutdown(self) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         for w in self.workers:
             ray.kill(w)
         self.workers.clear()
+        remove_placement_group(self.placement_group)
 
 
 def init_ray(cfg: ClusterConfig) -> None:

@@ -102,7 +102,8 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = Field(1.0, gt=0.0)
-    mini_batches: int = Field(1, gt=0, description="Optimizer steps per RL iteration (PPO mini-batches).")
+    mini_batches: int = Field(1, gt=0, description="Optimizer steps per pass over the batch (PPO mini-batches).")
+    epochs: int = Field(1, gt=0, description="Passes over each rollout batch (PPO epochs).")
     micro_batch_size: int = Field(512, gt=0, description="Sequences per forward/backward on one worker.")
     precision: Literal["fp32", "bf16"] = "fp32"
     threads: int = Field(2, gt=0, description="torch threads per worker.")

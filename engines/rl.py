@@ -228,13 +228,13 @@ class RLSession:
         return metrics, samples
 
     def sample_rows(self, step: int, k: int) -> list[dict]:
-        """A few (prompt, response, reward) rows of the current step, for the samples table."""
+        """The first sample of each of the step's first k prompts, for the samples table."""
         st = self._state(step)
         group = self.cfg.rollout.samples_per_prompt
         return [
-            {"step": step, "prompt": st.rows[i // group]["prompt"], "response": st.responses[i],
-             "label": str(st.rows[i // group]["label"]), "reward": float(st.rewards[i])}
-            for i in range(min(k, len(st.responses)))
+            {"step": step, "prompt": st.rows[p]["prompt"], "response": st.responses[p * group],
+             "label": str(st.rows[p]["label"]), "reward": float(st.rewards[p * group])}
+            for p in range(min(k, len(st.rows)))
         ]
 
     # ---- checkpoints ---------------------------------------------------------------------------------

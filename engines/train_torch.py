@@ -27,8 +27,8 @@ from engines.sampling import scaled_logits
 
 def lr_lambda(cfg: TrainConfig):
     """Multiplier of the base LR at optimizer step s: linear warmup, then constant/cosine/linear decay."""
-    total = max(cfg.steps * cfg.mini_batches, 1)
-    warm = cfg.warmup_steps * cfg.mini_batches
+    total = max(cfg.steps * cfg.epochs * cfg.mini_batches, 1)
+    warm = cfg.warmup_steps * cfg.epochs * cfg.mini_batches
 
     def f(s: int) -> float:
         if warm and s < warm:
@@ -111,19 +111,19 @@ class TorchTrainBackend:
         return t
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One RL iteration on this worker's shard: `mini_batches` optimizer steps. Returns global metrics."""
+        """One RL iteration on this worker's shard: epochs x mini_batches optimizer steps. Returns global metrics."""
         if self.ref_model is not None and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
         self.model.train()
         n = batch_size(batch)
         per_mb = n // self.cfg.mini_batches
         sums: dict[str, torch.Tensor] = {}
-        for m in range(self.cfg.mini_batches):
-            mb = select(batch, slice(m * per_mb, (m + 1) * per_mb))
-            stats = self._optimizer_step(mb)
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v / self.cfg.mini_batches
-        self.scheduler.step()
+        updates = self.cfg.epochs * self.cfg.mini_batches
+        for _epoch in range(self.cfg.epochs):
+            for m in range(self.cfg.mini_batches):
+                stats = self._optimizer_step(select(batch, slice(m * per_mb, (m + 1) * per_mb)))
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v / updates
         return {k: float(v) for k, v in sums.items()}
 
     def _optimizer_step(self, mb: TrainBatch) -> dict[str, torch.Tensor]:
@@ -161,6 +161,7 @@ class TorchTrainBackend:
         out = dict(zip(keys, reduced, strict=True))
         out["grad_norm"] = grad_norm.detach().double().cpu()
         out["lr"] = torch.tensor(self.scheduler.get_last_lr()[0], dtype=torch.float64)
+        self.scheduler.step()  # the schedule counts optimizer steps
         return out
 
     # ---- weights and checkpoints ---------------------------------------------------------------------

@@ -7,6 +7,7 @@ continues from it (same MLflow run, same data cursor, same weights and optimizer
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -60,6 +61,7 @@ class RunContext:
         self.store.write_json({"status": status.lower(), "mlflow_run_id": self.tracker.run_id}, "status.json")
         self.tracker.finish(status)
         self.session.shutdown()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def stored_config(cfg: RLConfig) -> dict:

@@ -84,7 +84,9 @@ def checkpoint(run: RunContext, step: int) -> dict[str, float]:
 def evaluate(run: RunContext, step: int) -> dict[str, float]:
     t0 = time.perf_counter()
     metrics, samples = run.session.evaluate(step)
-    run.tracker.log_table(samples[: run.cfg.tracking.log_samples], f"samples/eval_step_{step:06d}.json")
+    k = run.cfg.tracking.log_samples
+    run.tracker.log_table(samples[:k], f"samples/eval_step_{step:06d}.json")
+    run.tracker.log_table(run.session.sample_rows(step, k), f"samples/train_step_{step:06d}.json")
     return metrics | {"time/eval": time.perf_counter() - t0}
 
 
