@@ -107,7 +107,11 @@ def init_ray(cfg: ClusterConfig) -> None:
     if ray.is_initialized():
         return
     # the driver's modules (engines, user rewards) must import inside actors: ship the working directory
-    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}}
+    env = {"env_vars": {
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+        # idle OpenMP threads of one actor must not spin on cores another actor is computing on
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+    }}
     if cfg.address:
         ray.init(address=cfg.address, runtime_env=env, log_to_driver=True)
     else:
