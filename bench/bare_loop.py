@@ -21,10 +21,12 @@ def run_bare(cfg: RLConfig, workdir: str, log=print) -> list[dict]:
     history = []
     for step in range(cfg.train.steps):
         t0, m = time.perf_counter(), {"step": step}
-        for stage in ("rollout", "reward", "advantages", "train", "sync_weights"):
+        # (session method, timing name): the same time/* names the flow's tasks log
+        for stage, label in (("rollout", "rollout"), ("reward", "reward"), ("advantages", "advantages"),
+                             ("train", "train"), ("sync_weights", "sync")):
             ts = time.perf_counter()
             m |= getattr(session, stage)(step)
-            m[f"time/{stage}"] = time.perf_counter() - ts
+            m[f"time/{label}"] = time.perf_counter() - ts
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
             m |= session.evaluate(step)[0]
         m["time/step"] = time.perf_counter() - t0
