@@ -115,7 +115,8 @@ def init_ray(cfg: ClusterConfig) -> None:
     if cfg.address:
         ray.init(address=cfg.address, runtime_env=env, log_to_driver=True)
     else:
-        ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
+        # "local" always starts a private instance: never attach to a stray cluster found in /tmp/ray
+        ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
                  object_store_memory=cfg.object_store_mb * 1024 * 1024)
 
 
