@@ -109,15 +109,27 @@ def init_ray(cfg: ClusterConfig) -> None:
     # the driver's modules (engines, user rewards) must import inside actors: ship the working directory
     env = {"env_vars": {
         "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
-        # idle OpenMP threads of one actor must not spin on cores another actor is computing on
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+        **omp_env(),
     }}
     if cfg.address:
         ray.init(address=cfg.address, runtime_env=env, log_to_driver=True)
     else:
-        # "local" always starts a private instance: never attach to a stray cluster found in /tmp/ray
+        # "local" always starts a private instance: never attach to a stray cluster found in /tmp/ray.
+        # Ray runs workers at nice 15 so its driver stays responsive; here the actors do the compute and
+        # the driver mostly waits, so they get normal priority (else any daemon preempts a training step)
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
                  object_store_memory=cfg.object_store_mb * 1024 * 1024)
+
+
+def omp_env() -> dict[str, str]:
+    """OpenMP settings for actors. Train and rollout actors take turns on the same cores: a finished
+    actor's threads must go to sleep soon (else they spin on the cores the other one computes on), but
+    not at once (else each of a step's thousands of small parallel regions pays a thread wake-up)."""
+    env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "100000")}
+    if "OMP_WAIT_POLICY" in os.environ:
+        env["OMP_WAIT_POLICY"] = os.environ["OMP_WAIT_POLICY"]
+    return env
 
 
 def free_port() -> int:
