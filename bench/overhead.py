@@ -32,11 +32,12 @@ def _step_times(ends: list[float], warmup: int) -> list[float]:
     return [b - a for a, b in zip(ends[warmup:], ends[warmup + 1 :], strict=False)]
 
 
-def _stage_means(history: list[dict], warmup: int) -> dict[str, float]:
+def _stage_medians(history: list[dict], warmup: int) -> dict[str, float]:
+    """Median seconds per stage (medians: a 2-core machine has outliers), plus the train step's time
+    inside the worker, so the train row splits into compute and the cost of reaching the worker."""
     rows = history[warmup + 1 :]
-    out = {}
-    for s in STAGES:
-        out[s] = statistics.mean(r[f"time/{s}"] for r in rows)
+    out = {s: statistics.median(r[f"time/{s}"] for r in rows) for s in STAGES}
+    out["train (in worker)"] = statistics.median(r["time/train_worker"] for r in rows)
     return out
 
 
@@ -90,15 +91,15 @@ def main() -> None:
         "ratio": statistics.median(full) / statistics.median(bare),
         "bare_total_s": bare_total,
         "full_total_s": full_total,
-        "bare_stages_s": _stage_means(bare_hist, args.warmup),
-        "full_stages_s": _stage_means(full_hist, args.warmup),
+        "bare_stages_s": _stage_medians(bare_hist, args.warmup),
+        "full_stages_s": _stage_medians(full_hist, args.warmup),
         "bare_final_reward": bare_hist[-1]["rollout/reward_mean"],
         "full_final_reward": full_hist[-1]["rollout/reward_mean"],
     }
-    print(f"{'stage':<12}{'bare s':>10}{'full s':>10}")
-    for s in STAGES:
-        print(f"{s:<12}{result['bare_stages_s'][s]:>10.4f}{result['full_stages_s'][s]:>10.4f}")
-    print(f"{'step':<12}{result['bare_step_s']:>10.4f}{result['full_step_s']:>10.4f}")
+    print(f"{'stage (median)':<20}{'bare s':>10}{'full s':>10}")
+    for s in result["bare_stages_s"]:
+        print(f"{s:<20}{result['bare_stages_s'][s]:>10.4f}{result['full_stages_s'][s]:>10.4f}")
+    print(f"{'step':<20}{result['bare_step_s']:>10.4f}{result['full_step_s']:>10.4f}")
     print(f"start-up + {args.steps} steps: bare {bare_total:.1f}s, full {full_total:.1f}s")
     print(f"ratio: {result['ratio']:.3f}")
     if args.json:

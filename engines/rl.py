@@ -188,7 +188,9 @@ class RLSession:
         results = self.train_group.call_each("train_step", [(s,) for s in shards])
         dt = time.perf_counter() - t0
         tokens = float(batch["attention_mask"].sum())
-        return {f"train/{k}": v for k, v in results[0].items()} | {"train/tokens_per_s": tokens / dt}
+        worker_s = results[0].pop("worker_s")
+        return {f"train/{k}": v for k, v in results[0].items()} | {
+            "train/tokens_per_s": tokens / dt, "time/train_worker": worker_s}
 
     def sync_weights(self, step: int) -> dict[str, float]:
         """Send the trainer's weights to every rollout worker, bucket by bucket, as version step+1."""

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,7 @@ class TorchTrainBackend:
         """One RL iteration on this worker's shard: epochs x mini_batches optimizer steps. Returns global metrics."""
         if self.ref_model is not None and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
+        t0 = time.perf_counter()
         self.model.train()
         n = batch_size(batch)
         per_mb = n // self.cfg.mini_batches
@@ -124,7 +126,8 @@ class TorchTrainBackend:
                 stats = self._optimizer_step(select(batch, slice(m * per_mb, (m + 1) * per_mb)))
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v / updates
-        return {k: float(v) for k, v in sums.items()}
+        # the stage's wall time minus this is what moving the batch and calling the worker cost
+        return {k: float(v) for k, v in sums.items()} | {"worker_s": time.perf_counter() - t0}
 
     def _optimizer_step(self, mb: TrainBatch) -> dict[str, torch.Tensor]:
         mode = self.algo.loss_agg
