@@ -41,7 +41,7 @@ def run_variant(recipe: str, name: str, overrides: list[str], seed: int, workdir
         return {"name": name, "seed": seed, "error": proc.stderr[-2000:], "seconds": seconds}
     evals = {m["step"] + 1: m["eval/reward_mean"] for m in steps if "eval/reward_mean" in m}
     return {"name": name, "seed": seed, "overrides": overrides, "seconds": round(seconds, 1),
-            "eval": evals, "train_reward_last10": sum(m["rollout/reward_mean"] for m in steps[-10:]) / min(10, len(steps))}
+            "eval": evals, "train_reward_last10": sum(m["rollout/reward_mean"] for m in steps[-10:]) / len(steps[-10:])}
 
 
 def main() -> None:

@@ -111,7 +111,9 @@ class TrainConfig(Section):
 
 
 class ClusterConfig(Section):
-    address: str | None = Field(None, description="Ray address to join ('auto' joins the one in RAY_ADDRESS); empty starts a private local Ray.")
+    address: str | None = Field(
+        None, description="Ray address to join ('auto' joins the one in RAY_ADDRESS); empty starts a private local Ray."
+    )
     num_cpus: int | None = Field(None, gt=0, description="CPUs for a local Ray; empty: all.")
     cpus_per_worker: float = Field(0.5, ge=0, description="CPUs Ray reserves for each train/rollout actor.")
     object_store_mb: int = Field(512, gt=0, description="Object store size of a local Ray, MiB.")
