@@ -10,28 +10,42 @@ import argparse
 import json
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from engines.config import RLConfig, load_recipe
 from engines.rl import RLSession, prepare_data, prepare_model
+
+
+def _timed(fn, step: int, label: str) -> dict:
+    t0 = time.perf_counter()
+    return fn(step) | {f"time/{label}": time.perf_counter() - t0}  # the same time/* names the flow's tasks log
 
 
 def run_bare(cfg: RLConfig, workdir: str, log=print) -> list[dict]:
     prepare_data(cfg)
     session = RLSession.create(cfg, prepare_model(cfg, workdir), use_ray=False)
     history = []
+    ahead = None  # one-step-off async: the next step's rollout, running in a thread while this step trains
+    pool = ThreadPoolExecutor(1)
     for step in range(cfg.train.steps):
-        t0, m = time.perf_counter(), {"step": step}
-        # (session method, timing name): the same time/* names the flow's tasks log
-        for stage, label in (("rollout", "rollout"), ("reward", "reward"), ("advantages", "advantages"),
-                             ("train", "train"), ("sync_weights", "sync")):
-            ts = time.perf_counter()
-            m |= getattr(session, stage)(step)
-            m[f"time/{label}"] = time.perf_counter() - ts
+        t0 = time.perf_counter()
+        m = {"step": step} | (ahead.result() if ahead else _timed(session.rollout, step, "rollout"))
+        ahead = None
+        if cfg.rollout.off_policy_steps and step + 1 < cfg.train.steps:
+            ahead = pool.submit(_timed, session.rollout, step + 1, "rollout")
+        for stage, label in (("reward", "reward"), ("advantages", "advantages"), ("train", "train")):
+            m |= _timed(getattr(session, stage), step, label)
+        if ahead:
+            tw = time.perf_counter()
+            ahead.result()
+            m["time/rollout_wait"] = time.perf_counter() - tw
+        m |= _timed(session.sync_weights, step, "sync")
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
             m |= session.evaluate(step)[0]
         m["time/step"] = time.perf_counter() - t0
         history.append(m)
         log(json.dumps({k: round(v, 4) for k, v in m.items() if not k.startswith("sync/")}))
+    pool.shutdown()
     session.shutdown()
     return history
 

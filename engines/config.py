@@ -64,6 +64,11 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     stop: list[str] = Field(default_factory=list, description="Stop strings besides the EOS token.")
     batch_size: int = Field(512, gt=0, description="Sequences generated together per worker.")
+    off_policy_steps: int = Field(
+        0, ge=0, le=1,
+        description="0: synchronous (step k samples with step k's weights). 1: one-step-off async: step k+1's "
+        "rollout generates while step k trains, with weights one update behind.",
+    )
 
 
 class RewardConfig(Section):
@@ -167,6 +172,15 @@ class StorageConfig(Section):
         return opts
 
 
+class WeightSyncConfig(Section):
+    transport: Literal["ray", "store"] = Field(
+        "ray",
+        description="ray: tensors go actor to actor through Ray's object store, bucket by bucket. store: rank 0 "
+        "writes safetensors under the run store and rollout workers read them (works wherever the store does).",
+    )
+    bucket_mb: float = Field(64, gt=0, description="Size of one weight bucket, MiB.")
+
+
 class OrchestrationConfig(Section):
     flow_retries: int = Field(0, ge=0, description="Prefect retries of a failed flow run; each resumes from the store.")
     task_retries: int = Field(0, ge=0, description="Retries of rollout, reward, checkpoint and eval (safe to rerun).")
@@ -189,6 +203,7 @@ class RLConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
 
     @model_validator(mode="after")
@@ -198,6 +213,11 @@ class RLConfig(Section):
             raise ValueError(
                 f"train: rollout.prompts_per_step * rollout.samples_per_prompt = {batch} must divide evenly "
                 f"into train.num_workers ({self.train.num_workers}) x train.mini_batches ({self.train.mini_batches})"
+            )
+        if self.rollout.off_policy_steps and not self.checkpoint.save_rollouts:
+            raise ValueError(
+                "checkpoint.save_rollouts: must be true with rollout.off_policy_steps > 0 (a resumed run needs the "
+                "batch the last checkpoint's weights did not generate)"
             )
         if self.model.hidden_size % self.model.num_heads or self.model.num_heads % self.model.num_kv_heads:
             raise ValueError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")

@@ -8,6 +8,7 @@ them directly, with or without Ray.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +28,8 @@ from engines.rewards import compute_rewards, load_reward_fn
 from engines.rollout_torch import TorchRolloutBackend, concat_packed, split_packed
 from engines.sampling import SamplingParams
 from engines.train_torch import TorchTrainBackend
-from engines.weight_sync import plan_buckets
-
-SYNC_BUCKET_BYTES = 64 * 1024 * 1024
+from engines.weight_sync import plan_buckets, version_dir
+from tasks.run_store import RunStore
 
 
 @dataclass
@@ -76,10 +76,14 @@ class RLSession:
             load_prompts(cfg.data.eval_path, cfg.data.prompt_key, cfg.data.label_key) if cfg.data.eval_path else []
         )
         self.cursor = PromptCursor(len(self.train_rows), cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle)
-        self.weight_version = 0
-        self.current: StepState | None = None
+        self.weight_version = 0  # of the trainer's weights: the number of syncs so far
+        # steps in flight: with one-step-off async, step k+1's rollout runs (in another thread) while step k
+        # trains, so two steps can be open at once
+        self._states: dict[int, StepState] = {}
         self._weight_layout: list[tuple[str, int]] | None = None
         self._rows_taken: tuple[int, list[dict]] | None = None
+        self._cursor_after: dict[int, dict] = {}  # data cursor state right after each step took its prompts
+        self._tokenizer_lock = threading.Lock()  # the rollout thread and the main thread share the tokenizer
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
@@ -116,7 +120,7 @@ class RLSession:
         group = self.cfg.rollout.samples_per_prompt
         prompt_ids = [ids for r in rows for ids in [self._encode(r["prompt"])] * group]
         gen = self._generate(prompt_ids, self._sampling(self.cfg.rollout.temperature), seed=self._seed(step))
-        self.current = StepState(step, rows, prompt_ids, gen)
+        self._open(StepState(step, rows, prompt_ids, gen))
         metrics = _generation_metrics(gen)
         return metrics | {"rollout/tokens_per_s": metrics["rollout/tokens"] / (time.perf_counter() - t0)}
 
@@ -148,13 +152,15 @@ class RLSession:
             "stopped": table.column("stopped").to_numpy(zero_copy_only=False),
             "weight_version": table.column("weight_version").to_numpy(),
         }
-        self.current = StepState(step, rows, table.column("prompt_ids").to_pylist(), generated)
+        self._open(StepState(step, rows, table.column("prompt_ids").to_pylist(), generated))
         return _generation_metrics(generated)
 
     def reward(self, step: int) -> dict[str, float]:
         st = self._state(step)
         group = self.cfg.rollout.samples_per_prompt
-        st.responses = self.tokenizer.batch_decode(split_packed(st.generated, "output_ids"), skip_special_tokens=True)
+        with self._tokenizer_lock:
+            st.responses = self.tokenizer.batch_decode(split_packed(st.generated, "output_ids"),
+                                                       skip_special_tokens=True)
         prompts = [r["prompt"] for r in st.rows for _ in range(group)]
         labels = [r["label"] for r in st.rows for _ in range(group)]
         st.rewards = torch.tensor(
@@ -179,6 +185,13 @@ class RLSession:
 
     def train(self, step: int) -> dict[str, float]:
         st = self._state(step)
+        staleness = self.weight_version - st.generated["weight_version"]
+        if staleness.max() > self.cfg.rollout.off_policy_steps:
+            raise RuntimeError(
+                f"step {step}: samples from weight version {st.generated['weight_version'].min()} are "
+                f"{staleness.max()} updates behind the trainer (version {self.weight_version}); "
+                f"rollout.off_policy_steps allows {self.cfg.rollout.off_policy_steps}"
+            )
         batch = pack_samples(
             st.prompt_ids, split_packed(st.generated, "output_ids"), split_packed(st.generated, "output_logprobs"),
             st.advantages, self.tokenizer.pad_token_id,
@@ -190,7 +203,8 @@ class RLSession:
         tokens = float(batch["attention_mask"].sum())
         worker_s = results[0].pop("worker_s")
         return {f"train/{k}": v for k, v in results[0].items()} | {
-            "train/tokens_per_s": tokens / dt, "time/train_worker": worker_s}
+            "train/tokens_per_s": tokens / dt, "time/train_worker": worker_s,
+            "train/staleness_mean": float(staleness.mean()), "train/staleness_max": float(staleness.max())}
 
     def sync_weights(self, step: int) -> dict[str, float]:
         """Send the trainer's weights to every rollout worker, bucket by bucket, as version step+1."""
@@ -199,9 +213,18 @@ class RLSession:
             self._weight_layout = self.train_group.call_rank0("weight_layout")
         layout = self._weight_layout
         version = step + 1
-        for names in plan_buckets(layout, SYNC_BUCKET_BYTES):
-            tensors = self.train_group.submit_rank0("named_tensors", names)
-            self.rollout_group.call("update_weights", tensors, version)
+        ws = self.cfg.weight_sync
+        buckets = plan_buckets(layout, int(ws.bucket_mb * 1024 * 1024))
+        if ws.transport == "ray":
+            for names in buckets:
+                tensors = self.train_group.submit_rank0("named_tensors", names)
+                self.rollout_group.call("update_weights", tensors, version)
+        else:
+            storage, run = self.cfg.storage, self.cfg.name
+            for i, names in enumerate(buckets):
+                self.train_group.call_rank0("put_weights_to_store", storage, run, version, i, names)
+                self.rollout_group.call("update_weights_from_store", storage, run, version, i)
+            RunStore(storage, run).remove(*version_dir(version))
         self.weight_version = version
         nbytes = sum(b for _, b in layout)
         dt = time.perf_counter() - t0
@@ -240,11 +263,14 @@ class RLSession:
         ]
 
     # ---- checkpoints ---------------------------------------------------------------------------------
-    def save(self, path: str | Path) -> dict:
-        """Every worker saves its state into `path`; returns the controller state to store beside it."""
+    def save(self, path: str | Path, step: int) -> dict:
+        """Every worker saves its state into `path`; returns the controller state to store beside it.
+
+        The cursor is saved as it was after `step` took its prompts: with one-step-off async the next
+        step has already taken its own, and a resumed run reuses that batch from the store."""
         self.train_group.call("save", str(path))
         self.tokenizer.save_pretrained(Path(path) / "model")  # so model/ loads with transformers as it is
-        return {"cursor": self.cursor.state_dict(), "weight_version": self.weight_version}
+        return {"cursor": self._cursor_after[step], "weight_version": self.weight_version}
 
     def load(self, path: str | Path, controller_state: dict) -> None:
         self.train_group.call("load", str(path))
@@ -258,15 +284,25 @@ class RLSession:
         """The step's prompts; asking again for the same step (a retried task) does not move the cursor."""
         if self._rows_taken is None or self._rows_taken[0] != step:
             self._rows_taken = (step, [self.train_rows[i] for i in self.cursor.next_batch()])
+            self._cursor_after[step] = self.cursor.state_dict()
         return self._rows_taken[1]
 
+    def _open(self, st: StepState) -> None:
+        """Make `st` the step's state; steps two or more behind are finished and dropped."""
+        self._states[st.step] = st
+        for old in [k for k in self._states if k < st.step - 1]:
+            del self._states[old]
+        for old in [k for k in self._cursor_after if k < st.step - 1]:
+            del self._cursor_after[old]
+
     def _state(self, step: int) -> StepState:
-        if self.current is None or self.current.step != step:
+        if step not in self._states:
             raise RuntimeError(f"step {step}: no rollout in flight (run the rollout stage first)")
-        return self.current
+        return self._states[step]
 
     def _encode(self, prompt: str) -> list[int]:
-        return self.tokenizer(prompt)["input_ids"]
+        with self._tokenizer_lock:
+            return self.tokenizer(prompt)["input_ids"]
 
     def _sampling(self, temperature: float) -> SamplingParams:
         r = self.cfg.rollout

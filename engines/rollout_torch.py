@@ -16,8 +16,10 @@ import torch
 from transformers import DynamicCache
 
 from engines.algorithms import token_logprobs
+from engines.config import StorageConfig
 from engines.model import load_model, load_tokenizer
 from engines.sampling import SamplingParams, sample_tokens, scaled_logits
+from engines.weight_sync import get_bucket
 
 
 @dataclass
@@ -60,6 +62,14 @@ class TorchRolloutBackend:
         if version is not None:
             self.weight_version = version
         return self.weight_version
+
+    def update_weights_from_store(self, storage: StorageConfig, run: str, version: int, index: int) -> int:
+        """Load bucket `index` of weight version `version` from the run store (the `store` transport)."""
+        return self.update_weights(get_bucket(storage, run, version, index), version)
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights generation uses now, HF-named (tests compare them across transports)."""
+        return [(n, p.detach().cpu().clone()) for n, p in self.params.items()]
 
     # ---- generation ----------------------------------------------------------------------------------
     @torch.no_grad()

@@ -21,9 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from engines import algorithms
 from engines.batch import TrainBatch, batch_size, select
-from engines.config import AlgorithmConfig, TrainConfig
+from engines.config import AlgorithmConfig, StorageConfig, TrainConfig
 from engines.model import DTYPES, load_model
 from engines.sampling import scaled_logits
+from engines.weight_sync import put_bucket
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -172,6 +173,12 @@ class TorchTrainBackend:
         """HF-named weights (all, or the named ones) on CPU: what weight sync sends to rollout engines."""
         params = dict(self.model.named_parameters())
         return [(n, params[n].detach().cpu()) for n in (names or list(params))]
+
+    def put_weights_to_store(
+        self, storage: StorageConfig, run: str, version: int, index: int, names: list[str]
+    ) -> None:
+        """Write bucket `index` (these weights) of weight version `version` to the run store."""
+        put_bucket(storage, run, version, index, self.named_tensors(names))
 
     def weight_layout(self) -> list[tuple[str, int]]:
         """(name, bytes) of every weight, in order: lets the sync plan buckets without moving tensors."""

@@ -3,11 +3,26 @@
 The trainer's rank 0 holds full weights (data parallel), so it is the only sender. Buckets bound the
 memory a transfer holds at once; the version travels with every update so each generated sample
 records which policy produced it.
+
+Two transports, chosen by `weight_sync.transport`:
+- ray: rank 0's bucket goes to every rollout worker as one Ray object, actor to actor (in memory).
+- store: rank 0 writes each bucket as a safetensors file under `<run>/weights/v<version>/` in the run
+  store and the rollout workers read it. Slower, but works wherever the store does (across clusters,
+  to a rollout fleet outside Ray), and nothing but plain tensors travels.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from engines.config import StorageConfig
+from tasks.run_store import RunStore
+
+NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 def plan_buckets(layout: list[tuple[str, int]], bucket_bytes: int) -> Iterator[list[str]]:
@@ -21,3 +36,17 @@ def plan_buckets(layout: list[tuple[str, int]], bucket_bytes: int) -> Iterator[l
         size += nbytes
     if bucket:
         yield bucket
+
+
+def version_dir(version: int) -> tuple[str, str]:
+    return "weights", f"v{version:08d}"
+
+
+def put_bucket(storage: StorageConfig, run: str, version: int, index: int, tensors: NamedTensors) -> None:
+    data = save_safetensors({name: t.contiguous() for name, t in tensors})
+    RunStore(storage, run).write_bytes(data, *version_dir(version), f"bucket-{index:04d}.safetensors")
+
+
+def get_bucket(storage: StorageConfig, run: str, version: int, index: int) -> NamedTensors:
+    data = RunStore(storage, run).read_bytes(*version_dir(version), f"bucket-{index:04d}.safetensors")
+    return list(load_safetensors(data).items())

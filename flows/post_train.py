@@ -2,6 +2,9 @@
 
     rollout -> reward -> advantages -> train -> sync weights -> (eval) -> log metrics -> (checkpoint)
 
+With rollout.off_policy_steps = 1 (one-step-off async) step k+1's rollout task is submitted before step
+k's reward and runs beside it; sync waits for it, so a sample is never more than one update stale.
+
 Prefect carries step numbers and metric dicts; tensors stay in the Ray actors and the run store.
 """
 
@@ -28,14 +31,21 @@ def post_train(config: RLConfig) -> dict[str, float]:
     last = config.train.steps - 1
     metrics: dict[str, float] = {}
     status = "FAILED"
+    one_step_off = config.rollout.off_policy_steps == 1
+    ahead: dict[str, float] | None = None  # one-step-off: this step's rollout metrics, generated last step
     try:
         for step in range(run.start_step, config.train.steps):
             t0 = time.perf_counter()
-            metrics = {}
-            metrics |= s.rollout(run, step)
+            metrics, ahead = (ahead if ahead is not None else s.rollout(run, step)), None
+            # one-step-off: the next step generates (with the weights this step started from) while this one trains
+            upcoming = s.rollout.submit(run, step + 1) if one_step_off and step < last else None
             metrics |= s.reward(run, step)
             metrics |= s.advantages(run, step)
             metrics |= s.train(run, step)
+            if upcoming is not None:  # the sync below must not change weights under a generation in flight
+                tw = time.perf_counter()
+                ahead = upcoming.result()
+                metrics["time/rollout_wait"] = time.perf_counter() - tw
             metrics |= s.sync_weights(run, step)
             if config.data.eval_path and _due(config.eval.every, step, last):
                 metrics |= s.evaluate(run, step)

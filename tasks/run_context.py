@@ -47,7 +47,7 @@ class RunContext:
         t0 = time.perf_counter()
         self.tracker.flush()
         with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
-            controller = self.session.save(tmp)
+            controller = self.session.save(tmp, step)
             meta = {"step": step, "next_step": step + 1, "mlflow_run_id": self.tracker.run_id, **controller}
             uri = self.store.commit_checkpoint(step, tmp, meta)
         pruned = self.store.prune(self.cfg.checkpoint.keep_last)
