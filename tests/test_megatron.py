@@ -281,3 +281,62 @@ def test_parallel_layouts_train_like_one_torch_worker(parallel_runs, hf_models, 
     for k, v in metrics.items():
         assert results["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
     assert_same_weights(dict(torch_be.named_tensors()), weights)
+
+
+# ----------------------------------------------------------------------------- in the RL loop
+
+
+def test_rl_session_trains_and_syncs_with_megatron(recipe, mcore, tmp_path):
+    """train.backend: megatron in the bare RL loop: steps run, the rollout engine gets the trainer's weights, and
+    a checkpoint restores them."""
+    from engines.rl import RLSession, prepare_data, prepare_model
+
+    cfg = recipe(train={"steps": 2, "threads": 1, "backend": "megatron", "mini_batches": 2},
+                 megatron={"micro_batch_tokens": 64})
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
+    trainer, rollout = session.train_group.workers[0], session.rollout_group.workers[0]
+    for step in range(2):
+        session.rollout(step)
+        session.reward(step)
+        session.advantages(step)
+        metrics = session.train(step)
+        assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
+        session.sync_weights(step)
+    exported = dict(trainer.named_tensors())
+    for name, p in rollout.model.named_parameters():
+        assert torch.equal(p.detach(), exported[name]), name
+    controller = session.save(tmp_path / "ckpt")
+    session.load(tmp_path / "ckpt", controller)
+    assert rollout.weight_version == 2
+
+
+def test_ray_tensor_parallel_group_syncs_gathered_weights(recipe, mcore, tmp_path):
+    """Two Ray actors as one TP=2 group: each trains its half of every weight, and weight sync (a collective
+    gather through both actors) hands the rollout engine the full tensors."""
+    import ray
+
+    from engines.rl import RLSession, prepare_data, prepare_model
+
+    cfg = recipe(train={"steps": 1, "threads": 1, "backend": "megatron", "num_workers": 2},
+                 megatron={"tensor_parallel": 2}, cluster={"num_cpus": 2})
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=True)
+    try:
+        session.rollout(0)
+        session.reward(0)
+        session.advantages(0)
+        metrics = session.train(0)
+        session.sync_weights(0)
+        assert math.isfinite(metrics["train/loss"])
+        ranks = session.train_group.call("data_parallel_rank")
+        assert ranks == [0, 0]  # one TP group: both ranks train on the same data
+        gathered = session.train_group.wait(session.train_group.submit("named_tensors", None))
+        assert gathered[1] == []  # only rank 0 holds the full tensors
+        rollout = session.rollout_group.workers[0]
+        synced = dict(ray.get(rollout.__ray_call__.remote(lambda w: list(w.model.state_dict().items()))))
+        for name, t in gathered[0]:
+            assert torch.equal(synced[name], t), name
+    finally:
+        session.shutdown()
+        ray.shutdown()

@@ -55,15 +55,13 @@ def _on_device(method):
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        device = self.device if hasattr(self, "device") else args[1].device  # __init__(model_path, train, ...)
-        with device_context(device):
+        with device_context(self.device):
             return method(self, *args, **kwargs)
 
     return run
 
 
 class MegatronTrainBackend:
-    @_on_device
     def __init__(
         self,
         model_path: str,
@@ -83,16 +81,21 @@ class MegatronTrainBackend:
         self.temperature, self.norm_len = temperature, norm_len
         self.rank, self.world_size, self.device = rank, world_size, train.device
         self.model_path = model_path
+        with device_context(self.device):
+            self._build(dist_url, seed)
+
+    def _build(self, dist_url: str | None, seed: int) -> None:
+        """Process groups, model (from the HF weights), DDP wrapper, optimizer, and the reference model."""
+        rank, world_size, train, algorithm = self.rank, self.world_size, self.cfg, self.algo
         init_parallel(rank, world_size, dist_url, self.mcfg, self.device, seed)
         torch.manual_seed(seed + rank)
-        self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.spec = spec_from_hf(self.hf_config)
         self.dtype = DTYPES[train.precision]
         self.use_te = use_transformer_engine(self.mcfg, self.device)
         self.tf_config = transformer_config(self.spec, self.mcfg, self.dtype, self.device)
         self.pp = self.mcfg.pipeline_parallel
         self.tp = self.mcfg.tensor_parallel
-
         self.core = self._load_core()
         ddp_config = DistributedDataParallelConfig(**({
             "grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
