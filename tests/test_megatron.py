@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralC
 
 from engines.batch import shard_for_workers
 from engines.config import AlgorithmConfig, MegatronConfig
+from engines.megatron.checkpoint import optimizer_state
 from engines.megatron.hf_config import UnsupportedModel, spec_from_hf
 from engines.megatron.microbatch import micro_batches, restore_width
 from engines.megatron.weights import (
@@ -206,22 +207,28 @@ def assert_same_weights(ref: dict[str, torch.Tensor], got: dict[str, torch.Tenso
     assert diffs.mean() < 1e-6 and diffs.quantile(0.999) < 1e-5 and diffs.max() < 1e-3
 
 
-def test_checkpoint_resume_is_exact(hf_models, mcore, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_checkpoint_resume_is_exact(hf_models, mcore, tmp_path, precision):
+    """save -> load -> next step equals never stopping (bf16: the fp32 master weights come back too)."""
     path = hf_models["qwen3"][0]
     batch = toy_batch()
     batch = {**batch, "old_logprobs": batch["old_logprobs"] * 0.5}
-    first = _backend(path)
+    first = _backend(path, train_config(precision=precision))
     first.train_step(batch)
     first.save(tmp_path / "ckpt")
     expected = first.train_step(batch), dict(first.named_tensors())
-    resumed = _backend(path)
+    resumed = _backend(path, train_config(precision=precision))
     resumed.load(tmp_path / "ckpt")
     got = resumed.train_step(batch), dict(resumed.named_tensors())
     assert got[0] == expected[0]
     for name, t in expected[1].items():
         assert torch.equal(got[1][name], t), name
+    # fp32 master weights and Adam moments, after the step, too (bf16 weights alone would hide a lost master copy)
+    (main_a, steps_a), (main_b, steps_b) = optimizer_state(first.optimizer), optimizer_state(resumed.optimizer)
+    assert steps_a == steps_b and main_a.keys() == main_b.keys()
+    assert all(torch.equal(main_a[k], main_b[k]) for k in main_a)
     # the stored model is a plain HF checkpoint
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model", dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
     assert set(hf.state_dict()) >= set(expected[1])
 
 

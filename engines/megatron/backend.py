@@ -204,7 +204,7 @@ class MegatronTrainBackend:
         if non_loss_data:  # forward only: the logprobs themselves
             return token_logprobs(output, mb["input_ids"].to(output.device), self.temperature)[0]
         loss, vec = self._loss(mb, output)
-        return loss, mb["loss_mask"].sum().int(), {"metrics": vec}
+        return loss, mb["loss_mask"].sum().int().to(output.device), {"metrics": vec}
 
     # ---- training ------------------------------------------------------------------------------------
     def _rl_loss(self, logprobs, old_logprobs, advantages, mask, *, ref, entropy):

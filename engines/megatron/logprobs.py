@@ -27,7 +27,8 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     z = logits - top
     e = z.exp()
     total = tensor_parallel.reduce_from_tensor_model_parallel_region(e.sum(-1))
-    weighted = tensor_parallel.reduce_from_tensor_model_parallel_region((e * z).sum(-1))
+    e_z = e * z if torch.is_grad_enabled() else e.mul_(z)  # a metric needs no graph: reuse e's memory
+    weighted = tensor_parallel.reduce_from_tensor_model_parallel_region(e_z.sum(-1))
     return total.log() - weighted / total
 
 
@@ -37,18 +38,19 @@ def token_logprobs(
     """Logprobs [B, L] aligned with input_ids (column t: log p(x_t | x_<t), column 0 is 0), and optionally the
     entropy of each next-token distribution, aligned the same way.
 
-    logits are [B, L, V/tp] from the model. entropy: "none", "metric" (no gradient) or "loss" (with gradient).
+    logits are [B, L, V/tp] from the model, overwritten here. entropy: "none", "metric" (no gradient) or "loss"
+    (with gradient).
     """
-    z = scaled_logits(logits, temperature)  # float32; the distribution the rollout sampled from
+    # float32 logits of the distribution the rollout sampled from (dividing by a temperature of 1 would only copy)
+    z = logits.float() if temperature in (0.0, 1.0) else scaled_logits(logits, temperature)
     ent = None
     if entropy != "none":
         with torch.set_grad_enabled(entropy == "loss" and torch.is_grad_enabled()):
             ent = _shift(vocab_parallel_entropy(z))
-    # vocab_parallel_cross_entropy works in place on its input; z is fresh unless logits were float32 already at
-    # temperature 1 (the entropy's graph saves exp(z - max) and z - max, never z itself)
-    ce_input = z.clone() if z is logits else z
+    # vocab_parallel_cross_entropy overwrites its input: the logits are consumed here (no backward needs them: the
+    # output layer's saves its input and weight, the entropy's graph exp(z - max) and z - max)
     target = torch.roll(input_ids, shifts=-1, dims=1)  # position t predicts x_{t+1}; the last one is dropped
-    logp = -tensor_parallel.vocab_parallel_cross_entropy(ce_input, target)
+    logp = -tensor_parallel.vocab_parallel_cross_entropy(z, target)
     return _shift(logp), ent
 
 
