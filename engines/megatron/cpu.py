@@ -2,10 +2,10 @@
 
 megatron-core assumes CUDA throughout: buffers are made with device="cuda" or on `torch.cuda.current_device()`,
 tensors are moved with `.cuda()`, optimizers check for 'torch.cuda.*Tensor' types, pipeline exchanges call
-`torch.cuda.synchronize()`, and attention forks the CUDA RNG tracker (for dropout, which the mapped models do
-not use). While a call of the backend runs on CPU, a torch function mode turns every CUDA device into the CPU
-and names CPU tensor types as CUDA ones, current_device() answers "cpu", synchronize() returns, and the tracker
-forks nothing; all is restored afterwards.
+`torch.cuda.synchronize()`, gradient buffers wait on `current_stream()`, and attention forks the CUDA RNG tracker
+(for dropout, which the mapped models do not use). While a call of the backend runs on CPU, a torch function mode
+turns every CUDA device into the CPU and names CPU tensor types as CUDA ones, current_device() answers "cpu",
+synchronize() and stream waits return, and the tracker forks nothing; all is restored afterwards.
 """
 
 from __future__ import annotations
@@ -40,6 +40,19 @@ def _is_cuda(device: object) -> bool:
     return isinstance(device, torch.device) and device.type == "cuda"
 
 
+class _NoStream:
+    """Stands in for the current CUDA stream: CPU work is already in order, so waiting is a no-op."""
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class _NoRngTracker:
     """Stands in for megatron's CUDA RNG tracker: dropout is 0, so there is no random state to fork."""
 
@@ -51,6 +64,7 @@ class _NoRngTracker:
 
 
 _TRACKER = _NoRngTracker()
+_STREAM = _NoStream()
 
 
 @contextlib.contextmanager
@@ -58,17 +72,18 @@ def cpu_shim() -> Iterator[None]:
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import random as tp_random
 
-    saved = (torch.cuda.current_device, torch.cuda.synchronize, tensor_parallel.get_cuda_rng_tracker,
-             tp_random.get_cuda_rng_tracker)
+    saved = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream,
+             tensor_parallel.get_cuda_rng_tracker, tp_random.get_cuda_rng_tracker)
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # CPU work is synchronous
+    torch.cuda.current_stream = lambda device=None: _STREAM  # type: ignore[assignment]  (megatron-core 0.19)
     tensor_parallel.get_cuda_rng_tracker = tp_random.get_cuda_rng_tracker = lambda *a, **k: _TRACKER
     try:
         with _CudaToCpu():
             yield
     finally:
-        (torch.cuda.current_device, torch.cuda.synchronize, tensor_parallel.get_cuda_rng_tracker,
-         tp_random.get_cuda_rng_tracker) = saved
+        (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream,
+         tensor_parallel.get_cuda_rng_tracker, tp_random.get_cuda_rng_tracker) = saved
 
 
 def device_context(device: str) -> contextlib.AbstractContextManager:
