@@ -166,6 +166,10 @@ class MegatronTrainBackend:
         multiple = self.tp if self.tf_config.sequence_parallel else 1
         return micro_batches(batch, self.cfg.micro_batch_size, self.mcfg.micro_batch_tokens, multiple)
 
+    def _on_dev(self, micro: list[TrainBatch]) -> list[TrainBatch]:
+        """All micro-batches to the device at once: a copy per micro-batch would wait for the GPU each time."""
+        return [{k: v.to(self._dev(), non_blocking=True) for k, v in part.items()} for part in micro]
+
     @_on_device
     @torch.no_grad()
     def forward_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
@@ -175,7 +179,7 @@ class MegatronTrainBackend:
         if model is None:
             raise ValueError("forward_logprobs(reference=True) needs algorithm.kl_coef > 0")
         model.eval()
-        micro, width = self._micro(batch), batch["input_ids"].shape[1]
+        micro, width = self._on_dev(self._micro(batch)), batch["input_ids"].shape[1]
         if self.pp == 1:
             parts = [token_logprobs(self._run(model, mb), mb["input_ids"].to(self._dev()), self.temperature)[0]
                      for mb in micro]
@@ -250,6 +254,7 @@ class MegatronTrainBackend:
         micro = self._micro(mb)
         for part in micro:
             part["share"] = algorithms.aggregation_weight(part["loss_mask"], mode).double() / total.cpu().clamp(min=1)
+        micro = self._on_dev(micro)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         if self.pp == 1:
