@@ -347,3 +347,21 @@ def test_ray_tensor_parallel_group_syncs_gathered_weights(recipe, mcore, tmp_pat
     finally:
         session.shutdown()
         ray.shutdown()
+
+
+def test_preflight_reports_models_the_mapping_cannot_take(recipe, hf_models, mcore, tmp_path):
+    from transformers import MistralConfig
+
+    from engines.preflight import find_problems
+
+    MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2).save_pretrained(tmp_path / "mistral")
+    cases = {str(tmp_path / "mistral"): (1, "model_type"), hf_models["llama"][0]: (4, "num_key_value_heads=2")}
+    for path, (tp, message) in cases.items():
+        cfg = recipe(model={"path": path}, train={"backend": "megatron", "num_workers": tp},
+                     megatron={"tensor_parallel": tp})
+        problems = [p for p in find_problems(cfg) if p.startswith("model.path")]
+        assert len(problems) == 1 and message in problems[0], problems
+    ok = recipe(model={"path": hf_models["qwen2"][0]}, train={"backend": "megatron", "num_workers": 2},
+                megatron={"tensor_parallel": 2})
+    assert not [p for p in find_problems(ok) if p.startswith("model.path")]
