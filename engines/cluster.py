@@ -41,6 +41,14 @@ class LocalWorkerGroup:
         """Start a call on rank 0 and return a handle another group's `call` accepts as an argument."""
         return self.call_rank0(method, *args, **kwargs)
 
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Start a call on every worker (a collective); handles in rank order, for another group's `call`."""
+        return self.call(method, *args, **kwargs)
+
+    def wait(self, handles: Sequence[Any]) -> list[Any]:
+        """Results of `submit` handles (raises a worker's error)."""
+        return list(handles)
+
     def shutdown(self) -> None:
         self.workers.clear()
 
@@ -89,6 +97,15 @@ class RayWorkerGroup:
     def submit_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """An ObjectRef: passed to another group's `call`, the data goes actor to actor, not via the driver."""
         return getattr(self.workers[0], method).remote(*args, **kwargs)
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """One ObjectRef per worker (a collective every rank must join), in rank order."""
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+    def wait(self, handles: Sequence[Any]) -> list[Any]:
+        import ray
+
+        return ray.get(list(handles))
 
     def shutdown(self) -> None:
         import ray

@@ -97,8 +97,13 @@ class AlgorithmConfig(Section):
 
 
 class TrainConfig(Section):
-    backend: Literal["torch"] = Field("torch", description="Train engine: the native PyTorch backend.")
-    num_workers: int = Field(1, gt=0, description="Data-parallel workers (gloo on CPU, nccl on GPU).")
+    backend: Literal["torch", "megatron"] = Field(
+        "torch", description="Train engine: the native PyTorch backend, or Megatron-core (see the megatron section)."
+    )
+    num_workers: int = Field(
+        1, gt=0, description="Train workers (gloo on CPU, nccl on GPU): data-parallel copies for torch; "
+        "tensor x pipeline x data-parallel ranks for megatron."
+    )
     steps: int = Field(100, gt=0, description="RL iterations.")
     lr: float = Field(3e-3, gt=0.0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
@@ -113,6 +118,33 @@ class TrainConfig(Section):
     precision: Literal["fp32", "bf16"] = "fp32"
     threads: int = Field(2, gt=0, description="torch threads per worker.")
     device: Literal["cpu", "cuda"] = "cpu"
+
+
+class MegatronConfig(Section):
+    """The Megatron-core backend (train.backend: megatron). The three dicts reach megatron-core untouched."""
+
+    tensor_parallel: int = Field(1, gt=0, description="Tensor-parallel size.")
+    pipeline_parallel: int = Field(1, gt=0, description="Pipeline-parallel size.")
+    micro_batch_tokens: int = Field(
+        0, ge=0, description="Token budget of one micro-batch (rows x padded length); 0: train.micro_batch_size rows."
+    )
+    use_distributed_optimizer: bool = Field(True, description="Shard optimizer state over data-parallel ranks.")
+    transformer_engine: bool | None = Field(
+        None, description="Build layers from Transformer Engine; empty: when it is installed."
+    )
+    transformer: dict[str, Any] = Field(
+        default_factory=dict, description="Extra TransformerConfig keyword arguments (override the derived ones)."
+    )
+    optimizer: dict[str, Any] = Field(
+        default_factory=dict, description="Extra OptimizerConfig keyword arguments (override the derived ones)."
+    )
+    ddp: dict[str, Any] = Field(
+        default_factory=dict, description="Extra DistributedDataParallelConfig keyword arguments."
+    )
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
 
 
 class ClusterConfig(Section):
@@ -198,6 +230,7 @@ class RLConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -208,11 +241,16 @@ class RLConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RLConfig:
+        mp = self.megatron.model_parallel
+        if self.train.backend == "megatron" and self.train.num_workers % mp:
+            raise ValueError(f"train.num_workers ({self.train.num_workers}) must be a multiple of "
+                             f"megatron.tensor_parallel x megatron.pipeline_parallel ({mp})")
         batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
-        if batch % (self.train.num_workers * self.train.mini_batches) != 0:
+        if batch % (self.data_parallel_size * self.train.mini_batches) != 0:
             raise ValueError(
                 f"train: rollout.prompts_per_step * rollout.samples_per_prompt = {batch} must divide evenly "
-                f"into train.num_workers ({self.train.num_workers}) x train.mini_batches ({self.train.mini_batches})"
+                f"into {self.data_parallel_size} data-parallel workers x train.mini_batches "
+                f"({self.train.mini_batches})"
             )
         if self.rollout.off_policy_steps and not self.checkpoint.save_rollouts:
             raise ValueError(
@@ -222,6 +260,12 @@ class RLConfig(Section):
         if self.model.hidden_size % self.model.num_heads or self.model.num_heads % self.model.num_kv_heads:
             raise ValueError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
         return self
+
+    @property
+    def data_parallel_size(self) -> int:
+        if self.train.backend == "megatron":
+            return self.train.num_workers // self.megatron.model_parallel
+        return self.train.num_workers
 
 
 class RecipeError(ValueError):

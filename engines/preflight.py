@@ -5,6 +5,7 @@ Problems are collected, not raised one at a time, so `rlflow validate` reports a
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from engines.config import RecipeError, RLConfig
@@ -28,7 +29,27 @@ def find_problems(cfg: RLConfig) -> list[str]:
         load_reward_fn(cfg.reward.fn)
     except RewardError as e:
         problems.append(str(e))
+    if cfg.train.backend == "megatron":
+        problems += _megatron_problems(cfg)
     return problems
+
+
+def _megatron_problems(cfg: RLConfig) -> list[str]:
+    """megatron-core installed, and the model one the HF <-> Megatron mapping reproduces at this TP size."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        return ["train.backend: megatron needs megatron-core (pip install '.[megatron]')"]
+    if not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
+        return []  # a model built from the recipe is a Llama or Qwen2; a missing path is reported above
+    from transformers import AutoConfig
+
+    from engines.megatron.hf_config import UnsupportedModel, spec_from_hf
+    from engines.megatron.weights import check_tensor_parallel
+
+    try:
+        check_tensor_parallel(spec_from_hf(AutoConfig.from_pretrained(cfg.model.path)), cfg.megatron.tensor_parallel)
+    except (UnsupportedModel, ValueError) as e:
+        return [f"model.path: {e}"]
+    return []
 
 
 def check(cfg: RLConfig, source: str = "<config>") -> RLConfig:

@@ -77,6 +77,9 @@ class RLSession:
         )
         self.cursor = PromptCursor(len(self.train_rows), cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle)
         self.weight_version = 0  # of the trainer's weights: the number of syncs so far
+        # megatron shards weights over ranks: exporting them is a collective every train rank joins
+        self.collective_weights = cfg.train.backend == "megatron"
+        self._dp_ranks: list[int] | None = None
         # steps in flight: with one-step-off async, step k+1's rollout runs (in another thread) while step k
         # trains, so two steps can be open at once
         self._states: dict[int, StepState] = {}
@@ -92,17 +95,19 @@ class RLSession:
         use_ray = cfg.cluster.use_ray if use_ray is None else use_ray
         train_kwargs = _train_kwargs(cfg, model_path)
         rollout_kwargs = _rollout_kwargs(cfg, model_path)
+        train_cls = train_backend_class(cfg)
         if not use_ray:
-            train = LocalWorkerGroup([TorchTrainBackend(**train_kwargs(0))])
             if cfg.train.num_workers > 1:
                 raise ValueError("train.num_workers > 1 needs cluster.use_ray: true")
+            train = LocalWorkerGroup([train_cls(**train_kwargs(0))])
             rollout = LocalWorkerGroup(
                 [TorchRolloutBackend(**rollout_kwargs(r)) for r in range(cfg.rollout.num_workers)]
             )
         else:
             init_ray(cfg.cluster)
             cpus = cfg.cluster.cpus_per_worker
-            train = RayWorkerGroup(TorchTrainBackend, cfg.train.num_workers, train_kwargs, cpus, f"{cfg.name}-train")
+            gpus = 1 if cfg.train.backend == "megatron" and cfg.train.device == "cuda" else 0  # one GPU per rank
+            train = RayWorkerGroup(train_cls, cfg.train.num_workers, train_kwargs, cpus, f"{cfg.name}-train", gpus)
             rollout = RayWorkerGroup(
                 TorchRolloutBackend, cfg.rollout.num_workers, rollout_kwargs, cpus, f"{cfg.name}-rollout"
             )
@@ -197,8 +202,10 @@ class RLSession:
             st.advantages, self.tokenizer.pad_token_id,
         )
         t0 = time.perf_counter()
-        shards = shard_for_workers(batch, len(self.train_group), self.cfg.train.mini_batches)
-        results = self.train_group.call_each("train_step", [(s,) for s in shards])
+        if self._dp_ranks is None:  # ranks of one tensor/pipeline-parallel group train on the same shard
+            self._dp_ranks = self.train_group.call("data_parallel_rank")
+        shards = shard_for_workers(batch, max(self._dp_ranks) + 1, self.cfg.train.mini_batches)
+        results = self.train_group.call_each("train_step", [(shards[r],) for r in self._dp_ranks])
         dt = time.perf_counter() - t0
         tokens = float(batch["attention_mask"].sum())
         worker_s = results[0].pop("worker_s")
@@ -217,12 +224,11 @@ class RLSession:
         buckets = plan_buckets(layout, int(ws.bucket_mb * 1024 * 1024))
         if ws.transport == "ray":
             for names in buckets:
-                tensors = self.train_group.submit_rank0("named_tensors", names)
-                self.rollout_group.call("update_weights", tensors, version)
+                self._send_weights(names, version)
         else:
             storage, run = self.cfg.storage, self.cfg.name
             for i, names in enumerate(buckets):
-                self.train_group.call_rank0("put_weights_to_store", storage, run, version, i, names)
+                self._train_rank0("put_weights_to_store", storage, run, version, i, names)
                 self.rollout_group.call("update_weights_from_store", storage, run, version, i)
             RunStore(storage, run).remove(*version_dir(version))
         self.weight_version = version
@@ -276,10 +282,26 @@ class RLSession:
         self.train_group.call("load", str(path))
         self.cursor.load_state_dict(controller_state["cursor"])
         self.weight_version = controller_state["weight_version"]
-        tensors = self.train_group.call_rank0("named_tensors")
-        self.rollout_group.call("update_weights", tensors, self.weight_version)
+        self._send_weights(None, self.weight_version)
 
     # ---- helpers -------------------------------------------------------------------------------------
+    def _train_rank0(self, method: str, *args):
+        """Call rank 0's `method`; with sharded weights every rank joins (it gathers collectively)."""
+        if not self.collective_weights:
+            return self.train_group.call_rank0(method, *args)
+        handles = self.train_group.submit(method, *args)
+        self.train_group.wait(handles)
+        return handles
+
+    def _send_weights(self, names: list[str] | None, version: int) -> None:
+        """Train rank 0's HF-named tensors (`names`, or all) to every rollout worker, actor to actor."""
+        if not self.collective_weights:
+            self.rollout_group.call("update_weights", self.train_group.submit_rank0("named_tensors", names), version)
+            return
+        handles = self.train_group.submit("named_tensors", names)  # every rank joins the gather; rank 0 holds it
+        self.rollout_group.call("update_weights", handles[0], version)
+        self.train_group.wait(handles)
+
     def _take_rows(self, step: int) -> list[dict]:
         """The step's prompts; asking again for the same step (a retried task) does not move the cursor."""
         if self._rows_taken is None or self._rows_taken[0] != step:
@@ -330,14 +352,24 @@ def _generation_metrics(gen: dict) -> dict[str, float]:
     }
 
 
+def train_backend_class(cfg: RLConfig) -> type:
+    """The train backend the recipe names (megatron-core is imported only when asked for)."""
+    if cfg.train.backend == "megatron":
+        from engines.megatron.backend import MegatronTrainBackend
+
+        return MegatronTrainBackend
+    return TorchTrainBackend
+
+
 def _train_kwargs(cfg: RLConfig, model_path: str):
     dist_url = f"tcp://127.0.0.1:{free_port()}" if cfg.train.num_workers > 1 else None
     norm_len = cfg.rollout.max_new_tokens
+    extra = {"megatron": cfg.megatron} if cfg.train.backend == "megatron" else {}
 
     def make(rank: int) -> dict:
         return dict(model_path=model_path, train=cfg.train, algorithm=cfg.algorithm,
                     temperature=cfg.rollout.temperature or 1.0, norm_len=norm_len, rank=rank,
-                    world_size=cfg.train.num_workers, dist_url=dist_url, seed=cfg.seed)
+                    world_size=cfg.train.num_workers, dist_url=dist_url, seed=cfg.seed, **extra)
 
     return make
 

@@ -230,6 +230,10 @@ class TorchTrainBackend:
         self.scheduler.load_state_dict(sched | {"lr_lambdas": [None]})
         set_rng_state(state["rng"])
 
+    def data_parallel_rank(self) -> int:
+        """Which shard of the data this worker trains on: every worker is a data-parallel copy."""
+        return self.rank
+
     def pid(self) -> int:
         """This worker's process id (fault-injection drills kill it)."""
         return os.getpid()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engines.rl import RLSession, prepare_data, prepare_model
@@ -20,10 +21,14 @@ def _rollout_weights_after(cfg, tmp_path, steps: int) -> dict[str, torch.Tensor]
         session.shutdown()
 
 
-def test_store_transport_matches_in_memory(recipe, tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_store_transport_matches_in_memory(backend, recipe, tmp_path):
+    if backend == "megatron":
+        pytest.importorskip("megatron.core")
+    train = {"backend": backend, "steps": 2, "threads": 1}
     # 16 KiB buckets: the tiny model's weights travel in several
-    in_memory = _rollout_weights_after(recipe(name="mem", weight_sync={"bucket_mb": 1 / 64}), tmp_path, 2)
-    cfg = recipe(name="store", weight_sync={"transport": "store", "bucket_mb": 1 / 64})
+    in_memory = _rollout_weights_after(recipe(name="mem", train=train, weight_sync={"bucket_mb": 1 / 64}), tmp_path, 2)
+    cfg = recipe(name="store", train=train, weight_sync={"transport": "store", "bucket_mb": 1 / 64})
     via_store = _rollout_weights_after(cfg, tmp_path, 2)
     assert in_memory.keys() == via_store.keys()
     for name in in_memory:

@@ -1,0 +1,210 @@
+"""The measurements of bench/megatron_gpu.py, each run in its own process(es) so one failure or leak cannot touch
+the next. Every function takes (rank, world, ...) and has rank 0 write a JSON result; none needs Ray, Prefect or
+MLflow: they drive the backend classes directly.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engines.batch import TrainBatch, pack_samples
+from engines.config import AlgorithmConfig, MegatronConfig, TrainConfig, load_recipe
+
+# H100 / H200 SXM dense bf16 peak (the MFU denominator); other devices report TFLOP/s only
+PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}
+
+
+def write(out: str, result: dict) -> None:
+    Path(out).write_text(json.dumps(result, indent=1))
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def make_hf_model(out: str, **config) -> str:
+    """A randomly initialised HF Llama saved as bf16 safetensors (both backends load the same values)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    return out
+
+
+def rl_batch(vocab: int, rows: int, max_len: int, seed: int, min_len: int | None = None) -> TrainBatch:
+    """Random token rows (lengths in [min_len, max_len], all max_len if min_len is None), the last 3/4 of each row
+    trained on, advantages of both signs, old logprobs 0 (callers put real ones in)."""
+    g = torch.Generator().manual_seed(seed)
+    if min_len is None:
+        lengths = [max_len] * rows
+    else:
+        lengths = torch.randint(min_len, max_len + 1, (rows,), generator=g).tolist()
+    prompts, responses = [], []
+    for n in lengths:
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        cut = n // 4
+        prompts.append(ids[:cut])
+        responses.append(ids[cut:])
+    adv = torch.randn(rows, generator=g)
+    return pack_samples(prompts, responses, [[0.0] * len(r) for r in responses], adv, pad_id=0)
+
+
+def _mega(model_dir: str, train: TrainConfig, megatron: MegatronConfig, rank: int, world: int, url: str):
+    from engines.megatron.backend import MegatronTrainBackend
+
+    return MegatronTrainBackend(model_dir, train, AlgorithmConfig(), megatron, rank=rank, world_size=world,
+                                dist_url=url)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- (1) logprob parity
+
+
+def parity(rank: int, world: int, model_dir: str, device: str, url: str, out: str) -> None:
+    """Per-token logprobs of the same HF weights in both backends, fp32 and bf16, on mixed-length rows."""
+    from transformers import AutoConfig
+
+    from engines.train_torch import TorchTrainBackend
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    max_len = min(1024, AutoConfig.from_pretrained(model_dir).max_position_embeddings)
+    batch = rl_batch(vocab, rows=8, max_len=max_len, min_len=max_len // 8, seed=1)
+    mask = batch["attention_mask"].bool()
+    mask[:, 0] = False  # column 0 has no logprob
+    result = {"rows": 8, "tokens": int(mask.sum()), "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
+    for precision, tolerance in (("fp32", 1e-4), ("bf16", 2e-2)):
+        train = TrainConfig(device=device, precision=precision, micro_batch_size=4)
+        ref_backend = TorchTrainBackend(model_dir, train, AlgorithmConfig())
+        ref = ref_backend.forward_logprobs(batch)
+        del ref_backend
+        free_memory()
+        mega = _mega(model_dir, train, MegatronConfig(), rank, world, url)
+        got = mega.forward_logprobs(batch)
+        del mega
+        free_memory()
+        diff = (got - ref)[mask].abs()
+        result[precision] = {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+                             "tolerance": tolerance, "pass": bool(diff.max() <= tolerance)}
+        print(f"[parity] {precision}: max |diff| {float(diff.max()):.3e} (tolerance {tolerance}), "
+              f"mean {float(diff.mean()):.3e}", flush=True)
+    write(out, result)
+
+
+# ----------------------------------------------------------------------------- (2) sort demo
+
+
+def sort_demo(rank: int, world: int, backend: str, recipe: str, steps: int, device: str, precision: str,
+              out: str) -> None:
+    """The demo recipe in the bare RL loop with one train backend; per-step reward and the evals."""
+    from bench.bare_loop import run_bare
+
+    with tempfile.TemporaryDirectory() as work:
+        cfg = load_recipe(recipe, [
+            f"train.backend={backend}", f"train.steps={steps}", f"train.device={device}",
+            f"train.precision={precision}", f"data.train_path={work}/train.jsonl",
+            f"data.eval_path={work}/eval.jsonl"])
+
+        def log(line: str) -> None:
+            m = json.loads(line)
+            if m["step"] % 10 == 9 or m["step"] == steps - 1:
+                print(f"[sort {backend}] {line}", flush=True)
+
+        t0 = time.perf_counter()
+        history = run_bare(cfg, work, log=log)
+    evals = [{"step": m["step"], "accuracy": m["eval/accuracy"], "reward": m["eval/reward_mean"]}
+             for m in history if "eval/accuracy" in m]
+    write(out, {"backend": backend, "steps": steps, "precision": precision, "wall_s": time.perf_counter() - t0,
+                "reward_mean": [m["rollout/reward_mean"] for m in history], "evals": evals,
+                "train_s_median": sorted(m["time/train"] for m in history)[len(history) // 2]})
+
+
+# ----------------------------------------------------------------------------- (3) throughput
+
+
+def train_flops_per_token(model_dir: str, seq: int) -> float:
+    """Matmul FLOPs of one trained token (forward + backward = 3x forward): projections, attention scores and
+    values over the full sequence (no causal discount, Megatron's convention), and the output layer."""
+    from transformers import AutoConfig
+
+    from engines.megatron.hf_config import spec_from_hf
+
+    s = spec_from_hf(AutoConfig.from_pretrained(model_dir))
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    per_layer = 2 * s.hidden_size * (q + 2 * kv) + 2 * q * s.hidden_size + 6 * s.hidden_size * s.ffn_hidden_size
+    attention = 4 * seq * q
+    return 3 * (s.num_layers * (per_layer + attention) + 2 * s.hidden_size * s.vocab_size)
+
+
+def backend_throughput(rank: int, world: int, model_dir: str, micro_batch: int, seq: int, micro_batches: int,
+                       steps: int, warmup: int, device: str, url: str, out: str) -> None:
+    """Tokens/s of MegatronTrainBackend.train_step: one optimizer step over micro_batches x micro_batch rows."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    train = TrainConfig(device=device, precision="bf16", micro_batch_size=micro_batch, mini_batches=1, lr=1e-5)
+    mega = _mega(model_dir, train, MegatronConfig(), rank, world, url)
+    batch = rl_batch(vocab, rows=micro_batch * micro_batches, max_len=seq, seed=2)
+    batch["old_logprobs"] = mega.forward_logprobs(batch)
+    for _ in range(warmup):
+        mega.train_step(batch)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        metrics = mega.train_step(batch)
+    _sync(device)
+    elapsed = (time.perf_counter() - t0) / steps
+    tokens = micro_batch * micro_batches * seq
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+    write(out, {"step_s": elapsed, "tokens_per_step": tokens, "tokens_per_s": tokens / elapsed,
+                "loss": metrics["loss"], "peak_memory_gib": peak})
+
+
+def bare_throughput(rank: int, world: int, model_dir: str, micro_batch: int, seq: int, micro_batches: int,
+                    steps: int, warmup: int, device: str, url: str, out: str) -> None:
+    from bench.megatron_bare import bare_loop_tokens_per_s
+
+    result = bare_loop_tokens_per_s(model_dir, micro_batch, seq, micro_batches, steps, warmup, device, url)
+    result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+    write(out, result)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float) -> dict[str, float | None]:
+    achieved = tokens_per_s * flops_per_token
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    return {"tflops": achieved / 1e12, "mfu": achieved / peak if peak else None}
+
+
+# ----------------------------------------------------------------------------- (4) parallel layouts
+
+
+def layout_loss(rank: int, world: int, model_dir: str, tp: int, pp: int, seq: int, device: str, url: str,
+                out: str) -> None:
+    """Logprobs and the loss of one train step (computed before the update) under a TP x PP layout, bf16."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    train = TrainConfig(device=device, precision="bf16", micro_batch_size=2, mini_batches=1, lr=1e-5)
+    mega = _mega(model_dir, train, MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp), rank, world, url)
+    batch = rl_batch(vocab, rows=8, max_len=seq, min_len=seq // 2, seed=3)
+    logprobs = mega.forward_logprobs(batch)
+    batch["old_logprobs"] = logprobs + 0.01  # a ratio away from 1, so the loss is not trivially 0-ish
+    metrics = mega.train_step(batch)
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file({"logprobs": logprobs.contiguous()}, out + ".safetensors")
+        write(out, {"tp": tp, "pp": pp, "metrics": metrics})

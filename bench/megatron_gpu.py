@@ -1,0 +1,271 @@
+"""The Megatron backend on a GPU machine: logprob parity, learning, throughput, parallel layouts. One command:
+
+    PYTHONUNBUFFERED=1 python -m bench.megatron_gpu --out megatron_gpu.json --markdown docs/benchmarks.md
+
+(1) parity: the same HF weights give the same per-token logprobs in the Megatron and the torch backend
+    (goal: max abs diff <= 1e-4 in fp32, <= 2e-2 in bf16);
+(2) sort: the demo recipe (deployments/sort-tiny.yaml) in the bare RL loop with each train backend: reward curves
+    and held-out accuracy side by side;
+(3) throughput: tokens/s of MegatronTrainBackend.train_step against a bare megatron-core loop on the same ~0.47B
+    Llama-like model and micro-batches (goal >= 0.95x), with TFLOP/s and MFU;
+(4) layouts: TP=2 and PP=2 against TP=1, loss of the same step (needs 2 GPUs; skipped with a message otherwise).
+
+Each measurement runs in fresh processes with a time limit, so one failure is recorded and the rest still run;
+the JSON is rewritten after every section. No Ray, Prefect or MLflow: the backend classes are driven directly.
+`--smoke` runs every section at toy size (CPU works) to check the script itself; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from bench import megatron_checks as checks
+from engines.cluster import free_port
+
+# ~0.47B parameters, like the 470M GPT of the throughput anchor (131 TFLOP/s bare, one H100, no TE)
+MODEL_05B = dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                 num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096,
+                 tie_word_embeddings=False, rms_norm_eps=1e-5)
+MODEL_SMOKE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+SECTIONS = ("parity", "sort", "throughput", "layouts")
+
+
+def _child(name: str, rank: int, world: int, args: tuple) -> None:
+    try:
+        getattr(checks, name)(rank, world, *args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def spawn(name: str, world: int, timeout: float, *args) -> None:
+    """Run checks.<name> in `world` fresh processes (rank, world, *args); raise if one fails or time runs out."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_child, args=(name, rank, world, args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    stuck = [p for p in procs if p.is_alive()]
+    for p in stuck:
+        p.kill()
+        p.join()
+    if stuck:
+        raise TimeoutError(f"{name}: still running after {timeout:.0f} s (killed)")
+    failed = [p.exitcode for p in procs if p.exitcode]
+    if failed:
+        raise RuntimeError(f"{name}: a process exited with {failed[0]} (its traceback is printed above)")
+
+
+def url() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+def read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def run_parity(a, work: Path, model: str, device: str) -> dict:
+    spawn("parity", 1, a.timeout, model, device, url(), str(work / "parity.json"))
+    return read(work / "parity.json")
+
+
+def run_sort(a, work: Path, model: str, device: str) -> dict:
+    runs = {}
+    for backend in ("torch", "megatron"):
+        out = work / f"sort_{backend}.json"
+        spawn("sort_demo", 1, a.timeout, backend, a.recipe, a.sort_steps, device, a.sort_precision, str(out))
+        runs[backend] = read(out)
+    summary = {}
+    for backend, r in runs.items():
+        rewards = r["reward_mean"]
+        k = min(10, len(rewards))
+        summary[backend] = {"reward_first": sum(rewards[:k]) / k, "reward_last": sum(rewards[-k:]) / k,
+                            "eval_final": r["evals"][-1]["accuracy"] if r["evals"] else None,
+                            "train_s_median": r["train_s_median"]}
+        print(f"[sort] {backend}: reward {summary[backend]['reward_first']:.3f} (first {k} steps) -> "
+              f"{summary[backend]['reward_last']:.3f} (last {k}), held-out accuracy {summary[backend]['eval_final']}",
+              flush=True)
+    return {"runs": runs, "summary": summary}
+
+
+def run_throughput(a, work: Path, model: str, device: str) -> dict:
+    shape = (a.micro_batch, a.seq, a.micro_batches, a.steps, a.warmup, device)
+    spawn("bare_throughput", 1, a.timeout, model, *shape, url(), str(work / "bare.json"))
+    spawn("backend_throughput", 1, a.timeout, model, *shape, url(), str(work / "backend.json"))
+    bare, backend = read(work / "bare.json"), read(work / "backend.json")
+    flops = checks.train_flops_per_token(model, a.seq)
+    result = {"micro_batch": a.micro_batch, "seq": a.seq, "micro_batches": a.micro_batches, "steps": a.steps,
+              "flops_per_token": flops, "bare": bare | checks.mfu(bare["tokens_per_s"], flops),
+              "backend": backend | checks.mfu(backend["tokens_per_s"], flops),
+              "ratio": backend["tokens_per_s"] / bare["tokens_per_s"]}
+    for name in ("bare", "backend"):
+        r = result[name]
+        mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
+        print(f"[throughput] {name}: {r['tokens_per_s']:.0f} tokens/s, {r['tflops']:.1f} TFLOP/s, MFU {mfu}, "
+              f"peak {r['peak_memory_gib']:.1f} GiB", flush=True)
+    print(f"[throughput] backend / bare = {result['ratio']:.3f} (goal >= 0.95)", flush=True)
+    return result
+
+
+def run_layouts(a, work: Path, model: str, device: str) -> dict:
+    gpus = torch.cuda.device_count() if device == "cuda" else 2  # CPU (smoke): 2 gloo processes
+    if gpus < 2:
+        print("[layouts] skipped: TP=2 / PP=2 need 2 GPUs, this machine shows 1", flush=True)
+        return {"skipped": "needs 2 GPUs"}
+    from safetensors.torch import load_file
+
+    out = {}
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        target = work / f"layout_tp{tp}_pp{pp}.json"
+        spawn("layout_loss", tp * pp, a.timeout, model, tp, pp, a.layout_seq, device, url(), str(target))
+        out[f"tp{tp}_pp{pp}"] = read(target) | {"logprobs": load_file(str(target) + ".safetensors")["logprobs"]}
+    ref = out["tp1_pp1"]
+    result = {}
+    mask = ref["logprobs"] != 0
+    for name in ("tp2_pp1", "tp1_pp2"):
+        loss, ref_loss = out[name]["metrics"]["loss"], ref["metrics"]["loss"]
+        lp = (out[name]["logprobs"] - ref["logprobs"])[mask].abs().max()
+        result[name] = {"loss": loss, "loss_tp1": ref_loss, "abs_diff": abs(loss - ref_loss),
+                        "rel_diff": abs(loss - ref_loss) / max(abs(ref_loss), 1e-8), "logprob_max_abs_diff": float(lp),
+                        "grad_norm": out[name]["metrics"]["grad_norm"], "grad_norm_tp1": ref["metrics"]["grad_norm"]}
+        print(f"[layouts] {name} loss {loss:.6f} vs TP=1 {ref_loss:.6f} (|diff| {abs(loss - ref_loss):.2e}); "
+              f"logprobs max |diff| {float(lp):.2e}; grad norm {result[name]['grad_norm']:.4f} vs "
+              f"{result[name]['grad_norm_tp1']:.4f}", flush=True)
+    return result
+
+
+RUNNERS = {"parity": run_parity, "sort": run_sort, "throughput": run_throughput, "layouts": run_layouts}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def markdown(res: dict) -> str:
+    s = res["sections"]
+    lines = [f"## Megatron backend on GPU ({res['device']}, {res['date']})", "",
+             f"`{res['command']}`; torch {res['versions']['torch']}, megatron-core {res['versions']['megatron_core']}, "
+             f"transformers {res['versions']['transformers']}, local layer spec (no Transformer Engine).", "",
+             "| check | result | goal |", "| --- | --- | --- |"]
+
+    def row(check: str, result: str, goal: str) -> None:
+        lines.append(f"| {check} | {result} | {goal} |")
+
+    for name in SECTIONS:
+        if "error" in s.get(name, {}):
+            row(name, f"**failed**: {s[name]['error'].splitlines()[-1]}", "")
+    p = s.get("parity", {})
+    for prec in ("fp32", "bf16"):
+        if prec in p:
+            row(f"logprob parity {prec}, megatron vs torch (max abs diff over {p['tokens']} tokens)",
+                f"{p[prec]['max_abs_diff']:.2e} (mean {p[prec]['mean_abs_diff']:.1e})", f"<= {p[prec]['tolerance']}")
+    if "summary" in s.get("sort", {}):
+        t, m = s["sort"]["summary"]["torch"], s["sort"]["summary"]["megatron"]
+        k = min(10, res["config"]["sort_steps"])
+        row(f"sort demo, {res['config']['sort_steps']} steps: mean reward, first {k} -> last {k} steps",
+            f"torch {t['reward_first']:.2f} -> {t['reward_last']:.2f}; megatron {m['reward_first']:.2f} -> "
+            f"{m['reward_last']:.2f}", "megatron learns as torch does")
+        row("sort demo: final held-out accuracy", f"torch {t['eval_final']}, megatron {m['eval_final']}", "")
+    th = s.get("throughput", {})
+    if "ratio" in th:
+        shape = f"{th['micro_batches']} x {th['micro_batch']} x {th['seq']} tokens"
+        row(f"train step tokens/s, backend / bare megatron-core ({shape})",
+            f"{th['backend']['tokens_per_s']:.0f} / {th['bare']['tokens_per_s']:.0f} = **{th['ratio']:.3f}**",
+            ">= 0.95")
+        for name in ("backend", "bare"):
+            mfu = f", MFU {th[name]['mfu']:.3f}" if th[name]["mfu"] is not None else ""
+            row(f"{name}: TFLOP/s", f"{th[name]['tflops']:.1f}{mfu}", "anchor: bare 470M GPT 131 TFLOP/s, H100")
+    lay = s.get("layouts", {})
+    if "skipped" in lay:
+        row("TP=2 / PP=2 vs TP=1", f"skipped ({lay['skipped']})", "")
+    for name in ("tp2_pp1", "tp1_pp2"):
+        if name in lay:
+            r = lay[name]
+            label = "TP=2" if name == "tp2_pp1" else "PP=2"
+            row(f"{label} vs TP=1: loss of one step (bf16)",
+                f"{r['loss']:.5f} vs {r['loss_tp1']:.5f} (rel diff {r['rel_diff']:.1e}); logprobs max diff "
+                f"{r['logprob_max_abs_diff']:.1e}", "same within bf16 tolerance")
+    return "\n".join(lines) + "\n"
+
+
+def versions() -> dict:
+    import megatron.core
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "megatron_core": megatron.core.__version__, "transformers": transformers.__version__}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON results file (rewritten after each section)")
+    ap.add_argument("--markdown", help="append a results section to this file (e.g. docs/benchmarks.md)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    ap.add_argument("--hf-model", help="HF model dir for parity, throughput and layouts (default: a random ~0.47B "
+                                       "Llama built here)")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes: checks the script, numbers mean nothing")
+    ap.add_argument("--recipe", default="deployments/sort-tiny.yaml")
+    ap.add_argument("--sort-steps", type=int, default=100)
+    ap.add_argument("--sort-precision", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches per optimizer step")
+    ap.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--layout-seq", type=int, default=1024)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per spawned measurement")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.sort_steps, a.micro_batch, a.seq, a.micro_batches, a.steps, a.warmup, a.layout_seq = 3, 2, 64, 2, 2, 1, 32
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    res = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+           "gpus": torch.cuda.device_count(), "date": dt.date.today().isoformat(),
+           "command": "python -m bench.megatron_gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "versions": versions(), "config": vars(a), "sections": {}}
+    print(f"[megatron_gpu] {res['device']} x{res['gpus']}, {res['versions']}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = a.hf_model
+        if model is None and set(a.sections.split(",")) - {"sort"}:
+            t0 = time.perf_counter()
+            model = checks.make_hf_model(str(work / "model"), **(MODEL_SMOKE if a.smoke else MODEL_05B))
+            print(f"[megatron_gpu] built a random HF model in {time.perf_counter() - t0:.0f} s", flush=True)
+        for name in a.sections.split(","):
+            print(f"[megatron_gpu] --- {name}", flush=True)
+            t0 = time.perf_counter()
+            try:
+                res["sections"][name] = RUNNERS[name](a, work, model, device)
+            except Exception:
+                res["sections"][name] = {"error": traceback.format_exc()}
+                print(f"[{name}] FAILED:\n{res['sections'][name]['error']}", flush=True)
+            res["sections"][name]["wall_s"] = time.perf_counter() - t0
+            Path(a.out).write_text(json.dumps(res, indent=1))
+    if a.markdown:
+        with open(a.markdown, "a") as f:
+            f.write("\n" + markdown(res))
+    print(markdown(res), flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()

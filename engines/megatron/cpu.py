@@ -1,0 +1,91 @@
+"""Run megatron-core on CPU, for tests and debugging (production runs on CUDA).
+
+megatron-core assumes CUDA throughout: buffers are made with device="cuda" or on `torch.cuda.current_device()`,
+tensors are moved with `.cuda()`, optimizers check for 'torch.cuda.*Tensor' types, pipeline exchanges call
+`torch.cuda.synchronize()`, gradient buffers wait on `current_stream()`, and attention forks the CUDA RNG tracker
+(for dropout, which the mapped models do not use). While a call of the backend runs on CPU, a torch function mode
+turns every CUDA device into the CPU and names CPU tensor types as CUDA ones, current_device() answers "cpu",
+synchronize() and stream waits return, and the tracker forks nothing; all is restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Every torch call asking for a CUDA device gets the CPU instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # optimizers check 'torch.cuda.*Tensor'
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _is_cuda(device: object) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _NoStream:
+    """Stands in for the current CUDA stream: CPU work is already in order, so waiting is a no-op."""
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _NoRngTracker:
+    """Stands in for megatron's CUDA RNG tracker: dropout is 0, so there is no random state to fork."""
+
+    def fork(self, name: str | None = None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def is_initialized(self) -> bool:
+        return False
+
+
+_TRACKER = _NoRngTracker()
+_STREAM = _NoStream()
+
+
+@contextlib.contextmanager
+def cpu_shim() -> Iterator[None]:
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as tp_random
+
+    saved = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream,
+             tensor_parallel.get_cuda_rng_tracker, tp_random.get_cuda_rng_tracker)
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # CPU work is synchronous
+    torch.cuda.current_stream = lambda device=None: _STREAM  # type: ignore[assignment]  (megatron-core 0.19)
+    tensor_parallel.get_cuda_rng_tracker = tp_random.get_cuda_rng_tracker = lambda *a, **k: _TRACKER
+    try:
+        with _CudaToCpu():
+            yield
+    finally:
+        (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream,
+         tensor_parallel.get_cuda_rng_tracker, tp_random.get_cuda_rng_tracker) = saved
+
+
+def device_context(device: str) -> contextlib.AbstractContextManager:
+    """cpu_shim() on CPU, nothing on CUDA."""
+    return cpu_shim() if device == "cpu" else contextlib.nullcontext()

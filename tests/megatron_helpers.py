@@ -1,0 +1,103 @@
+"""Shared pieces of the Megatron tests: tiny HF models and a 2-process gloo worker (spawned, so it lives in a
+module the child can import, not in the test file)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from engines.batch import TrainBatch, pack_samples, shard_for_workers
+from engines.config import AlgorithmConfig, MegatronConfig, TrainConfig
+
+FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+
+def tiny_hf_model(out: str | Path, family: str, tied: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A 2-layer HF model with 4 query / 2 KV heads (head_dim 24 != hidden / heads), every weight perturbed so
+    that norms are not all 1 and biases not all 0. Saved to `out`; returns its state dict."""
+    cfg = FAMILIES[family](vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=64,
+                           tie_word_embeddings=tied, rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(out)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def toy_batch(n: int = 8, vocab: int = 18, seed: int = 0) -> TrainBatch:
+    """n right-padded samples of mixed prompt and response lengths, old logprobs -1, advantages spread."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(lo: int, hi: int) -> list[int]:
+        return torch.randint(4, vocab, (int(torch.randint(lo, hi, (), generator=g)),), generator=g).tolist()
+
+    prompts = [[1, *ids(2, 6)] for _ in range(n)]
+    responses = [ids(1, 6) for _ in range(n)]
+    return pack_samples(prompts, responses, [[-1.0] * len(r) for r in responses], torch.linspace(-1.5, 1.5, n), 0)
+
+
+def train_config(**kw) -> TrainConfig:
+    return TrainConfig(**({"threads": 1, "micro_batch_size": 3, "mini_batches": 2} | kw))
+
+
+def parallel_worker(rank: int, world: int, tp: int, pp: int, url: str, model_dir: str, hf_dirs: dict[str, str],
+                    out: str) -> None:
+    """One rank of a 2-process layout: TP round trips of every family's HF weights (after loading into a
+    TP-sharded model), then a logprob pass and a train step of the backend. Rank 0 writes results as JSON and
+    the final weights as safetensors."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from engines.megatron.backend import MegatronTrainBackend
+    from engines.megatron.cpu import cpu_shim
+    from engines.megatron.export import WeightExporter
+    from engines.megatron.hf_config import spec_from_hf
+    from engines.megatron.model_build import build_model, load_hf_weights, stage_params, transformer_config
+
+    mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp)
+    backend = MegatronTrainBackend(model_dir, train_config(), AlgorithmConfig(), mcfg, rank=rank, world_size=world,
+                                   dist_url=url)
+    results: dict = {"round_trip": {}}
+    with cpu_shim():
+        for family, path in hf_dirs.items():
+            spec = spec_from_hf(AutoConfig.from_pretrained(path))
+            model = build_model(spec, transformer_config(spec, mcfg, torch.float32, "cpu"), use_te=False)
+            load_hf_weights(model, spec, path)
+            exported = WeightExporter(spec, stage_params(model), fused_norms=False).gather(list(_hf_names(path)))
+            if rank == 0:
+                from safetensors.torch import load_file
+
+                hf = load_file(str(Path(path) / "model.safetensors"))
+                results["round_trip"][family] = {n: bool(torch.equal(t, hf[n])) for n, t in exported}
+                results["round_trip"][family]["__count__"] = len(exported)
+    batch = toy_batch()
+    logprobs = backend.forward_logprobs(batch)
+    dp = world // (tp * pp)
+    shard = shard_for_workers({**batch, "old_logprobs": logprobs}, dp, 2)[backend.data_parallel_rank()]
+    results["metrics"] = global_metrics(backend.train_step(shard))
+    weights = dict(backend.named_tensors())
+    if rank == 0:
+        results["logprobs"] = logprobs.tolist()
+        save_file({k: v.contiguous() for k, v in weights.items()}, out + ".safetensors")
+        Path(out).write_text(json.dumps(results))
+
+
+def _hf_names(path: str) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
+        return list(f.keys())  # noqa: SIM118 (safe_open has no __iter__)
+
+
+def global_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """A train step's metrics without its wall time, which differs between runs and ranks."""
+    return {k: v for k, v in metrics.items() if k != "worker_s"}

@@ -1,0 +1,367 @@
+"""The Megatron backend on CPU: HF <-> Megatron weights bit-exact at TP=1 and TP=2 (2 gloo processes), the same
+logits as the HF model, and the same logprobs, updates and checkpoints as the torch backend, at TP, PP and DP=2.
+
+The mapping tests need only torch; the rest skip without megatron-core (the `megatron` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from engines.batch import shard_for_workers
+from engines.config import AlgorithmConfig, MegatronConfig
+from engines.megatron.checkpoint import optimizer_state
+from engines.megatron.hf_config import UnsupportedModel, spec_from_hf
+from engines.megatron.microbatch import micro_batches, restore_width
+from engines.megatron.weights import (
+    hf_to_megatron_state,
+    megatron_to_hf_state,
+    model_rules,
+    to_megatron,
+)
+from engines.train_torch import TorchTrainBackend
+from tests.megatron_helpers import global_metrics, parallel_worker, tiny_hf_model, toy_batch, train_config
+
+CASES = [("llama", False), ("qwen2", True), ("qwen3", False)]
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory) -> dict[str, tuple[str, dict[str, torch.Tensor]]]:
+    """family -> (directory, state dict as saved: a tied model has no lm_head)."""
+    out = {}
+    for family, tied in CASES:
+        path = tmp_path_factory.mktemp(family)
+        state = tiny_hf_model(path, family, tied=tied)
+        out[family] = (str(path), load_file(str(path / "model.safetensors")))
+        assert set(out[family][1]) == set(state) - ({"lm_head.weight"} if tied else set())
+    return out
+
+
+def _spec(path: str):
+    return spec_from_hf(AutoConfig.from_pretrained(path))
+
+
+# ----------------------------------------------------------------------------- config and mapping (torch only)
+
+
+def test_spec_maps_each_family(hf_models):
+    llama, qwen2, qwen3 = (_spec(hf_models[f][0]) for f in ("llama", "qwen2", "qwen3"))
+    assert (llama.qkv_bias, llama.qk_norm, llama.tied_embeddings) == (False, False, False)
+    assert (qwen2.qkv_bias, qwen2.qk_norm, qwen2.tied_embeddings) == (True, False, True)
+    assert (qwen3.qkv_bias, qwen3.qk_norm) == (False, True)
+    assert llama.head_dim == 24 and llama.num_kv_heads == 2 and llama.transformer_kwargs()["kv_channels"] == 24
+    assert llama.transformer_kwargs()["hidden_dropout"] == 0.0  # megatron's default is 0.1
+
+
+@pytest.mark.parametrize("config, message", [
+    (Qwen2Config(use_sliding_window=True, sliding_window=16), "sliding"),
+    (LlamaConfig(attention_bias=True), "attention_bias"),
+    (LlamaConfig(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "yarn"),
+    (LlamaConfig(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                                  "rope_theta": 5e5}), "low_freq_factor"),
+    (MistralConfig(), "model_type"),
+])
+def test_features_the_mapping_cannot_reproduce_are_errors(config, message):
+    with pytest.raises(UnsupportedModel, match=message):
+        spec_from_hf(config)
+
+
+def test_llama3_rope_scaling_is_mapped():
+    cfg = LlamaConfig(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                                       "rope_theta": 5e5})
+    kw = spec_from_hf(cfg).gpt_kwargs()
+    assert (kw["rope_scaling"], kw["rope_scaling_factor"], kw["rotary_base"]) == (True, 8.0, 5e5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_state_dict_round_trip_is_bit_exact(hf_models, family, tp):
+    path, hf = hf_models[family]
+    spec = _spec(path)
+    shards = [hf_to_megatron_state(hf, spec, tp, r) for r in range(tp)]
+    back = megatron_to_hf_state(shards, spec)
+    assert set(back) == set(hf)
+    for name, t in hf.items():
+        assert torch.equal(back[name], t), name
+    # shards have the shapes of a TP-split model
+    qkv = shards[0]["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert qkv.shape == ((4 + 2 * 2) * 24 // tp, 64)
+    assert shards[0]["decoder.layers.0.self_attention.linear_proj.weight"].shape == (64, 4 * 24 // tp)
+
+
+def test_fused_layouts_follow_megatron():
+    """linear_qkv groups [q heads of group g, k_g, v_g]; linear_fc1 on TP rank r is cat(gate_r, up_r)."""
+    spec = spec_from_hf(LlamaConfig(hidden_size=8, intermediate_size=4, num_hidden_layers=1, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=1, vocab_size=4))
+    rules = {r.megatron: r for r in model_rules(spec)}
+    q, k, v = torch.tensor([[0.0], [1], [2], [3]]), torch.tensor([[10.0], [11]]), torch.tensor([[20.0], [21]])
+    qkv = to_megatron(rules["decoder.layers.0.self_attention.linear_qkv.weight"], [q, k, v], spec)
+    assert qkv.flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    gate, up = torch.arange(4.0)[:, None], torch.arange(10.0, 14.0)[:, None]
+    fc1 = rules["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert to_megatron(fc1, [gate, up], spec, tp=2, rank=1).flatten().tolist() == [2, 3, 12, 13]
+
+
+def test_micro_batches_keep_to_the_token_budget():
+    batch = toy_batch(n=8)
+    lengths = batch["attention_mask"].sum(-1)
+    parts = micro_batches(batch, max_rows=3, max_tokens=24)
+    assert sum(p["input_ids"].shape[0] for p in parts) == 8
+    for p in parts:
+        rows, width = p["input_ids"].shape
+        assert rows <= 3 and (rows == 1 or rows * width <= 24)
+        assert width == int(p["attention_mask"].sum(-1).max())  # cut to the group's longest row
+    assert torch.equal(torch.cat([p["attention_mask"].sum(-1) for p in parts]), lengths)  # order kept
+    rebuilt = restore_width([p["input_ids"] for p in parts], batch["input_ids"].shape[1])
+    assert torch.equal(rebuilt * batch["attention_mask"], batch["input_ids"] * batch["attention_mask"])
+    assert all(p["input_ids"].shape[1] % 4 == 0 for p in micro_batches(batch, 3, 0, multiple=4))
+
+
+# ----------------------------------------------------------------------------- megatron-core on CPU
+
+
+@pytest.fixture(scope="module")
+def mcore():
+    """megatron-core with a 1-rank gloo group; torch.distributed is taken down after this module."""
+    pytest.importorskip("megatron.core")
+    yield
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _backend(path, train=None, algo=None, megatron=None, **kw):
+    from engines.megatron.backend import MegatronTrainBackend
+
+    return MegatronTrainBackend(path, train or train_config(), algo or AlgorithmConfig(), megatron, **kw)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_gptmodel_round_trip_and_logits_match_hf(hf_models, mcore, family):
+    """HF -> GPTModel (TP=1) -> HF is bit-exact, and the GPTModel computes the HF model's logits."""
+    path, hf = hf_models[family]
+    backend = _backend(path)
+    exported = dict(backend.named_tensors())
+    assert set(exported) == set(hf)
+    for name, t in hf.items():
+        assert torch.equal(exported[name], t), name
+    batch = toy_batch()
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_logits = ref(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        with backend_context(backend):
+            logits = backend._run(backend.model, batch)
+    mask = batch["attention_mask"].bool()
+    assert (logits[mask] - hf_logits[mask]).abs().max() < 1e-4
+
+
+def backend_context(backend):
+    from engines.megatron.cpu import device_context
+
+    return device_context(backend.device)
+
+
+@pytest.mark.parametrize("algo, budget", [
+    (AlgorithmConfig(clip_high=0.28), 20),
+    # per-token metrics (approx_kl, clip_frac) of a sequence-mean loss depend on the micro-batch grouping in
+    # both backends, so this case groups rows as the torch backend does
+    (AlgorithmConfig(loss_agg="seq_mean_token_mean", kl_coef=0.1, entropy_coef=0.01), 0),
+])
+def test_backend_matches_torch_backend(hf_models, mcore, algo, budget):
+    """Same logprobs, metrics and updates as TorchTrainBackend over 2 iterations x 2 mini-batches (micro-batches
+    of at most 3 rows on both sides, and at most `budget` tokens on the Megatron side)."""
+    path = hf_models["llama"][0]
+    torch_be = TorchTrainBackend(path, train_config(), algo)
+    mega = _backend(path, train_config(), algo, MegatronConfig(micro_batch_tokens=budget))
+    batch = toy_batch()
+    mask = batch["attention_mask"].bool()
+    for _ in range(2):
+        lp_t, lp_m = torch_be.forward_logprobs(batch), mega.forward_logprobs(batch)
+        assert (lp_t - lp_m)[mask].abs().max() < 1e-5
+        step = {**batch, "old_logprobs": lp_t + 0.05 * torch.randn_like(lp_t)}
+        m_t, m_m = global_metrics(torch_be.train_step(step)), global_metrics(mega.train_step(step))
+        assert set(m_t) == set(m_m)
+        for k in m_t:
+            assert m_m[k] == pytest.approx(m_t[k], rel=1e-4, abs=1e-6), k
+    assert_same_weights(dict(torch_be.named_tensors()), dict(mega.named_tensors()))
+
+
+def assert_same_weights(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    """Equal up to float noise. Adam turns noise on a gradient near 0 into a visible step on that one element
+    (at most ~lr), so single elements get a loose bound and the bulk a tight one."""
+    assert set(got) == set(ref)
+    diffs = torch.cat([(ref[n] - got[n]).abs().flatten() for n in ref])
+    assert diffs.mean() < 1e-6 and diffs.quantile(0.999) < 1e-5 and diffs.max() < 1e-3
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_checkpoint_resume_is_exact(hf_models, mcore, tmp_path, precision):
+    """save -> load -> next step equals never stopping (bf16: the fp32 master weights come back too)."""
+    path = hf_models["qwen3"][0]
+    batch = toy_batch()
+    batch = {**batch, "old_logprobs": batch["old_logprobs"] * 0.5}
+    first = _backend(path, train_config(precision=precision))
+    first.train_step(batch)
+    first.save(tmp_path / "ckpt")
+    expected = global_metrics(first.train_step(batch)), dict(first.named_tensors())
+    resumed = _backend(path, train_config(precision=precision))
+    resumed.load(tmp_path / "ckpt")
+    got = global_metrics(resumed.train_step(batch)), dict(resumed.named_tensors())
+    assert got[0] == expected[0]
+    for name, t in expected[1].items():
+        assert torch.equal(got[1][name], t), name
+    # fp32 master weights and Adam moments, after the step, too (bf16 weights alone would hide a lost master copy)
+    (main_a, steps_a), (main_b, steps_b) = optimizer_state(first.optimizer), optimizer_state(resumed.optimizer)
+    assert steps_a == steps_b and main_a.keys() == main_b.keys()
+    assert all(torch.equal(main_a[k], main_b[k]) for k in main_a)
+    # the stored model is a plain HF checkpoint
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
+    assert set(hf.state_dict()) >= set(expected[1])
+
+
+def test_bf16_backend_stays_close_to_fp32(hf_models, mcore):
+    path = hf_models["llama"][0]
+    fp32 = TorchTrainBackend(path, train_config(), AlgorithmConfig())
+    bf16 = _backend(path, train_config(precision="bf16"))
+    batch = toy_batch()
+    mask = batch["attention_mask"].bool()
+    assert (fp32.forward_logprobs(batch) - bf16.forward_logprobs(batch))[mask].abs().max() < 2e-2
+    metrics = bf16.train_step({**batch, "old_logprobs": fp32.forward_logprobs(batch)})
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert {t.dtype for _, t in bf16.named_tensors()} == {torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------- 2 gloo processes
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(hf_models, tmp_path_factory, mcore):
+    """Each 2-rank layout run once: (tp, pp) -> (results JSON, final weights)."""
+    import torch.multiprocessing as mp
+
+    from engines.cluster import free_port
+
+    dirs = {f: p for f, (p, _) in hf_models.items()}
+    out = {}
+    for tp, pp in [(2, 1), (1, 2), (1, 1)]:
+        target = str(tmp_path_factory.mktemp(f"tp{tp}pp{pp}") / "result.json")
+        mp.spawn(parallel_worker, args=(2, tp, pp, f"tcp://127.0.0.1:{free_port()}", dirs["qwen2"], dirs, target),
+                 nprocs=2)
+        out[(tp, pp)] = json.loads(Path(target).read_text()), load_file(target + ".safetensors")
+    return out
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_round_trip_through_sharded_model_is_bit_exact(parallel_runs, hf_models, layout):
+    """HF weights loaded into a TP=2 (or PP=2) model and gathered back equal the HF tensors bit for bit."""
+    results = parallel_runs[layout][0]["round_trip"]
+    for family, (_, hf) in hf_models.items():
+        assert results[family].pop("__count__") == len(hf)
+        assert all(results[family].values()), [n for n, ok in results[family].items() if not ok]
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
+def test_parallel_layouts_train_like_one_torch_worker(parallel_runs, hf_models, layout):
+    """TP=2, PP=2 and DP=2 (distributed optimizer) give the logprobs, metrics and weights of TorchTrainBackend
+    on the whole batch."""
+    results, weights = parallel_runs[layout]
+    path = hf_models["qwen2"][0]
+    torch_be = TorchTrainBackend(path, train_config(), AlgorithmConfig())
+    batch = toy_batch()
+    logprobs = torch_be.forward_logprobs(batch)
+    mask = batch["attention_mask"].bool()
+    assert (torch.tensor(results["logprobs"]) - logprobs)[mask].abs().max() < 1e-5
+    metrics = global_metrics(torch_be.train_step(shard_for_workers({**batch, "old_logprobs": logprobs}, 1, 2)[0]))
+    for k, v in metrics.items():
+        assert results["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    assert_same_weights(dict(torch_be.named_tensors()), weights)
+
+
+# ----------------------------------------------------------------------------- in the RL loop
+
+
+def test_rl_session_trains_and_syncs_with_megatron(recipe, mcore, tmp_path):
+    """train.backend: megatron in the bare RL loop: steps run, the rollout engine gets the trainer's weights, and
+    a checkpoint restores them."""
+    from engines.rl import RLSession, prepare_data, prepare_model
+
+    cfg = recipe(train={"steps": 2, "threads": 1, "backend": "megatron", "mini_batches": 2},
+                 megatron={"micro_batch_tokens": 64})
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
+    trainer, rollout = session.train_group.workers[0], session.rollout_group.workers[0]
+    for step in range(2):
+        session.rollout(step)
+        session.reward(step)
+        session.advantages(step)
+        metrics = session.train(step)
+        assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
+        session.sync_weights(step)
+    exported = dict(trainer.named_tensors())
+    for name, p in rollout.model.named_parameters():
+        assert torch.equal(p.detach(), exported[name]), name
+    controller = session.save(tmp_path / "ckpt", step=1)
+    session.load(tmp_path / "ckpt", controller)
+    assert rollout.weight_version == 2
+
+
+def test_ray_tensor_parallel_group_syncs_gathered_weights(recipe, mcore, tmp_path):
+    """Two Ray actors as one TP=2 group: each trains its half of every weight, and weight sync (a collective
+    gather through both actors) hands the rollout engine the full tensors."""
+    import ray
+
+    from engines.rl import RLSession, prepare_data, prepare_model
+
+    cfg = recipe(train={"steps": 1, "threads": 1, "backend": "megatron", "num_workers": 2},
+                 megatron={"tensor_parallel": 2}, cluster={"num_cpus": 2})
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=True)
+    try:
+        session.rollout(0)
+        session.reward(0)
+        session.advantages(0)
+        metrics = session.train(0)
+        session.sync_weights(0)
+        assert math.isfinite(metrics["train/loss"])
+        ranks = session.train_group.call("data_parallel_rank")
+        assert ranks == [0, 0]  # one TP group: both ranks train on the same data
+        gathered = session.train_group.wait(session.train_group.submit("named_tensors", None))
+        assert gathered[1] == []  # only rank 0 holds the full tensors
+        rollout = session.rollout_group.workers[0]
+        synced = dict(ray.get(rollout.__ray_call__.remote(lambda w: list(w.model.state_dict().items()))))
+        for name, t in gathered[0]:
+            assert torch.equal(synced[name], t), name
+    finally:
+        session.shutdown()
+        ray.shutdown()
+
+
+def test_preflight_reports_models_the_mapping_cannot_take(recipe, hf_models, mcore, tmp_path):
+    from transformers import MistralConfig
+
+    from engines.preflight import find_problems
+
+    MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2).save_pretrained(tmp_path / "mistral")
+    cases = {str(tmp_path / "mistral"): (1, "model_type"), hf_models["llama"][0]: (4, "num_key_value_heads=2")}
+    for path, (tp, message) in cases.items():
+        cfg = recipe(model={"path": path}, train={"backend": "megatron", "num_workers": tp},
+                     megatron={"tensor_parallel": tp})
+        problems = [p for p in find_problems(cfg) if p.startswith("model.path")]
+        assert len(problems) == 1 and message in problems[0], problems
+    ok = recipe(model={"path": hf_models["qwen2"][0]}, train={"backend": "megatron", "num_workers": 2},
+                megatron={"tensor_parallel": 2})
+    assert not [p for p in find_problems(ok) if p.startswith("model.path")]
