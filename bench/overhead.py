@@ -1,10 +1,11 @@
 """Orchestration overhead: the same recipe through the full stack (Prefect flow + Ray actors + MLflow)
 and as a bare loop over the same engine classes in one process, side by side in one run.
 
-    python bench/overhead.py deployments/sort-tiny.yaml --steps 30 [--json out.json]
+    python bench/overhead.py deployments/sort-tiny.yaml --steps 30 --repeats 2 [--json out.json]
 
 Step time is wall time between consecutive step ends (everything between them counts: tasks, actor
-calls, metric logging). The first `--warmup` steps of each are dropped. Prints `ratio: X` (full / bare).
+calls, metric logging). The first `--warmup` steps of each are dropped. Bare and full runs alternate
+`--repeats` times; prints `ratio: X`, the median full step over the median bare step of all repeats.
 """
 
 from __future__ import annotations
@@ -32,13 +33,22 @@ def _step_times(ends: list[float], warmup: int) -> list[float]:
     return [b - a for a, b in zip(ends[warmup:], ends[warmup + 1 :], strict=False)]
 
 
-def _stage_medians(history: list[dict], warmup: int) -> dict[str, float]:
+def _stage_medians(rows: list[dict]) -> dict[str, float]:
     """Median seconds per stage (medians: a 2-core machine has outliers), plus the train step's time
     inside the worker, so the train row splits into compute and the cost of reaching the worker."""
-    rows = history[warmup + 1 :]
     out = {s: statistics.median(r[f"time/{s}"] for r in rows) for s in STAGES}
     out["train (in worker)"] = statistics.median(r["time/train_worker"] for r in rows)
     return out
+
+
+def _start_prefect(settle_s: float = 10.0) -> None:
+    """Start this process's Prefect API (a temporary local server unless PREFECT_API_URL is set) with a
+    throwaway flow run, and let its start-up work finish: the steady state of a long-lived server is
+    what a training run meets, not its first seconds."""
+    from prefect import flow
+
+    flow(name="overhead-warm-up")(lambda: None)()
+    time.sleep(settle_s)
 
 
 def run_full(cfg) -> tuple[list[dict], list[float]]:
@@ -64,43 +74,49 @@ def main() -> None:
     ap.add_argument("recipe")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2, help="bare/full pairs, alternating")
     ap.add_argument("--set", action="append", default=[], dest="overrides")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
 
+    # bare and full alternate, `--repeats` times: a shared machine drifts (other processes, CPU steal), and
+    # alternating puts the drift on both sides instead of on whichever ran second
+    last = args.steps - 1  # the last step is dropped: the full stack writes its closing checkpoint there
+    steps: dict[str, list[float]] = {"bare": [], "full": []}
+    rows: dict[str, list[dict]] = {"bare": [], "full": []}
+    per_repeat = []
+    _start_prefect()
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = [f"train.steps={args.steps}", "eval.every=0", "checkpoint.every=0",
-                     f"storage.uri={tmp}/runs", f"tracking.uri=sqlite:///{tmp}/mlflow.db", *args.overrides]
-        cfg = load_recipe(args.recipe, overrides)
-        bare_ends: list[float] = []
-        t0 = time.perf_counter()
-        bare_hist = run_bare(cfg, tmp, log=lambda line: bare_ends.append(time.perf_counter()))
-        bare_total = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        full_hist, full_ends = run_full(cfg)
-        full_total = time.perf_counter() - t0
+        for rep in range(args.repeats):
+            overrides = [f"train.steps={args.steps}", "eval.every=0", "checkpoint.every=0", f"storage.uri={tmp}/runs",
+                         f"tracking.uri=sqlite:///{tmp}/mlflow.db", *args.overrides]
+            cfg = load_recipe(args.recipe, overrides)
+            cfg = cfg.model_copy(update={"name": f"{cfg.name}-overhead-{rep}"})
+            ends: list[float] = []
+            hist = run_bare(cfg, tmp, log=lambda line, ends=ends: ends.append(time.perf_counter()))
+            runs = {"bare": (hist, ends), "full": run_full(cfg)}
+            for kind, (hist, ends) in runs.items():
+                steps[kind] += _step_times(ends[:last], args.warmup)
+                rows[kind] += hist[args.warmup + 1 : last]
+            per_repeat.append(statistics.median(_step_times(runs["full"][1][:last], args.warmup))
+                              / statistics.median(_step_times(runs["bare"][1][:last], args.warmup)))
 
-    last = args.steps - 1  # drop the final step: the full stack writes its closing checkpoint there
-    bare = _step_times(bare_ends[:last], args.warmup)
-    full = _step_times(full_ends[:last], args.warmup)
     result = {
         "recipe": args.recipe,
         "steps": args.steps,
-        "bare_step_s": statistics.median(bare),
-        "full_step_s": statistics.median(full),
-        "ratio": statistics.median(full) / statistics.median(bare),
-        "bare_total_s": bare_total,
-        "full_total_s": full_total,
-        "bare_stages_s": _stage_medians(bare_hist, args.warmup),
-        "full_stages_s": _stage_medians(full_hist, args.warmup),
-        "bare_final_reward": bare_hist[-1]["rollout/reward_mean"],
-        "full_final_reward": full_hist[-1]["rollout/reward_mean"],
+        "repeats": args.repeats,
+        "bare_step_s": statistics.median(steps["bare"]),
+        "full_step_s": statistics.median(steps["full"]),
+        "ratio": statistics.median(steps["full"]) / statistics.median(steps["bare"]),
+        "ratio_per_repeat": per_repeat,
+        "bare_stages_s": _stage_medians(rows["bare"]),
+        "full_stages_s": _stage_medians(rows["full"]),
     }
     print(f"{'stage (median)':<20}{'bare s':>10}{'full s':>10}")
     for s in result["bare_stages_s"]:
         print(f"{s:<20}{result['bare_stages_s'][s]:>10.4f}{result['full_stages_s'][s]:>10.4f}")
     print(f"{'step':<20}{result['bare_step_s']:>10.4f}{result['full_step_s']:>10.4f}")
-    print(f"start-up + {args.steps} steps: bare {bare_total:.1f}s, full {full_total:.1f}s")
+    print("ratio per repeat: " + ", ".join(f"{r:.3f}" for r in per_repeat))
     print(f"ratio: {result['ratio']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

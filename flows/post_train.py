@@ -28,6 +28,7 @@ def post_train(config: RLConfig) -> dict[str, float]:
     """Run (or resume) the RL run `config.name` and return its last step's metrics."""
     run: RunContext = open_run(config)
     s = stages.bind(config)  # the stage tasks, with the recipe's retry settings
+    r = run.name  # tasks take (run name, step): Prefect records two plain values per task run
     last = config.train.steps - 1
     metrics: dict[str, float] = {}
     status = "FAILED"
@@ -36,23 +37,23 @@ def post_train(config: RLConfig) -> dict[str, float]:
     try:
         for step in range(run.start_step, config.train.steps):
             t0 = time.perf_counter()
-            metrics, ahead = (ahead if ahead is not None else s.rollout(run, step)), None
+            metrics, ahead = (ahead if ahead is not None else s.rollout(r, step)), None
             # one-step-off: the next step generates (with the weights this step started from) while this one trains
-            upcoming = s.rollout.submit(run, step + 1) if one_step_off and step < last else None
-            metrics |= s.reward(run, step)
-            metrics |= s.advantages(run, step)
-            metrics |= s.train(run, step)
+            upcoming = s.rollout.submit(r, step + 1) if one_step_off and step < last else None
+            metrics |= s.reward(r, step)
+            metrics |= s.advantages(r, step)
+            metrics |= s.train(r, step)
             if upcoming is not None:  # the sync below must not change weights under a generation in flight
                 tw = time.perf_counter()
                 ahead = upcoming.result()
                 metrics["time/rollout_wait"] = time.perf_counter() - tw
-            metrics |= s.sync_weights(run, step)
+            metrics |= s.sync_weights(r, step)
             if config.data.eval_path and _due(config.eval.every, step, last):
-                metrics |= s.evaluate(run, step)
+                metrics |= s.evaluate(r, step)
             metrics["time/step"] = time.perf_counter() - t0
             run.tracker.log_metrics(metrics, step)
             if _due(config.checkpoint.every, step, last):  # after logging: a committed step has its metrics
-                s.checkpoint(run, step)
+                s.checkpoint(r, step)
             run.notify(step, metrics)
         status = "FINISHED"
     finally:

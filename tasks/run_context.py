@@ -25,6 +25,17 @@ log = logging.getLogger("rlflow")
 # flow's parameters so the parameter schema is the config tree alone.
 STEP_LISTENERS: list[Callable[[int, dict], None]] = []
 
+# The runs this process has open, by name. Stage tasks take (run name, step) as parameters and look the
+# run up here: a task's parameters stay two plain values (what the Prefect UI shows, and cheap for
+# Prefect to record) instead of an object graph of engines it would walk on every call.
+_OPEN: dict[str, RunContext] = {}
+
+
+def active_run(name: str) -> RunContext:
+    if name not in _OPEN:
+        raise RuntimeError(f"run {name!r} is not open in this process (open_run starts it)")
+    return _OPEN[name]
+
 
 @dataclass
 class RunContext:
@@ -57,7 +68,12 @@ class RunContext:
         self.tracker.log_metrics({"time/checkpoint": time.perf_counter() - t0}, step)
         return {"checkpoint/step": float(step)}
 
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
     def close(self, status: str) -> None:
+        _OPEN.pop(self.cfg.name, None)
         self.store.write_json({"status": status.lower(), "mlflow_run_id": self.tracker.run_id}, "status.json")
         self.tracker.finish(status)
         self.session.shutdown()
@@ -88,6 +104,7 @@ def open_run(cfg: RLConfig) -> RunContext:
     session = RLSession.create(cfg, model_path)
     store.write_json({"status": "running", "mlflow_run_id": tracker.run_id}, "status.json")
     ctx = RunContext(cfg, session, store, tracker, workdir)
+    _OPEN[cfg.name] = ctx
     if meta is not None:
         local = store.download_checkpoint(latest, workdir / f"resume-{latest}")
         session.load(local, meta)

@@ -1,7 +1,10 @@
 """The Prefect tasks of one RL iteration: thin wrappers that run one stage on the run's engines.
 
-Each returns a small metric dict (never tensors); the stage's time is added as `time/<stage>`.
-Prefect caching is off: a stage's output lives in the engines and the run store, not in task results.
+Each takes (run name, step), so a task run is keyed by (run, step, stage) and its parameters are two
+plain values; it returns a small metric dict (never tensors); the stage's time is added as `time/<stage>`.
+Prefect's result cache is off: a stage's output lives in the engines (actor memory) and the run store, and
+a cached result could not put it back there. What a retried or resumed run skips is decided by the run
+store instead: committed checkpoints, and committed rollout batches that the rollout task reuses.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from engines.config import RLConfig
 from tasks.faults import maybe_inject
-from tasks.run_context import RunContext, log
+from tasks.run_context import RunContext, active_run, log
 
 
 def _timed(stage: str, fn, *args) -> dict[str, float]:
@@ -29,10 +32,11 @@ def _stage(name: str):
 
     def wrap(fn):
         @functools.wraps(fn)
-        def body(run: RunContext, step: int) -> dict[str, float]:
-            maybe_inject(run, name, step, "before")
-            out = fn(run, step)
-            maybe_inject(run, name, step, "after")
+        def body(run: str, step: int) -> dict[str, float]:
+            ctx = active_run(run)
+            maybe_inject(ctx, name, step, "before")
+            out = fn(ctx, step)
+            maybe_inject(ctx, name, step, "after")
             return out
 
         return task(name=name, task_run_name=f"{name}-{{step}}", cache_policy=NO_CACHE, persist_result=False)(body)
