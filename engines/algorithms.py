@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-KL_ESTIMATORS = ("k1", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+POLICY_LOSSES = ("ppo", "gspo")
+IS_CORRECTIONS = ("none", "tis", "icepop")
 
 
 # ----------------------------------------------------------------------------- logits -> per-token quantities
@@ -37,6 +39,11 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- advantages
+#
+# Sequence-level estimators take rewards [N] laid out group by group (N = num_groups * group_size, consecutive
+# samples share a prompt) and return one advantage per sample [N]; the loss broadcasts it over the response.
+# Token-level ones (REINFORCE++, GAE) take per-token rewards [B, T] and a mask and return [B, T].
+# Every estimator returns float32, and exactly 0 (never NaN, never a rounding error) where there is no signal.
 
 
 def group_advantages(
@@ -44,25 +51,157 @@ def group_advantages(
 ) -> torch.Tensor:
     """Advantage of each sample relative to the other samples of its prompt (no value model).
 
-    Rewards [N] are laid out group by group: N = num_groups * group_size, consecutive samples share a prompt.
     GRPO (normalize_std=True): (r - group mean) / (group std + eps), with the unbiased sample std (correction=1,
     as torch.std and verl compute it). Dr.GRPO (normalize_std=False): r - group mean, since dividing by the std
     over-weights groups that are almost all right or all wrong.
-    A group whose rewards are all equal carries no signal and gets exactly 0 (never NaN, never a rounding error).
-    Returns float32.
+    A group whose rewards are all equal carries no signal and gets exactly 0.
     """
-    n = rewards.numel()
-    if group_size < 1 or n % group_size:
-        raise ValueError(
-            f"group_advantages: {n} rewards do not split into groups of {group_size}; "
-            "N must be num_groups * group_size, laid out group by group"
-        )
-    r = rewards.float().reshape(-1, group_size)
+    r = _groups(rewards, group_size, "group_advantages")
     adv = r - r.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
         adv = adv / (r.std(dim=1, keepdim=True) + eps)
-    all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)
-    return adv.masked_fill(all_equal, 0.0).reshape(-1)
+    return _zero_equal_groups(adv, r).reshape(-1)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO: r_i minus the mean reward of the *other* samples of its prompt, = G / (G - 1) * (r_i - group mean).
+
+    The baseline does not depend on the sample it is subtracted from, so the policy gradient stays unbiased
+    (GRPO's own-group mean includes r_i and shrinks every advantage by (G - 1) / G). A group of one has no other
+    sample to compare with and gets 0, like an all-equal group.
+    """
+    r = _groups(rewards, group_size, "rloo_advantages")
+    if group_size == 1:
+        return torch.zeros_like(r).reshape(-1)
+    loo_mean = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+    return _zero_equal_groups(r - loo_mean, r).reshape(-1)
+
+
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++-baseline: r - group mean, then divided by the std of those centred values over the whole batch.
+
+    The group mean removes each prompt's difficulty; one batch-wide std (instead of GRPO's per-group std) keeps
+    the scale stable without over-weighting groups that are nearly all right or all wrong. The std is taken over
+    samples (each sample once), unbiased; all-equal groups are exactly 0 and an all-zero batch stays 0.
+    """
+    r = _groups(rewards, group_size, "reinforce_pp_baseline_advantages")
+    centered = _zero_equal_groups(r - r.mean(dim=1, keepdim=True), r).reshape(-1)
+    if centered.numel() < 2 or not centered.any():
+        return centered
+    return centered / (centered.std() + eps)
+
+
+def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards [B, T] from one reward per sequence [B]: the reward sits on the last token under the mask.
+
+    This is what turns an outcome reward into the token rewards that discounted returns and GAE expect. A row with
+    an empty mask has nowhere to put its reward and is all 0.
+    """
+    valid = mask > 0
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    last = mask.shape[-1] - 1 - valid.flip(-1).int().argmax(dim=-1)  # argmax gives the first hit of the flip
+    rows = valid.any(dim=-1).nonzero().squeeze(-1)
+    out[rows, last[rows]] = rewards.float().to(out.device)[rows]
+    return out
+
+
+def kl_reward_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float, estimator: str
+) -> torch.Tensor:
+    """KL in the reward: kl_coef * KL(policy || reference) per token [B, T], 0 off the mask, a constant (no grad).
+
+    Subtract it from the token rewards (or its row sum from a sequence reward) before the advantages, so drifting
+    from the reference costs return instead of adding a loss term. `logprobs` are the behaviour policy's: the
+    tokens were sampled from it.
+    """
+    kl = kl_penalty(logprobs.detach().float(), ref_logprobs.float(), estimator)
+    return _masked(kl_coef * kl, mask).detach()
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """G_t = sum over later response tokens s >= t of gamma^(steps from t to s) * r_s, per token [B, T].
+
+    Positions under mask == 0 are not steps: they get 0, add no reward and no discount, and the return passes
+    through them, so a tool output masked out in the middle of a multi-turn response does not cut the credit of
+    the tokens before it.
+    """
+    valid = mask > 0
+    r = torch.where(valid, token_rewards.float(), 0.0)
+    out = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[-1])):
+        running = torch.where(valid[:, t], r[:, t] + gamma * running, running)
+        out[:, t] = torch.where(valid[:, t], running, 0.0)
+    return out
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(values - mean) / (std + eps) over every token under the mask of the batch; 0 off the mask.
+
+    Unbiased std, as torch.std. If all masked values are equal (or there are fewer than two) the result is
+    exactly 0: the batch carries no signal, and a rounding error must not turn into a full-size advantage.
+    """
+    valid = mask > 0
+    x = values.float()
+    n = valid.sum()
+    picked = x[valid]
+    if n < 2 or bool((picked == picked[0]).all()):
+        return torch.zeros_like(x)
+    mean = picked.mean()
+    std = picked.std()
+    return torch.where(valid, (x - mean) / (std + eps), 0.0)
+
+
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, eps: float = 1e-6
+) -> torch.Tensor:
+    """REINFORCE++: discounted returns per token, whitened over all response tokens of the batch [B, T].
+
+    No critic and no group: the batch mean is the baseline and the batch std the scale, which is what makes it
+    work with one sample per prompt. With KL in the reward each token's return also carries the KL penalties of
+    the tokens after it (see kl_reward_penalty).
+    """
+    return masked_whiten(discounted_returns(token_rewards, mask, gamma), mask, eps)
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation for a critic: (advantages, returns), each [B, T], 0 off the mask.
+
+    delta_t = r_t + gamma * V_next - V_t and A_t = delta_t + gamma * lam * A_next, where "next" is the next token
+    under the mask (masked positions are skipped, as in discounted_returns) and V after the last token is 0.
+    returns = A + V are the value targets. lam = 1 gives Monte-Carlo returns minus V; lam = 0 the one-step TD error.
+    Whiten the advantages (masked_whiten) in the caller if the recipe wants it. Values are constants here.
+    """
+    valid = mask > 0
+    r = torch.where(valid, token_rewards.float(), 0.0)
+    v = torch.where(valid, values.detach().float(), 0.0)
+    adv = torch.zeros_like(r)
+    next_value = torch.zeros_like(r[:, 0])
+    next_adv = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[-1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        a_t = delta + gamma * lam * next_adv
+        adv[:, t] = torch.where(valid[:, t], a_t, 0.0)
+        next_value = torch.where(valid[:, t], v[:, t], next_value)
+        next_adv = torch.where(valid[:, t], a_t, next_adv)
+    return adv, torch.where(valid, adv + v, 0.0)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to the reward [N] (values in [-penalty, 0]).
+
+    0 up to max_len - buffer tokens, then falling linearly to -penalty at max_len (and staying there beyond), so
+    responses that run into the length limit are discouraged gradually instead of being cut off with no signal.
+    buffer 0 or penalty 0 disables it.
+    """
+    if buffer <= 0 or penalty == 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    if buffer > max_len:
+        raise ValueError(f"overlong_penalty: buffer {buffer} is longer than max_len {max_len}")
+    exceed = (lengths.float() - (max_len - buffer)).clamp(min=0.0)
+    return -(exceed / buffer).clamp(max=1.0) * penalty
 
 
 # ----------------------------------------------------------------------------- loss aggregation
@@ -108,24 +247,77 @@ def aggregation_weight(mask: torch.Tensor, mode: str) -> torch.Tensor:
     return (mask.sum(-1) > 0).sum().to(mask.dtype)
 
 
-# ----------------------------------------------------------------------------- losses
+# ----------------------------------------------------------------------------- KL, importance weights
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from the sampled tokens' logprobs.
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' logprobs (Schulman's k1/k2/k3).
 
     k1 = log p - log q: unbiased, high variance, can be negative per token.
-    k3 = q/p - log(q/p) - 1 (Schulman's low-variance estimator): unbiased and >= 0; the log-ratio is clamped to
-    [-20, 20] so exp() cannot overflow when the policy has drifted far from the reference.
+    k2 = (log p - log q)^2 / 2: biased but >= 0; as a loss its gradient is the unbiased KL gradient.
+    k3 = q/p - log(q/p) - 1: unbiased and >= 0; the log-ratio is clamped to [-20, 20] so exp() cannot overflow
+    when the policy has drifted far from the reference.
+    low_var_kl = k3 clamped to [-10, 10] (verl's name): a few runaway tokens cannot dominate the loss.
     Gradients flow into `logprobs` only; the reference is a constant.
     """
     ref_logprobs = ref_logprobs.detach()
     if estimator == "k1":
         return logprobs - ref_logprobs
-    if estimator == "k3":
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs).pow(2)
+    if estimator in ("k3", "low_var_kl"):
         log_ratio = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
-        return log_ratio.exp() - log_ratio - 1
+        k3 = log_ratio.exp() - log_ratio - 1
+        return k3 if estimator == "k3" else k3.clamp(-10.0, 10.0)
     raise ValueError(f"kl_penalty: unknown estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
+
+
+def importance_weights(
+    train_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    tis_cap: float = 2.0,
+    icepop_low: float = 0.5,
+    icepop_high: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token weights [B, T] correcting for the rollout engine sampling from a slightly different policy.
+
+    ratio = pi_train(y_t) / pi_rollout(y_t), both under the weights that generated the batch: the train engine's
+    recomputed logprobs against the rollout engine's own. The weights are constants (no gradient) that multiply
+    the per-token policy loss, 0 off the mask.
+      none:   1 (the metrics still measure the mismatch).
+      tis:    min(ratio, tis_cap), truncated importance sampling: corrects the bias, bounds the variance.
+      icepop: ratio inside [icepop_low, icepop_high], 0 outside: tokens on which the engines disagree too much
+              are dropped from the gradient altogether (IcePop's two-sided mask).
+    Metrics (masked token means): is_weight_mean, is_ratio_mean (raw ratio), mismatch_kl (k3 estimate of
+    KL(rollout || train)), plus is_clip_frac (tis: share truncated) or is_mask_frac (icepop: share dropped).
+    """
+    if mode not in IS_CORRECTIONS:
+        raise ValueError(f"importance_weights: unknown mode {mode!r}; expected one of {', '.join(IS_CORRECTIONS)}")
+    valid = mask > 0
+    log_ratio = torch.where(valid, train_logprobs.detach() - rollout_logprobs.detach(), 0.0).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    metrics: dict[str, torch.Tensor] = {}
+    if mode == "tis":
+        weights = ratio.clamp(max=tis_cap)
+        metrics["is_clip_frac"] = masked_mean((ratio > tis_cap).float(), mask)
+    elif mode == "icepop":
+        inside = (ratio >= icepop_low) & (ratio <= icepop_high)
+        weights = torch.where(inside, ratio, 0.0)
+        metrics["is_mask_frac"] = masked_mean((~inside).float(), mask)
+    else:
+        weights = torch.ones_like(ratio)
+    weights = torch.where(valid, weights, 0.0)
+    metrics |= {
+        "is_weight_mean": masked_mean(weights, mask),
+        "is_ratio_mean": masked_mean(ratio, mask),
+        "mismatch_kl": masked_mean(ratio - log_ratio - 1, mask),
+    }
+    return weights, metrics
+
+
+# ----------------------------------------------------------------------------- losses
 
 
 def policy_loss(
@@ -137,20 +329,25 @@ def policy_loss(
     clip_high: float = 0.2,
     loss_agg: str = "token_mean",
     norm_len: int | None = None,
+    clip_ratio_c: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip: -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) per token, then aggregated.
 
     clip_high > clip_low is DAPO's clip-higher: low-probability tokens with A > 0 may grow further before the
-    gradient stops. advantages are [B] (one per sequence, broadcast over its tokens) or [B, T]. old_logprobs and
-    advantages are constants: gradients flow into `logprobs` only.
+    gradient stops. clip_ratio_c (> 1) is dual-clip PPO: for A < 0 the loss is also capped at -clip_ratio_c * A,
+    since a token whose ratio has grown far past 1 with a negative advantage would otherwise get an unbounded
+    loss and gradient. token_weights [B, T] (importance weights, constants) multiply the per-token loss; they do
+    not change the aggregation's denominators. advantages are [B] (one per sequence, broadcast over its tokens)
+    or [B, T]. old_logprobs, advantages and weights are constants: gradients flow into `logprobs` only.
 
     Metrics (detached, masked token means): clip_frac (share of tokens where the clipped term was chosen because it
     was strictly smaller, i.e. those tokens get no gradient), approx_kl (0.5 * (logp - old_logp)^2, the quadratic
-    estimate of KL(old || new)), ratio_mean.
+    estimate of KL(old || new)), ratio_mean; with clip_ratio_c also dual_clip_frac (share capped by it).
     """
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1).expand_as(logprobs)
-    valid = mask > 0
+    if clip_ratio_c is not None and clip_ratio_c <= 1:
+        raise ValueError(f"policy_loss: clip_ratio_c must be > 1 (typically 3), got {clip_ratio_c}")
+    valid, advantages = mask > 0, _per_token(advantages, logprobs)
     # Zero the log-ratio off the mask first, so garbage there cannot overflow exp() and send NaN into backward.
     log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), 0.0)
     ratio = log_ratio.exp()
@@ -158,13 +355,93 @@ def policy_loss(
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
-    loss = aggregate_loss(per_token, mask, loss_agg, norm_len)
+    metrics: dict[str, torch.Tensor] = {}
+    if clip_ratio_c is not None:
+        cap = -clip_ratio_c * advantages
+        dual = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(dual, cap, per_token)
+        metrics["dual_clip_frac"] = masked_mean(dual.float(), mask)
+    loss = aggregate_loss(_weighted(per_token, token_weights, valid), mask, loss_agg, norm_len)
+    with torch.no_grad():
+        metrics |= {
+            "clip_frac": masked_mean((clipped < unclipped).float(), mask),
+            "approx_kl": masked_mean(0.5 * log_ratio.pow(2), mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    loss_agg: str = "seq_mean_token_mean",
+    norm_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: PPO-clip on the sequence ratio s = exp(mean over response tokens of log(p / p_old)).
+
+    The geometric mean keeps s near 1 whatever the length, so the clip range is tiny (paper: 3e-4 / 4e-4) and
+    clips whole sequences: one noisy token ratio cannot move or stop a sequence's update on its own. Token-level
+    form (GSPO-token): s_t = sg(s) * p(y_t) / sg(p(y_t)) has value s and d s_t / d log p(y_t) = s, so with
+    seq_mean_token_mean (the paper's 1/|y| normalisation) the gradient equals sequence-level GSPO, and per-token
+    advantages [B, T] are allowed. Per token: -min(s_t * A, clip(s_t, 1 - clip_low, 1 + clip_high) * A).
+    Metrics as policy_loss; ratio_mean and clip_frac are over tokens, each token carrying its sequence's s.
+    """
+    valid, advantages = mask > 0, _per_token(advantages, logprobs)
+    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), 0.0)
+    n_tokens = valid.sum(dim=-1, keepdim=True).clamp(min=1)
+    seq_log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / n_tokens).detach()
+    # value: s; gradient: s * d log p(y_t). The subtraction is 0 in value but carries the token's gradient.
+    token_log_ratio = torch.where(valid, seq_log_ratio + (logprobs - logprobs.detach()), 0.0)
+    ratio = token_log_ratio.exp()
+    advantages = torch.where(valid, advantages.detach(), 0.0)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    loss = aggregate_loss(_weighted(per_token, token_weights, valid), mask, loss_agg, norm_len)
     with torch.no_grad():
         metrics = {
-            "clip_frac": _masked_mean((clipped < unclipped).float(), mask),
-            "approx_kl": _masked_mean(0.5 * log_ratio.pow(2), mask),
-            "ratio_mean": _masked_mean(ratio, mask),
+            "clip_frac": masked_mean((clipped < unclipped).float(), mask),
+            "approx_kl": masked_mean(0.5 * log_ratio.pow(2), mask),
+            "ratio_mean": masked_mean(ratio, mask),
         }
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float | None = None,
+    loss_agg: str = "token_mean",
+    norm_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Critic loss: 0.5 * (V - R)^2 per token, aggregated like the policy loss.
+
+    With clip_range (PPO's value clipping), V_clip = V_old + clip(V - V_old, -clip_range, clip_range) and the loss
+    is 0.5 * max((V - R)^2, (V_clip - R)^2): the critic may not move more than clip_range from the values the
+    advantages were computed with in a direction that lowers its loss. old_values and returns are constants.
+    Metrics: vf_clip_frac (share of tokens where the clipped term was strictly larger), value_mean.
+    """
+    valid = mask > 0
+    v = torch.where(valid, values, 0.0)
+    returns = torch.where(valid, returns.detach(), 0.0)
+    per_token = 0.5 * (v - returns).pow(2)
+    clip_hits = torch.zeros_like(per_token, dtype=torch.bool)
+    if clip_range is not None:
+        old = torch.where(valid, old_values.detach(), 0.0)
+        v_clip = old + (v - old).clamp(-clip_range, clip_range)
+        clipped = 0.5 * (v_clip - returns).pow(2)
+        clip_hits = clipped > per_token
+        per_token = torch.maximum(per_token, clipped)
+    loss = aggregate_loss(per_token, mask, loss_agg, norm_len)
+    with torch.no_grad():
+        metrics = {"vf_clip_frac": masked_mean(clip_hits.float(), mask), "value_mean": masked_mean(v, mask)}
     return loss, metrics
 
 
@@ -183,15 +460,50 @@ def rl_loss(
     kl_estimator: str = "k3",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    policy: str = "ppo",
+    clip_ratio_c: float | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    is_correction: str = "none",
+    tis_cap: float = 2.0,
+    icepop_low: float = 0.5,
+    icepop_high: float = 5.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The training objective: policy loss + kl_coef * KL to the reference - entropy_coef * entropy.
 
+    policy: "ppo" (policy_loss, with dual clip when clip_ratio_c is set) or "gspo" (gspo_loss).
     KL and entropy are aggregated like the policy loss (same loss_agg, norm_len), so all three are on one scale.
     The KL term is computed only with ref_logprobs and kl_coef > 0; the entropy is reported whenever it is given
     (pass it detached to only log it) and enters the loss when entropy_coef != 0.
-    Metrics: those of policy_loss plus pg_loss, kl (when computed), entropy (when given), loss.
+
+    Rollout/train mismatch (decoupled PPO, three policies): `old_logprobs` are the proximal policy PPO clips
+    against, and `rollout_logprobs` the behaviour policy that sampled the tokens. Without correction a backend
+    passes the rollout engine's logprobs as old_logprobs and no rollout_logprobs. With is_correction "tis" or
+    "icepop" it passes its own recomputed logprobs of the pre-update weights as old_logprobs and the rollout
+    engine's as rollout_logprobs; importance_weights(old, rollout) then multiply the policy loss only (the KL and
+    entropy terms are not about the sampled actions' returns). Given rollout_logprobs with "none", the mismatch
+    is measured and not corrected.
+    Metrics: those of the policy loss, of importance_weights (when rollout_logprobs are given), pg_loss,
+    kl (when computed), entropy (when given), loss.
     """
-    loss, metrics = policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, loss_agg, norm_len)
+    weights, is_metrics = None, {}
+    if rollout_logprobs is not None:
+        weights, is_metrics = importance_weights(old_logprobs, rollout_logprobs, mask, is_correction,
+                                                 tis_cap, icepop_low, icepop_high)
+        if is_correction == "none":
+            weights = None
+    elif is_correction != "none":
+        raise ValueError(f"rl_loss: is_correction {is_correction!r} needs rollout_logprobs")
+    if policy == "ppo":
+        loss, metrics = policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, loss_agg,
+                                    norm_len, clip_ratio_c=clip_ratio_c, token_weights=weights)
+    elif policy == "gspo":
+        if clip_ratio_c is not None:
+            raise ValueError("rl_loss: clip_ratio_c (dual clip) applies to policy 'ppo' only")
+        loss, metrics = gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, loss_agg,
+                                  norm_len, token_weights=weights)
+    else:
+        raise ValueError(f"rl_loss: unknown policy {policy!r}; expected one of {', '.join(POLICY_LOSSES)}")
+    metrics |= is_metrics
     metrics["pg_loss"] = loss.detach()
     if ref_logprobs is not None and kl_coef > 0:
         kl = aggregate_loss(kl_penalty(logprobs, ref_logprobs, kl_estimator), mask, loss_agg, norm_len)
@@ -209,13 +521,39 @@ def rl_loss(
 # ----------------------------------------------------------------------------- helpers
 
 
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of values over the mask; 0 for an empty mask; garbage off the mask never shows."""
+    return _masked(values, mask).sum() / mask.sum().to(values.dtype).clamp(min=1)
+
+
 def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """values * mask, with exact zeros off the mask (a plain product would turn inf or NaN padding into NaN)."""
     return torch.where(mask > 0, values * mask, 0.0)
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return _masked(values, mask).sum() / mask.sum().to(values.dtype).clamp(min=1)
+def _weighted(per_token: torch.Tensor, weights: torch.Tensor | None, valid: torch.Tensor) -> torch.Tensor:
+    if weights is None:
+        return per_token
+    return per_token * torch.where(valid, weights.detach(), 0.0)
+
+
+def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return advantages.unsqueeze(-1).expand_as(like) if advantages.dim() == 1 else advantages
+
+
+def _groups(rewards: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
+    n = rewards.numel()
+    if group_size < 1 or n % group_size:
+        raise ValueError(
+            f"{name}: {n} rewards do not split into groups of {group_size}; "
+            "N must be num_groups * group_size, laid out group by group"
+        )
+    return rewards.float().reshape(-1, group_size)
+
+
+def _zero_equal_groups(adv: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Exactly 0 for groups whose rewards are all equal (r - mean can be a rounding error, not 0)."""
+    return adv.masked_fill((r == r[:, :1]).all(dim=1, keepdim=True), 0.0)
 
 
 def _check_mode(mode: str) -> None:

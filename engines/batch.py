@@ -21,9 +21,16 @@ def pack_samples(
     pad_id: int,
     response_masks: Sequence[Sequence[int]] | None = None,
 ) -> TrainBatch:
-    """Pack N samples into input_ids/attention_mask/loss_mask/old_logprobs [N, L] and advantages [N]."""
+    """Pack N samples into input_ids/attention_mask/loss_mask/old_logprobs [N, L] and advantages.
+
+    advantages are [N] (one per sample) or [N, L] (per token, aligned with input_ids like the logprobs: what
+    token-level estimators produce from a batch packed the same way).
+    """
     n = len(prompt_ids)
     width = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True))
+    if advantages.shape not in ((n,), (n, width)):
+        raise ValueError(f"pack_samples: advantages of shape {tuple(advantages.shape)}; expected ({n},) or "
+                         f"({n}, {width})")
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((n, width), dtype=torch.long)
     loss_mask = torch.zeros((n, width), dtype=torch.float32)

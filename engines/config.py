@@ -80,20 +80,88 @@ class RewardConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal["grpo", "dr_grpo"] = Field(
-        "grpo", description="grpo: (r - mean) / std per group; dr_grpo: r - mean, no std."
+    """Advantage estimator, policy loss, KL, entropy and rollout/train mismatch correction (docs/algorithms.md)."""
+
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "grpo",
+        description="grpo: (r - mean) / std per group; dr_grpo: r - mean; rloo: r - mean of the group's other "
+        "samples; reinforce_pp: discounted token returns whitened over the batch (no group needed); "
+        "reinforce_pp_baseline: r - group mean, divided by the batch std.",
     )
-    normalize_std: bool | None = Field(None, description="Override std normalisation (default: grpo yes, dr_grpo no).")
-    clip_low: float = Field(0.2, ge=0.0)
-    clip_high: float = Field(0.2, ge=0.0)
+    normalize_std: bool | None = Field(
+        None, description="Override std normalisation of grpo / dr_grpo (default: grpo yes, dr_grpo no)."
+    )
+    gamma: float = Field(
+        1.0, gt=0.0, le=1.0, description="Discount of reinforce_pp's token returns; 1 credits every token fully."
+    )
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        "ppo",
+        description="ppo: token-level clipped ratio; gspo: clipped sequence ratio exp(mean token log-ratio) "
+        "(use clip_low 3e-4, clip_high 4e-4 and loss_agg seq_mean_token_mean).",
+    )
+    clip_low: float = Field(0.2, ge=0.0, description="Ratio may fall to 1 - clip_low before the loss clips it.")
+    clip_high: float = Field(
+        0.2, ge=0.0, description="Ratio may rise to 1 + clip_high; above clip_low is DAPO's clip-higher."
+    )
+    clip_ratio_c: float | None = Field(
+        None,
+        gt=1.0,
+        description="Dual-clip PPO: caps the loss of negative-advantage tokens at clip_ratio_c * |A| (typically "
+        "3); empty disables. ppo only.",
+    )
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean",
         description="How per-token losses become one number: over all tokens, per sequence then batch, or "
         "Dr.GRPO's sum over tokens divided by a constant (max_new_tokens).",
     )
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL to the frozen reference model; 0 disables it.")
-    kl_estimator: Literal["k1", "k3"] = Field("k3", description="k1: log-ratio; k3: low-variance estimator.")
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "k3",
+        description="k1: log-ratio; k2: squared log-ratio / 2; k3: low-variance unbiased estimator; "
+        "low_var_kl: k3 clamped to [-10, 10].",
+    )
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss",
+        description="loss: kl_coef * KL is added to the loss; reward: kl_coef * per-token KL is subtracted from "
+        "the rewards before the advantages.",
+    )
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (subtracted from the loss).")
+    is_correction: Literal["none", "tis", "icepop"] = Field(
+        "none",
+        description="Rollout/train mismatch correction: tis weighs each token by min(p_train / p_rollout, "
+        "tis_cap); icepop drops tokens whose ratio is outside [icepop_low, icepop_high]. Either costs one "
+        "extra forward pass per step (the train engine's logprobs before the update).",
+    )
+    tis_cap: float = Field(2.0, gt=0.0, description="TIS: upper bound of the importance weight.")
+    icepop_low: float = Field(0.5, gt=0.0, description="IcePop: smallest p_train / p_rollout kept.")
+    icepop_high: float = Field(5.0, gt=0.0, description="IcePop: largest p_train / p_rollout kept.")
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description="DAPO overlong shaping: the last overlong_buffer tokens before rollout.max_new_tokens cost "
+        "reward linearly, up to overlong_penalty at the limit; 0 disables.",
+    )
+    overlong_penalty: float = Field(0.0, ge=0.0, description="Reward lost at the length limit; 0 disables.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AlgorithmConfig:
+        if self.normalize_std is not None and self.advantage not in ("grpo", "dr_grpo"):
+            raise ValueError(f"normalize_std applies to grpo / dr_grpo only, not advantage {self.advantage!r}")
+        if self.clip_ratio_c is not None and self.policy_loss != "ppo":
+            raise ValueError("clip_ratio_c (dual clip) applies to policy_loss 'ppo' only")
+        if self.icepop_low >= self.icepop_high:
+            raise ValueError(f"icepop_low ({self.icepop_low}) must be below icepop_high ({self.icepop_high})")
+        return self
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        """rl_loss's keyword arguments from this config, so every train backend passes the same ones."""
+        return {
+            "clip_low": self.clip_low, "clip_high": self.clip_high, "loss_agg": self.loss_agg,
+            "kl_coef": self.kl_coef if self.kl_in == "loss" else 0.0, "kl_estimator": self.kl_estimator,
+            "entropy_coef": self.entropy_coef, "policy": self.policy_loss, "clip_ratio_c": self.clip_ratio_c,
+            "is_correction": self.is_correction, "tis_cap": self.tis_cap,
+            "icepop_low": self.icepop_low, "icepop_high": self.icepop_high,
+        }
 
 
 class TrainConfig(Section):
@@ -256,6 +324,11 @@ class RLConfig(Section):
             raise ValueError(
                 "checkpoint.save_rollouts: must be true with rollout.off_policy_steps > 0 (a resumed run needs the "
                 "batch the last checkpoint's weights did not generate)"
+            )
+        if self.algorithm.overlong_buffer > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must not exceed "
+                f"rollout.max_new_tokens ({self.rollout.max_new_tokens})"
             )
         if self.model.hidden_size % self.model.num_heads or self.model.num_heads % self.model.num_kv_heads:
             raise ValueError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")

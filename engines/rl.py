@@ -18,7 +18,7 @@ import pyarrow as pa
 import torch
 
 from engines import algorithms
-from engines.batch import pack_samples, shard_for_workers
+from engines.batch import TrainBatch, batch_size, pack_samples, select, shard_for_workers
 from engines.builtin_tasks import write_task_files
 from engines.cluster import LocalWorkerGroup, RayWorkerGroup, free_port, init_ray
 from engines.config import RLConfig
@@ -27,7 +27,7 @@ from engines.model import DTYPES, build_tiny_model, load_tokenizer
 from engines.rewards import compute_rewards, load_reward_fn
 from engines.rollout_torch import TorchRolloutBackend, concat_packed, split_packed
 from engines.sampling import SamplingParams
-from engines.train_torch import TorchTrainBackend
+from engines.train_torch import TorchTrainBackend, with_train_logprobs
 from engines.weight_sync import plan_buckets, version_dir
 from tasks.run_store import RunStore
 
@@ -42,7 +42,8 @@ class StepState:
     generated: dict  # flat arrays from engines.rollout_torch.pack_generations
     responses: list[str] = field(default_factory=list)
     rewards: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None  # [N], or [N, L] aligned with the packed batch (token-level estimators)
+    train_logprobs: torch.Tensor | None = None  # the train engine's, when the advantages stage already needed them
 
 
 def prepare_data(cfg: RLConfig) -> None:
@@ -178,15 +179,58 @@ class RLSession:
         }
 
     def advantages(self, step: int) -> dict[str, float]:
+        """Rewards -> advantages: overlong shaping and KL-in-reward first, then the recipe's estimator.
+
+        KL in the reward needs per-token logprobs of the reference (and, with IS correction, of the train
+        engine): the train workers compute them here, and the train stage reuses the train engine's.
+        """
         st = self._state(step)
-        algo = self.cfg.algorithm
-        normalize = algo.normalize_std if algo.normalize_std is not None else algo.advantage == "grpo"
-        st.advantages = algorithms.group_advantages(st.rewards, self.cfg.rollout.samples_per_prompt, normalize)
-        groups = st.rewards.view(-1, self.cfg.rollout.samples_per_prompt)
-        return {
-            "adv/abs_mean": float(st.advantages.abs().mean()),
-            "adv/zero_std_groups": float((groups.std(dim=1) == 0).float().mean()),
+        algo, group = self.cfg.algorithm, self.cfg.rollout.samples_per_prompt
+        rewards, metrics = st.rewards, {}
+        if algo.overlong_buffer and algo.overlong_penalty:
+            lengths = torch.as_tensor(st.generated["lengths"])
+            pen = algorithms.overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, algo.overlong_buffer,
+                                              algo.overlong_penalty)
+            rewards = rewards + pen
+            metrics |= {"adv/overlong_penalty": float(pen.mean()), "adv/overlong_frac": float((pen < 0).float().mean())}
+        kl_in_reward = algo.kl_in == "reward" and algo.kl_coef > 0
+        st.train_logprobs, mask, penalty = None, None, None
+        if kl_in_reward or algo.advantage == "reinforce_pp":
+            batch = self._pack(st, torch.zeros(len(rewards)))
+            mask = batch["loss_mask"]
+            penalty = torch.zeros_like(mask)
+            if kl_in_reward:
+                policy = batch["old_logprobs"]  # the behaviour policy: the rollout engine's, or with IS correction
+                if algo.is_correction != "none":  # the train engine's, which PPO's ratio is also taken against
+                    st.train_logprobs = policy = self._train_logprobs(batch)
+                ref = self._train_logprobs(batch, reference=True)
+                penalty = algorithms.kl_reward_penalty(policy, ref, mask, algo.kl_coef, algo.kl_estimator)
+                metrics["adv/kl_penalty"] = float(penalty.sum(-1).mean())
+        if algo.advantage == "reinforce_pp":
+            token_rewards = algorithms.outcome_token_rewards(rewards, mask) - penalty
+            st.advantages = algorithms.reinforce_pp_advantages(token_rewards, mask, algo.gamma)
+            abs_mean = float(algorithms.masked_mean(st.advantages.abs(), mask))
+        else:
+            if penalty is not None:
+                rewards = rewards - penalty.sum(-1)
+            st.advantages = self._sequence_advantages(rewards)
+            abs_mean = float(st.advantages.abs().mean())
+        if rewards is not st.rewards:
+            metrics["adv/shaped_reward_mean"] = float(rewards.mean())
+        groups = rewards.view(-1, group)
+        return metrics | {
+            "adv/abs_mean": abs_mean,
+            "adv/zero_std_groups": float((groups == groups[:, :1]).all(dim=1).float().mean()),
         }
+
+    def _sequence_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        algo, group = self.cfg.algorithm, self.cfg.rollout.samples_per_prompt
+        if algo.advantage in ("grpo", "dr_grpo"):
+            normalize = algo.normalize_std if algo.normalize_std is not None else algo.advantage == "grpo"
+            return algorithms.group_advantages(rewards, group, normalize)
+        if algo.advantage == "rloo":
+            return algorithms.rloo_advantages(rewards, group)
+        return algorithms.reinforce_pp_baseline_advantages(rewards, group)
 
     def train(self, step: int) -> dict[str, float]:
         st = self._state(step)
@@ -197,10 +241,9 @@ class RLSession:
                 f"{staleness.max()} updates behind the trainer (version {self.weight_version}); "
                 f"rollout.off_policy_steps allows {self.cfg.rollout.off_policy_steps}"
             )
-        batch = pack_samples(
-            st.prompt_ids, split_packed(st.generated, "output_ids"), split_packed(st.generated, "output_logprobs"),
-            st.advantages, self.tokenizer.pad_token_id,
-        )
+        batch = self._pack(st, st.advantages)
+        if st.train_logprobs is not None:
+            batch = with_train_logprobs(batch, st.train_logprobs)
         t0 = time.perf_counter()
         if self._dp_ranks is None:  # ranks of one tensor/pipeline-parallel group train on the same shard
             self._dp_ranks = self.train_group.call("data_parallel_rank")
@@ -316,6 +359,19 @@ class RLSession:
             del self._states[old]
         for old in [k for k in self._cursor_after if k < st.step - 1]:
             del self._cursor_after[old]
+
+    def _pack(self, st: StepState, advantages: torch.Tensor) -> TrainBatch:
+        return pack_samples(
+            st.prompt_ids, split_packed(st.generated, "output_ids"), split_packed(st.generated, "output_logprobs"),
+            advantages, self.tokenizer.pad_token_id,
+        )
+
+    def _train_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """Per-token logprobs [N, L] of the train engine's policy (or reference), each worker on its slice."""
+        n = len(self.train_group)
+        per = batch_size(batch) // n
+        parts = [(select(batch, slice(w * per, (w + 1) * per)), reference) for w in range(n)]
+        return torch.cat(self.train_group.call_each("forward_logprobs", parts))
 
     def _state(self, step: int) -> StepState:
         if step not in self._states:

@@ -114,8 +114,10 @@ class TorchTrainBackend:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL iteration on this worker's shard: epochs x mini_batches optimizer steps. Returns global metrics."""
-        if self.ref_model is not None and "ref_logprobs" not in batch:
+        if self.ref_model is not None and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
+        if self.algo.is_correction != "none" and "rollout_logprobs" not in batch:
+            batch = with_train_logprobs(batch, self.forward_logprobs(batch))
         t0 = time.perf_counter()
         self.model.train()
         n = batch_size(batch)
@@ -140,11 +142,9 @@ class TorchTrainBackend:
             micro = {k: v.to(self.device) for k, v in select(mb, slice(i, i + self.cfg.micro_batch_size)).items()}
             logprobs, entropy = self._forward(self.model, micro, want_entropy)
             loss, metrics = algorithms.rl_loss(
-                logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"],
-                clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, loss_agg=mode, norm_len=self.norm_len,
-                ref_logprobs=micro.get("ref_logprobs"), kl_coef=self.algo.kl_coef,
-                kl_estimator=self.algo.kl_estimator,
-                entropy=entropy if self.algo.entropy_coef else entropy.detach(), entropy_coef=self.algo.entropy_coef,
+                logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], norm_len=self.norm_len,
+                ref_logprobs=micro.get("ref_logprobs"), rollout_logprobs=micro.get("rollout_logprobs"),
+                entropy=entropy if self.algo.entropy_coef else entropy.detach(), **self.algo.loss_kwargs(),
             )
             share = algorithms.aggregation_weight(micro["loss_mask"], mode).double() / total_weight.clamp(min=1)
             (loss * share.float()).backward()
@@ -240,6 +240,20 @@ class TorchTrainBackend:
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
+
+
+def with_train_logprobs(batch: TrainBatch, train_logprobs: torch.Tensor) -> TrainBatch:
+    """The batch for decoupled PPO: the train engine's logprobs become PPO's old policy, the rollout's the IS one.
+
+    Three policies take part in a step with importance-sampling correction (as slime and verl structure it):
+    the rollout engine's policy sampled the tokens (`rollout_logprobs`, from pack_samples' old_logprobs); the
+    train engine's logprobs of the same, not yet updated, weights are the proximal policy PPO's ratio and clip
+    are taken against (`old_logprobs`, recomputed once per step, before the first update); and the policy being
+    trained. Their difference is numerical (kernels, precision, batch shapes), and only the IS weight
+    p_train_old / p_rollout sees it, truncated (TIS) or masked (IcePop), instead of leaking into PPO's clip.
+    Without correction the rollout logprobs stay PPO's old policy and no extra forward pass is made.
+    """
+    return {**batch, "rollout_logprobs": batch["old_logprobs"], "old_logprobs": train_logprobs}
 
 
 def rng_state() -> dict:

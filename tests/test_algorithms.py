@@ -111,6 +111,222 @@ def test_group_size_must_divide():
         A.group_advantages(torch.zeros(4), 0)
 
 
+# ----------------------------------------------------------------------------- rloo, reinforce++ (baseline)
+
+
+def test_rloo_advantages_by_hand():
+    # group 1 [1, 0, 0, 1]: r = 1 vs the others' mean (0 + 0 + 1) / 3 = 1/3 -> +2/3; r = 0 vs 2/3 -> -2/3
+    # group 2 [3, 1, 1, 1]: r = 3 vs 1 -> +2; r = 1 vs (3 + 1 + 1) / 3 = 5/3 -> -2/3
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 1.0, 1.0])
+    t = 2 / 3
+    expected = torch.tensor([t, -t, -t, t, 2.0, -t, -t, -t])
+    assert torch.allclose(A.rloo_advantages(r, 4), expected, atol=1e-6)
+    # = G / (G - 1) * Dr.GRPO's r - mean: 4/3 * 0.5 = 2/3, 4/3 * 1.5 = 2
+    assert torch.allclose(A.rloo_advantages(r, 4), A.group_advantages(r, 4, normalize_std=False) * 4 / 3, atol=1e-6)
+
+
+def test_rloo_no_signal_is_exactly_zero():
+    r = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7])  # all-equal groups: 0, not a rounding error
+    assert torch.equal(A.rloo_advantages(r, 3), torch.zeros(6))
+    assert torch.equal(A.rloo_advantages(torch.tensor([1.0, 0.0]), 1), torch.zeros(2))  # no other sample
+    # group of 2: each sample's baseline is the other one: [1, 0] -> [1, -1]
+    assert torch.equal(A.rloo_advantages(torch.tensor([1.0, 0.0]), 2), torch.tensor([1.0, -1.0]))
+    with pytest.raises(ValueError, match="rloo_advantages: 5 rewards do not split into groups of 2"):
+        A.rloo_advantages(torch.zeros(5), 2)
+
+
+def test_reinforce_pp_baseline_by_hand():
+    # centred per group: [0.5, -0.5, -0.5, 0.5 | 1.5, -0.5, -0.5, -0.5]; their mean is 0,
+    # sum of squares 4 * 0.25 + 2.25 + 3 * 0.25 = 4, unbiased batch var 4 / 7 -> std 0.755929
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 1.0, 1.0])
+    centred = torch.tensor([0.5, -0.5, -0.5, 0.5, 1.5, -0.5, -0.5, -0.5])
+    adv = A.reinforce_pp_baseline_advantages(r, 4, eps=0.0)
+    assert torch.allclose(adv, centred / math.sqrt(4 / 7), atol=1e-6)  # 0.661438, 1.984313, ...
+    # GRPO would divide group 2 by its own std (0.866025 / 1 for 1.5): one batch std keeps the groups' scale
+    assert not torch.allclose(adv, A.group_advantages(r, 4, eps=0.0))
+
+
+def test_reinforce_pp_baseline_counts_all_equal_groups_in_the_batch_std():
+    # [1, 0 | 1, 1]: centred [0.5, -0.5, 0, 0]; batch std over 4 samples: sqrt(0.5 / 3) = 0.408248
+    # -> 0.5 / 0.408248 = 1.224745; the all-equal group stays exactly 0
+    adv = A.reinforce_pp_baseline_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, eps=0.0)
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0, 0.0]) * 0.5 / math.sqrt(0.5 / 3), atol=1e-6)
+    assert torch.equal(adv[2:], torch.zeros(2))
+
+
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_reinforce_pp_baseline_without_signal_is_zero(group_size):
+    r = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7])  # every group all-equal (or groups of one): 0, not 0 / 0
+    assert torch.equal(A.reinforce_pp_baseline_advantages(r, group_size), torch.zeros(6))
+    assert torch.equal(A.reinforce_pp_baseline_advantages(torch.tensor([0.3]), 1), torch.zeros(1))
+
+
+# ----------------------------------------------------------------------------- token rewards, returns, whitening
+
+# Row 0: 3 tokens after a prompt token; row 1: tokens at 1 and 3 with a masked tool output at 2; row 2: empty.
+TOK_MASK = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+
+
+def test_outcome_token_rewards_sit_on_the_last_masked_token():
+    out = A.outcome_token_rewards(torch.tensor([1.0, 0.5, 7.0]), TOK_MASK)
+    # row 0 ends at 3; row 1's last masked token is 3 (not the gap at 2); the empty row has nowhere to put 7
+    assert torch.equal(out, torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.5], [0.0, 0.0, 0.0, 0.0]]))
+    # right padding: [1, 1, 0] ends at 1
+    out = A.outcome_token_rewards(torch.tensor([2.0]), torch.tensor([[1.0, 1.0, 0.0]]))
+    assert torch.equal(out, torch.tensor([[0.0, 2.0, 0.0]]))
+
+
+def test_discounted_returns_by_hand():
+    # rewards on the last token, garbage under the mask
+    rewards = torch.tensor([[NAN, 0.0, 0.0, 1.0], [INF, 0.5, 99.0, 1.0], [NAN, NAN, INF, 1.0]])
+    # gamma 1: every token gets the sum of the rewards from it on: row 0 [1, 1, 1]; row 1: 0.5 + 1 = 1.5, 1
+    ret = A.discounted_returns(rewards, TOK_MASK, 1.0)
+    assert torch.equal(ret, torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.5, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]]))
+    # gamma 0.5: row 0 [0.25, 0.5, 1]; row 1: the masked position is not a step -> 0.5 + 0.5 * 1 = 1.0 (not 0.75)
+    ret = A.discounted_returns(rewards, TOK_MASK, 0.5)
+    assert torch.equal(ret, torch.tensor([[0.0, 0.25, 0.5, 1.0], [0.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]]))
+
+
+def test_masked_whiten_by_hand():
+    # masked values [1, 1, 1, 0]: mean 0.75, deviations [.25, .25, .25, -.75], unbiased var 0.75 / 3 = 0.25 -> std 0.5
+    values = torch.tensor([[NAN, 1.0, 1.0, 1.0], [INF, 0.0, 5.0, NAN]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
+    out = A.masked_whiten(values, mask, eps=0.0)
+    assert torch.equal(out, torch.tensor([[0.0, 0.5, 0.5, 0.5], [0.0, -1.5, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize(
+    "values, mask",
+    [
+        (torch.tensor([[0.1, 0.1, 9.0], [0.1, NAN, 0.1]]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])),  # equal
+        (torch.tensor([[3.0, NAN]]), torch.tensor([[1.0, 0.0]])),  # one token: no spread to divide by
+        (torch.tensor([[3.0, NAN]]), torch.zeros(1, 2)),  # nothing under the mask
+    ],
+)
+def test_masked_whiten_without_signal_is_zero(values, mask):
+    assert torch.equal(A.masked_whiten(values, mask), torch.zeros_like(values))
+
+
+def test_reinforce_pp_advantages_by_hand():
+    # outcome rewards [1, 0, 5(empty row)] on the last token; gamma 1 -> returns [1, 1, 1 | 0, -, 0] on the tokens
+    # tokens [1, 1, 1, 0, 0]: mean 0.6, deviations [.4, .4, .4, -.6, -.6], unbiased var 1.2 / 4 = 0.3
+    token_rewards = A.outcome_token_rewards(torch.tensor([1.0, 0.0, 5.0]), TOK_MASK)
+    adv = A.reinforce_pp_advantages(token_rewards, TOK_MASK, gamma=1.0, eps=0.0)
+    s = math.sqrt(0.3)
+    expected = torch.tensor([[0.0, 0.4 / s, 0.4 / s, 0.4 / s], [0.0, -0.6 / s, 0.0, -0.6 / s], [0.0, 0.0, 0.0, 0.0]])
+    assert torch.allclose(adv, expected, atol=1e-6)
+    # gamma 0.5: row 0 returns [0.25, 0.5, 1], row 1 [0, 0]: tokens [.25, .5, 1, 0, 0], mean 0.35,
+    # deviations [-.1, .15, .65, -.35, -.35], sum of squares .01 + .0225 + .4225 + .1225 + .1225 = 0.7, var 0.175
+    adv = A.reinforce_pp_advantages(token_rewards, TOK_MASK, gamma=0.5, eps=0.0)
+    s = math.sqrt(0.175)
+    expected = torch.tensor([[0.0, -0.1, 0.15, 0.65], [0.0, -0.35, 0.0, -0.35], [0.0, 0.0, 0.0, 0.0]]) / s
+    assert torch.allclose(adv, expected, atol=1e-6)
+
+
+def test_reinforce_pp_all_equal_rewards_give_zero():
+    token_rewards = A.outcome_token_rewards(torch.tensor([1.0, 1.0, 1.0]), TOK_MASK)
+    assert torch.equal(A.reinforce_pp_advantages(token_rewards, TOK_MASK), torch.zeros(3, 4))
+    assert torch.equal(A.reinforce_pp_advantages(token_rewards, torch.zeros(3, 4)), torch.zeros(3, 4))
+
+
+def test_kl_reward_penalty_by_hand():
+    logp = torch.tensor([[NAN, math.log(0.5), math.log(0.25)]], requires_grad=True)
+    ref = torch.tensor([[INF, math.log(0.25), math.log(0.5)]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    # k1 * 0.1: 0.1 ln 2 and -0.1 ln 2; the prompt position is 0 whatever sits there
+    pen = A.kl_reward_penalty(logp, ref, mask, 0.1, "k1")
+    assert torch.allclose(pen, torch.tensor([[0.0, 0.1 * LN2, -0.1 * LN2]]), atol=1e-7) and not pen.requires_grad
+    # k3 * 0.1: q/p = 0.5 -> 0.5 + ln 2 - 1; q/p = 2 -> 2 - ln 2 - 1
+    pen = A.kl_reward_penalty(logp, ref, mask, 0.1, "k3")
+    assert torch.allclose(pen, torch.tensor([[0.0, 0.1 * (LN2 - 0.5), 0.1 * (1 - LN2)]]), atol=1e-7)
+    # in the reward: reward 1 at the last token, minus each token's penalty; the sequence total is 1 - sum
+    token_rewards = A.outcome_token_rewards(torch.tensor([1.0]), mask) - pen
+    assert torch.allclose(token_rewards, torch.tensor([[0.0, -0.1 * (LN2 - 0.5), 1 - 0.1 * (1 - LN2)]]), atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- gae, value loss
+
+
+def test_gae_by_hand():
+    r = torch.tensor([[0.0, 0.0, 1.0]])
+    v = torch.tensor([[0.5, 0.6, 0.7]])
+    m = torch.ones(1, 3)
+    # gamma = lam = 1: deltas (from the end) 1 - 0.7 = 0.3, 0.7 - 0.6 = 0.1, 0.6 - 0.5 = 0.1
+    # -> A = [0.5, 0.4, 0.3], returns A + V = [1, 1, 1] (the Monte-Carlo return)
+    adv, ret = A.gae_advantages(r, v, m, gamma=1.0, lam=1.0)
+    assert torch.allclose(adv, torch.tensor([[0.5, 0.4, 0.3]]), atol=1e-6)
+    assert torch.allclose(ret, torch.ones(1, 3), atol=1e-6)
+    # gamma = lam = 0.5: t2: delta 0.3, A 0.3; t1: delta 0.5 * 0.7 - 0.6 = -0.25, A = -0.25 + 0.25 * 0.3 = -0.175
+    # t0: delta 0.5 * 0.6 - 0.5 = -0.2, A = -0.2 + 0.25 * -0.175 = -0.24375
+    adv, ret = A.gae_advantages(r, v, m, gamma=0.5, lam=0.5)
+    assert torch.allclose(adv, torch.tensor([[-0.24375, -0.175, 0.3]]), atol=1e-6)
+    assert torch.allclose(ret, torch.tensor([[0.25625, 0.425, 1.0]]), atol=1e-6)
+    # lam 0: A is the one-step TD error: [-0.2, -0.25, 0.3]
+    adv, _ = A.gae_advantages(r, v, m, gamma=0.5, lam=0.0)
+    assert torch.allclose(adv, torch.tensor([[-0.2, -0.25, 0.3]]), atol=1e-6)
+
+
+def test_gae_skips_masked_positions_and_empty_rows():
+    # row 0: a masked tool output at 1 with garbage reward and value; gamma = lam = 1:
+    # t2: delta 1 - 0.7 = 0.3; t0 looks past t1 to t2: delta 0.7 - 0.5 = 0.2, A 0.2 + 0.3 = 0.5
+    r = torch.tensor([[0.0, NAN, 1.0], [INF, NAN, 3.0]])
+    v = torch.tensor([[0.5, NAN, 0.7], [NAN, INF, 1.0]], requires_grad=True)
+    m = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    adv, ret = A.gae_advantages(r, v, m)
+    assert torch.allclose(adv, torch.tensor([[0.5, 0.0, 0.3], [0.0, 0.0, 0.0]]), atol=1e-6)
+    assert torch.allclose(ret, torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]]), atol=1e-6)
+    assert not adv.requires_grad and not ret.requires_grad
+
+
+@pytest.mark.parametrize(
+    "v, old, ret, loss, grad, clipped",
+    [
+        # 0.5 (V - R)^2; clip range 0.2 around V_old. d loss / dV = V - R when the unclipped term is chosen
+        (1.0, 0.5, 0.6, 0.08, 0.4, 0.0),  # unclipped .5 * .4^2 = .08 > clipped (V_clip .7) .5 * .1^2 = .005
+        (0.9, 0.5, 1.0, 0.045, 0.0, 1.0),  # unclipped .005 < clipped (V_clip .7) .5 * .3^2 = .045: no gradient
+        (0.6, 0.5, 1.0, 0.08, -0.4, 0.0),  # inside the range: V_clip = V, both .5 * .4^2 = .08
+    ],
+)
+def test_value_loss_clipping_branches(v, old, ret, loss, grad, clipped):
+    values = torch.tensor([[v]], requires_grad=True)
+    got, m = A.value_loss(values, torch.tensor([[old]]), torch.tensor([[ret]]), torch.ones(1, 1), clip_range=0.2)
+    got.backward()
+    assert got.item() == pytest.approx(loss, abs=1e-6)
+    assert values.grad.item() == pytest.approx(grad, abs=1e-6)
+    assert m["vf_clip_frac"].item() == clipped
+
+
+def test_value_loss_without_clip_and_with_padding():
+    values = torch.tensor([[0.9, NAN], [INF, -INF]], requires_grad=True)
+    old = torch.tensor([[0.5, INF], [NAN, 0.0]])
+    returns = torch.tensor([[1.0, NAN], [NAN, INF]])
+    mask = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    # no clip: 0.5 * 0.1^2 = 0.005 (clipping at 0.2 would give 0.045); the empty row and padding add nothing
+    loss, m = A.value_loss(values, old, returns, mask)
+    assert loss.item() == pytest.approx(0.005, abs=1e-7) and m["vf_clip_frac"].item() == 0.0
+    assert m["value_mean"].item() == pytest.approx(0.9)
+    loss.backward()
+    assert torch.allclose(values.grad, torch.tensor([[-0.1, 0.0], [0.0, 0.0]]), atol=1e-6)
+    for agg in A.LOSS_AGG_MODES:
+        loss, m = A.value_loss(values, old, returns, torch.zeros(2, 2), 0.2, agg, norm_len=2)
+        assert loss.item() == 0.0 and all(torch.isfinite(x) for x in m.values())
+
+
+# ----------------------------------------------------------------------------- overlong shaping
+
+
+def test_overlong_penalty_by_hand():
+    # max 8, buffer 3: free up to 5 tokens, then -1/3 per token to -1 at 8, -1 beyond
+    lengths = torch.tensor([0, 5, 6, 7, 8, 9])
+    pen = A.overlong_penalty(lengths, max_len=8, buffer=3, penalty=1.0)
+    assert torch.allclose(pen, torch.tensor([0.0, 0.0, -1 / 3, -2 / 3, -1.0, -1.0]), atol=1e-7)
+    assert torch.allclose(A.overlong_penalty(lengths, 8, 3, 0.5), pen * 0.5)
+    assert torch.equal(A.overlong_penalty(lengths, 8, 0, 1.0), torch.zeros(6))  # disabled
+    assert torch.equal(A.overlong_penalty(lengths, 8, 3, 0.0), torch.zeros(6))  # disabled
+    with pytest.raises(ValueError, match="buffer 9 is longer than max_len 8"):
+        A.overlong_penalty(lengths, 8, 9, 1.0)
+
+
 # ----------------------------------------------------------------------------- aggregate_loss
 
 # Row 0: 2 tokens, row 1: 1 token, row 2: empty response. Garbage (inf, NaN, 99) under mask 0 must never show.
@@ -183,7 +399,7 @@ def test_kl_estimators_by_hand():
     # k3 = q/p - ln(q/p) - 1: q/p = 0.5 -> 0.5 + ln 2 - 1 = 0.193147; q/p = 2 -> 2 - ln 2 - 1 = 0.306853
     assert torch.allclose(A.kl_penalty(p, q, "k3"), torch.tensor([0.5 + LN2 - 1, 2 - LN2 - 1]), atol=1e-6)
     assert A.kl_penalty(q, q, "k3").eq(0).all()
-    with pytest.raises(ValueError, match="unknown estimator 'k9'.*k1, k3"):
+    with pytest.raises(ValueError, match="unknown estimator 'k9'.*k1, k2, k3, low_var_kl"):
         A.kl_penalty(p, q, "k9")
 
 
@@ -201,6 +417,84 @@ def test_kl_gradient_reaches_logprobs_only():
     # d k3 / d logp = 1 - e^(ref - logp) = 1 - 0.5 = 0.5
     A.kl_penalty(logp, ref, "k3").sum().backward()
     assert logp.grad.item() == pytest.approx(0.5) and ref.grad is None
+
+
+def test_k2_and_low_var_kl_by_hand():
+    p, q = torch.tensor([math.log(0.5), math.log(0.25)]), torch.tensor([math.log(0.25), math.log(0.5)])
+    # k2 = (ln p - ln q)^2 / 2 = (+-ln 2)^2 / 2 = 0.240227 for both
+    assert torch.allclose(A.kl_penalty(p, q, "k2"), torch.full((2,), 0.5 * LN2**2), atol=1e-6)
+    # low_var_kl = k3 where k3 is within [-10, 10]: 0.193147, 0.306853
+    assert torch.allclose(A.kl_penalty(p, q, "low_var_kl"), torch.tensor([0.5 + LN2 - 1, 2 - LN2 - 1]), atol=1e-6)
+    # k3 of a far-drifted policy is 19 and e^20 - 21; low_var_kl caps both at 10
+    far = A.kl_penalty(torch.tensor([0.0, -100.0]), torch.tensor([-100.0, 0.0]), "low_var_kl")
+    assert torch.equal(far, torch.tensor([10.0, 10.0]))
+
+
+def test_k2_and_low_var_kl_gradients():
+    logp = torch.tensor([math.log(0.5)], requires_grad=True)
+    # d k2 / d logp = ln p - ln q = ln 0.5 - ln 0.25 = ln 2
+    A.kl_penalty(logp, torch.tensor([math.log(0.25)]), "k2").sum().backward()
+    assert logp.grad.item() == pytest.approx(LN2, abs=1e-6)
+    # a capped low_var_kl token gives no gradient (k3's would be 1 - e^20)
+    far = torch.tensor([-100.0], requires_grad=True)
+    A.kl_penalty(far, torch.tensor([0.0]), "low_var_kl").sum().backward()
+    assert far.grad.item() == 0.0
+
+
+# ----------------------------------------------------------------------------- importance_weights
+
+# train / rollout probabilities 0.5/0.5, 0.5/0.2, 0.9/0.3, 0.1/0.5 -> ratios 1, 2.5, 3, 0.2; then padding
+IS_TRAIN = torch.tensor([[math.log(0.5), math.log(0.5), math.log(0.9), math.log(0.1), NAN]])
+IS_ROLLOUT = torch.tensor([[math.log(0.5), math.log(0.2), math.log(0.3), math.log(0.5), INF]])
+IS_MASK = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+# k3 of KL(rollout || train): mean of r - 1 - ln r = (0 + 1.5 - ln 2.5 + 2 - ln 3 - 0.8 - ln 0.2) / 4
+#   = (2.7 + ln(2/3)) / 4 = 0.573634
+MISMATCH_KL = (2.7 + math.log(2 / 3)) / 4
+
+
+def test_tis_weights_by_hand():
+    w, m = A.importance_weights(IS_TRAIN, IS_ROLLOUT, IS_MASK, "tis", tis_cap=2.0)
+    # min(ratio, 2): [1, 2, 2, 0.2]; padding 0
+    assert torch.allclose(w, torch.tensor([[1.0, 2.0, 2.0, 0.2, 0.0]]), atol=1e-6)
+    assert m["is_clip_frac"].item() == pytest.approx(0.5)  # 2.5 and 3 truncated, of 4 tokens
+    assert m["is_weight_mean"].item() == pytest.approx(5.2 / 4, abs=1e-6)
+    assert m["is_ratio_mean"].item() == pytest.approx(6.7 / 4, abs=1e-6)
+    assert m["mismatch_kl"].item() == pytest.approx(MISMATCH_KL, abs=1e-6)
+    assert "is_mask_frac" not in m
+
+
+def test_icepop_weights_by_hand():
+    w, m = A.importance_weights(IS_TRAIN, IS_ROLLOUT, IS_MASK, "icepop", icepop_low=0.5, icepop_high=5.0)
+    # inside [0.5, 5]: the ratio itself; 0.2 is outside -> 0
+    assert torch.allclose(w, torch.tensor([[1.0, 2.5, 3.0, 0.0, 0.0]]), atol=1e-6)
+    assert m["is_mask_frac"].item() == pytest.approx(0.25)
+    assert m["is_weight_mean"].item() == pytest.approx(6.5 / 4, abs=1e-6)
+    assert m["mismatch_kl"].item() == pytest.approx(MISMATCH_KL, abs=1e-6)
+    # a tighter band [0.5, 2.8] also drops the 3
+    w, m = A.importance_weights(IS_TRAIN, IS_ROLLOUT, IS_MASK, "icepop", icepop_low=0.5, icepop_high=2.8)
+    assert torch.allclose(w, torch.tensor([[1.0, 2.5, 0.0, 0.0, 0.0]]), atol=1e-6)
+    assert m["is_mask_frac"].item() == pytest.approx(0.5)
+
+
+def test_importance_weights_none_measures_only():
+    w, m = A.importance_weights(IS_TRAIN, IS_ROLLOUT, IS_MASK, "none")
+    assert torch.equal(w, IS_MASK)
+    assert m.keys() == {"is_weight_mean", "is_ratio_mean", "mismatch_kl"}
+    assert m["mismatch_kl"].item() == pytest.approx(MISMATCH_KL, abs=1e-6)
+    with pytest.raises(ValueError, match="unknown mode 'mis'.*none, tis, icepop"):
+        A.importance_weights(IS_TRAIN, IS_ROLLOUT, IS_MASK, "mis")
+
+
+@pytest.mark.parametrize("mode", A.IS_CORRECTIONS)
+def test_importance_weights_are_constants_and_empty_masks_are_zero(mode):
+    train = IS_TRAIN.clone().requires_grad_(True)
+    w, m = A.importance_weights(train, IS_ROLLOUT, IS_MASK, mode)
+    assert not w.requires_grad and all(not v.requires_grad for v in m.values())
+    # same ratio -> weight 1 under every mode, no mismatch
+    w, m = A.importance_weights(IS_ROLLOUT, IS_ROLLOUT, IS_MASK, mode)
+    assert torch.equal(w, IS_MASK) and m["mismatch_kl"].item() == 0.0
+    w, m = A.importance_weights(IS_TRAIN, IS_ROLLOUT, torch.zeros(1, 5), mode)
+    assert torch.equal(w, torch.zeros(1, 5)) and all(v.item() == 0.0 for v in m.values())
 
 
 # ----------------------------------------------------------------------------- policy_loss
@@ -282,6 +576,112 @@ def test_policy_loss_dr_grpo_normalisation():
     assert torch.equal(logp.grad, torch.tensor([[-0.125, -0.125, -0.125], [0.125, 0.0, 0.0]]))
 
 
+@pytest.mark.parametrize(
+    "ratio, adv, loss, grad, dual",
+    [
+        # clip [0.8, 1.28], dual clip c = 3: for A < 0 the loss is capped at -3 * A
+        (4.0, -1.0, 3.0, 0.0, 1.0),  # plain PPO: -min(-4, -1.28) = 4 -> capped at 3, no gradient
+        (3.5, -2.0, 6.0, 0.0, 1.0),  # plain 7 -> capped at 6
+        (2.0, -1.0, 2.0, 2.0, 0.0),  # plain 2 < 3: unchanged, d/dlogp = -ratio * A = 2
+        (0.5, -1.0, 0.8, 0.0, 0.0),  # A < 0 below 0.8: PPO's own clip (0.8), not the dual one
+        (4.0, 1.0, -1.28, 0.0, 0.0),  # A > 0: dual clip does not apply
+    ],
+)
+def test_dual_clip_by_hand(ratio, adv, loss, grad, dual):
+    logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    got, m = A.policy_loss(logp, torch.zeros(1, 1), torch.tensor([adv]), torch.ones(1, 1), 0.2, 0.28,
+                           clip_ratio_c=3.0)
+    got.backward()
+    assert got.item() == pytest.approx(loss, abs=1e-5)
+    assert logp.grad.item() == pytest.approx(grad, abs=1e-5)
+    assert m["dual_clip_frac"].item() == dual
+
+
+def test_dual_clip_off_by_default_and_validated():
+    logp = torch.tensor([[math.log(4.0)]])
+    loss, m = A.policy_loss(logp, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(4.0) and "dual_clip_frac" not in m
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        A.policy_loss(logp, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), clip_ratio_c=1.0)
+
+
+def test_policy_loss_token_weights():
+    # ratio 1, A = 1, weights [2, 0.5, garbage]: per-token -2 and -0.5 -> token_mean -1.25 (denominator 2 tokens)
+    logp = torch.zeros(1, 3, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, _ = A.policy_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), mask,
+                            token_weights=torch.tensor([[2.0, 0.5, NAN]]))
+    assert loss.item() == pytest.approx(-1.25)
+    loss.backward()
+    assert torch.equal(logp.grad, torch.tensor([[-1.0, -0.25, 0.0]]))  # -A * ratio * w / 2
+
+
+# ----------------------------------------------------------------------------- gspo
+
+# row 0: token log-ratios [0.2, -0.1] -> s = e^0.05 = 1.051271, A = +1
+# row 1: one token, log-ratio 0.3 -> s = e^0.3 = 1.349859, A = -1; row 2: empty, garbage everywhere
+GSPO_LOGP = torch.tensor([[0.2, -0.1], [0.3, NAN], [INF, NAN]])
+GSPO_OLD = torch.tensor([[0.0, 0.0], [0.0, INF], [-INF, 5.0]])
+GSPO_MASK = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
+GSPO_ADV = torch.tensor([1.0, -1.0, NAN])
+S0, S1 = math.exp(0.05), math.exp(0.3)
+
+
+def test_gspo_by_hand_unclipped():
+    logp = GSPO_LOGP.clone().requires_grad_(True)
+    loss, m = A.gspo_loss(logp, GSPO_OLD, GSPO_ADV, GSPO_MASK, 0.5, 0.5, "seq_mean_token_mean")
+    # per token -s * A: row 0 mean -1.051271, row 1 +1.349859 -> (-1.051271 + 1.349859) / 2 = 0.149294
+    assert loss.item() == pytest.approx((-S0 + S1) / 2, abs=1e-6)
+    assert m["clip_frac"].item() == 0.0
+    assert m["ratio_mean"].item() == pytest.approx((2 * S0 + S1) / 3, abs=1e-6)  # each token carries its s
+    loss.backward()
+    # every token of a row gets the same gradient -s * A / (2 rows * |y|): -1.051271 / 4 = -0.262818; 1.349859 / 2
+    expected = torch.tensor([[-S0 / 4, -S0 / 4], [S1 / 2, 0.0], [0.0, 0.0]])
+    assert torch.allclose(logp.grad, expected, atol=1e-6)
+
+
+def test_gspo_clips_whole_sequences():
+    logp = GSPO_LOGP.clone().requires_grad_(True)
+    loss, m = A.gspo_loss(logp, GSPO_OLD, GSPO_ADV, GSPO_MASK)  # paper range [1 - 3e-4, 1 + 4e-4]
+    # row 0: A > 0 and s above 1.0004 -> clipped at 1.0004, both tokens get no gradient (PPO would clip only the
+    # first, ratio e^0.2, and keep training the second, e^-0.1). row 1: A < 0 above the range -> unclipped.
+    assert loss.item() == pytest.approx((-1.0004 + S1) / 2, abs=1e-6)
+    assert m["clip_frac"].item() == pytest.approx(2 / 3)  # 2 of 3 tokens
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, 0.0], [S1 / 2, 0.0], [0.0, 0.0]]), atol=1e-6)
+
+
+def test_gspo_token_form_matches_sequence_gspo():
+    # Sequence-level GSPO written directly: mean over non-empty rows of -min(s A, clip(s) A),
+    # s = exp(masked mean of the log-ratio) with its gradient. Value and gradient must match the token form.
+    g = torch.Generator().manual_seed(0)
+    logp = (0.05 * torch.randn(4, 6, generator=g)).requires_grad_(True)
+    old = 0.05 * torch.randn(4, 6, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [0, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0]]).float()
+    adv = torch.tensor([1.0, -0.5, 2.0, 3.0])
+    n = mask.sum(-1)
+    s = torch.exp(((logp - old) * mask).sum(-1) / n.clamp(min=1))
+    per_seq = -torch.minimum(s * adv, s.clamp(1 - 0.02, 1 + 0.03) * adv)
+    ref = (per_seq * (n > 0)).sum() / (n > 0).sum()
+    (ref_grad,) = torch.autograd.grad(ref, logp)
+    loss, _ = A.gspo_loss(logp, old, adv, mask, 0.02, 0.03, "seq_mean_token_mean")
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-6)
+    assert torch.allclose(grad, ref_grad, atol=1e-6)
+    assert (ref_grad != 0).any() and (ref_grad == 0).any()  # some rows clipped, some not: both branches checked
+
+
+def test_gspo_weights_and_empty_batch():
+    logp = torch.zeros(1, 2, requires_grad=True)
+    # s = 1, A = 1, weights [2, 0.5]: tokens -2 and -0.5, row mean -1.25
+    loss, _ = A.gspo_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2),
+                          token_weights=torch.tensor([[2.0, 0.5]]))
+    assert loss.item() == pytest.approx(-1.25)
+    for agg in A.LOSS_AGG_MODES:
+        loss, m = A.gspo_loss(GSPO_LOGP, GSPO_OLD, GSPO_ADV, torch.zeros(3, 2), loss_agg=agg, norm_len=2)
+        assert loss.item() == 0.0 and all(v.item() == 0.0 for v in m.values())
+
+
 # ----------------------------------------------------------------------------- rl_loss
 
 
@@ -347,3 +747,56 @@ def test_rl_loss_with_padding_stays_finite():
         assert all(torch.isfinite(v) for v in m.values()), agg
         loss.backward()
         assert torch.allclose(logp.grad, torch.tensor([[-1.0 + 0.1, 0.0], [0.0, 0.0]]), atol=1e-6), agg
+
+
+def _rl_is(mode, **kw):
+    # train engine (old) and current policy: p = 0.5 on both tokens; rollout engine: 0.5 and 0.2 -> ratios 1, 2.5
+    logp = torch.full((1, 2), math.log(0.5), requires_grad=True)
+    old = torch.full((1, 2), math.log(0.5))
+    rollout = torch.tensor([[math.log(0.5), math.log(0.2)]])
+    ref = torch.full((1, 2), math.log(0.25))
+    loss, m = A.rl_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2), clip_low=0.2, clip_high=0.2,
+                        loss_agg="token_mean", ref_logprobs=ref, kl_coef=0.1, kl_estimator="k1",
+                        rollout_logprobs=rollout, is_correction=mode, **kw)
+    loss.backward()
+    return loss.item(), logp.grad, m
+
+
+def test_rl_loss_tis_weights_the_policy_term_only():
+    # weights min([1, 2.5], 2) = [1, 2]; PPO ratio 1, A 1: pg = -(1 + 2) / 2 = -1.5; KL k1 = ln 2 per token, unweighted
+    loss, grad, m = _rl_is("tis", tis_cap=2.0)
+    assert loss == pytest.approx(-1.5 + 0.1 * LN2, abs=1e-6)
+    assert m["pg_loss"].item() == pytest.approx(-1.5, abs=1e-6) and m["kl"].item() == pytest.approx(LN2, abs=1e-6)
+    assert m["is_clip_frac"].item() == 0.5 and m["is_weight_mean"].item() == pytest.approx(1.5, abs=1e-6)
+    # d/dlogp = (-A * ratio * w + 0.1) / 2 tokens: (-1 + 0.1) / 2 = -0.45, (-2 + 0.1) / 2 = -0.95
+    assert torch.allclose(grad, torch.tensor([[-0.45, -0.95]]), atol=1e-6)
+
+
+def test_rl_loss_icepop_drops_tokens_from_the_policy_term():
+    # band [0.5, 2]: 2.5 is outside -> weights [1, 0]; pg = -1 / 2 tokens = -0.5; the KL still reaches both tokens
+    loss, grad, m = _rl_is("icepop", icepop_low=0.5, icepop_high=2.0)
+    assert loss == pytest.approx(-0.5 + 0.1 * LN2, abs=1e-6)
+    assert m["is_mask_frac"].item() == 0.5
+    assert torch.allclose(grad, torch.tensor([[-0.45, 0.05]]), atol=1e-6)
+
+
+def test_rl_loss_measures_mismatch_without_correcting():
+    loss, grad, m = _rl_is("none")
+    assert loss == pytest.approx(-1 + 0.1 * LN2, abs=1e-6)  # as without rollout_logprobs
+    assert m["is_ratio_mean"].item() == pytest.approx(1.75, abs=1e-6)
+    assert m["mismatch_kl"].item() == pytest.approx((1.5 - math.log(2.5)) / 2, abs=1e-6)
+    assert "is_clip_frac" not in m and "is_mask_frac" not in m
+
+
+def test_rl_loss_gspo_and_errors():
+    kw = {"clip_low": 0.5, "clip_high": 0.5, "loss_agg": "seq_mean_token_mean"}
+    loss, m = A.rl_loss(GSPO_LOGP, GSPO_OLD, GSPO_ADV, GSPO_MASK, policy="gspo", **kw)
+    assert loss.item() == pytest.approx((-S0 + S1) / 2, abs=1e-6) and m["pg_loss"].item() == loss.item()
+    one = torch.zeros(1, 1)
+    args = (one, one, torch.tensor([1.0]), torch.ones(1, 1))
+    with pytest.raises(ValueError, match="is_correction 'tis' needs rollout_logprobs"):
+        A.rl_loss(*args, is_correction="tis", **kw)
+    with pytest.raises(ValueError, match="clip_ratio_c .* 'ppo' only"):
+        A.rl_loss(*args, policy="gspo", clip_ratio_c=3.0, **kw)
+    with pytest.raises(ValueError, match="unknown policy 'a2c'; expected one of ppo, gspo"):
+        A.rl_loss(*args, policy="a2c", **kw)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
+import torch
 import yaml
 
-from engines.config import RecipeError, load_recipe
+from engines.algorithms import rl_loss
+from engines.config import AlgorithmConfig, RecipeError, load_recipe
 from engines.preflight import check
 from flows.cli import main
 from tests.conftest import small_recipe
@@ -95,3 +98,48 @@ def test_cli_validate_exit_codes(tmp_path, capsys):
     assert main(["validate", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "rollout.tempreature: unknown key" in err
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("rloo", {"advantage": "rloo"}),
+        ("reinforce-pp", {"advantage": "reinforce_pp"}),
+        ("gspo", {"policy_loss": "gspo", "clip_low": 0.05, "clip_high": 0.07, "loss_agg": "seq_mean_token_mean"}),
+        ("dapo", {"clip_high": 0.28, "loss_agg": "token_mean", "overlong_buffer": 3, "overlong_penalty": 1.0}),
+    ],
+)
+def test_algorithm_recipes_are_valid(name, expected):
+    cfg = load_recipe(f"deployments/sort-tiny-{name}.yaml")
+    assert {k: getattr(cfg.algorithm, k) for k in expected} == expected
+    assert cfg.name == f"sort-tiny-{name}"
+
+
+@pytest.mark.parametrize(
+    "algorithm, problem",
+    [
+        ({"advantage": "ppo"}, r"algorithm\.advantage: .*'grpo', 'dr_grpo', 'rloo', 'reinforce_pp'"),
+        ({"kl_estimator": "k4"}, r"algorithm\.kl_estimator: .*'low_var_kl'"),
+        ({"is_correction": "mis"}, r"algorithm\.is_correction: .*'none', 'tis' or 'icepop'"),
+        ({"clip_ratio_c": 1.0}, r"algorithm\.clip_ratio_c: .*greater than 1"),
+        ({"advantage": "rloo", "normalize_std": True}, r"algorithm: .*normalize_std applies to grpo / dr_grpo only"),
+        ({"policy_loss": "gspo", "clip_ratio_c": 3.0}, r"algorithm: .*clip_ratio_c .* 'ppo' only"),
+        ({"icepop_low": 2.0, "icepop_high": 2.0}, r"algorithm: .*icepop_low \(2.0\) must be below icepop_high"),
+        ({"overlong_buffer": 5}, r"overlong_buffer \(5\) must not exceed .*max_new_tokens \(4\)"),
+    ],
+)
+def test_bad_algorithm_settings_name_the_field(tmp_path, algorithm, problem):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, small_recipe(tmp_path, algorithm=algorithm)))
+    assert len(e.value.problems) == 1 and re.search(problem, e.value.problems[0]), e.value.problems
+
+
+def test_loss_kwargs_fit_rl_loss():
+    """Every backend passes AlgorithmConfig.loss_kwargs() to rl_loss: each key must be one it takes."""
+    algo = AlgorithmConfig(kl_coef=0.1, kl_in="reward", policy_loss="gspo", is_correction="icepop")
+    kwargs = algo.loss_kwargs()
+    assert kwargs["kl_coef"] == 0.0 and kwargs["policy"] == "gspo"  # KL in the reward leaves the loss
+    assert AlgorithmConfig(kl_coef=0.1).loss_kwargs()["kl_coef"] == 0.1
+    lp = torch.zeros(1, 2)
+    loss, m = rl_loss(lp, lp, torch.ones(1), torch.ones(1, 2), rollout_logprobs=lp, **kwargs)
+    assert loss.item() == pytest.approx(-1.0) and m["is_mask_frac"].item() == 0.0

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from engines.batch import pack_samples, shard_for_workers
 from engines.cluster import LocalWorkerGroup, RayWorkerGroup, free_port
 from engines.config import AlgorithmConfig, ClusterConfig, TrainConfig
+from engines.rl import RLSession, prepare_data, prepare_model
 from engines.rollout_torch import TorchRolloutBackend
 from engines.sampling import SamplingParams
 from engines.train_torch import TorchTrainBackend
@@ -119,3 +122,93 @@ def test_data_parallel_matches_single_worker(tiny_model_dir, ray_cluster):
     for (n, a), (_, b) in zip(single.call_rank0("named_tensors"), pair.call_rank0("named_tensors"), strict=True):
         assert torch.allclose(a, b, atol=1e-6), n
     pair.shutdown()
+
+
+# ----------------------------------------------------------------------------- algorithm options in the train step
+
+
+def _count_forwards(trainer: TorchTrainBackend) -> list[bool]:
+    """Record each forward_logprobs call's `reference` flag."""
+    calls: list[bool] = []
+    original = trainer.forward_logprobs
+
+    def counted(batch, reference=False):
+        calls.append(reference)
+        return original(batch, reference)
+
+    trainer.forward_logprobs = counted
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["none", "tis", "icepop"])
+def test_is_correction_costs_one_forward_per_step(tiny_model_dir, mode):
+    """The train engine's old logprobs are recomputed once per step (not per epoch or mini-batch), only with IS."""
+    batch = _toy_batch(tiny_model_dir)
+    trainer = TorchTrainBackend(tiny_model_dir, TrainConfig(threads=1, mini_batches=2, epochs=2),
+                                AlgorithmConfig(is_correction=mode))
+    calls = _count_forwards(trainer)
+    m = trainer.train_step(batch)
+    assert calls == ([] if mode == "none" else [False])
+    if mode == "none":
+        assert "is_weight_mean" not in m
+    else:  # the embedded engines agree to ~1e-6: weights 1, nothing truncated or masked
+        assert m["is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and m["mismatch_kl"] < 1e-8
+        assert m["is_clip_frac" if mode == "tis" else "is_mask_frac"] == 0.0
+
+
+def test_tis_on_matching_engines_is_the_plain_loss(tiny_model_dir):
+    batch = _toy_batch(tiny_model_dir)
+    losses = [TorchTrainBackend(tiny_model_dir, TrainConfig(threads=1), AlgorithmConfig(is_correction=mode))
+              .train_step(batch)["loss"] for mode in ("none", "tis")]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+
+
+def test_icepop_drops_tokens_the_engines_disagree_on(tiny_model_dir):
+    """A rollout engine that put 4x the train engine's probability on the tokens of 5 samples: ratio 1/4 is outside
+    [0.5, 5], so those tokens leave the policy loss, which then equals the loss with their advantages zeroed."""
+    batch = _toy_batch(tiny_model_dir)
+    off = torch.zeros(len(batch["advantages"]), dtype=torch.bool)
+    off[[0, 3, 4, 9, 15]] = True
+    skewed = {**batch, "old_logprobs": batch["old_logprobs"] + off[:, None] * batch["loss_mask"] * math.log(4)}
+    m = TorchTrainBackend(tiny_model_dir, TrainConfig(threads=1), AlgorithmConfig(is_correction="icepop")
+                          ).train_step(skewed)
+    mask = batch["loss_mask"]
+    assert m["is_mask_frac"] == pytest.approx(float(mask[off].sum() / mask.sum()), abs=1e-6)
+    zeroed = {**batch, "advantages": batch["advantages"].masked_fill(off, 0.0)}
+    plain = TorchTrainBackend(tiny_model_dir, TrainConfig(threads=1), AlgorithmConfig()).train_step(zeroed)
+    assert m["pg_loss"] == pytest.approx(plain["pg_loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize("kl_in", ["loss", "reward"])
+def test_kl_in_reward_stays_out_of_the_loss(tiny_model_dir, kl_in):
+    trainer = TorchTrainBackend(tiny_model_dir, TrainConfig(threads=1), AlgorithmConfig(kl_coef=0.1, kl_in=kl_in))
+    calls = _count_forwards(trainer)
+    m = trainer.train_step(_toy_batch(tiny_model_dir))
+    assert calls == ([True] if kl_in == "loss" else [])  # the reference forward only for the loss term
+    assert ("kl" in m) == (kl_in == "loss")
+
+
+def test_session_token_advantages_kl_reward_and_is(recipe, tmp_path):
+    """REINFORCE++ with KL in the reward and TIS through the stages: token advantages [N, L], the train engine's
+    logprobs computed once (in the advantages stage, reused by the train step), the reference's once."""
+    cfg = recipe(algorithm={"advantage": "reinforce_pp", "kl_coef": 0.05, "kl_in": "reward", "is_correction": "tis",
+                            "kl_estimator": "k1"}, train={"steps": 2, "threads": 1, "lr": 0.05})
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
+    calls = _count_forwards(session.train_group.workers[0])
+    for step in range(2):
+        calls.clear()
+        session.rollout(step)
+        session.reward(step)
+        adv = session.advantages(step)
+        st = session._state(step)
+        n = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+        assert st.advantages.dim() == 2 and st.advantages.shape[0] == n and st.train_logprobs is not None
+        train = session.train(step)
+        assert sorted(calls) == [False, True]
+        assert train["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and "train/kl" not in train
+        session.sync_weights(step)
+        if step == 0:  # the reference is the starting policy: no KL yet
+            assert abs(adv["adv/kl_penalty"]) < 1e-5
+    assert abs(adv["adv/kl_penalty"]) > 1e-4  # one step (lr 0.05) later the policy has moved
+    session.shutdown()

@@ -48,7 +48,7 @@ from engines.megatron.model_build import (
     use_transformer_engine,
 )
 from engines.model import DTYPES
-from engines.train_torch import lr_lambda, rng_state, set_rng_state
+from engines.train_torch import lr_lambda, rng_state, set_rng_state, with_train_logprobs
 from engines.weight_sync import put_bucket
 
 
@@ -122,7 +122,9 @@ class MegatronTrainBackend:
             self.ref_model.requires_grad_(False)
         # the metric names rl_loss reports for this algorithm (every rank must reduce the same vector)
         self.metric_keys = sorted(self._rl_loss(*[torch.zeros(1, 1)] * 4, ref=torch.zeros(1, 1),
-                                                entropy=torch.zeros(1, 1))[1])
+                                                entropy=torch.zeros(1, 1),
+                                                rollout=torch.zeros(1, 1) if algorithm.is_correction != "none" else None
+                                                )[1])
 
     def _load_core(self) -> torch.nn.Module:
         core = build_model(self.spec, self.tf_config, self.use_te)
@@ -213,12 +215,11 @@ class MegatronTrainBackend:
         return loss, mb["loss_mask"].sum().int().to(output.device), {"metrics": vec}
 
     # ---- training ------------------------------------------------------------------------------------
-    def _rl_loss(self, logprobs, old_logprobs, advantages, mask, *, ref, entropy):
+    def _rl_loss(self, logprobs, old_logprobs, advantages, mask, *, ref, entropy, rollout=None):
+        """The shared objective with exactly the torch backend's arguments (AlgorithmConfig.loss_kwargs)."""
         return algorithms.rl_loss(
-            logprobs, old_logprobs, advantages, mask,
-            clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, loss_agg=self.algo.loss_agg,
-            norm_len=self.norm_len, ref_logprobs=ref, kl_coef=self.algo.kl_coef,
-            kl_estimator=self.algo.kl_estimator, entropy=entropy, entropy_coef=self.algo.entropy_coef,
+            logprobs, old_logprobs, advantages, mask, norm_len=self.norm_len, ref_logprobs=ref,
+            rollout_logprobs=rollout, entropy=entropy, **self.algo.loss_kwargs(),
         )
 
     def _loss(self, mb: TrainBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +229,7 @@ class MegatronTrainBackend:
         logprobs, entropy = token_logprobs(logits, mb["input_ids"], self.temperature,
                                            "loss" if self.algo.entropy_coef else "metric")
         loss, metrics = self._rl_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
-                                      ref=mb.get("ref_logprobs"), entropy=entropy)
+                                      ref=mb.get("ref_logprobs"), entropy=entropy, rollout=mb.get("rollout_logprobs"))
         share = mb["share"]
         vec = torch.stack([metrics[k].detach().double() for k in self.metric_keys]) * share
         return loss * share.float(), vec
@@ -238,8 +239,10 @@ class MegatronTrainBackend:
         """One RL iteration on this rank's data-parallel shard: epochs x mini_batches optimizer steps.
         Returns global metrics (the same on every rank)."""
         t0 = time.perf_counter()
-        if self.ref_model is not None and "ref_logprobs" not in batch:
+        if self.ref_model is not None and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
+        if self.algo.is_correction != "none" and "rollout_logprobs" not in batch:
+            batch = with_train_logprobs(batch, self.forward_logprobs(batch))
         self.model.train()
         per_mb = batch_size(batch) // self.cfg.mini_batches
         sums: dict[str, float] = {}
