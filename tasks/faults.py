@@ -4,7 +4,8 @@
 
 stage is a task name (rollout, reward, advantages, train, sync-weights, checkpoint, evaluate), when is
 `before` or `after` that task's work, target is `flow` (this process), `train` or `rollout` (rank 0 of
-that actor group). Unset (the normal case), it costs one dict lookup per task.
+that actor group), or `raise`: an exception in the flow's first attempt only, so a Prefect flow retry
+(orchestration.flow_retries) gets past it. Unset (the normal case), it costs one dict lookup per task.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import os
 import signal
 
 ENV = "RLFLOW_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    """The `raise` fault target's exception."""
 
 
 def maybe_inject(run, stage: str, step: int, when: str) -> None:
@@ -24,6 +29,13 @@ def maybe_inject(run, stage: str, step: int, when: str) -> None:
         return
     if target == "flow":
         os.kill(os.getpid(), signal.SIGKILL)
+    if target == "raise":
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()
+        if ctx is None or ctx.flow_run is None or ctx.flow_run.run_count <= 1:
+            raise InjectedFault(f"{ENV}={spec}")
+        return
     group = {"train": run.session.train_group, "rollout": run.session.rollout_group}[target]
     pid = group.call_rank0("pid")
     os.kill(pid, signal.SIGKILL)

@@ -207,3 +207,22 @@ def test_kill_anywhere_then_resume_is_exact(trial, tmp_path, data_dir, prefect_a
     assert metrics.keys() == ref_metrics.keys()
     for key in metrics:
         assert metrics[key] == ref_metrics[key], key
+
+
+def test_flow_retry_resumes_in_the_same_process(tmp_path, data_dir, prefect_api, ray_head, uninterrupted):
+    """orchestration.flow_retries: a failed attempt's retry (what Prefect runs, also when a failed run is retried
+    from the UI) resumes from the store and ends exactly like the uninterrupted run."""
+    storage = StorageConfig(uri=str(tmp_path / "store"))
+    recipe = _recipe(tmp_path, data_dir, storage, "retried", ray_head)
+    raw = yaml.safe_load(recipe.read_text())
+    raw["orchestration"] = {"flow_retries": 1, "retry_delay_s": 0}
+    recipe.write_text(yaml.safe_dump(raw))
+
+    proc = _rlflow(["run", str(recipe)], prefect_api, fault="train:3:before:raise")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "InjectedFault" in proc.stdout + proc.stderr  # the first attempt did fail
+    weights, metrics = _outcome(recipe, storage, "retried")
+    ref_weights, ref_metrics = uninterrupted(0)
+    for k in weights:
+        assert (weights[k] == ref_weights[k]).all(), k
+    assert metrics == ref_metrics
