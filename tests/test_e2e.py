@@ -2,7 +2,8 @@
 
 These are the acceptance runs of the CPU demo (about a minute and a half each on 2 cores): the recipe
 in deployments/sort-tiny.yaml must reach held-out reward >= 0.95 within its 100 steps, synchronously
-and in one-step-off async mode.
+and in one-step-off async mode; the async run also stores on S3 (the moto server) and fails once
+midway, and its Prefect flow retry resumes from the S3 checkpoint.
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ from tasks.run_store import RunStore
 DEMO = Path(__file__).resolve().parent.parent / "deployments" / "sort-tiny.yaml"
 
 
-def _run_demo(tmp_path: Path, *overrides: str):
+def _run_demo(tmp_path: Path, *overrides: str, flow_retries: int = 0):
     cfg = load_recipe(DEMO, [
         f"data.train_path={tmp_path}/data/train.jsonl", f"data.eval_path={tmp_path}/data/eval.jsonl",
         f"storage.uri={tmp_path}/runs", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *overrides,
     ])
-    history: list[dict] = []
-    STEP_LISTENERS.append(lambda step, m: history.append(m))
+    by_step: dict[int, dict] = {}  # a retried attempt's steps replace the failed attempt's
+    STEP_LISTENERS.append(lambda step, m: by_step.__setitem__(step, m))
     try:
-        final = post_train(cfg)
+        final = post_train.with_options(retries=flow_retries, retry_delay_seconds=0)(cfg)
     finally:
         STEP_LISTENERS.clear()
-    return cfg, history, final
+    return cfg, [by_step[k] for k in sorted(by_step)], final
 
 
 def test_demo_learns_and_is_tracked(tmp_path):
@@ -59,10 +60,16 @@ def test_demo_learns_and_is_tracked(tmp_path):
     mlflow.set_tracking_uri(None)
 
 
-def test_demo_learns_one_step_off_async(tmp_path):
-    cfg, history, final = _run_demo(tmp_path, "rollout.off_policy_steps=1", "name=sort-tiny-async")
+def test_demo_learns_one_step_off_async_on_s3_through_a_failure(tmp_path, s3_bucket, monkeypatch):
+    root, endpoint = s3_bucket
+    monkeypatch.setenv("RLFLOW_FAULT", "train:57:before:raise")  # the first attempt fails at step 57
+    cfg, history, final = _run_demo(tmp_path, "rollout.off_policy_steps=1", "name=sort-tiny-async",
+                                    f"storage.uri={root}", f"storage.endpoint_url={endpoint}", flow_retries=1)
 
+    assert len(history) == 100
     assert final["eval/reward_mean"] >= 0.95, [m.get("eval/reward_mean") for m in history]
+    store = RunStore(cfg.storage, cfg.name)
+    assert store.committed_steps() == [49, 99] and store.read_json("status.json")["status"] == "finished"
     # step k trains on samples from weights k-1 (step 0: the initial weights), never older
     assert [m["rollout/weight_version"] for m in history] == [0] + list(range(99))
     assert [m["train/staleness_max"] for m in history] == [0] + [1] * 99
