@@ -21,9 +21,10 @@ def _timed(fn, step: int, label: str) -> dict:
     return fn(step) | {f"time/{label}": time.perf_counter() - t0}  # the same time/* names the flow's tasks log
 
 
-def run_bare(cfg: RLConfig, workdir: str, log=print) -> list[dict]:
+def run_bare(cfg: RLConfig, workdir: str, log=print, use_ray: bool = False) -> list[dict]:
+    """`use_ray`: the engines in Ray actors (as the flow has them) with this loop instead of Prefect."""
     prepare_data(cfg)
-    session = RLSession.create(cfg, prepare_model(cfg, workdir), use_ray=False)
+    session = RLSession.create(cfg, prepare_model(cfg, workdir), use_ray=use_ray)
     history = []
     ahead = None  # one-step-off async: the next step's rollout, running in a thread while this step trains
     pool = ThreadPoolExecutor(1)
@@ -54,6 +55,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("recipe")
     ap.add_argument("--set", action="append", default=[], dest="overrides")
+    ap.add_argument("--ray", action="store_true", help="engines in Ray actors (GPU placement needs this)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        run_bare(load_recipe(args.recipe, args.overrides), d)
+        run_bare(load_recipe(args.recipe, args.overrides), d, use_ray=args.ray)

@@ -58,14 +58,17 @@ class RayWorkerGroup:
     fit); calls fan out concurrently and are gathered once per batch, never per sample."""
 
     def __init__(self, cls: type, num_workers: int, make_kwargs: Callable[[int], dict], num_cpus: float,
-                 name: str, num_gpus: float = 0):
+                 name: str, num_gpus: float = 0, placement_group: Any = None):
+        """`placement_group`: share another group's bundles (worker i in bundle i; colocation), which that
+        group's owner removes; by default the group makes its own, one bundle per worker."""
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = {"CPU": num_cpus} | ({"GPU": num_gpus} if num_gpus else {})
-        self.placement_group = placement_group([bundle] * num_workers, strategy="PACK", name=f"{name}-pg")
-        ray.get(self.placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        self._owns_placement = placement_group is None
+        if placement_group is None:
+            bundle = {"CPU": num_cpus} | ({"GPU": num_gpus} if num_gpus else {})
+            placement_group = make_placement_group([bundle] * num_workers, f"{name}-pg")
+        self.placement_group = placement_group
         actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(cls)
         self.workers = [
             actor_cls.options(
@@ -114,7 +117,22 @@ class RayWorkerGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers.clear()
-        remove_placement_group(self.placement_group)
+        if self._owns_placement:
+            remove_placement_group(self.placement_group)
+
+
+def make_placement_group(bundles: list[dict], name: str) -> Any:
+    """A PACK placement group, waited for (a cluster that cannot fit it fails here, with its size)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group(bundles, strategy="PACK", name=name)
+    try:
+        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"cluster: Ray could not place {name} ({bundles}) within {PLACEMENT_TIMEOUT_S} s; "
+                           f"available: {ray.available_resources()}") from None
+    return pg
 
 
 def init_ray(cfg: ClusterConfig) -> None:
@@ -147,6 +165,13 @@ def omp_env() -> dict[str, str]:
     if "OMP_WAIT_POLICY" in os.environ:
         env["OMP_WAIT_POLICY"] = os.environ["OMP_WAIT_POLICY"]
     return env
+
+
+def node_ip() -> str:
+    """This node's address as Ray knows it (other nodes reach it there); loopback outside Ray."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 def free_port() -> int:

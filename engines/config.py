@@ -64,6 +64,8 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     stop: list[str] = Field(default_factory=list, description="Stop strings besides the EOS token.")
     batch_size: int = Field(512, gt=0, description="Sequences generated together per worker.")
+    device: Literal["cpu", "cuda"] | None = Field(None, description="Where rollout engines run; empty: train.device.")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="Weights and compute dtype of the rollout engine.")
     off_policy_steps: int = Field(
         0, ge=0, le=1,
         description="0: synchronous (step k samples with step k's weights). 1: one-step-off async: step k+1's "
@@ -223,6 +225,12 @@ class ClusterConfig(Section):
     cpus_per_worker: float = Field(0.5, ge=0, description="CPUs Ray reserves for each train/rollout actor.")
     object_store_mb: int = Field(512, gt=0, description="Object store size of a local Ray, MiB.")
     use_ray: bool = Field(True, description="False runs the workers inside the flow process (debugging).")
+    colocate: bool = Field(
+        False,
+        description="GPU placement. true: rollout worker i shares train worker i's GPU; the rollout engine releases "
+        "its weights' memory while training runs and takes the new ones after (slime's --colocate). false "
+        "(disaggregated): train and rollout workers get GPUs of their own.",
+    )
 
 
 class CheckpointConfig(Section):
@@ -273,10 +281,12 @@ class StorageConfig(Section):
 
 
 class WeightSyncConfig(Section):
-    transport: Literal["ray", "store"] = Field(
+    transport: Literal["ray", "store", "cuda_ipc", "nccl"] = Field(
         "ray",
         description="ray: tensors go actor to actor through Ray's object store, bucket by bucket. store: rank 0 "
-        "writes safetensors under the run store and rollout workers read them (works wherever the store does).",
+        "writes safetensors under the run store and rollout workers read them (works wherever the store does). "
+        "cuda_ipc (colocated GPUs): rollout workers copy straight from their train worker's parameters. "
+        "nccl (separate GPUs): train rank 0 broadcasts buckets to the rollout workers over NCCL.",
     )
     bucket_mb: float = Field(64, gt=0, description="Size of one weight bucket, MiB.")
 
@@ -330,9 +340,35 @@ class RLConfig(Section):
                 f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must not exceed "
                 f"rollout.max_new_tokens ({self.rollout.max_new_tokens})"
             )
+        self._check_placement()
         if self.model.hidden_size % self.model.num_heads or self.model.num_heads % self.model.num_kv_heads:
             raise ValueError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
         return self
+
+    def _check_placement(self) -> None:
+        transport, on_gpu = self.weight_sync.transport, self.train.device == "cuda" and self.rollout_device == "cuda"
+        if transport in ("cuda_ipc", "nccl"):
+            if not on_gpu or not self.cluster.use_ray:
+                raise ValueError(f"weight_sync.transport: {transport} needs train.device and rollout.device 'cuda' "
+                                 "and cluster.use_ray: true (train and rollout in separate processes)")
+            if self.train.backend != "torch":
+                raise ValueError(f"weight_sync.transport: {transport} works with train.backend 'torch'; "
+                                 "use 'ray' or 'store' with megatron")
+        if transport == "cuda_ipc" and not self.cluster.colocate:
+            raise ValueError("weight_sync.transport: cuda_ipc needs cluster.colocate: true (a shared GPU)")
+        if self.cluster.colocate:
+            if not on_gpu:
+                raise ValueError("cluster.colocate: needs train.device and rollout.device 'cuda'")
+            if self.rollout.num_workers != self.train.num_workers:
+                raise ValueError(f"cluster.colocate: rollout.num_workers ({self.rollout.num_workers}) must equal "
+                                 f"train.num_workers ({self.train.num_workers}): one pair per GPU")
+            if self.rollout.off_policy_steps:
+                raise ValueError("cluster.colocate: one-step-off async (rollout.off_policy_steps: 1) needs "
+                                 "separate GPUs for rollout and training (colocate: false)")
+
+    @property
+    def rollout_device(self) -> str:
+        return self.rollout.device or self.train.device
 
     @property
     def data_parallel_size(self) -> int:

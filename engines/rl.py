@@ -20,7 +20,7 @@ import torch
 from engines import algorithms
 from engines.batch import TrainBatch, batch_size, pack_samples, select, shard_for_workers
 from engines.builtin_tasks import write_task_files
-from engines.cluster import LocalWorkerGroup, RayWorkerGroup, free_port, init_ray
+from engines.cluster import LocalWorkerGroup, RayWorkerGroup, free_port, init_ray, make_placement_group
 from engines.config import RLConfig
 from engines.data import PromptCursor, load_prompts
 from engines.model import DTYPES, build_tiny_model, load_tokenizer
@@ -28,7 +28,7 @@ from engines.rewards import compute_rewards, load_reward_fn
 from engines.rollout_torch import TorchRolloutBackend, concat_packed, split_packed
 from engines.sampling import SamplingParams
 from engines.train_torch import TorchTrainBackend, with_train_logprobs
-from engines.weight_sync import plan_buckets, version_dir
+from engines.weight_sync import connect_ipc, connect_nccl, plan_buckets, version_dir
 from tasks.run_store import RunStore
 
 
@@ -85,6 +85,8 @@ class RLSession:
         # trains, so two steps can be open at once
         self._states: dict[int, StepState] = {}
         self._weight_layout: list[tuple[str, int]] | None = None
+        self._rollout_weight_bytes: int | None = None
+        self._gpu_link = False  # cuda_ipc / nccl: set up at the first sync
         self._rows_taken: tuple[int, list[dict]] | None = None
         self._cursor_after: dict[int, dict] = {}  # data cursor state right after each step took its prompts
         self._tokenizer_lock = threading.Lock()  # the rollout thread and the main thread share the tokenizer
@@ -106,17 +108,17 @@ class RLSession:
             )
         else:
             init_ray(cfg.cluster)
-            cpus = cfg.cluster.cpus_per_worker
-            gpus = 1 if cfg.train.backend == "megatron" and cfg.train.device == "cuda" else 0  # one GPU per rank
-            train = RayWorkerGroup(train_cls, cfg.train.num_workers, train_kwargs, cpus, f"{cfg.name}-train", gpus)
-            rollout = RayWorkerGroup(
-                TorchRolloutBackend, cfg.rollout.num_workers, rollout_kwargs, cpus, f"{cfg.name}-rollout"
-            )
+            train, rollout = _ray_groups(cfg, train_cls, train_kwargs, rollout_kwargs)
         return cls(cfg, model_path, train, rollout)
 
     def shutdown(self) -> None:
         self.train_group.shutdown()
         self.rollout_group.shutdown()
+        shared = getattr(self.train_group, "placement_group", None)
+        if self.cfg.cluster.colocate and shared is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(shared)
 
     # ---- stages --------------------------------------------------------------------------------------
     def rollout(self, step: int) -> dict[str, float]:
@@ -248,6 +250,8 @@ class RLSession:
         if self._dp_ranks is None:  # ranks of one tensor/pipeline-parallel group train on the same shard
             self._dp_ranks = self.train_group.call("data_parallel_rank")
         shards = shard_for_workers(batch, max(self._dp_ranks) + 1, self.cfg.train.mini_batches)
+        if self.cfg.cluster.colocate:  # the rollout engine's weights give their GPU memory to training
+            self.rollout_group.call("release_memory_occupation")
         results = self.train_group.call_each("train_step", [(shards[r],) for r in self._dp_ranks])
         dt = time.perf_counter() - t0
         tokens = float(batch["attention_mask"].sum())
@@ -264,8 +268,20 @@ class RLSession:
         layout = self._weight_layout
         version = step + 1
         ws = self.cfg.weight_sync
-        buckets = plan_buckets(layout, int(ws.bucket_mb * 1024 * 1024))
-        if ws.transport == "ray":
+        buckets = list(plan_buckets(layout, int(ws.bucket_mb * 1024 * 1024)))
+        if self.cfg.cluster.colocate:  # the rollout engine gave its weights' memory back for training
+            self.rollout_group.call("resume_memory_occupation")
+        if ws.transport == "cuda_ipc":
+            if not self._gpu_link:
+                self._gpu_link = connect_ipc(self.train_group, self.rollout_group)
+            self.rollout_group.call("update_weights_from_ipc", version)
+        elif ws.transport == "nccl":
+            if not self._gpu_link:
+                self._gpu_link = connect_nccl(self.train_group, self.rollout_group, self.cfg.rollout.precision)
+            send = self.train_group.submit_rank0("nccl_send", buckets)
+            self.rollout_group.call("update_weights_from_nccl", buckets, version)
+            self.train_group.wait([send])
+        elif ws.transport == "ray":
             for names in buckets:
                 self._send_weights(names, version)
         else:
@@ -275,7 +291,9 @@ class RLSession:
                 self.rollout_group.call("update_weights_from_store", storage, run, version, i)
             RunStore(storage, run).remove(*version_dir(version))
         self.weight_version = version
-        nbytes = sum(b for _, b in layout)
+        if self._rollout_weight_bytes is None:
+            self._rollout_weight_bytes = self.rollout_group.call_rank0("weight_bytes")
+        nbytes = self._rollout_weight_bytes  # what each rollout worker received, in its own dtype
         dt = time.perf_counter() - t0
         return {"sync/weight_version": float(version), "sync/bytes": float(nbytes), "sync/gb_per_s": nbytes / dt / 1e9}
 
@@ -432,7 +450,23 @@ def _train_kwargs(cfg: RLConfig, model_path: str):
 
 def _rollout_kwargs(cfg: RLConfig, model_path: str):
     def make(rank: int) -> dict:
-        return dict(model_path=model_path, device=cfg.train.device, dtype=DTYPES["fp32"],
+        return dict(model_path=model_path, device=cfg.rollout_device, dtype=DTYPES[cfg.rollout.precision],
                     threads=cfg.train.threads, batch_size=cfg.rollout.batch_size)
 
     return make
+
+
+def _ray_groups(cfg: RLConfig, train_cls: type, train_kwargs, rollout_kwargs) -> tuple[RayWorkerGroup, RayWorkerGroup]:
+    """Train and rollout actors. On GPUs: one GPU per worker (disaggregated), or with cluster.colocate
+    rollout worker i takes half of train worker i's GPU bundle, so the pair shares one device."""
+    cpus, name = cfg.cluster.cpus_per_worker, cfg.name
+    train_gpus = 1.0 if cfg.train.device == "cuda" else 0.0
+    rollout_gpus = 1.0 if cfg.rollout_device == "cuda" else 0.0
+    shared = None
+    if cfg.cluster.colocate:
+        shared = make_placement_group([{"CPU": 2 * cpus, "GPU": 1}] * cfg.train.num_workers, f"{name}-colocated-pg")
+        train_gpus = rollout_gpus = 0.5
+    train = RayWorkerGroup(train_cls, cfg.train.num_workers, train_kwargs, cpus, f"{name}-train", train_gpus, shared)
+    rollout = RayWorkerGroup(TorchRolloutBackend, cfg.rollout.num_workers, rollout_kwargs, cpus, f"{name}-rollout",
+                             rollout_gpus, shared)
+    return train, rollout

@@ -20,6 +20,7 @@ from engines.config import StorageConfig
 from engines.model import load_model, load_tokenizer
 from engines.sampling import SamplingParams, sample_tokens, scaled_logits
 from engines.weight_sync import get_bucket
+from engines.weight_transport import NcclChannel, copy_named, open_ipc_handles
 
 
 @dataclass
@@ -46,6 +47,7 @@ class TorchRolloutBackend:
         self.tokenizer = load_tokenizer(model_path)
         self.params = dict(self.model.named_parameters())
         self.weight_version = 0
+        self._released: dict[torch.nn.Parameter, torch.Size] = {}  # colocated: weights whose memory was released
 
     def pid(self) -> int:
         """This worker's process id (fault-injection drills kill it)."""
@@ -67,6 +69,56 @@ class TorchRolloutBackend:
         """Load bucket `index` of weight version `version` from the run store (the `store` transport)."""
         return self.update_weights(get_bucket(storage, run, version, index), version)
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights a sync delivers to this worker (in its own dtype)."""
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+    # GPU transports (engines.weight_transport) and colocation
+    def attach_ipc(self, handles: list[tuple[str, tuple]]) -> None:
+        """cuda_ipc: map the colocated train worker's parameters; every later sync copies from them."""
+        self._ipc_sources = open_ipc_handles(handles, torch.device(self.device, torch.cuda.current_device()))
+
+    def update_weights_from_ipc(self, version: int) -> int:
+        copy_named(self.params, self._ipc_sources)
+        torch.cuda.synchronize()  # the trainer may step again as soon as this returns
+        return self._weights_updated(version)
+
+    def nccl_connect(self, host: str, port: int, rank: int, world_size: int) -> None:
+        self._nccl = NcclChannel(host, port, rank, world_size, torch.device(self.device, torch.cuda.current_device()))
+
+    def update_weights_from_nccl(self, buckets: list[list[str]], version: int) -> int:
+        self._nccl.receive(self.params, buckets)
+        return self._weights_updated(version)
+
+    def release_memory_occupation(self) -> None:
+        """Colocated: give the weights' GPU memory to the trainer (the KV cache lives only inside a
+        generate call). The weights are gone until the next sync refills them, as SGLang's route does."""
+        for p in self.params.values():
+            self._released[p] = p.shape
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory_occupation(self) -> None:
+        """Allocate the weights again (contents undefined until the sync that follows writes them)."""
+        for p, shape in self._released.items():
+            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+        self._released.clear()
+
+    def link_bandwidth(self, kind: str, nbytes: int) -> float:
+        """GB/s of the NCCL weight-sync group (the trainer's rank 0 measures at the same time)."""
+        if kind != "nccl":
+            raise ValueError(f"link_bandwidth: the rollout side measures 'nccl' only, not {kind!r}")
+        return self._nccl.measure_bandwidth(nbytes)
+
+    @torch.no_grad()
+    def weights_digest(self) -> float:
+        return float(sum(p.double().sum() for p in self.params.values()))
+
+    def _weights_updated(self, version: int) -> int:
+        self.weight_version = version
+        return version
+
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The weights generation uses now, HF-named (tests compare them across transports)."""
         return [(n, p.detach().cpu().clone()) for n, p in self.params.items()]
@@ -74,6 +126,9 @@ class TorchRolloutBackend:
     # ---- generation ----------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:
+        if self._released:
+            raise RuntimeError("generate: the weights were released (release_memory_occupation); resume and "
+                               "update them first")
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(seed)

@@ -21,10 +21,12 @@ from safetensors.torch import load_file, save_file
 
 from engines import algorithms
 from engines.batch import TrainBatch, batch_size, select
+from engines.cluster import free_port, node_ip
 from engines.config import AlgorithmConfig, StorageConfig, TrainConfig
 from engines.model import DTYPES, load_model
 from engines.sampling import scaled_logits
 from engines.weight_sync import put_bucket
+from engines.weight_transport import NcclChannel, device_copy_bandwidth, export_ipc_handles
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -179,6 +181,35 @@ class TorchTrainBackend:
     ) -> None:
         """Write bucket `index` (these weights) of weight version `version` to the run store."""
         put_bucket(storage, run, version, index, self.named_tensors(names))
+
+    # GPU transports (engines.weight_transport): IPC handles for a colocated rollout worker, NCCL for others
+    def cuda_ipc_handles(self) -> list[tuple[str, tuple]]:
+        """Handles of this worker's parameters for its colocated rollout worker (shared once, copied each sync)."""
+        torch.cuda.synchronize()
+        return export_ipc_handles([(n, p.data) for n, p in self.model.named_parameters()])
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Host and free port for the weight-sync group's TCP store, which this worker (rank 0) serves."""
+        return node_ip(), free_port()
+
+    def nccl_connect(self, host: str, port: int, world_size: int, rollout_precision: str) -> None:
+        self._nccl = NcclChannel(host, port, 0, world_size, torch.device(self.device, torch.cuda.current_device()))
+        self._nccl_dtype = DTYPES[rollout_precision]
+
+    def nccl_send(self, buckets: list[list[str]]) -> int:
+        """Broadcast every bucket (rank 0 of the weight-sync group); returns bytes sent."""
+        return self._nccl.send(dict(self.model.named_parameters()), buckets, self._nccl_dtype)
+
+    def link_bandwidth(self, kind: str, nbytes: int) -> float:
+        """GB/s of the link a GPU transport uses ('copy': on this GPU; 'nccl': the weight-sync group)."""
+        if kind == "nccl":
+            return self._nccl.measure_bandwidth(nbytes)
+        return device_copy_bandwidth(torch.device(self.device, torch.cuda.current_device()), nbytes)
+
+    @torch.no_grad()
+    def weights_digest(self, dtype: str) -> float:
+        """Sum of every weight cast to `dtype`: benchmarks check a GPU sync delivered the same weights."""
+        return float(sum(p.to(DTYPES[dtype]).double().sum() for p in self.model.parameters()))
 
     def weight_layout(self) -> list[tuple[str, int]]:
         """(name, bytes) of every weight, in order: lets the sync plan buckets without moving tensors."""
