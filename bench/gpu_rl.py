@@ -75,12 +75,14 @@ def weight_sync(size: str, mode: str, repeats: int) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="rlflow-sync-"))
     model = build_random_qwen2(size, work / "model")
+    transport, _, bucket_mb = mode.partition("@")  # e.g. nccl@128: bucket size in MB (default 512)
     placement = {
         "cuda_ipc": ["cluster.colocate=true", "weight_sync.transport=cuda_ipc"],
         "nccl": ["weight_sync.transport=nccl"],
-        "ray": ["weight_sync.transport=ray", "weight_sync.bucket_mb=256"],
-    }[mode]
-    cfg = _recipe(work, [f"name=sync-{mode}", f"model.path={model}", "weight_sync.bucket_mb=512", *placement])
+        "ray": ["weight_sync.transport=ray"],
+    }[transport]
+    cfg = _recipe(work, [f"name=sync-{transport}", f"model.path={model}", f"weight_sync.bucket_mb={bucket_mb or 512}",
+                         *placement])
     prepare_data(cfg)
     session = RLSession.create(cfg, str(model))
     try:
@@ -92,7 +94,8 @@ def weight_sync(size: str, mode: str, repeats: int) -> dict:
                 times.append(m["sync/bytes"] / m["sync/gb_per_s"] / 1e9)
         nbytes = m["sync/bytes"]
         digest_ok = abs(train.call_rank0("weights_digest", "bf16") - rollout.call_rank0("weights_digest")) < 1e-3
-        if mode == "cuda_ipc":  # what a colocated step really pays: weights released for training, resumed
+        extra = {}
+        if transport == "cuda_ipc":  # what a colocated step really pays: weights released for training, resumed
             for step in range(repeats):
                 t0 = time.perf_counter()
                 rollout.call("release_memory_occupation")
@@ -100,7 +103,8 @@ def weight_sync(size: str, mode: str, repeats: int) -> dict:
                 released.append(time.perf_counter() - t0)
             link = train.call_rank0("link_bandwidth", "copy", 1 << 30)
             link_name = "device-to-device copy"
-        elif mode == "nccl":
+            extra["cast_copy_gb_per_s"] = train.call_rank0("link_bandwidth", "cast_copy", 1 << 30)
+        elif transport == "nccl":
             probe = train.submit_rank0("link_bandwidth", "nccl", 1 << 30)
             rollout.call("link_bandwidth", "nccl", 1 << 30)
             link = train.wait([probe])[0]
@@ -108,7 +112,7 @@ def weight_sync(size: str, mode: str, repeats: int) -> dict:
         else:
             link, link_name = None, None
         t = statistics.median(times)
-        out = {"size": size, "transport": mode, "bytes": nbytes, "sync_s": t, "gb_per_s": nbytes / t / 1e9,
+        out = extra | {"size": size, "transport": mode, "bytes": nbytes, "sync_s": t, "gb_per_s": nbytes / t / 1e9,
                "weights_match": digest_ok, "link": link_name, "link_gb_per_s": link,
                "fraction_of_link": (nbytes / t / 1e9) / link if link else None}
         if released:
@@ -174,7 +178,7 @@ def main() -> None:
     ap.add_argument("--out", default="gpu_rl.json")
     ap.add_argument("--sections", default="weight_sync,async")
     ap.add_argument("--sizes", default="0.5B,1.5B")
-    ap.add_argument("--modes", default="cuda_ipc,nccl,ray")
+    ap.add_argument("--modes", default="cuda_ipc,nccl@128,nccl@512,ray", help="transport[@bucket MB], comma-separated")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--smoke", action="store_true", help="toy sizes: checks the script, numbers mean nothing")
@@ -193,7 +197,7 @@ def main() -> None:
     if "weight_sync" in a.sections:
         for size in sizes:
             for mode in a.modes.split(","):
-                if mode != "cuda_ipc" and gpus < 2:
+                if not mode.startswith("cuda_ipc") and gpus < 2:
                     continue
                 r = _section(["weight_sync", size, mode, *smoke, "--repeats", str(a.repeats)], 240)
                 report["weight_sync"].append({"size": size, "transport": mode} | r)

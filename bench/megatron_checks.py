@@ -87,8 +87,13 @@ def parity(rank: int, world: int, model_dir: str, device: str, url: str, out: st
     result = {"rows": 8, "tokens": int(mask.sum()), "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
 
     def torch_logprobs(precision: str) -> torch.Tensor:
-        backend = TorchTrainBackend(model_dir, TrainConfig(device=device, precision=precision, micro_batch_size=4),
+        """precision fp32 | bf16 (autocast over fp32 weights) | bf16_weights (weights and activations in bf16,
+        as the rollout engine with rollout.precision bf16, and SGLang, run the model)."""
+        regime = "fp32" if precision == "bf16_weights" else precision
+        backend = TorchTrainBackend(model_dir, TrainConfig(device=device, precision=regime, micro_batch_size=4),
                                     AlgorithmConfig())
+        if precision == "bf16_weights":
+            backend.model.to(torch.bfloat16)
         out = backend.forward_logprobs(batch)
         del backend
         free_memory()
@@ -116,6 +121,10 @@ def parity(rank: int, world: int, model_dir: str, device: str, url: str, out: st
     result["bf16"] = diff(mega_bf16, torch_bf16, 2e-2)
     result["bf16_torch_vs_fp32"] = diff(torch_bf16, truth)
     result["bf16_megatron_vs_fp32"] = diff(mega_bf16, truth)
+    # the same regime on both sides: the torch model with its weights in bf16 (what the rollout engine runs)
+    torch_bf16_weights = torch_logprobs("bf16_weights")
+    result["bf16_megatron_vs_torch_bf16_weights"] = diff(mega_bf16, torch_bf16_weights, 2e-2)
+    result["bf16_torch_bf16_weights_vs_fp32"] = diff(torch_bf16_weights, truth)
     for key, r in result.items():
         if isinstance(r, dict):
             print(f"[parity] {key}: max |diff| {r['max_abs_diff']:.3e}, mean {r['mean_abs_diff']:.3e}"

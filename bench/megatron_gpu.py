@@ -174,9 +174,11 @@ def markdown(res: dict) -> str:
         if "error" in s.get(name, {}):
             row(name, f"**failed**: {s[name]['error'].splitlines()[-1]}", "")
     p = s.get("parity", {})
-    for prec in ("fp32", "bf16"):
+    labels = {"fp32": "fp32, megatron vs torch", "bf16": "bf16, megatron vs torch (autocast)",
+              "bf16_megatron_vs_torch_bf16_weights": "bf16, megatron vs torch with bf16 weights (the rollout regime)"}
+    for prec, label in labels.items():
         if prec in p:
-            row(f"logprob parity {prec}, megatron vs torch (max abs diff over {p['tokens']} tokens)",
+            row(f"logprob parity {label} (max abs diff over {p['tokens']} tokens)",
                 f"{p[prec]['max_abs_diff']:.2e} (mean {p[prec]['mean_abs_diff']:.1e})", f"<= {p[prec]['tolerance']}")
     if "summary" in s.get("sort", {}):
         t, m = s["sort"]["summary"]["torch"], s["sort"]["summary"]["megatron"]

@@ -85,6 +85,7 @@ class RLSession:
         # trains, so two steps can be open at once
         self._states: dict[int, StepState] = {}
         self._weight_layout: list[tuple[str, int]] | None = None
+        self._buckets: list[list[str]] | None = None  # weight-sync bucket plan (names per bucket), set once
         self._rollout_weight_bytes: int | None = None
         self._gpu_link = False  # cuda_ipc / nccl: set up at the first sync
         self._rows_taken: tuple[int, list[dict]] | None = None
@@ -268,9 +269,9 @@ class RLSession:
         layout = self._weight_layout
         version = step + 1
         ws = self.cfg.weight_sync
-        buckets = list(plan_buckets(layout, int(ws.bucket_mb * 1024 * 1024)))
-        if self.cfg.cluster.colocate:  # the rollout engine gave its weights' memory back for training
-            self.rollout_group.call("resume_memory_occupation")
+        if self._buckets is None:  # a released colocated rollout engine re-allocates in its update call
+            self._buckets = list(plan_buckets(layout, int(ws.bucket_mb * 1024 * 1024)))
+        buckets = self._buckets
         if ws.transport == "cuda_ipc":
             if not self._gpu_link:
                 self._gpu_link = connect_ipc(self.train_group, self.rollout_group)

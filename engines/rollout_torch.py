@@ -56,6 +56,7 @@ class TorchRolloutBackend:
     # ---- weights -------------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
+        self.resume_memory_occupation()
         """Copy HF-named tensors into the model; the version goes with every sample generated after."""
         for name, tensor in named_tensors:
             if name not in self.params:
@@ -79,6 +80,7 @@ class TorchRolloutBackend:
         self._ipc_sources = open_ipc_handles(handles, torch.device(self.device, torch.cuda.current_device()))
 
     def update_weights_from_ipc(self, version: int) -> int:
+        self.resume_memory_occupation()
         copy_named(self.params, self._ipc_sources)
         torch.cuda.synchronize()  # the trainer may step again as soon as this returns
         return self._weights_updated(version)
@@ -87,6 +89,7 @@ class TorchRolloutBackend:
         self._nccl = NcclChannel(host, port, rank, world_size, torch.device(self.device, torch.cuda.current_device()))
 
     def update_weights_from_nccl(self, buckets: list[list[str]], version: int) -> int:
+        self.resume_memory_occupation()
         self._nccl.receive(self.params, buckets)
         return self._weights_updated(version)
 
@@ -100,7 +103,8 @@ class TorchRolloutBackend:
             torch.cuda.empty_cache()
 
     def resume_memory_occupation(self) -> None:
-        """Allocate the weights again (contents undefined until the sync that follows writes them)."""
+        """Allocate the weights again (contents undefined until the sync that follows writes them). Every
+        weight update does this first, so a colocated sync costs no extra call."""
         for p, shape in self._released.items():
             p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
         self._released.clear()

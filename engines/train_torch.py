@@ -201,10 +201,13 @@ class TorchTrainBackend:
         return self._nccl.send(dict(self.model.named_parameters()), buckets, self._nccl_dtype)
 
     def link_bandwidth(self, kind: str, nbytes: int) -> float:
-        """GB/s of the link a GPU transport uses ('copy': on this GPU; 'nccl': the weight-sync group)."""
+        """GB/s of the link a GPU transport uses ('copy': bf16 -> bf16 on this GPU; 'cast_copy': fp32 -> bf16
+        on this GPU; 'nccl': the weight-sync group)."""
         if kind == "nccl":
             return self._nccl.measure_bandwidth(nbytes)
-        return device_copy_bandwidth(torch.device(self.device, torch.cuda.current_device()), nbytes)
+        source = {"copy": torch.bfloat16, "cast_copy": torch.float32}[kind]
+        return device_copy_bandwidth(torch.device(self.device, torch.cuda.current_device()), nbytes,
+                                     source_dtype=source)
 
     @torch.no_grad()
     def weights_digest(self, dtype: str) -> float:

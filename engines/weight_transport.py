@@ -149,10 +149,11 @@ class NcclChannel:
 
 
 @torch.no_grad()
-def device_copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
-    """GB/s of a plain device-to-device copy of `nbytes` on one GPU (bytes copied per second)."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
+def device_copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10, source_dtype=torch.bfloat16) -> float:
+    """GB/s of a plain device-to-device copy on one GPU into a bf16 tensor of `nbytes` (bytes written per
+    second). source_dtype=float32 measures the fp32 -> bf16 cast copy a colocated sync does."""
+    dst = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    src = torch.empty(dst.numel(), dtype=source_dtype, device=device)
     dst.copy_(src)
     torch.cuda.synchronize(device)
     t0 = time.perf_counter()

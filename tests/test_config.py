@@ -143,3 +143,38 @@ def test_loss_kwargs_fit_rl_loss():
     lp = torch.zeros(1, 2)
     loss, m = rl_loss(lp, lp, torch.ones(1), torch.ones(1, 2), rollout_logprobs=lp, **kwargs)
     assert loss.item() == pytest.approx(-1.0) and m["is_mask_frac"].item() == 0.0
+
+
+GPU = {"train": {"device": "cuda", "steps": 3, "threads": 1}, "cluster": {"use_ray": True}}
+
+
+@pytest.mark.parametrize(
+    "sections, problem",
+    [
+        ({"weight_sync": {"transport": "nccl"}}, r"weight_sync\.transport: nccl needs train\.device and rollout\.device"),
+        ({**GPU, "weight_sync": {"transport": "cuda_ipc"}}, r"cuda_ipc needs cluster\.colocate: true"),
+        ({**GPU, "weight_sync": {"transport": "nccl"}, "cluster": {"use_ray": False}},
+         r"weight_sync\.transport: nccl .* cluster\.use_ray: true"),
+        ({**GPU, "weight_sync": {"transport": "nccl"}, "rollout": {"device": "cpu"}},
+         r"nccl needs train\.device and rollout\.device 'cuda'"),
+        ({"cluster": {"colocate": True}}, r"cluster\.colocate: needs train\.device and rollout\.device 'cuda'"),
+        ({**GPU, "cluster": {"use_ray": True, "colocate": True}, "rollout": {"num_workers": 2}},
+         r"cluster\.colocate: rollout\.num_workers \(2\) must equal train\.num_workers \(1\)"),
+        ({**GPU, "cluster": {"use_ray": True, "colocate": True}, "rollout": {"off_policy_steps": 1}},
+         r"cluster\.colocate: one-step-off async .* needs separate GPUs"),
+    ],
+)
+def test_placement_and_gpu_transports_name_the_field(tmp_path, sections, problem):
+    """GPU placement is checked when the recipe loads (no GPU needed): each wrong combination names its field."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, small_recipe(tmp_path, **sections)))
+    assert any(re.search(problem, p) for p in e.value.problems), e.value.problems
+
+
+def test_gpu_placement_recipes_load(tmp_path):
+    colocated = load_recipe(write(tmp_path, small_recipe(tmp_path, train=GPU["train"], cluster={"use_ray": True, "colocate": True},
+                                                         weight_sync={"transport": "cuda_ipc"})))
+    assert colocated.rollout_device == "cuda" and colocated.cluster.colocate
+    split = load_recipe(write(tmp_path, small_recipe(tmp_path, **GPU, rollout={"precision": "bf16", "off_policy_steps": 1},
+                                                     weight_sync={"transport": "nccl"})))
+    assert split.rollout.precision == "bf16" and split.weight_sync.transport == "nccl"
