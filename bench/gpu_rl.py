@@ -87,11 +87,14 @@ def weight_sync(size: str, mode: str, repeats: int) -> dict:
     session = RLSession.create(cfg, str(model))
     try:
         train, rollout = session.train_group, session.rollout_group
-        times, released = [], []
+        times, released, in_worker, ray_call = [], [], [], []
         for step in range(repeats + 1):
             m = session.sync_weights(step)
             if step:  # the first sync also sets the link up
                 times.append(m["sync/bytes"] / m["sync/gb_per_s"] / 1e9)
+                t0 = time.perf_counter()  # a no-op round trip: the control cost inside every sync
+                in_worker.append(rollout.call_rank0("last_update_seconds"))
+                ray_call.append(time.perf_counter() - t0)
         nbytes = m["sync/bytes"]
         digest_ok = abs(train.call_rank0("weights_digest", "bf16") - rollout.call_rank0("weights_digest")) < 1e-3
         extra = {}
@@ -117,6 +120,10 @@ def weight_sync(size: str, mode: str, repeats: int) -> dict:
                "fraction_of_link": (nbytes / t / 1e9) / link if link else None}
         if released:
             out["sync_with_release_resume_s"] = statistics.median(released)
+        if transport != "ray":  # the transfer as the receiving worker times it, without the driver's Ray calls
+            w = statistics.median(in_worker)
+            out |= {"in_worker_s": w, "in_worker_gb_per_s": nbytes / w / 1e9,
+                    "in_worker_fraction_of_link": nbytes / w / 1e9 / link, "ray_call_s": statistics.median(ray_call)}
         return out
     finally:
         session.shutdown()

@@ -8,6 +8,7 @@ drawn from), so the trainer can use them as behaviour-policy logprobs.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from engines.config import StorageConfig
 from engines.model import load_model, load_tokenizer
 from engines.sampling import SamplingParams, sample_tokens, scaled_logits
 from engines.weight_sync import get_bucket
-from engines.weight_transport import NcclChannel, copy_named, open_ipc_handles
+from engines.weight_transport import NcclChannel, copy_plan, flatten_, open_ipc_handles
 
 
 @dataclass
@@ -46,8 +47,12 @@ class TorchRolloutBackend:
         self.model = load_model(model_path, dtype=dtype, device=device).eval()
         self.tokenizer = load_tokenizer(model_path)
         self.params = dict(self.model.named_parameters())
+        self.flat = device == "cuda"  # weights in one buffer, HF-name order: GPU syncs fill slices of it
+        if self.flat:
+            flatten_(self.params)
         self.weight_version = 0
-        self._released: dict[torch.nn.Parameter, torch.Size] = {}  # colocated: weights whose memory was released
+        self.last_update_s = 0.0  # seconds the last GPU weight update took inside this worker
+        self._released = False  # colocated: the weights' memory was given back (release_memory_occupation)
 
     def pid(self) -> int:
         """This worker's process id (fault-injection drills kill it)."""
@@ -56,8 +61,8 @@ class TorchRolloutBackend:
     # ---- weights -------------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
-        self.resume_memory_occupation()
         """Copy HF-named tensors into the model; the version goes with every sample generated after."""
+        self.resume_memory_occupation()
         for name, tensor in named_tensors:
             if name not in self.params:
                 raise KeyError(f"update_weights: unknown parameter {name!r}")
@@ -78,36 +83,56 @@ class TorchRolloutBackend:
     def attach_ipc(self, handles: list[tuple[str, tuple]]) -> None:
         """cuda_ipc: map the colocated train worker's parameters; every later sync copies from them."""
         self._ipc_sources = open_ipc_handles(handles, torch.device(self.device, torch.cuda.current_device()))
+        self._ipc_copy = None
 
     def update_weights_from_ipc(self, version: int) -> int:
+        t0 = time.perf_counter()
         self.resume_memory_occupation()
-        copy_named(self.params, self._ipc_sources)
+        if self._ipc_copy is None:  # planned again after the weights were re-allocated
+            self._ipc_copy = copy_plan(self.params, self._ipc_sources)
+        self._ipc_copy()
         torch.cuda.synchronize()  # the trainer may step again as soon as this returns
+        self.last_update_s = time.perf_counter() - t0
         return self._weights_updated(version)
 
     def nccl_connect(self, host: str, port: int, rank: int, world_size: int) -> None:
         self._nccl = NcclChannel(host, port, rank, world_size, torch.device(self.device, torch.cuda.current_device()))
 
     def update_weights_from_nccl(self, buckets: list[list[str]], version: int) -> int:
+        t0 = time.perf_counter()
         self.resume_memory_occupation()
         self._nccl.receive(self.params, buckets)
+        self.last_update_s = time.perf_counter() - t0
         return self._weights_updated(version)
 
     def release_memory_occupation(self) -> None:
         """Colocated: give the weights' GPU memory to the trainer (the KV cache lives only inside a
         generate call). The weights are gone until the next sync refills them, as SGLang's route does."""
+        if self._released:
+            return
+        self._shapes = {n: p.shape for n, p in self.params.items()}
         for p in self.params.values():
-            self._released[p] = p.shape
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._released = True
         if self.device == "cuda":
             torch.cuda.empty_cache()
 
     def resume_memory_occupation(self) -> None:
         """Allocate the weights again (contents undefined until the sync that follows writes them). Every
         weight update does this first, so a colocated sync costs no extra call."""
-        for p, shape in self._released.items():
-            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
-        self._released.clear()
+        if not self._released:
+            return
+        self._ipc_copy = None
+        if self.flat:
+            flatten_(self.params, shapes=self._shapes)
+        else:
+            for n, p in self.params.items():
+                p.data = torch.empty(self._shapes[n], dtype=p.dtype, device=p.device)
+        self._released = False
+
+    def last_update_seconds(self) -> float:
+        """Time of the last GPU weight update inside this worker: the transfer without the driver's calls."""
+        return self.last_update_s
 
     def link_bandwidth(self, kind: str, nbytes: int) -> float:
         """GB/s of the NCCL weight-sync group (the trainer's rank 0 measures at the same time)."""

@@ -26,7 +26,7 @@ from engines.config import AlgorithmConfig, StorageConfig, TrainConfig
 from engines.model import DTYPES, load_model
 from engines.sampling import scaled_logits
 from engines.weight_sync import put_bucket
-from engines.weight_transport import NcclChannel, device_copy_bandwidth, export_ipc_handles
+from engines.weight_transport import NcclChannel, device_copy_bandwidth, export_ipc_handles, flatten_
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -70,6 +70,8 @@ class TorchTrainBackend:
         torch.manual_seed(seed + rank)
         self.device = train.device
         self.model = load_model(model_path, dtype=torch.float32, device=self.device)
+        if self.device == "cuda":  # one buffer in HF-name order: GPU weight sync copies whole slices of it
+            flatten_(dict(self.model.named_parameters()))
         self.ref_model = None
         if algorithm.kl_coef > 0:  # frozen copy of the starting policy, for the KL penalty
             self.ref_model = load_model(model_path, dtype=DTYPES[train.precision], device=self.device).eval()

@@ -13,17 +13,63 @@ Both keep weights on the GPU from the trainer's parameters to the rollout engine
   alternate, so packing bucket i+1 overlaps the broadcast of bucket i.
 
 The bucket plan (names per bucket) comes from the driver, so both ends agree on it.
+
+On GPU both engines keep their weights in one flat buffer (`flatten_`), in HF-name order. A run of
+consecutive weights is then one slice of memory (`flat_span`), so a colocated sync is a single cast-copy
+kernel, the sender packs a bucket with one kernel, and a receiver broadcasts straight into its weights
+with nothing to unpack. Weights that are not laid out that way take the per-tensor path.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+# ---- flat weights --------------------------------------------------------------------------------------
+@torch.no_grad()
+def flatten_(params: dict[str, torch.Tensor], shapes: dict[str, torch.Size] | None = None) -> torch.Tensor:
+    """Move every tensor of `params` (one dtype, one device) into one contiguous buffer, in dict order, and
+    return the buffer. Each tensor (an nn.Parameter stays the same object) becomes a view into it, so an
+    optimizer or a tied weight still refers to the right memory. With `shapes`, only allocate tensors of
+    those shapes (contents undefined): what re-allocating released weights needs."""
+    dtypes, devices = {t.dtype for t in params.values()}, {t.device for t in params.values()}
+    if len(dtypes) != 1 or len(devices) != 1:
+        raise ValueError(f"flatten_: weights must share one dtype and device, found {dtypes} on {devices}")
+    shape_of = shapes or {n: t.shape for n, t in params.items()}
+    flat = torch.empty(sum(shape_of[n].numel() for n in params), dtype=dtypes.pop(), device=devices.pop())
+    offset = 0
+    for name, t in params.items():
+        numel = shape_of[name].numel()
+        view = flat[offset : offset + numel].view(shape_of[name])
+        if shapes is None:
+            view.copy_(t.data)
+        t.data = view
+        offset += numel
+    return flat
+
+
+def flat_span(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D slice of memory that `tensors` fill when they are consecutive contiguous tensors of one dtype
+    inside the first one's storage, in this order (as `flatten_` lays them out); None otherwise. Only
+    pointers are compared, so it costs about a microsecond a tensor."""
+    first = tensors[0]
+    size, start = first.element_size(), first.data_ptr()
+    ptr = start
+    for t in tensors:
+        if t.dtype != first.dtype or t.data_ptr() != ptr or not t.is_contiguous():
+            return None
+        ptr += t.numel() * size
+    numel = (ptr - start) // size
+    if first.storage_offset() + numel > first.untyped_storage().nbytes() // size:
+        return None  # adjacent by chance, but not one allocation
+    return first.detach().as_strided((numel,), (1,), first.storage_offset())
 
 
 # ---- CUDA IPC ------------------------------------------------------------------------------------------
@@ -53,16 +99,19 @@ def open_ipc_handles(handles: list[tuple[str, tuple]], device: torch.device) -> 
     return out
 
 
-@torch.no_grad()
-def copy_named(dst: dict[str, torch.Tensor], src: NamedTensors) -> int:
-    """Copy src tensors into the same-named dst tensors (cast to dst's dtype); returns bytes written."""
+def copy_plan(dst: dict[str, torch.Tensor], src: NamedTensors) -> Callable[[], None]:
+    """A function that copies src tensors into the same-named dst tensors (cast to dst's dtype). Planned
+    once (the colocated pair maps each other's weights once): when both sides are flat in the same order
+    it is one copy kernel for the whole model, otherwise one multi-tensor copy."""
     missing = [n for n, _ in src if n not in dst]
     if missing:
         raise KeyError(f"weight sync: unknown parameter(s) {missing[:3]}")
     targets = [dst[n] for n, _ in src]
     sources = [t for _, t in src]
-    torch._foreach_copy_(targets, sources)
-    return sum(t.numel() * t.element_size() for t in targets)
+    dst_span, src_span = flat_span(targets), flat_span(sources)
+    if dst_span is not None and src_span is not None and dst_span.numel() == src_span.numel():
+        return torch.no_grad()(lambda: dst_span.copy_(src_span))
+    return torch.no_grad()(lambda: torch._foreach_copy_(targets, sources))
 
 
 # ---- NCCL broadcast ------------------------------------------------------------------------------------
@@ -111,15 +160,24 @@ class NcclChannel:
             if pending[slot] is not None:  # this buffer's previous broadcast must finish before reuse
                 self._finish(*pending[slot])
             tensors = [params[n] for n in names]
-            numel = sum(t.numel() for t in tensors)
-            flat = self._buffer(slot, numel, dtype)
-            views = list(torch.split(flat, [t.numel() for t in tensors]))
-            views = [v.view(t.shape) for v, t in zip(views, tensors, strict=True)]
-            if sending:
-                torch._foreach_copy_(views, tensors)
+            span = flat_span(tensors)
+            if span is not None and span.dtype == dtype:  # the bucket is one slice already: send or fill it
+                work = self.broadcast(span)
+                pending[slot] = (work, None)
+                total += span.numel() * span.element_size()
+                continue
+            flat = self._buffer(slot, sum(t.numel() for t in tensors), dtype)
+            views = None
+            if sending and span is not None:
+                flat.copy_(span)  # one cast kernel for the bucket
+            else:
+                views = list(torch.split(flat, [t.numel() for t in tensors]))
+                views = [v.view(t.shape) for v, t in zip(views, tensors, strict=True)]
+                if sending:
+                    torch._foreach_copy_(views, tensors)
             work = self.broadcast(flat)
             pending[slot] = (work, None if sending else (tensors, views))
-            total += numel * flat.element_size()
+            total += flat.numel() * flat.element_size()
         for p in pending:
             if p is not None:
                 self._finish(*p)

@@ -151,7 +151,8 @@ GPU = {"train": {"device": "cuda", "steps": 3, "threads": 1}, "cluster": {"use_r
 @pytest.mark.parametrize(
     "sections, problem",
     [
-        ({"weight_sync": {"transport": "nccl"}}, r"weight_sync\.transport: nccl needs train\.device and rollout\.device"),
+        ({"weight_sync": {"transport": "nccl"}},
+         r"weight_sync\.transport: nccl needs train\.device and rollout\.device"),
         ({**GPU, "weight_sync": {"transport": "cuda_ipc"}}, r"cuda_ipc needs cluster\.colocate: true"),
         ({**GPU, "weight_sync": {"transport": "nccl"}, "cluster": {"use_ray": False}},
          r"weight_sync\.transport: nccl .* cluster\.use_ray: true"),
@@ -172,9 +173,11 @@ def test_placement_and_gpu_transports_name_the_field(tmp_path, sections, problem
 
 
 def test_gpu_placement_recipes_load(tmp_path):
-    colocated = load_recipe(write(tmp_path, small_recipe(tmp_path, train=GPU["train"], cluster={"use_ray": True, "colocate": True},
-                                                         weight_sync={"transport": "cuda_ipc"})))
+    colocated = load_recipe(write(tmp_path, small_recipe(
+        tmp_path, train=GPU["train"], cluster={"use_ray": True, "colocate": True}, weight_sync={"transport": "cuda_ipc"}
+    )))
     assert colocated.rollout_device == "cuda" and colocated.cluster.colocate
-    split = load_recipe(write(tmp_path, small_recipe(tmp_path, **GPU, rollout={"precision": "bf16", "off_policy_steps": 1},
-                                                     weight_sync={"transport": "nccl"})))
+    split = load_recipe(write(tmp_path, small_recipe(
+        tmp_path, **GPU, rollout={"precision": "bf16", "off_policy_steps": 1}, weight_sync={"transport": "nccl"}
+    )))
     assert split.rollout.precision == "bf16" and split.weight_sync.transport == "nccl"
