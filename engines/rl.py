@@ -32,7 +32,7 @@ from engines.sampling import SamplingParams
 from engines.trace import TraceRecorder, chrome_trace, merge, now_us, within
 from engines.train_torch import TorchTrainBackend, with_train_logprobs
 from engines.weight_sync import connect_ipc, connect_nccl, plan_buckets, version_dir
-from tasks.run_store import RunStore
+from tasks.run_store import RunStore, replay_source
 
 
 @dataclass
@@ -70,19 +70,6 @@ def prepare_model(cfg: RLConfig, workdir: str | Path) -> str:
 
 
 STAGE_LANES = ("rollout", "reward", "advantages", "train", "sync-weights", "evaluate", "checkpoint")
-
-
-def replay_source(cfg: RLConfig) -> RunStore | None:
-    """The store of the run whose rollout batches this run replays (debug.replay_run), checked to exist."""
-    d = cfg.debug
-    if not d.replay_run:
-        return None
-    storage = cfg.storage.model_copy(update={"uri": d.replay_store}) if d.replay_store else cfg.storage
-    store = RunStore(storage, d.replay_run)
-    if not store.exists("config.json"):
-        raise FileNotFoundError(f"debug.replay_run: no run {d.replay_run!r} in store {storage.uri} "
-                                f"(no {store.uri('config.json')})")
-    return store
 
 
 class RLSession:

@@ -135,6 +135,8 @@ def cmd_trace_render(args) -> int:
 
 def _download_trace(args, tmp: str):
     """The run's traces/step_<N>.json from its MLflow run (found through the run store), or None."""
+    from pathlib import Path
+
     from mlflow.tracking import MlflowClient
 
     from tasks.run_store import RunStore
@@ -158,8 +160,6 @@ def _download_trace(args, tmp: str):
     if step not in steps:
         print(f"error: run {args.source} has no trace of step {step}; traced steps: {steps}", file=sys.stderr)
         return None
-    from pathlib import Path
-
     return Path(client.download_artifacts(run_id, trace_artifact(step), tmp))
 
 

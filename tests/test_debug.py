@@ -19,13 +19,14 @@ from safetensors.torch import load_file
 
 from bench.bare_loop import run_bare, run_steps
 from engines.config import RecipeError, config_from_dict
-from engines.rl import STAGE_LANES, RLSession, prepare_data, prepare_model, replay_source
+from engines.preflight import find_problems
+from engines.rl import STAGE_LANES, RLSession, prepare_data, prepare_model
 from engines.rollout_torch import TorchRolloutBackend
 from engines.sampling import SamplingParams
 from flows.cli import main as cli
 from flows.post_train import post_train
 from tasks.run_context import STEP_LISTENERS
-from tasks.run_store import RunStore
+from tasks.run_store import RunStore, replay_source
 from tests.conftest import small_recipe
 
 STEPS = 2
@@ -191,6 +192,7 @@ def test_replay_of_a_missing_run_or_batch_is_a_clear_error(original, tmp_path):
     cfg = _recipe(tmp_path, "r", debug={"mode": "train_only", "replay_run": "nope"})
     with pytest.raises(FileNotFoundError, match=r"debug\.replay_run: no run 'nope'"):
         replay_source(cfg)
+    assert any("debug.replay_run: no run 'nope'" in p for p in find_problems(cfg))  # rlflow validate says so
     # one step more than the original run made: the bare loop replays two steps, then names what is missing
     cfg = _recipe(tmp_path, "r", debug={"mode": "train_only", "replay_run": "original",
                                         "replay_store": orig_cfg.storage.uri}, train={"steps": STEPS + 1})
