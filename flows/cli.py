@@ -40,7 +40,9 @@ def _load(args) -> object:
 
 def cmd_validate(args) -> int:
     cfg = _load(args)
-    print(f"{args.recipe}: ok (run '{cfg.name}', {cfg.train.steps} steps)")
+    mode = f", debug {cfg.debug.mode}" if cfg.debug.mode else ""
+    mode += f", replaying {cfg.debug.replay_run}" if cfg.debug.replay_run else ""
+    print(f"{args.recipe}: ok (run '{cfg.name}', {cfg.train.steps} steps{mode})")
     return 0
 
 
