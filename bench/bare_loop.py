@@ -63,9 +63,11 @@ def run_steps(session: RLSession, cfg: RLConfig, log=print, trace_dir: str | Non
             m |= session.evaluate(step)[0]
         m["time/step"] = time.perf_counter() - t0
         if trace_dir and cfg.debug.traced(step):
+            tt = time.perf_counter()
             out = Path(trace_dir) / f"step_{step:06d}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(session.trace_events(step)))
+            m["time/trace"] = time.perf_counter() - tt
         history.append(m)
         log(json.dumps({k: round(v, 4) for k, v in m.items() if not k.startswith("sync/")}))
     pool.shutdown()
