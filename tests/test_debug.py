@@ -198,3 +198,19 @@ def test_replay_of_a_missing_run_or_batch_is_a_clear_error(original, tmp_path):
                                         "replay_store": orig_cfg.storage.uri}, train={"steps": STEPS + 1})
     with pytest.raises(FileNotFoundError, match=rf"no committed rollout batch for step {STEPS} .*keep_rollouts"):
         run_bare(cfg, str(tmp_path), log=lambda line: None)
+
+
+def test_one_step_off_traces_keep_each_steps_rollout(tmp_path):
+    """With one-step-off async, step k+1's rollout runs (and is drained) during step k; step k+1's trace
+    still holds its rollout span and requests."""
+    cfg = _recipe(tmp_path, "async-trace", rollout={"off_policy_steps": 1}, train={"steps": 3},
+                  debug={"trace_every": 1})
+    run_bare(cfg, str(tmp_path), log=lambda line: None, trace_dir=str(tmp_path / "traces"))
+    for step in range(3):
+        events = json.loads((tmp_path / "traces" / f"step_{step:06d}.json").read_text())["traceEvents"]
+        own = [e for e in events if e["ph"] == "X" and e["args"].get("step") == step]
+        assert {e["name"] for e in own} >= {"rollout", "reward", "train", "sync-weights"}, step
+        rollout = next(e for e in own if e["name"] == "rollout")
+        requests = [e for e in events if e["name"] == "request" and rollout["ts"] <= e["ts"] <= rollout["ts"]
+                    + rollout["dur"]]
+        assert len(requests) == REQUESTS, step
