@@ -2,6 +2,9 @@
 
 It is the baseline of bench/overhead.py and the first tool for debugging a recipe:
     python bench/bare_loop.py deployments/sort-tiny.yaml --set train.steps=20
+    python bench/bare_loop.py deployments/sort-tiny.yaml --set debug.mode=rollout_only --trace-dir traces/
+Debug modes and replay (the recipe's `debug` section) work here as in the flow; traced steps' timelines
+are written to --trace-dir instead of MLflow.
 """
 
 from __future__ import annotations
@@ -11,43 +14,63 @@ import json
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from engines.config import RLConfig, load_recipe
 from engines.rl import RLSession, prepare_data, prepare_model
 
 
-def _timed(fn, step: int, label: str) -> dict:
+def _timed(session: RLSession, stage: str, step: int, label: str) -> dict:
     t0 = time.perf_counter()
-    return fn(step) | {f"time/{label}": time.perf_counter() - t0}  # the same time/* names the flow's tasks log
+    with session.stage_span(stage, step):
+        metrics = getattr(session, stage.replace("-", "_"))(step)
+    return metrics | {f"time/{label}": time.perf_counter() - t0}  # the same time/* names the flow's tasks log
 
 
-def run_bare(cfg: RLConfig, workdir: str, log=print, use_ray: bool = False) -> list[dict]:
+def run_bare(cfg: RLConfig, workdir: str, log=print, use_ray: bool = False, trace_dir: str | None = None) -> list[dict]:
     """`use_ray`: the engines in Ray actors (as the flow has them) with this loop instead of Prefect."""
     prepare_data(cfg)
     session = RLSession.create(cfg, prepare_model(cfg, workdir), use_ray=use_ray)
+    try:
+        return run_steps(session, cfg, log, trace_dir)
+    finally:
+        session.shutdown()
+
+
+def run_steps(session: RLSession, cfg: RLConfig, log=print, trace_dir: str | None = None) -> list[dict]:
+    """The loop itself, on a session the caller made (and shuts down)."""
     history = []
     ahead = None  # one-step-off async: the next step's rollout, running in a thread while this step trains
     pool = ThreadPoolExecutor(1)
+    stages = (("reward", "reward"),)
+    if cfg.debug.trains:
+        stages += (("advantages", "advantages"), ("train", "train"))
     for step in range(cfg.train.steps):
         t0 = time.perf_counter()
-        m = {"step": step} | (ahead.result() if ahead else _timed(session.rollout, step, "rollout"))
+        m = {"step": step} | (ahead.result() if ahead else _timed(session, "rollout", step, "rollout"))
         ahead = None
         if cfg.rollout.off_policy_steps and step + 1 < cfg.train.steps:
-            ahead = pool.submit(_timed, session.rollout, step + 1, "rollout")
-        for stage, label in (("reward", "reward"), ("advantages", "advantages"), ("train", "train")):
-            m |= _timed(getattr(session, stage), step, label)
+            ahead = pool.submit(_timed, session, "rollout", step + 1, "rollout")
+        for stage, label in stages:
+            m |= _timed(session, stage, step, label)
         if ahead:
             tw = time.perf_counter()
             ahead.result()
             m["time/rollout_wait"] = time.perf_counter() - tw
-        m |= _timed(session.sync_weights, step, "sync")
-        if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
+        if cfg.debug.trains:
+            m |= _timed(session, "sync-weights", step, "sync")
+        if cfg.debug.mode is None and cfg.eval.every and (step + 1) % cfg.eval.every == 0:
             m |= session.evaluate(step)[0]
         m["time/step"] = time.perf_counter() - t0
+        if trace_dir and cfg.debug.traced(step):
+            tt = time.perf_counter()
+            out = Path(trace_dir) / f"step_{step:06d}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(session.trace_events(step)))
+            m["time/trace"] = time.perf_counter() - tt
         history.append(m)
         log(json.dumps({k: round(v, 4) for k, v in m.items() if not k.startswith("sync/")}))
     pool.shutdown()
-    session.shutdown()
     return history
 
 
@@ -56,6 +79,7 @@ if __name__ == "__main__":
     ap.add_argument("recipe")
     ap.add_argument("--set", action="append", default=[], dest="overrides")
     ap.add_argument("--ray", action="store_true", help="engines in Ray actors (GPU placement needs this)")
+    ap.add_argument("--trace-dir", help="write traced steps' timelines (debug.trace_every) here as Chrome trace JSON")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        run_bare(load_recipe(args.recipe, args.overrides), d, use_ray=args.ray)
+        run_bare(load_recipe(args.recipe, args.overrides), d, use_ray=args.ray, trace_dir=args.trace_dir)

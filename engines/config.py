@@ -297,6 +297,42 @@ class OrchestrationConfig(Section):
     retry_delay_s: float = Field(10.0, ge=0)
 
 
+class DebugConfig(Section):
+    """Debug modes (as slime's --debug-rollout-only / --debug-train-only), replay and the trace timeline
+    (docs/debugging.md)."""
+
+    mode: Literal["rollout_only", "train_only"] | None = Field(
+        None,
+        description="rollout_only: generate and score, no train workers, no training (throughput and rewards). "
+        "train_only: train on replay_run's stored rollout batches, no rollout workers. Empty: a normal run.",
+    )
+    replay_run: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Take each step's rollout batch from this run's store instead of generating (exact "
+        "reproduction). That run must have kept its batches (checkpoint.keep_rollouts: true, or rollout_only).",
+    )
+    replay_store: str | None = Field(
+        None, description="Run store root of replay_run (local path, file:// or s3://); empty: storage.uri, "
+        "with storage's endpoint and credentials.",
+    )
+    trace_every: int = Field(
+        0, ge=0, description="Write a Chrome-trace timeline (stage spans, per-request rollout events) every N steps "
+        "and log it to MLflow as traces/step_<step>.json; 0: off (nothing is recorded).",
+    )
+
+    @property
+    def trains(self) -> bool:
+        return self.mode != "rollout_only"
+
+    def traced(self, step: int) -> bool:
+        return self.trace_every > 0 and (step + 1) % self.trace_every == 0
+
+    @property
+    def generates(self) -> bool:
+        """Rollout workers run (and weights are synced to them)."""
+        return self.mode != "train_only"
+
+
 class RLConfig(Section):
     """A whole post-training run."""
 
@@ -316,6 +352,7 @@ class RLConfig(Section):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
+    debug: DebugConfig = Field(default_factory=DebugConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> RLConfig:
@@ -341,6 +378,7 @@ class RLConfig(Section):
                 f"rollout.max_new_tokens ({self.rollout.max_new_tokens})"
             )
         self._check_placement()
+        self._check_debug()
         if self.model.hidden_size % self.model.num_heads or self.model.num_heads % self.model.num_kv_heads:
             raise ValueError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
         return self
@@ -365,6 +403,21 @@ class RLConfig(Section):
             if self.rollout.off_policy_steps:
                 raise ValueError("cluster.colocate: one-step-off async (rollout.off_policy_steps: 1) needs "
                                  "separate GPUs for rollout and training (colocate: false)")
+
+    def _check_debug(self) -> None:
+        d = self.debug
+        if d.mode == "train_only" and not d.replay_run:
+            raise ValueError("debug.replay_run: train_only needs a run whose stored rollout batches it trains on")
+        if d.mode == "rollout_only" and d.replay_run:
+            raise ValueError("debug.replay_run: rollout_only generates its batches; it cannot also replay them")
+        if d.mode == "rollout_only" and self.rollout.off_policy_steps:
+            raise ValueError("debug.mode: rollout_only trains nothing, so it runs synchronously "
+                             "(rollout.off_policy_steps: 0)")
+        if d.replay_run == self.name and (d.replay_store or self.storage.uri) == self.storage.uri:
+            raise ValueError(f"debug.replay_run: {d.replay_run!r} is this run; name another run (or another store)")
+        if d.mode and self.cluster.colocate:
+            raise ValueError(f"debug.mode: {d.mode} starts one kind of worker; cluster.colocate pairs train and "
+                             "rollout workers (set it to false)")
 
     @property
     def rollout_device(self) -> str:

@@ -31,6 +31,13 @@ def find_problems(cfg: RLConfig) -> list[str]:
         problems.append(str(e))
     if cfg.train.backend == "megatron":
         problems += _megatron_problems(cfg)
+    if cfg.debug.replay_run:
+        from tasks.run_store import StorageError, replay_source
+
+        try:
+            replay_source(cfg)
+        except (FileNotFoundError, StorageError) as e:
+            problems.append(str(e))
     return problems
 
 

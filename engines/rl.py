@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,9 +29,10 @@ from engines.model import DTYPES, build_tiny_model, load_tokenizer
 from engines.rewards import compute_rewards, load_reward_fn
 from engines.rollout_torch import TorchRolloutBackend, concat_packed, split_packed
 from engines.sampling import SamplingParams
+from engines.trace import TraceRecorder, chrome_trace, merge, now_us, within
 from engines.train_torch import TorchTrainBackend, with_train_logprobs
 from engines.weight_sync import connect_ipc, connect_nccl, plan_buckets, version_dir
-from tasks.run_store import RunStore
+from tasks.run_store import RunStore, replay_source
 
 
 @dataclass
@@ -66,6 +69,9 @@ def prepare_model(cfg: RLConfig, workdir: str | Path) -> str:
     return str(out)
 
 
+STAGE_LANES = ("rollout", "reward", "advantages", "train", "sync-weights", "evaluate", "checkpoint")
+
+
 class RLSession:
     def __init__(self, cfg: RLConfig, model_path: str, train_group, rollout_group):
         self.cfg, self.model_path = cfg, model_path
@@ -91,6 +97,13 @@ class RLSession:
         self._rows_taken: tuple[int, list[dict]] | None = None
         self._cursor_after: dict[int, dict] = {}  # data cursor state right after each step took its prompts
         self._tokenizer_lock = threading.Lock()  # the rollout thread and the main thread share the tokenizer
+        self.replay = replay_source(cfg)
+        # the driver's side of the timeline: one span per stage, a lane per stage (engines/trace.py)
+        self.trace = TraceRecorder("driver", enabled=cfg.debug.trace_every > 0)
+        for lane, stage in enumerate(STAGE_LANES, start=1):
+            self.trace.name_thread(lane, stage)
+        self._step_start_us: dict[int, float] = {}  # when each step's first stage began (traced runs)
+        self._trace_carry: list[list[dict]] = []  # events of the next step that a trace drained early
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
@@ -100,16 +113,16 @@ class RLSession:
         train_kwargs = _train_kwargs(cfg, model_path)
         rollout_kwargs = _rollout_kwargs(cfg, model_path)
         train_cls = train_backend_class(cfg)
+        n_train = cfg.train.num_workers if cfg.debug.trains else 0  # debug modes start one kind of worker
+        n_rollout = cfg.rollout.num_workers if cfg.debug.generates else 0
         if not use_ray:
-            if cfg.train.num_workers > 1:
+            if n_train > 1:
                 raise ValueError("train.num_workers > 1 needs cluster.use_ray: true")
-            train = LocalWorkerGroup([train_cls(**train_kwargs(0))])
-            rollout = LocalWorkerGroup(
-                [TorchRolloutBackend(**rollout_kwargs(r)) for r in range(cfg.rollout.num_workers)]
-            )
+            train = LocalWorkerGroup([train_cls(**train_kwargs(r)) for r in range(n_train)])
+            rollout = LocalWorkerGroup([TorchRolloutBackend(**rollout_kwargs(r)) for r in range(n_rollout)])
         else:
             init_ray(cfg.cluster)
-            train, rollout = _ray_groups(cfg, train_cls, train_kwargs, rollout_kwargs)
+            train, rollout = _ray_groups(cfg, train_cls, train_kwargs, rollout_kwargs, n_train, n_rollout)
         return cls(cfg, model_path, train, rollout)
 
     def shutdown(self) -> None:
@@ -123,7 +136,9 @@ class RLSession:
 
     # ---- stages --------------------------------------------------------------------------------------
     def rollout(self, step: int) -> dict[str, float]:
-        """Generate samples_per_prompt responses for the next prompts_per_step prompts."""
+        """Generate samples_per_prompt responses for the next prompts_per_step prompts (or replay them)."""
+        if self.replay is not None:
+            return self.replay_rollout(step)
         t0 = time.perf_counter()
         rows = self._take_rows(step)
         group = self.cfg.rollout.samples_per_prompt
@@ -146,6 +161,16 @@ class RLSession:
             "stopped": g["stopped"],
             "weight_version": g["weight_version"],
         })
+
+    def replay_rollout(self, step: int) -> dict[str, float]:
+        """Take step's batch from the replayed run's store, exactly as that run generated it."""
+        table = self.replay.load_rollout(step)
+        if table is None:
+            raise FileNotFoundError(
+                f"debug.replay_run: run {self.replay.run!r} has no committed rollout batch for step {step} "
+                f"({self.replay.uri('steps', step, 'rollout.parquet')}); a run keeps its batches with "
+                "checkpoint.keep_rollouts: true (rollout_only runs always do)")
+        return self.restore_rollout(step, table) | {"rollout/replayed": 1.0}
 
     def restore_rollout(self, step: int, table: pa.Table) -> dict[str, float]:
         """Take a persisted batch as this step's rollout; the data cursor moves exactly as a fresh rollout would."""
@@ -263,6 +288,9 @@ class RLSession:
 
     def sync_weights(self, step: int) -> dict[str, float]:
         """Send the trainer's weights to every rollout worker, bucket by bucket, as version step+1."""
+        if not self.cfg.debug.generates:  # train_only: no rollout workers; the version still counts updates
+            self.weight_version = step + 1
+            return {"sync/weight_version": float(self.weight_version)}
         t0 = time.perf_counter()
         if self._weight_layout is None:
             self._weight_layout = self.train_group.call_rank0("weight_layout")
@@ -344,7 +372,35 @@ class RLSession:
         self.train_group.call("load", str(path))
         self.cursor.load_state_dict(controller_state["cursor"])
         self.weight_version = controller_state["weight_version"]
-        self._send_weights(None, self.weight_version)
+        if self.cfg.debug.generates:
+            self._send_weights(None, self.weight_version)
+
+    # ---- trace timeline ------------------------------------------------------------------------------
+    @contextmanager
+    def stage_span(self, stage: str, step: int) -> Iterator[None]:
+        """Record the stage as a span on its lane of the driver's timeline (free when tracing is off)."""
+        if not self.trace.enabled:
+            yield
+            return
+        self._step_start_us.setdefault(step, now_us())
+        lane = STAGE_LANES.index(stage) + 1 if stage in STAGE_LANES else len(STAGE_LANES) + 1
+        with self.trace.span(stage, tid=lane, args={"step": step}):
+            yield
+
+    def trace_events(self, step: int) -> dict:
+        """The Chrome trace of `step`, from its first stage until now: the driver's stage spans and what one
+        `drain_trace` call per rollout worker returns (per-request events, weight updates)."""
+        end = now_us()
+        start = self._step_start_us.get(step, end)
+        sources = [self.trace.drain(), *self.rollout_group.call("drain_trace")]
+        carry = self._trace_carry + [[]] * (len(sources) - len(self._trace_carry))
+        sources = [_dedup_meta(c + s) for c, s in zip(carry, sources, strict=True)]
+        # one-step-off: the next step's rollout already ran; its events also belong to the next trace
+        upcoming = self._step_start_us.get(step + 1)
+        self._trace_carry = [within(s, upcoming, end) if upcoming else [] for s in sources]
+        for old in [k for k in self._step_start_us if k <= step]:
+            del self._step_start_us[old]
+        return chrome_trace(within(merge(sources), start, end))
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _train_rank0(self, method: str, *args):
@@ -417,6 +473,17 @@ class RLSession:
         return concat_packed(self.rollout_group.call_each("generate_packed", chunks))
 
 
+def _dedup_meta(events: list[dict]) -> list[dict]:
+    """Lane and process names once each (a carried-over batch of events brings its own)."""
+    seen, out = set(), []
+    for e in events:
+        key = (e["name"], e["tid"]) if e["ph"] == "M" else None
+        if key is None or key not in seen:
+            out.append(e)
+            seen.add(key)
+    return out
+
+
 def _generation_metrics(gen: dict) -> dict[str, float]:
     n_tokens = int(gen["lengths"].sum())
     return {
@@ -452,14 +519,17 @@ def _train_kwargs(cfg: RLConfig, model_path: str):
 def _rollout_kwargs(cfg: RLConfig, model_path: str):
     def make(rank: int) -> dict:
         return dict(model_path=model_path, device=cfg.rollout_device, dtype=DTYPES[cfg.rollout.precision],
-                    threads=cfg.train.threads, batch_size=cfg.rollout.batch_size)
+                    threads=cfg.train.threads, batch_size=cfg.rollout.batch_size,
+                    trace=cfg.debug.trace_every > 0, rank=rank)
 
     return make
 
 
-def _ray_groups(cfg: RLConfig, train_cls: type, train_kwargs, rollout_kwargs) -> tuple[RayWorkerGroup, RayWorkerGroup]:
+def _ray_groups(cfg: RLConfig, train_cls: type, train_kwargs, rollout_kwargs, n_train: int,
+                n_rollout: int) -> tuple[RayWorkerGroup | LocalWorkerGroup, RayWorkerGroup | LocalWorkerGroup]:
     """Train and rollout actors. On GPUs: one GPU per worker (disaggregated), or with cluster.colocate
-    rollout worker i takes half of train worker i's GPU bundle, so the pair shares one device."""
+    rollout worker i takes half of train worker i's GPU bundle, so the pair shares one device. A debug
+    mode asks for no workers of one kind: that group is empty."""
     cpus, name = cfg.cluster.cpus_per_worker, cfg.name
     train_gpus = 1.0 if cfg.train.device == "cuda" else 0.0
     rollout_gpus = 1.0 if cfg.rollout_device == "cuda" else 0.0
@@ -467,7 +537,8 @@ def _ray_groups(cfg: RLConfig, train_cls: type, train_kwargs, rollout_kwargs) ->
     if cfg.cluster.colocate:
         shared = make_placement_group([{"CPU": 2 * cpus, "GPU": 1}] * cfg.train.num_workers, f"{name}-colocated-pg")
         train_gpus = rollout_gpus = 0.5
-    train = RayWorkerGroup(train_cls, cfg.train.num_workers, train_kwargs, cpus, f"{name}-train", train_gpus, shared)
-    rollout = RayWorkerGroup(TorchRolloutBackend, cfg.rollout.num_workers, rollout_kwargs, cpus, f"{name}-rollout",
-                             rollout_gpus, shared)
+    train = (RayWorkerGroup(train_cls, n_train, train_kwargs, cpus, f"{name}-train", train_gpus, shared)
+             if n_train else LocalWorkerGroup([]))
+    rollout = (RayWorkerGroup(TorchRolloutBackend, n_rollout, rollout_kwargs, cpus, f"{name}-rollout", rollout_gpus,
+                              shared) if n_rollout else LocalWorkerGroup([]))
     return train, rollout

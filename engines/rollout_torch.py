@@ -8,7 +8,6 @@ drawn from), so the trainer can use them as behaviour-policy logprobs.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -20,6 +19,7 @@ from engines.algorithms import token_logprobs
 from engines.config import StorageConfig
 from engines.model import load_model, load_tokenizer
 from engines.sampling import SamplingParams, sample_tokens, scaled_logits
+from engines.trace import TraceRecorder, now_us
 from engines.weight_sync import get_bucket
 from engines.weight_transport import NcclChannel, copy_plan, flatten_, open_ipc_handles
 
@@ -36,10 +36,13 @@ class Generation:
     meta: dict = field(default_factory=dict)
 
 
+WEIGHTS_TID = 0  # trace lane of weight updates; batch row b is lane b + 1 ("slot b")
+
+
 class TorchRolloutBackend:
     def __init__(
         self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None,
-        batch_size: int = 512,
+        batch_size: int = 512, trace: bool = False, rank: int = 0,
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -51,24 +54,33 @@ class TorchRolloutBackend:
         if self.flat:
             flatten_(self.params)
         self.weight_version = 0
-        self.last_update_s = 0.0  # seconds the last GPU weight update took inside this worker
+        self.last_update_s = 0.0  # seconds the last weight update took inside this worker
         self._released = False  # colocated: the weights' memory was given back (release_memory_occupation)
+        # per-request timeline (engines/trace.py): off unless the run traces; the driver drains it
+        self.trace = TraceRecorder(f"rollout-{rank}", enabled=trace)
+        self.trace.name_thread(WEIGHTS_TID, "weight updates")
+        self._next_request_id = 0
 
     def pid(self) -> int:
         """This worker's process id (fault-injection drills kill it)."""
         return os.getpid()
 
+    def drain_trace(self) -> list[dict]:
+        """The trace events recorded since the last call (the driver calls it once per traced step)."""
+        return self.trace.drain()
+
     # ---- weights -------------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         """Copy HF-named tensors into the model; the version goes with every sample generated after."""
+        t0 = now_us()
         self.resume_memory_occupation()
         for name, tensor in named_tensors:
             if name not in self.params:
                 raise KeyError(f"update_weights: unknown parameter {name!r}")
             self.params[name].copy_(tensor.to(self.params[name].dtype))
         if version is not None:
-            self.weight_version = version
+            return self._weights_updated(version, t0)
         return self.weight_version
 
     def update_weights_from_store(self, storage: StorageConfig, run: str, version: int, index: int) -> int:
@@ -86,24 +98,22 @@ class TorchRolloutBackend:
         self._ipc_copy = None
 
     def update_weights_from_ipc(self, version: int) -> int:
-        t0 = time.perf_counter()
+        t0 = now_us()
         self.resume_memory_occupation()
         if self._ipc_copy is None:  # planned again after the weights were re-allocated
             self._ipc_copy = copy_plan(self.params, self._ipc_sources)
         self._ipc_copy()
         torch.cuda.synchronize()  # the trainer may step again as soon as this returns
-        self.last_update_s = time.perf_counter() - t0
-        return self._weights_updated(version)
+        return self._weights_updated(version, t0)
 
     def nccl_connect(self, host: str, port: int, rank: int, world_size: int) -> None:
         self._nccl = NcclChannel(host, port, rank, world_size, torch.device(self.device, torch.cuda.current_device()))
 
     def update_weights_from_nccl(self, buckets: list[list[str]], version: int) -> int:
-        t0 = time.perf_counter()
+        t0 = now_us()
         self.resume_memory_occupation()
         self._nccl.receive(self.params, buckets)
-        self.last_update_s = time.perf_counter() - t0
-        return self._weights_updated(version)
+        return self._weights_updated(version, t0)
 
     def release_memory_occupation(self) -> None:
         """Colocated: give the weights' GPU memory to the trainer (the KV cache lives only inside a
@@ -144,8 +154,11 @@ class TorchRolloutBackend:
     def weights_digest(self) -> float:
         return float(sum(p.double().sum() for p in self.params.values()))
 
-    def _weights_updated(self, version: int) -> int:
+    def _weights_updated(self, version: int, start_us: float) -> int:
         self.weight_version = version
+        end_us = now_us()
+        self.last_update_s = (end_us - start_us) / 1e6
+        self.trace.complete("weight_update", start_us, end_us, tid=WEIGHTS_TID, args={"version": version})
         return version
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -161,10 +174,29 @@ class TorchRolloutBackend:
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(seed)
+        queued_us = now_us()
         out: list[Generation] = []
         for i in range(0, len(prompts), self.batch_size):
-            out += self._generate_batch(prompts[i : i + self.batch_size], params, gen)
+            start_us = now_us()
+            batch = self._generate_batch(prompts[i : i + self.batch_size], params, gen)
+            if self.trace.enabled:
+                self._trace_requests(batch, queued_us, start_us)
+            out += batch
         return out
+
+    def _trace_requests(self, batch: list[Generation], queued_us: float, start_us: float) -> None:
+        """Each request of a finished batch: queued, its span from start to finish, its first token.
+        Batch row b is lane "slot b" (the rows are this engine's slots)."""
+        for slot, g in enumerate(batch):
+            rid, tid = self._next_request_id, slot + 1
+            self._next_request_id += 1
+            self.trace.name_thread(tid, f"slot {slot}")
+            args = {"rid": rid, "prompt_tokens": len(g.prompt_ids), "output_tokens": len(g.output_ids),
+                    "finish": g.finish_reason["type"], "weight_version": g.weight_version}
+            self.trace.instant("queued", tid=tid, ts_us=queued_us, args={"rid": rid})
+            self.trace.complete("request", start_us, g.meta.get("finish_us", start_us), tid=tid, args=args)
+            if "first_token_us" in g.meta:
+                self.trace.instant("first_token", tid=tid, ts_us=g.meta["first_token_us"], args={"rid": rid})
 
     def generate_packed(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> dict:
         """`generate`, returned as flat arrays (see pack_generations): what the RL loop moves over Ray."""
@@ -190,12 +222,15 @@ class TorchRolloutBackend:
         stop_at = [0] * bsz  # 1 + index of the token that stopped a row; 0 while it runs
         next_pos = pos[:, -1] + 1
         texts = [""] * bsz if p.stop else None
+        token_us: list[float] = []  # when each decode step's tokens were sampled (tracing only)
         for step in range(p.max_new_tokens):
             nxt = sample_tokens(logits, p, gen)
             lp = token_logprobs(scaled_logits(logits, p.temperature)[:, None], nxt[:, None])[:, 0]
             nxt = nxt.masked_fill(done, pad)
             tokens.append(nxt)
             logps.append(lp)
+            if self.trace.enabled:
+                token_us.append(now_us())
             hit = torch.isin(nxt, stop_ids_t) & ~done
             if texts is not None:
                 hit |= self._stop_strings(nxt, done, texts, p.stop)
@@ -209,7 +244,7 @@ class TorchRolloutBackend:
                 nxt[:, None], attention_mask=attn, position_ids=next_pos[:, None], past_key_values=cache
             ).logits[:, -1]
             next_pos = next_pos + 1
-        return self._collect(prompts, tokens, logps, stop_at)
+        return self._collect(prompts, tokens, logps, stop_at, token_us)
 
     def _stop_strings(self, nxt: torch.Tensor, done: torch.Tensor, texts: list[str], stops: list[str]) -> torch.Tensor:
         hit = torch.zeros_like(done)
@@ -218,7 +253,7 @@ class TorchRolloutBackend:
             hit[b] = any(texts[b].endswith(s) for s in stops)
         return hit
 
-    def _collect(self, prompts, tokens, logps, stop_at: list[int]) -> list[Generation]:
+    def _collect(self, prompts, tokens, logps, stop_at: list[int], token_us: list[float]) -> list[Generation]:
         toks = torch.stack(tokens, 1).cpu() if tokens else torch.zeros((len(prompts), 0), dtype=torch.long)
         lps = torch.stack(logps, 1).float().cpu() if logps else torch.zeros((len(prompts), 0))
         out = []
@@ -228,7 +263,9 @@ class TorchRolloutBackend:
                 finish = {"type": "stop", "matched": int(toks[b, n - 1])}
             else:
                 finish = {"type": "length", "length": n}
-            out.append(Generation(list(prompt), toks[b, :n].tolist(), lps[b, :n].tolist(), finish, self.weight_version))
+            meta = {"first_token_us": token_us[0], "finish_us": token_us[max(n, 1) - 1]} if token_us else {}
+            out.append(Generation(list(prompt), toks[b, :n].tolist(), lps[b, :n].tolist(), finish, self.weight_version,
+                                  meta))
         return out
 
 

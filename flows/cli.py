@@ -5,6 +5,9 @@
     rlflow runs [--store s3://bucket/runs]
     rlflow resume RUN [--store ...] [--set train.steps=200]
     rlflow export RUN OUT_DIR [--step N] [--store ...]
+    rlflow run RECIPE --debug rollout_only [--trace-every 1]
+    rlflow run RECIPE --debug train_only --replay OTHER_RUN [--replay-store s3://...]
+    rlflow trace render FILE_OR_RUN --out timeline.png [--step N] [--store ...]
     rlflow data make --task sort --num-digits 4 --train data/sort4/train.jsonl --eval data/sort4/eval.jsonl
 """
 
@@ -18,16 +21,28 @@ import sys
 from engines.config import BuiltinTaskConfig, RecipeError, load_recipe
 
 
+def _debug_overrides(args) -> list[str]:
+    """--debug / --replay / --replay-store / --trace-every as recipe overrides (the `debug` section)."""
+    out = []
+    for flag, key in (("debug", "mode"), ("replay", "replay_run"), ("replay_store", "replay_store"),
+                      ("trace_every", "trace_every")):
+        if getattr(args, flag, None) is not None:
+            out.append(f"debug.{key}={getattr(args, flag)}")
+    return out
+
+
 def _load(args) -> object:
     from engines.preflight import check
 
-    cfg = load_recipe(args.recipe, args.overrides)
+    cfg = load_recipe(args.recipe, [*args.overrides, *_debug_overrides(args)])
     return check(cfg, args.recipe)
 
 
 def cmd_validate(args) -> int:
     cfg = _load(args)
-    print(f"{args.recipe}: ok (run '{cfg.name}', {cfg.train.steps} steps)")
+    mode = f", debug {cfg.debug.mode}" if cfg.debug.mode else ""
+    mode += f", replaying {cfg.debug.replay_run}" if cfg.debug.replay_run else ""
+    print(f"{args.recipe}: ok (run '{cfg.name}', {cfg.train.steps} steps{mode})")
     return 0
 
 
@@ -56,7 +71,8 @@ def cmd_resume(args) -> int:
     if not store.exists("config.json"):
         print(f"error: no run '{args.run}' in {args.store} (no {store.uri('config.json')})", file=sys.stderr)
         return 2
-    raw = apply_overrides(store.read_json("config.json"), [f"storage.uri={args.store}", *args.overrides])
+    raw = apply_overrides(store.read_json("config.json"),
+                          [f"storage.uri={args.store}", *args.overrides, *_debug_overrides(args)])
     cfg = check(config_from_dict(raw, source=store.uri("config.json")), store.uri("config.json"))
     return _run(cfg)
 
@@ -95,6 +111,60 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_trace_render(args) -> int:
+    """A PNG timeline of a trace file, or of a run's trace logged to MLflow (the newest, or --step)."""
+    import tempfile
+    from pathlib import Path
+
+    from engines.trace_render import load_trace, render
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if Path(args.source).is_file():
+            path, title = Path(args.source), Path(args.source).name
+        else:
+            path = _download_trace(args, tmp)
+            if path is None:
+                return 2
+            title = f"{args.source} {path.stem}"
+        try:
+            out = render(load_trace(path), args.out, title=title)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    print(f"wrote {out}")
+    return 0
+
+
+def _download_trace(args, tmp: str):
+    """The run's traces/step_<N>.json from its MLflow run (found through the run store), or None."""
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from tasks.run_store import RunStore
+    from tasks.stages import trace_artifact
+
+    store = RunStore(_store_config(args), args.source)
+    if not store.exists("config.json"):
+        print(f"error: {args.source} is neither a trace file nor a run in {args.store} "
+              f"(no {store.uri('config.json')})", file=sys.stderr)
+        return None
+    tracking = store.read_json("config.json")["tracking"]["uri"]
+    run_id = store.read_json("status.json").get("mlflow_run_id") if store.exists("status.json") else None
+    client = MlflowClient(tracking)
+    steps = sorted(int(a.path.rsplit("_", 1)[1].split(".")[0]) for a in client.list_artifacts(run_id, "traces")
+                   ) if run_id else []
+    if not steps:
+        print(f"error: run {args.source} has no traces in MLflow ({tracking}); set debug.trace_every",
+              file=sys.stderr)
+        return None
+    step = steps[-1] if args.step is None else args.step
+    if step not in steps:
+        print(f"error: run {args.source} has no trace of step {step}; traced steps: {steps}", file=sys.stderr)
+        return None
+    return Path(client.download_artifacts(run_id, trace_artifact(step), tmp))
+
+
 def _run(cfg) -> int:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the progress bar says what the task logs would
     logging.getLogger("rlflow").setLevel(logging.INFO)
@@ -107,13 +177,17 @@ def _run(cfg) -> int:
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TextColumn("{task.fields[info]}"), transient=False,
     ) as progress:
-        bar = progress.add_task(cfg.name, total=cfg.train.steps, info="starting engines...")
+        mode = f" [{cfg.debug.mode}]" if cfg.debug.mode else ""
+        mode += f" [replay {cfg.debug.replay_run}]" if cfg.debug.replay_run else ""
+        bar = progress.add_task(cfg.name + mode, total=cfg.train.steps, info="starting engines...")
         last_eval: dict[str, float] = {}
 
         def on_step(step: int, m: dict) -> None:
             if "eval/reward_mean" in m:
                 last_eval["eval"] = m["eval/reward_mean"]
             info = f"reward {m.get('rollout/reward_mean', 0):.3f}  {m.get('time/step', 0):.2f}s/step"
+            if cfg.debug.mode == "rollout_only":
+                info += f"  {m.get('rollout/tokens_per_s', 0):.0f} tok/s"
             if last_eval:
                 info += f"  eval {last_eval['eval']:.3f}"
             progress.update(bar, completed=step + 1, info=info)
@@ -127,7 +201,7 @@ def _run(cfg) -> int:
             STEP_LISTENERS.remove(on_step)
     print(f"done: run '{cfg.name}' in store {cfg.storage.uri}; MLflow at {cfg.tracking.uri} "
           f"(experiment '{cfg.tracking.experiment}')")
-    for k in ("rollout/reward_mean", "eval/reward_mean", "eval/accuracy"):
+    for k in ("rollout/reward_mean", "rollout/tokens_per_s", "eval/reward_mean", "eval/accuracy"):
         if k in final:
             print(f"  {k} = {final[k]:.4f}")
     return 0
@@ -143,6 +217,15 @@ def cmd_data_make(args) -> int:
     return 0
 
 
+def _debug_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("debug (the recipe's debug section; docs/debugging.md)")
+    g.add_argument("--debug", choices=["rollout_only", "train_only"],
+                   help="rollout_only: generate and score, no training; train_only: train on --replay's batches")
+    g.add_argument("--replay", metavar="RUN", help="take each step's rollout batch from RUN's store")
+    g.add_argument("--replay-store", metavar="URI", help="run store root of --replay (default: storage.uri)")
+    g.add_argument("--trace-every", type=int, metavar="N", help="log a trace timeline to MLflow every N steps")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rlflow", description="RL post-training for LLMs on Prefect + Ray.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -151,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("recipe")
         p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY.PATH=VALUE",
                        help="override a recipe field, e.g. --set train.steps=20 (repeatable)")
+        _debug_flags(p)
         p.set_defaults(fn=fn)
     for name, fn, text in (("resume", cmd_resume, "continue a run from its store"),
                            ("runs", cmd_runs, "list the runs in a store"),
@@ -164,7 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--store", default="runs", help="run store root (default: runs)")
         p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY.PATH=VALUE",
                        help="override a field (storage.endpoint_url=..., train.steps=...)")
+        if name == "resume":
+            _debug_flags(p)
         p.set_defaults(fn=fn)
+    trace = sub.add_parser("trace", help="rollout trace timelines").add_subparsers(dest="trace_command", required=True)
+    render = trace.add_parser("render", help="draw a trace (file, or a run's trace in MLflow) as a PNG timeline")
+    render.add_argument("source", metavar="FILE_OR_RUN", help="a Chrome trace JSON file, or a run name")
+    render.add_argument("--out", required=True, help="PNG to write")
+    render.add_argument("--step", type=int, help="traced step of the run (default: the newest)")
+    render.add_argument("--store", default="runs", help="run store root of the run (default: runs)")
+    render.add_argument("--set", action="append", default=[], dest="overrides", metavar="storage.KEY=VALUE",
+                        help="storage options, e.g. --set storage.endpoint_url=http://minio:9000")
+    render.set_defaults(fn=cmd_trace_render)
     data = sub.add_parser("data", help="built-in datasets").add_subparsers(dest="data_command", required=True)
     make = data.add_parser("make", help="write a built-in verifiable task as train/eval files")
     make.add_argument("--task", choices=["sort", "reverse", "add"], required=True)

@@ -4,6 +4,8 @@
 
 With rollout.off_policy_steps = 1 (one-step-off async) step k+1's rollout task is submitted before step
 k's reward and runs beside it; sync waits for it, so a sample is never more than one update stale.
+Debug modes (debug.mode): rollout_only stops after reward; train_only replays stored batches and has no
+rollout workers, so it skips eval. With debug.trace_every N, every Nth step's timeline goes to MLflow.
 
 Prefect carries step numbers and metric dicts; tensors stay in the Ray actors and the run store.
 """
@@ -33,6 +35,7 @@ def post_train(config: RLConfig) -> dict[str, float]:
     metrics: dict[str, float] = {}
     status = "FAILED"
     one_step_off = config.rollout.off_policy_steps == 1
+    debug = config.debug
     ahead: dict[str, float] | None = None  # one-step-off: this step's rollout metrics, generated last step
     try:
         for step in range(run.start_step, config.train.steps):
@@ -41,19 +44,22 @@ def post_train(config: RLConfig) -> dict[str, float]:
             # one-step-off: the next step generates (with the weights this step started from) while this one trains
             upcoming = s.rollout.submit(r, step + 1) if one_step_off and step < last else None
             metrics |= s.reward(r, step)
-            metrics |= s.advantages(r, step)
-            metrics |= s.train(r, step)
-            if upcoming is not None:  # the sync below must not change weights under a generation in flight
-                tw = time.perf_counter()
-                ahead = upcoming.result()
-                metrics["time/rollout_wait"] = time.perf_counter() - tw
-            metrics |= s.sync_weights(r, step)
-            if config.data.eval_path and _due(config.eval.every, step, last):
+            if debug.trains:
+                metrics |= s.advantages(r, step)
+                metrics |= s.train(r, step)
+                if upcoming is not None:  # the sync below must not change weights under a generation in flight
+                    tw = time.perf_counter()
+                    ahead = upcoming.result()
+                    metrics["time/rollout_wait"] = time.perf_counter() - tw
+                metrics |= s.sync_weights(r, step)
+            if debug.mode is None and config.data.eval_path and _due(config.eval.every, step, last):
                 metrics |= s.evaluate(r, step)
             metrics["time/step"] = time.perf_counter() - t0
             run.tracker.log_metrics(metrics, step)
-            if _due(config.checkpoint.every, step, last):  # after logging: a committed step has its metrics
-                s.checkpoint(r, step)
+            if debug.trains and _due(config.checkpoint.every, step, last):  # after logging: a committed step has
+                s.checkpoint(r, step)  # its metrics
+            if debug.traced(step):
+                s.trace(r, step)
             run.notify(step, metrics)
         status = "FINISHED"
     finally:

@@ -26,7 +26,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engines.config import StorageConfig
+from engines.config import RLConfig, StorageConfig
 
 log = logging.getLogger("rlflow.store")
 T = TypeVar("T")
@@ -211,3 +211,16 @@ def list_runs(storage: StorageConfig | str) -> list[dict]:
         status = store.read_json("status.json") if store.exists("status.json") else {"status": "unknown"}
         out.append({"run": name, "latest_step": latest, **status})
     return out
+
+
+def replay_source(cfg: RLConfig) -> RunStore | None:
+    """The store of the run whose rollout batches this run replays (debug.replay_run), checked to exist."""
+    d = cfg.debug
+    if not d.replay_run:
+        return None
+    storage = cfg.storage.model_copy(update={"uri": d.replay_store}) if d.replay_store else cfg.storage
+    store = RunStore(storage, d.replay_run)
+    if not store.exists("config.json"):
+        raise FileNotFoundError(f"debug.replay_run: no run {d.replay_run!r} in store {storage.uri} "
+                                f"(no {store.uri('config.json')})")
+    return store

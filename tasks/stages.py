@@ -10,6 +10,7 @@ store instead: committed checkpoints, and committed rollout batches that the rol
 from __future__ import annotations
 
 import functools
+import json
 import time
 from dataclasses import dataclass
 
@@ -34,9 +35,10 @@ def _stage(name: str):
         @functools.wraps(fn)
         def body(run: str, step: int) -> dict[str, float]:
             ctx = active_run(run)
-            maybe_inject(ctx, name, step, "before")
-            out = fn(ctx, step)
-            maybe_inject(ctx, name, step, "after")
+            with ctx.session.stage_span(name, step):  # the stage's lane in the trace timeline
+                maybe_inject(ctx, name, step, "before")
+                out = fn(ctx, step)
+                maybe_inject(ctx, name, step, "after")
             return out
 
         return task(name=name, task_run_name=f"{name}-{{step}}", cache_policy=NO_CACHE, persist_result=False)(body)
@@ -94,7 +96,23 @@ def evaluate(run: RunContext, step: int) -> dict[str, float]:
     return metrics | {"time/eval": time.perf_counter() - t0}
 
 
-IDEMPOTENT = ("rollout", "reward", "checkpoint", "evaluate")
+@task(name="trace", task_run_name="trace-{step}", cache_policy=NO_CACHE, persist_result=False)
+def trace(run: str, step: int) -> dict[str, float]:
+    """Log the step's timeline to MLflow as traces/step_<step>.json (Chrome trace JSON: opens in Perfetto)."""
+    ctx = active_run(run)
+    t0 = time.perf_counter()
+    events = ctx.session.trace_events(step)
+    ctx.tracker.log_text(json.dumps(events), trace_artifact(step))
+    metrics = {"time/trace": time.perf_counter() - t0, "trace/events": float(len(events["traceEvents"]))}
+    ctx.tracker.log_metrics(metrics, step)
+    return metrics
+
+
+def trace_artifact(step: int) -> str:
+    return f"traces/step_{step:06d}.json"
+
+
+IDEMPOTENT = ("rollout", "reward", "checkpoint", "evaluate", "trace")
 
 
 @dataclass(frozen=True)
@@ -108,6 +126,7 @@ class Stages:
     sync_weights: Task
     checkpoint: Task
     evaluate: Task
+    trace: Task
 
 
 def bind(cfg: RLConfig) -> Stages:
