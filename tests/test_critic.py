@@ -3,10 +3,8 @@ GAE wiring through the stages, its config, and the flow on Ray with a data-paral
 
 from __future__ import annotations
 
-import mlflow
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 from transformers import AutoModelForTokenClassification
 
@@ -17,7 +15,6 @@ from engines.config import AlgorithmConfig, ClusterConfig, RecipeError, TrainCon
 from engines.model import load_model
 from engines.rl import RLSession, prepare_data, prepare_model
 from engines.train_torch import TorchTrainBackend
-from tasks.run_store import RunStore
 from tests.conftest import small_recipe
 
 
@@ -244,23 +241,19 @@ def test_data_parallel_critic_matches_single_worker(tiny_model_dir, ray_cluster)
     pair.shutdown()
 
 
-def test_ppo_flow_on_ray_with_two_critic_workers(tmp_path, ray_cluster):
-    """The Prefect flow with the critic as Ray actors (2 data-parallel workers): critic metrics reach MLflow and
-    the checkpoint holds the critic."""
-    from flows.post_train import post_train
-
-    cfg = config_from_dict(small_recipe(
-        tmp_path, algorithm={"advantage": "gae"}, critic={"num_workers": 2},
-        train={"steps": 2, "threads": 1, "mini_batches": 2}, eval={"every": 0}, checkpoint={"every": 0}))
-    final = post_train(cfg)
-    assert final["critic/value_loss"] > 0 and "critic/vf_explained_var" in final
-    store = RunStore(cfg.storage, cfg.name)
-    assert store.latest_step() == 1
-    ckpt = store.download_checkpoint(1, tmp_path / "dl")
-    assert "score.weight" in load_file(str(ckpt / "critic" / "model" / "model.safetensors"))
-    assert (ckpt / "critic" / "trainer_rank1.json").is_file()
-    client = MlflowClient(cfg.tracking.uri)
-    run = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])[0]
-    for key in ("critic.value_loss", "critic.vf_explained_var", "critic.values_mean", "critic.grad_norm"):
-        assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [0, 1], key
-    mlflow.set_tracking_uri(None)
+def test_ppo_stages_on_ray_with_two_critic_workers(recipe, tmp_path, ray_cluster):
+    """The stages with every worker a Ray actor and a data-parallel critic of 2; the checkpoint holds the critic.
+    (The Prefect flow with a critic, MLflow and the run store: tests/test_resume.py's PPO trials.)"""
+    cfg = recipe(algorithm={"advantage": "gae"}, critic={"num_workers": 2},
+                 train={"steps": 2, "threads": 1, "mini_batches": 2})
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, tmp_path))
+    assert isinstance(session.critic_group, RayWorkerGroup) and len(session.critic_group) == 2
+    history = _run_steps(session, range(2))
+    assert history[-1]["critic/value_loss"] > 0 and history[-1]["critic/values_mean"] != 0.0
+    session.save(tmp_path / "ckpt", 1)
+    session.shutdown()
+    critic = tmp_path / "ckpt" / "critic"
+    assert "score.weight" in load_file(str(critic / "model" / "model.safetensors"))
+    assert {f.name for f in critic.iterdir()} >= {"model", "optimizer.safetensors", "trainer_rank0.json",
+                                                   "trainer_rank1.json"}
