@@ -13,6 +13,7 @@ from engines.batch import pack_samples, shard_for_workers
 from engines.cluster import LocalWorkerGroup, RayWorkerGroup, free_port
 from engines.config import AlgorithmConfig, ClusterConfig, RecipeError, TrainConfig, config_from_dict, load_recipe
 from engines.model import load_model
+from engines.preflight import find_problems
 from engines.rl import RLSession, prepare_data, prepare_model
 from engines.train_torch import TorchTrainBackend
 from tests.conftest import small_recipe
@@ -137,6 +138,8 @@ def test_critic_config(tmp_path):
     gae = {"advantage": "gae"}
     assert "critic.freeze_policy_steps" in problems(algorithm=gae, critic={"freeze_policy_steps": 3})[0]
     assert problems(algorithm={"lam": 1.5})[0].startswith("algorithm.lam:")
+    missing = config_from_dict(small_recipe(tmp_path, algorithm=gae, critic={"model_path": str(tmp_path / "nope")}))
+    assert find_problems(missing) == [f"critic.model_path: no Hugging Face model (config.json) in {tmp_path}/nope"]
 
 
 # ----------------------------------------------------------------------------- through the stages
