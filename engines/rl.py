@@ -242,7 +242,7 @@ class RLSession:
                 st.advantages = algorithms.reinforce_pp_advantages(token_rewards, mask, algo.gamma)
             abs_mean = float(algorithms.masked_mean(st.advantages.abs(), mask))
         else:
-            if penalty is not None:
+            if kl_in_reward:
                 rewards = rewards - penalty.sum(-1)
             st.advantages = self._sequence_advantages(rewards)
             abs_mean = float(st.advantages.abs().mean())

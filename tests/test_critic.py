@@ -183,6 +183,18 @@ def test_ppo_stages_train_policy_and_critic(recipe, tmp_path):
     session.shutdown()
 
 
+def test_critic_beside_grpo_keeps_grpo_advantages(recipe, tmp_path):
+    """critic.enabled with another estimator: the critic trains on GAE returns, the advantages stay GRPO's."""
+    cfg = recipe(critic={"enabled": True}, train={"steps": 1, "threads": 1})
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
+    m = _run_steps(session, range(1))[0]
+    st = session._state(0)
+    assert torch.equal(st.advantages, algorithms.group_advantages(st.rewards, cfg.rollout.samples_per_prompt, True))
+    assert m["critic/value_loss"] > 0 and "adv/shaped_reward_mean" not in m
+    session.shutdown()
+
+
 def test_ppo_session_resumes_exactly(recipe, tmp_path):
     """A session restored from step 1's checkpoint takes step 2 exactly as the uninterrupted one (policy and critic)."""
     cfg = recipe(algorithm={"advantage": "gae", "lam": 0.95}, train={"steps": 3, "threads": 1, "mini_batches": 2})
