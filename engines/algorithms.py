@@ -189,6 +189,20 @@ def gae_advantages(
     return adv, torch.where(valid, adv + v, 0.0)
 
 
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(returns - values) / Var(returns) over the tokens under the mask: the share of the returns' variance
+    the critic's values explain. 1 is a perfect critic, 0 one no better than the mean return, below 0 worse.
+    0 when the returns do not vary (nothing to explain) or fewer than two tokens are masked in."""
+    valid = mask > 0
+    r, v = returns.float()[valid], values.float()[valid]
+    if r.numel() < 2:
+        return torch.tensor(0.0)
+    var = r.var(unbiased=False)
+    if var == 0:
+        return torch.tensor(0.0)
+    return 1 - (r - v).var(unbiased=False) / var
+
+
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float) -> torch.Tensor:
     """DAPO's soft overlong punishment, added to the reward [N] (values in [-penalty, 0]).
 

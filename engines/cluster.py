@@ -37,6 +37,10 @@ class LocalWorkerGroup:
     def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.workers[0], method)(*args, **kwargs)
 
+    def submit_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+        """call_each without waiting (here: it runs now); `wait` gives the results."""
+        return self.call_each(method, per_worker_args)
+
     def submit_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Start a call on rank 0 and return a handle another group's `call` accepts as an argument."""
         return self.call_rank0(method, *args, **kwargs)
@@ -96,6 +100,10 @@ class RayWorkerGroup:
         import ray
 
         return ray.get(getattr(self.workers[0], method).remote(*args, **kwargs))
+
+    def submit_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+        """call_each without waiting: one ObjectRef per worker, for `wait` (another group can work meanwhile)."""
+        return [getattr(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args, strict=True)]
 
     def submit_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """An ObjectRef: passed to another group's `call`, the data goes actor to actor, not via the driver."""

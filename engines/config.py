@@ -84,17 +84,24 @@ class RewardConfig(Section):
 class AlgorithmConfig(Section):
     """Advantage estimator, policy loss, KL, entropy and rollout/train mismatch correction (docs/algorithms.md)."""
 
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = Field(
         "grpo",
         description="grpo: (r - mean) / std per group; dr_grpo: r - mean; rloo: r - mean of the group's other "
         "samples; reinforce_pp: discounted token returns whitened over the batch (no group needed); "
-        "reinforce_pp_baseline: r - group mean, divided by the batch std.",
+        "reinforce_pp_baseline: r - group mean, divided by the batch std; gae: PPO with a critic (the critic "
+        "section), generalised advantage estimation over the critic's token values, whitened over the batch.",
     )
     normalize_std: bool | None = Field(
         None, description="Override std normalisation of grpo / dr_grpo (default: grpo yes, dr_grpo no)."
     )
     gamma: float = Field(
-        1.0, gt=0.0, le=1.0, description="Discount of reinforce_pp's token returns; 1 credits every token fully."
+        1.0, gt=0.0, le=1.0,
+        description="Discount of reinforce_pp's and gae's token returns; 1 credits every token fully.",
+    )
+    lam: float = Field(
+        1.0, ge=0.0, le=1.0,
+        description="GAE's lambda (gae and a critic only): 1 is Monte-Carlo returns minus V (unbiased, noisier); "
+        "0 the one-step TD error r_t + gamma V_t+1 - V_t (leans on the critic).",
     )
     policy_loss: Literal["ppo", "gspo"] = Field(
         "ppo",
@@ -188,6 +195,40 @@ class TrainConfig(Section):
     precision: Literal["fp32", "bf16"] = "fp32"
     threads: int = Field(2, gt=0, description="torch threads per worker.")
     device: Literal["cpu", "cuda"] = "cpu"
+
+
+class CriticConfig(Section):
+    """The value model of PPO with GAE: a second group of train workers (docs/algorithms.md)."""
+
+    enabled: bool | None = Field(
+        None, description="Train a critic. Empty: when algorithm.advantage is gae (which needs one). With another "
+        "estimator the critic trains on the GAE returns beside it (warm-up, or to watch critic/vf_explained_var).",
+    )
+    model_path: str | None = Field(
+        None, description="HF causal-LM directory the value model's body starts from; empty: the policy's starting "
+        "model. Its LM head is dropped and a scalar value head, initialised to zero, is added.",
+    )
+    num_workers: int = Field(1, gt=0, description="Critic train workers: data-parallel copies, like train.num_workers.")
+    lr: float = Field(1e-3, gt=0.0, description="The critic's learning rate (its own AdamW; betas, weight decay, "
+                      "epochs, mini-batches and precision are train's).")
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0, description="LR warm-up of the critic, in RL steps (like train.warmup_steps).")
+    grad_clip: float = Field(1.0, gt=0.0)
+    value_clip: float | None = Field(
+        0.5, gt=0.0, description="PPO value clipping: a value may not move more than this from the one the "
+        "advantages were computed with in a direction that lowers its loss; empty disables it.",
+    )
+    freeze_policy_steps: int = Field(
+        0, ge=0, description="The first N RL steps train only the critic; the policy keeps its weights (verl's "
+        "critic_warmup), so the first policy updates see a critic that already fits the returns.",
+    )
+
+    def train_config(self, train: TrainConfig) -> TrainConfig:
+        """The critic's TrainConfig: train's, with the critic's optimizer settings and worker count."""
+        return train.model_copy(update={
+            "num_workers": self.num_workers, "lr": self.lr, "lr_schedule": self.lr_schedule,
+            "warmup_steps": self.warmup_steps, "grad_clip": self.grad_clip,
+        })
 
 
 class MegatronConfig(Section):
@@ -344,6 +385,7 @@ class RLConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -367,6 +409,7 @@ class RLConfig(Section):
                 f"into {self.data_parallel_size} data-parallel workers x train.mini_batches "
                 f"({self.train.mini_batches})"
             )
+        self._check_critic(batch)
         if self.rollout.off_policy_steps and not self.checkpoint.save_rollouts:
             raise ValueError(
                 "checkpoint.save_rollouts: must be true with rollout.off_policy_steps > 0 (a resumed run needs the "
@@ -382,6 +425,27 @@ class RLConfig(Section):
         if self.model.hidden_size % self.model.num_heads or self.model.num_heads % self.model.num_kv_heads:
             raise ValueError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
         return self
+
+    def _check_critic(self, batch: int) -> None:
+        if self.algorithm.advantage == "gae" and self.critic.enabled is False:
+            raise ValueError("critic.enabled: algorithm.advantage gae needs a critic (true, or leave it empty)")
+        if not self.use_critic:
+            return
+        if self.train.backend != "torch":
+            raise ValueError("critic: the critic runs on train.backend 'torch' only (megatron has no value head yet)")
+        if batch % (self.critic.num_workers * self.train.mini_batches) != 0:
+            raise ValueError(
+                f"critic.num_workers: rollout.prompts_per_step * rollout.samples_per_prompt = {batch} must divide "
+                f"evenly into {self.critic.num_workers} critic workers x train.mini_batches ({self.train.mini_batches})"
+            )
+        if self.critic.freeze_policy_steps >= self.train.steps:
+            raise ValueError(f"critic.freeze_policy_steps ({self.critic.freeze_policy_steps}) must be below "
+                             f"train.steps ({self.train.steps}): the policy would never train")
+
+    @property
+    def use_critic(self) -> bool:
+        """Whether the run has a value model (critic.enabled, by default: advantage gae)."""
+        return self.critic.enabled if self.critic.enabled is not None else self.algorithm.advantage == "gae"
 
     def _check_placement(self) -> None:
         transport, on_gpu = self.weight_sync.transport, self.train.device == "cuda" and self.rollout_device == "cuda"

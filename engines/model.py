@@ -10,7 +10,15 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, processors
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 from transformers.utils import logging as hf_logging
 
 from engines.config import ModelConfig
@@ -63,6 +71,28 @@ def build_tiny_model(cfg: ModelConfig, out_dir: str | Path, seed: int) -> Path:
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
     """Load a causal LM from a local HF directory. SDPA attention is used where transformers offers it."""
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+    return model.to(device)
+
+
+def load_value_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    """A critic: the causal LM's body with a scalar head on every position (HF's *ForTokenClassification, 1 label).
+
+    Loaded from a causal-LM directory, the body takes its weights and the LM head is dropped; the new value head is
+    set to zero, so every value starts at exactly 0 and the first advantages are the plain (whitened) returns
+    rather than the noise of a random head. Loaded from a critic's own checkpoint, the head is kept. No dropout on
+    the head: value targets are noisy enough. save_pretrained writes a model transformers loads as it is.
+    """
+    config = AutoConfig.from_pretrained(str(path), num_labels=1)
+    config.classifier_dropout = 0.0
+    from_critic = any(a.endswith("ForTokenClassification") for a in config.architectures or [])
+    model = AutoModelForTokenClassification.from_pretrained(
+        str(path), config=config, dtype=dtype, attn_implementation="sdpa"
+    )
+    if not from_critic:
+        with torch.no_grad():
+            model.score.weight.zero_()
+            if model.score.bias is not None:
+                model.score.bias.zero_()
     return model.to(device)
 
 

@@ -17,6 +17,8 @@ def find_problems(cfg: RLConfig) -> list[str]:
     problems: list[str] = []
     if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
         problems.append(f"model.path: no Hugging Face model (config.json) in {cfg.model.path}")
+    if cfg.use_critic and cfg.critic.model_path and not (Path(cfg.critic.model_path) / "config.json").is_file():
+        problems.append(f"critic.model_path: no Hugging Face model (config.json) in {cfg.critic.model_path}")
     generated = cfg.data.generate is not None
     for field, path in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
         if not path or (generated and not Path(path).exists()):

@@ -1,9 +1,9 @@
 """One RL run's engines and the work of each stage, independent of Prefect.
 
-`RLSession` owns the tokenizer, the data cursor, the train and rollout worker groups, and the step in
-flight. Each stage method does one stage and returns a small dict of metrics; tensors stay here or
-in the workers. The Prefect flow calls these methods from tasks; the bare loop (bench/, tests) calls
-them directly, with or without Ray.
+`RLSession` owns the tokenizer, the data cursor, the train, rollout and (for PPO with GAE) critic worker
+groups, and the step in flight. Each stage method does one stage and returns a small dict of metrics;
+tensors stay here or in the workers. The Prefect flow calls these methods from tasks; the bare loop
+(bench/, tests) calls them directly, with or without Ray.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ class StepState:
     rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None  # [N], or [N, L] aligned with the packed batch (token-level estimators)
     train_logprobs: torch.Tensor | None = None  # the train engine's, when the advantages stage already needed them
+    values: torch.Tensor | None = None  # [N, L] the critic's, aligned with the packed batch (with a critic)
+    returns: torch.Tensor | None = None  # [N, L] GAE's value targets for the critic
 
 
 def prepare_data(cfg: RLConfig) -> None:
@@ -73,9 +75,10 @@ STAGE_LANES = ("rollout", "reward", "advantages", "train", "sync-weights", "eval
 
 
 class RLSession:
-    def __init__(self, cfg: RLConfig, model_path: str, train_group, rollout_group):
+    def __init__(self, cfg: RLConfig, model_path: str, train_group, rollout_group, critic_group=None):
         self.cfg, self.model_path = cfg, model_path
         self.train_group, self.rollout_group = train_group, rollout_group
+        self.critic_group = critic_group  # the value model's train workers (role "critic"), when the run has one
         self.tokenizer = load_tokenizer(model_path)
         self.reward_fn = load_reward_fn(cfg.reward.fn)
         self.train_rows = load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.label_key)
@@ -112,22 +115,34 @@ class RLSession:
         use_ray = cfg.cluster.use_ray if use_ray is None else use_ray
         train_kwargs = _train_kwargs(cfg, model_path)
         rollout_kwargs = _rollout_kwargs(cfg, model_path)
+        critic_kwargs = _critic_kwargs(cfg, model_path) if cfg.use_critic else None
         train_cls = train_backend_class(cfg)
+        critic = None
         n_train = cfg.train.num_workers if cfg.debug.trains else 0  # debug modes start one kind of worker
         n_rollout = cfg.rollout.num_workers if cfg.debug.generates else 0
+        if not cfg.debug.trains:
+            critic_kwargs = None
         if not use_ray:
-            if n_train > 1:
-                raise ValueError("train.num_workers > 1 needs cluster.use_ray: true")
+            if n_train > 1 or (critic_kwargs and cfg.critic.num_workers > 1):
+                raise ValueError("train.num_workers / critic.num_workers > 1 need cluster.use_ray: true")
             train = LocalWorkerGroup([train_cls(**train_kwargs(r)) for r in range(n_train)])
             rollout = LocalWorkerGroup([TorchRolloutBackend(**rollout_kwargs(r)) for r in range(n_rollout)])
+            if critic_kwargs:
+                critic = LocalWorkerGroup([TorchTrainBackend(**critic_kwargs(0))])
         else:
             init_ray(cfg.cluster)
             train, rollout = _ray_groups(cfg, train_cls, train_kwargs, rollout_kwargs, n_train, n_rollout)
-        return cls(cfg, model_path, train, rollout)
+            if critic_kwargs:  # its own actors and placement group (on GPUs: GPUs of its own, also when colocated)
+                gpus = 1.0 if cfg.train.device == "cuda" else 0.0
+                critic = RayWorkerGroup(TorchTrainBackend, cfg.critic.num_workers, critic_kwargs,
+                                        cfg.cluster.cpus_per_worker, f"{cfg.name}-critic", gpus)
+        return cls(cfg, model_path, train, rollout, critic)
 
     def shutdown(self) -> None:
         self.train_group.shutdown()
         self.rollout_group.shutdown()
+        if self.critic_group is not None:
+            self.critic_group.shutdown()
         shared = getattr(self.train_group, "placement_group", None)
         if self.cfg.cluster.colocate and shared is not None:
             from ray.util.placement_group import remove_placement_group
@@ -210,7 +225,9 @@ class RLSession:
         """Rewards -> advantages: overlong shaping and KL-in-reward first, then the recipe's estimator.
 
         KL in the reward needs per-token logprobs of the reference (and, with IS correction, of the train
-        engine): the train workers compute them here, and the train stage reuses the train engine's.
+        engine): the train workers compute them here, and the train stage reuses the train engine's. With a
+        critic, its workers compute the values of the batch here, and GAE turns them into advantages and into
+        the returns the critic trains on.
         """
         st = self._state(step)
         algo, group = self.cfg.algorithm, self.cfg.rollout.samples_per_prompt
@@ -222,8 +239,9 @@ class RLSession:
             rewards = rewards + pen
             metrics |= {"adv/overlong_penalty": float(pen.mean()), "adv/overlong_frac": float((pen < 0).float().mean())}
         kl_in_reward = algo.kl_in == "reward" and algo.kl_coef > 0
+        token_level = algo.advantage in ("reinforce_pp", "gae") or self.critic_group is not None
         st.train_logprobs, mask, penalty = None, None, None
-        if kl_in_reward or algo.advantage == "reinforce_pp":
+        if kl_in_reward or token_level:
             batch = self._pack(st, torch.zeros(len(rewards)))
             mask = batch["loss_mask"]
             penalty = torch.zeros_like(mask)
@@ -234,12 +252,24 @@ class RLSession:
                 ref = self._train_logprobs(batch, reference=True)
                 penalty = algorithms.kl_reward_penalty(policy, ref, mask, algo.kl_coef, algo.kl_estimator)
                 metrics["adv/kl_penalty"] = float(penalty.sum(-1).mean())
-        if algo.advantage == "reinforce_pp":
+        if token_level:
             token_rewards = algorithms.outcome_token_rewards(rewards, mask) - penalty
-            st.advantages = algorithms.reinforce_pp_advantages(token_rewards, mask, algo.gamma)
+        if self.critic_group is not None:
+            st.values = self._critic_values(batch)
+            gae, st.returns = algorithms.gae_advantages(token_rewards, st.values, mask, algo.gamma, algo.lam)
+            metrics |= {
+                "critic/values_mean": float(algorithms.masked_mean(st.values, mask)),
+                "critic/returns_mean": float(algorithms.masked_mean(st.returns, mask)),
+                "critic/vf_explained_var": float(algorithms.explained_variance(st.values, st.returns, mask)),
+            }
+        if algo.advantage in ("reinforce_pp", "gae"):
+            if algo.advantage == "gae":  # whitened over the batch's response tokens, as verl does
+                st.advantages = algorithms.masked_whiten(gae, mask)
+            else:
+                st.advantages = algorithms.reinforce_pp_advantages(token_rewards, mask, algo.gamma)
             abs_mean = float(algorithms.masked_mean(st.advantages.abs(), mask))
         else:
-            if penalty is not None:
+            if kl_in_reward:
                 rewards = rewards - penalty.sum(-1)
             st.advantages = self._sequence_advantages(rewards)
             abs_mean = float(st.advantages.abs().mean())
@@ -273,18 +303,24 @@ class RLSession:
         if st.train_logprobs is not None:
             batch = with_train_logprobs(batch, st.train_logprobs)
         t0 = time.perf_counter()
-        if self._dp_ranks is None:  # ranks of one tensor/pipeline-parallel group train on the same shard
-            self._dp_ranks = self.train_group.call("data_parallel_rank")
-        shards = shard_for_workers(batch, max(self._dp_ranks) + 1, self.cfg.train.mini_batches)
-        if self.cfg.cluster.colocate:  # the rollout engine's weights give their GPU memory to training
-            self.rollout_group.call("release_memory_occupation")
-        results = self.train_group.call_each("train_step", [(shards[r],) for r in self._dp_ranks])
-        dt = time.perf_counter() - t0
+        critic = self._submit_critic_step(st, batch)  # the critic trains beside the policy (other actors)
+        metrics = {"train/staleness_mean": float(staleness.mean()), "train/staleness_max": float(staleness.max())}
+        if step >= self.cfg.critic.freeze_policy_steps or self.critic_group is None:
+            if self._dp_ranks is None:  # ranks of one tensor/pipeline-parallel group train on the same shard
+                self._dp_ranks = self.train_group.call("data_parallel_rank")
+            shards = shard_for_workers(batch, max(self._dp_ranks) + 1, self.cfg.train.mini_batches)
+            if self.cfg.cluster.colocate:  # the rollout engine's weights give their GPU memory to training
+                self.rollout_group.call("release_memory_occupation")
+            results = self.train_group.call_each("train_step", [(shards[r],) for r in self._dp_ranks])
+            metrics["time/train_worker"] = results[0].pop("worker_s")
+            metrics |= {f"train/{k}": v for k, v in results[0].items()}
+        if critic is not None:
+            result = self.critic_group.wait(critic)[0]
+            result.pop("value_mean")  # the values being trained; critic/values_mean is the ones GAE used
+            metrics["time/critic_worker"] = result.pop("worker_s")
+            metrics |= {f"critic/{k}": v for k, v in result.items()}
         tokens = float(batch["attention_mask"].sum())
-        worker_s = results[0].pop("worker_s")
-        return {f"train/{k}": v for k, v in results[0].items()} | {
-            "train/tokens_per_s": tokens / dt, "time/train_worker": worker_s,
-            "train/staleness_mean": float(staleness.mean()), "train/staleness_max": float(staleness.max())}
+        return metrics | {"train/tokens_per_s": tokens / (time.perf_counter() - t0)}
 
     def sync_weights(self, step: int) -> dict[str, float]:
         """Send the trainer's weights to every rollout worker, bucket by bucket, as version step+1."""
@@ -366,10 +402,14 @@ class RLSession:
         step has already taken its own, and a resumed run reuses that batch from the store."""
         self.train_group.call("save", str(path))
         self.tokenizer.save_pretrained(Path(path) / "model")  # so model/ loads with transformers as it is
+        if self.critic_group is not None:
+            self.critic_group.call("save", str(Path(path) / "critic"))
         return {"cursor": self._cursor_after[step], "weight_version": self.weight_version}
 
     def load(self, path: str | Path, controller_state: dict) -> None:
         self.train_group.call("load", str(path))
+        if self.critic_group is not None:
+            self.critic_group.call("load", str(Path(path) / "critic"))
         self.cursor.load_state_dict(controller_state["cursor"])
         self.weight_version = controller_state["weight_version"]
         if self.cfg.debug.generates:
@@ -448,6 +488,22 @@ class RLSession:
         parts = [(select(batch, slice(w * per, (w + 1) * per)), reference) for w in range(n)]
         return torch.cat(self.train_group.call_each("forward_logprobs", parts))
 
+    def _critic_values(self, batch: TrainBatch) -> torch.Tensor:
+        """The critic's values [N, L] of the batch, each critic worker on its slice (one call per worker)."""
+        n = len(self.critic_group)
+        per = batch_size(batch) // n
+        return torch.cat(self.critic_group.call_each(
+            "forward_values", [(select(batch, slice(w * per, (w + 1) * per)),) for w in range(n)]))
+
+    def _submit_critic_step(self, st: StepState, batch: TrainBatch):
+        """Start the critic's train step on the step's returns (handles for critic_group.wait), or None."""
+        if self.critic_group is None:
+            return None
+        values = {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
+        values |= {"returns": st.returns, "old_values": st.values}
+        shards = shard_for_workers(values, len(self.critic_group), self.cfg.train.mini_batches)
+        return self.critic_group.submit_each("train_step", [(s,) for s in shards])
+
     def _state(self, step: int) -> StepState:
         if step not in self._states:
             raise RuntimeError(f"step {step}: no rollout in flight (run the rollout stage first)")
@@ -512,6 +568,21 @@ def _train_kwargs(cfg: RLConfig, model_path: str):
         return dict(model_path=model_path, train=cfg.train, algorithm=cfg.algorithm,
                     temperature=cfg.rollout.temperature or 1.0, norm_len=norm_len, rank=rank,
                     world_size=cfg.train.num_workers, dist_url=dist_url, seed=cfg.seed, **extra)
+
+    return make
+
+
+def _critic_kwargs(cfg: RLConfig, model_path: str):
+    """The critic's workers: the torch backend as role "critic", from critic.model_path or the policy's model."""
+    c = cfg.critic
+    if c.model_path and not (Path(c.model_path) / "config.json").is_file():
+        raise FileNotFoundError(f"critic.model_path: no Hugging Face model (config.json) in {c.model_path}")
+    dist_url = f"tcp://127.0.0.1:{free_port()}" if c.num_workers > 1 else None  # its own process group
+
+    def make(rank: int) -> dict:
+        return dict(model_path=c.model_path or model_path, train=c.train_config(cfg.train), algorithm=cfg.algorithm,
+                    rank=rank, world_size=c.num_workers, dist_url=dist_url, seed=cfg.seed, role="critic",
+                    value_clip=c.value_clip)
 
     return make
 

@@ -3,6 +3,11 @@
 One instance per worker. The losses come from engines.algorithms; this file only batches, reduces and
 steps. Every loss is normalised by the *global* token/sequence count of its mini-batch, so W workers
 take the same optimizer steps as one worker on the whole batch.
+
+A worker has one of two roles. "policy" (the default) trains the causal LM with rl_loss. "critic" trains a
+value model (engines.model.load_value_model: the same body with a scalar head) with value_loss on the same
+packed batches; micro-batching, normalisation, the gradient all-reduce, the optimizer and checkpoints are
+the same code for both.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -23,7 +29,7 @@ from engines import algorithms
 from engines.batch import TrainBatch, batch_size, select
 from engines.cluster import free_port, node_ip
 from engines.config import AlgorithmConfig, StorageConfig, TrainConfig
-from engines.model import DTYPES, load_model
+from engines.model import DTYPES, load_model, load_value_model
 from engines.sampling import scaled_logits
 from engines.weight_sync import put_bucket
 from engines.weight_transport import NcclChannel, device_copy_bandwidth, export_ipc_handles, flatten_
@@ -59,9 +65,14 @@ class TorchTrainBackend:
         world_size: int = 1,
         dist_url: str | None = None,
         seed: int = 0,
+        role: Literal["policy", "critic"] = "policy",
+        value_clip: float | None = None,
     ):
+        """`role` "critic": a value model from `model_path` trained with value_loss (clipped at `value_clip`)."""
         torch.set_num_threads(train.threads)
-        self.cfg, self.algo = train, algorithm
+        self.cfg, self.algo, self.role, self.value_clip = train, algorithm, role, value_clip
+        # the critic regresses every response token's value with the same weight, whatever the policy's aggregation
+        self.loss_agg = algorithm.loss_agg if role == "policy" else "token_mean"
         self.temperature, self.norm_len = temperature, norm_len
         self.rank, self.world_size = rank, world_size
         if world_size > 1:
@@ -69,11 +80,12 @@ class TorchTrainBackend:
             dist.init_process_group(backend, init_method=dist_url, rank=rank, world_size=world_size)
         torch.manual_seed(seed + rank)
         self.device = train.device
-        self.model = load_model(model_path, dtype=torch.float32, device=self.device)
+        load = load_value_model if role == "critic" else load_model
+        self.model = load(model_path, dtype=torch.float32, device=self.device)
         if self.device == "cuda":  # one buffer in HF-name order: GPU weight sync copies whole slices of it
             flatten_(dict(self.model.named_parameters()))
         self.ref_model = None
-        if algorithm.kl_coef > 0:  # frozen copy of the starting policy, for the KL penalty
+        if algorithm.kl_coef > 0 and role == "policy":  # frozen copy of the starting policy, for the KL penalty
             self.ref_model = load_model(model_path, dtype=DTYPES[train.precision], device=self.device).eval()
             self.ref_model.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
@@ -99,6 +111,26 @@ class TorchTrainBackend:
             entropy[:, 1:] = algorithms.entropy_from_logits(logits)
         return logprobs, entropy
 
+    def _values(self, mb: TrainBatch) -> torch.Tensor:
+        """The critic's values [B, L], aligned with input_ids like the logprobs: column t is V of the state before
+        token t (the head's output at position t - 1, which has seen x_<t); column 0 is 0."""
+        ids, attn = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        with self._autocast():
+            out = self.model(ids, attention_mask=attn, position_ids=pos).logits[:, :-1, 0]
+        values = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
+        values[:, 1:] = out.float()
+        return values
+
+    @torch.no_grad()
+    def forward_values(self, batch: TrainBatch) -> torch.Tensor:
+        """The critic's per-token values [N, L] (aligned with input_ids), micro-batch by micro-batch."""
+        if self.role != "critic":
+            raise ValueError("forward_values: this worker is a policy; values come from a role='critic' worker")
+        self.model.eval()
+        n, step = batch_size(batch), self.cfg.micro_batch_size
+        return torch.cat([self._values(select(batch, slice(i, i + step))).cpu() for i in range(0, n, step)])
+
     @torch.no_grad()
     def forward_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Per-token logprobs [N, L] (aligned with input_ids) under the policy or the reference model."""
@@ -117,10 +149,13 @@ class TorchTrainBackend:
         return t
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One RL iteration on this worker's shard: epochs x mini_batches optimizer steps. Returns global metrics."""
+        """One RL iteration on this worker's shard: epochs x mini_batches optimizer steps. Returns global metrics.
+
+        A critic's batch holds input_ids, attention_mask, loss_mask, returns and old_values (the values the
+        advantages were computed with)."""
         if self.ref_model is not None and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
-        if self.algo.is_correction != "none" and "rollout_logprobs" not in batch:
+        if self.role == "policy" and self.algo.is_correction != "none" and "rollout_logprobs" not in batch:
             batch = with_train_logprobs(batch, self.forward_logprobs(batch))
         t0 = time.perf_counter()
         self.model.train()
@@ -137,19 +172,13 @@ class TorchTrainBackend:
         return {k: float(v) for k, v in sums.items()} | {"worker_s": time.perf_counter() - t0}
 
     def _optimizer_step(self, mb: TrainBatch) -> dict[str, torch.Tensor]:
-        mode = self.algo.loss_agg
+        mode = self.loss_agg
         total_weight = self._all_reduce(algorithms.aggregation_weight(mb["loss_mask"], mode).double().clone())
         self.optimizer.zero_grad(set_to_none=False)
         metric_sums: dict[str, torch.Tensor] = {}
-        want_entropy = True  # entropy is a logged metric even when it is not in the loss
         for i in range(0, batch_size(mb), self.cfg.micro_batch_size):
             micro = {k: v.to(self.device) for k, v in select(mb, slice(i, i + self.cfg.micro_batch_size)).items()}
-            logprobs, entropy = self._forward(self.model, micro, want_entropy)
-            loss, metrics = algorithms.rl_loss(
-                logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], norm_len=self.norm_len,
-                ref_logprobs=micro.get("ref_logprobs"), rollout_logprobs=micro.get("rollout_logprobs"),
-                entropy=entropy if self.algo.entropy_coef else entropy.detach(), **self.algo.loss_kwargs(),
-            )
+            loss, metrics = self._loss(micro)
             share = algorithms.aggregation_weight(micro["loss_mask"], mode).double() / total_weight.clamp(min=1)
             (loss * share.float()).backward()
             for k, v in metrics.items():
@@ -171,6 +200,21 @@ class TorchTrainBackend:
         out["lr"] = torch.tensor(self.scheduler.get_last_lr()[0], dtype=torch.float64)
         self.scheduler.step()  # the schedule counts optimizer steps
         return out
+
+    def _loss(self, micro: TrainBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The role's objective on one micro-batch (aggregated over it with self.loss_agg) and its metrics."""
+        if self.role == "critic":
+            loss, metrics = algorithms.value_loss(
+                self._values(micro), micro["old_values"], micro["returns"], micro["loss_mask"],
+                clip_range=self.value_clip, loss_agg=self.loss_agg,
+            )
+            return loss, metrics | {"value_loss": loss.detach()}
+        logprobs, entropy = self._forward(self.model, micro, True)  # entropy is logged even when not in the loss
+        return algorithms.rl_loss(
+            logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], norm_len=self.norm_len,
+            ref_logprobs=micro.get("ref_logprobs"), rollout_logprobs=micro.get("rollout_logprobs"),
+            entropy=entropy if self.algo.entropy_coef else entropy.detach(), **self.algo.loss_kwargs(),
+        )
 
     # ---- weights and checkpoints ---------------------------------------------------------------------
     def named_tensors(self, names: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:

@@ -3,8 +3,8 @@
     RLFLOW_FAULT="<stage>:<step>:<when>:<target>"   e.g. "train:3:before:flow", "rollout:1:after:rollout"
 
 stage is a task name (rollout, reward, advantages, train, sync-weights, checkpoint, evaluate), when is
-`before` or `after` that task's work, target is `flow` (this process), `train` or `rollout` (rank 0 of
-that actor group), or `raise`: an exception in the flow's first attempt only, so a Prefect flow retry
+`before` or `after` that task's work, target is `flow` (this process), `train`, `rollout` or `critic` (rank 0
+of that actor group), or `raise`: an exception in the flow's first attempt only, so a Prefect flow retry
 (orchestration.flow_retries) gets past it. Unset (the normal case), it costs one dict lookup per task.
 """
 
@@ -36,6 +36,7 @@ def maybe_inject(run, stage: str, step: int, when: str) -> None:
         if ctx is None or ctx.flow_run is None or ctx.flow_run.run_count <= 1:
             raise InjectedFault(f"{ENV}={spec}")
         return
-    group = {"train": run.session.train_group, "rollout": run.session.rollout_group}[target]
+    group = {"train": run.session.train_group, "rollout": run.session.rollout_group,
+             "critic": run.session.critic_group}[target]
     pid = group.call_rank0("pid")
     os.kill(pid, signal.SIGKILL)

@@ -99,8 +99,10 @@ def data_dir(tmp_path_factory):
     return d
 
 
-def _recipe(tmp_path: Path, data_dir: Path, storage: StorageConfig, name: str, ray: str, off_policy: int = 0) -> Path:
+def _recipe(tmp_path: Path, data_dir: Path, storage: StorageConfig, name: str, ray: str, off_policy: int = 0,
+            ppo: bool = False) -> Path:
     raw = small_recipe(tmp_path, name=name, train={"steps": STEPS, "threads": 1, "mini_batches": 2},
+                       algorithm={"advantage": "gae", "lam": 0.95} if ppo else {},
                        rollout={"off_policy_steps": off_policy},
                        checkpoint={"every": 2, "keep_last": 2}, eval={"every": 3, "max_prompts": 16},
                        cluster={"address": ray})
@@ -122,12 +124,15 @@ def _rlflow(args: list[str], api: str, fault: str | None = None) -> subprocess.C
 
 
 def _outcome(recipe: Path, storage: StorageConfig, name: str) -> tuple[dict, dict]:
-    """(final weights, {metric: {step: last logged value}}) of a finished run."""
+    """(final weights, with the critic's as critic/<name>, {metric: {step: last logged value}}) of a finished run."""
     store = RunStore(storage, name)
     assert store.read_json("status.json")["status"] == "finished"
     step = store.latest_step()
     assert step == STEPS - 1
-    weights = load_file(str(store.download_checkpoint(step, recipe.parent / f"dl-{name}") / "model/model.safetensors"))
+    local = store.download_checkpoint(step, recipe.parent / f"dl-{name}")
+    weights = load_file(str(local / "model/model.safetensors"))
+    if (local / "critic").is_dir():
+        weights |= {f"critic/{k}": v for k, v in load_file(str(local / "critic/model/model.safetensors")).items()}
     cfg = yaml.safe_load(recipe.read_text())
     client = MlflowClient(cfg["tracking"]["uri"])
     runs = client.search_runs([client.get_experiment_by_name(name).experiment_id])
@@ -150,18 +155,19 @@ def _storage(kind: str, tmp_path: Path, request) -> StorageConfig:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, data_dir, prefect_api, ray_head):
-    """The reference outcome of each mode: {off_policy_steps: (weights, metrics)}, run on first use."""
-    done: dict[int, tuple[dict, dict]] = {}
+    """The reference outcome of each mode: {(off_policy_steps, ppo): (weights, metrics)}, run on first use."""
+    done: dict[tuple[int, bool], tuple[dict, dict]] = {}
 
-    def get(off_policy: int) -> tuple[dict, dict]:
-        if off_policy not in done:
-            tmp = tmp_path_factory.mktemp(f"reference{off_policy}")
+    def get(off_policy: int, ppo: bool = False) -> tuple[dict, dict]:
+        if (off_policy, ppo) not in done:
+            name = f"ref{off_policy}" + ("ppo" if ppo else "")
+            tmp = tmp_path_factory.mktemp(f"reference-{name}")
             storage = StorageConfig(uri=str(tmp / "store"))
-            recipe = _recipe(tmp, data_dir, storage, f"ref{off_policy}", ray_head, off_policy)
+            recipe = _recipe(tmp, data_dir, storage, name, ray_head, off_policy, ppo)
             proc = _rlflow(["run", str(recipe)], prefect_api)
             assert proc.returncode == 0, proc.stderr[-3000:]
-            done[off_policy] = _outcome(recipe, storage, f"ref{off_policy}")
-        return done[off_policy]
+            done[off_policy, ppo] = _outcome(recipe, storage, name)
+        return done[off_policy, ppo]
 
     return get
 
@@ -207,6 +213,30 @@ def test_kill_anywhere_then_resume_is_exact(trial, tmp_path, data_dir, prefect_a
     assert metrics.keys() == ref_metrics.keys()
     for key in metrics:
         assert metrics[key] == ref_metrics[key], key
+
+
+# PPO with a critic: the critic's actor is killed too, and its weights must come back exactly
+PPO_FAULTS = [("train", 2, "after", "critic"), ("checkpoint", 3, "after", "flow"),
+              pytest.param(("advantages", 3, "before", "critic"), marks=pytest.mark.slow),
+              pytest.param(("sync-weights", 2, "before", "train"), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("fault", PPO_FAULTS)
+def test_ppo_kill_then_resume_is_exact(fault, tmp_path, data_dir, prefect_api, ray_head, uninterrupted):
+    storage = StorageConfig(uri=str(tmp_path / "store"))
+    name = "ppo-" + "-".join(map(str, fault))
+    recipe = _recipe(tmp_path, data_dir, storage, name, ray_head, ppo=True)
+    killed = _rlflow(["run", str(recipe)], prefect_api, fault=":".join(map(str, fault)))
+    assert killed.returncode != 0, f"fault {fault} did not stop the run"
+    resumed = _rlflow(["run", str(recipe)], prefect_api)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    weights, metrics = _outcome(recipe, storage, name)
+    ref_weights, ref_metrics = uninterrupted(0, ppo=True)
+    assert weights.keys() == ref_weights.keys() and any(k.startswith("critic/") for k in weights)
+    for k in weights:
+        assert (weights[k] == ref_weights[k]).all(), k
+    assert metrics == ref_metrics and "critic.value_loss" in metrics
 
 
 def test_flow_retry_resumes_in_the_same_process(tmp_path, data_dir, prefect_api, ray_head, uninterrupted):
