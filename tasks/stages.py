@@ -94,7 +94,30 @@ def evaluate(run: RunContext, step: int) -> dict[str, float]:
     return metrics | {"time/eval": time.perf_counter() - t0}
 
 
-IDEMPOTENT = ("rollout", "reward", "checkpoint", "evaluate")
+@_stage("collect")
+def collect(run: RunContext, rnd: int) -> dict[str, float]:
+    """Rejection sampling: generate and verify round `rnd`'s samples (or reuse the round a failed attempt
+    committed), then make what rounds <= rnd accepted the SFT pool. Earlier rounds come from the store."""
+    t0 = time.perf_counter()
+    session = run.session
+    for earlier in range(rnd):
+        if earlier not in session.rounds:
+            table = run.store.load_round(earlier)
+            if table is None:
+                raise RuntimeError(f"rejection sampling: round {earlier} is missing from {run.store.uri('rounds')}")
+            session.rounds[earlier] = table
+    stored = run.store.load_round(rnd)
+    if stored is not None:
+        metrics = session.restore_round(rnd, stored)
+        session.rounds[rnd] = stored
+        log.info("round %d: reusing the committed samples %s", rnd, run.store.uri("rounds", rnd))
+    else:
+        session.rounds[rnd], metrics = session.generate_round(rnd)
+        run.store.save_round(rnd, session.rounds[rnd])
+    return metrics | session.use_rounds(rnd) | {"time/collect": time.perf_counter() - t0}
+
+
+IDEMPOTENT = ("rollout", "reward", "checkpoint", "evaluate", "collect")
 
 
 @dataclass(frozen=True)
@@ -108,6 +131,7 @@ class Stages:
     sync_weights: Task
     checkpoint: Task
     evaluate: Task
+    collect: Task
 
 
 def bind(cfg: RLConfig) -> Stages:
