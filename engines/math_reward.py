@@ -27,7 +27,8 @@ except ImportError as e:  # an optional extra: the reward names the install comm
 MARKER = "####"
 _CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations: "48/2 = <<48/2=24>>24"
 _EXTRACTION = [LatexExtractionConfig(), ExprExtractionConfig()]
-DEFAULT_INSTRUCTION = "Solve the problem step by step, then give the final answer on its own last line as '#### <answer>'."
+DEFAULT_INSTRUCTION = ("Solve the problem step by step, then give the final answer on its own last line as "
+                       "'#### <answer>'.")
 
 
 def _timeout() -> int | None:

@@ -95,10 +95,11 @@ def evaluate(run: RunContext, step: int) -> dict[str, float]:
 
 
 @_stage("collect")
-def collect(run: RunContext, rnd: int) -> dict[str, float]:
-    """Rejection sampling: generate and verify round `rnd`'s samples (or reuse the round a failed attempt
-    committed), then make what rounds <= rnd accepted the SFT pool. Earlier rounds come from the store."""
+def collect(run: RunContext, step: int) -> dict[str, float]:
+    """Rejection sampling: generate and verify round `step`'s samples (or reuse the round a failed attempt
+    committed), then make what rounds <= step accepted the SFT pool. Earlier rounds come from the store."""
     t0 = time.perf_counter()
+    rnd = step  # a round of rejection sampling is this task's step
     session = run.session
     for earlier in range(rnd):
         if earlier not in session.rounds:
