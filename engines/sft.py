@@ -53,6 +53,19 @@ def accept_samples(
     return keep
 
 
+def tokenize_pairs(tokenizer, pairs: list[dict], chat_template: bool, add_eos: bool) -> list[Example]:
+    """Prompts tokenized as the rollout engine tokenizes them (engines.model.encode_prompt), responses without
+    special tokens, then EOS so the model learns where an answer ends."""
+    prompts = [p["prompt"] for p in pairs]
+    if chat_template:
+        prompt_ids = [encode_prompt(tokenizer, p, True) for p in prompts]
+    else:
+        prompt_ids = tokenizer(prompts)["input_ids"]
+    eos = [tokenizer.eos_token_id] if add_eos else []
+    responses = tokenizer([p["response"] for p in pairs], add_special_tokens=False)["input_ids"]
+    return [Example(p, ids, r + eos) for p, ids, r in zip(prompts, prompt_ids, responses, strict=True)]
+
+
 class SFTSession:
     def __init__(self, rl: RLSession, rejection: bool = False):
         self.rl, self.cfg = rl, rl.cfg
@@ -80,13 +93,7 @@ class SFTSession:
 
     # ---- data ----------------------------------------------------------------------------------------
     def tokenize(self, pairs: list[dict]) -> list[Example]:
-        """Prompts as the rollout engine sees them (chat template if the recipe says so); responses + EOS."""
-        tok, chat = self.rl.tokenizer, self.cfg.data.chat_template
-        prompts = [p["prompt"] for p in pairs]
-        prompt_ids = [encode_prompt(tok, p, chat) for p in prompts] if chat else tok(prompts)["input_ids"]
-        eos = [tok.eos_token_id] if self.cfg.sft.add_eos else []
-        responses = tok([p["response"] for p in pairs], add_special_tokens=False)["input_ids"]
-        return [Example(p, ids, r + eos) for p, ids, r in zip(prompts, prompt_ids, responses, strict=True)]
+        return tokenize_pairs(self.rl.tokenizer, pairs, self.cfg.data.chat_template, self.cfg.sft.add_eos)
 
     def set_examples(self, examples: list[Example], seed: int) -> None:
         if not examples:

@@ -7,6 +7,8 @@ import threading
 
 import pytest
 
+pytest.importorskip("math_verify")  # the `math` extra
+
 from engines.math_reward import convert_gsm8k, final_answer_text, gold_answer, gsm8k_reward, is_correct
 from engines.preflight import find_problems
 
@@ -72,6 +74,13 @@ def test_convert_gsm8k_and_the_recipe_reward_validates(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")
     with pytest.raises(ValueError, match="without '####"):
         convert_gsm8k(str(tmp_path / "bad.jsonl"), str(tmp_path / "x.jsonl"))
+
+    from flows.cli import main as cli_main
+
+    assert cli_main(["data", "gsm8k", "--input", str(src), "--out", str(tmp_path / "cli.parquet")]) == 0
+    from engines.data import load_prompts
+
+    assert load_prompts(str(tmp_path / "cli.parquet"))[0]["label"] == "72"
 
     from engines.config import load_recipe
 

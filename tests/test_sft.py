@@ -8,11 +8,16 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
+from engines.batch import pack_samples
 from engines.config import config_from_dict
+from engines.data import load_pairs
+from engines.model import build_char_tokenizer, encode_prompt
 from engines.rl import prepare_data, prepare_model
-from engines.sft import SFTSession, accept_samples
+from engines.sft import SFTSession, accept_samples, tokenize_pairs
+from flows.cli import main as cli_main
 from flows.rejection_sampling import rejection_sampling
 from flows.sft import sft
 from tasks.run_context import STEP_LISTENERS
@@ -48,6 +53,32 @@ def test_accept_samples_by_hand():
     # sample 1 repeats sample 0; sample 3 passed the threshold but was truncated (not stopped)
     assert accept_samples(rewards, stopped, ids, 3, 0.5, 2) == [True, False, False, False, True, True]
     assert accept_samples(rewards, stopped, ids, 3, 1.5, 2) == [False] * 6
+
+
+def test_sft_examples_mask_the_prompt_and_end_with_eos():
+    tok = build_char_tokenizer()  # <pad>=0 <bos>=1 <eos>=2 <unk>=3, then "0123456789+=SR" from 4
+    [ex] = tokenize_pairs(tok, [{"prompt": "S31=", "response": "13"}], chat_template=False, add_eos=True)
+    assert ex.prompt_ids == [1, 16, 7, 5, 15] and ex.response_ids == [5, 7, 2]
+    batch = pack_samples([ex.prompt_ids, [1, 4]], [ex.response_ids, [2]], [[0.0] * 3, [0.0]], torch.zeros(2), 0)
+    # the loss covers the response and its EOS, never the prompt or the padding
+    assert batch["loss_mask"].tolist() == [[0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 1, 0, 0, 0, 0, 0]]
+    # chat template: the prompt is a user message ending with the generation prompt; no second BOS
+    tok.chat_template = "{% for m in messages %}{{ bos_token }}S{{ m['content'] }}{% endfor %}" \
+                        "{% if add_generation_prompt %}={% endif %}"
+    [chat] = tokenize_pairs(tok, [{"prompt": "31", "response": "13"}], chat_template=True, add_eos=False)
+    assert chat.prompt_ids == ex.prompt_ids and chat.response_ids == [5, 7]
+    assert encode_prompt(tok, "31", True) == ex.prompt_ids
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompt(build_char_tokenizer(), "31", True)
+
+
+def test_data_make_writes_sft_pairs(tmp_path):
+    sft_path = tmp_path / "sft.jsonl"
+    assert cli_main(["data", "make", "--task", "reverse", "--num-digits", "3", "--num-train", "20", "--num-eval",
+                     "5", "--sft", str(sft_path)]) == 0
+    rows = load_pairs(str(sft_path))
+    assert len(rows) == 20 and all(r["response"] == r["prompt"][1:4][::-1] for r in rows)
+    assert cli_main(["data", "make", "--task", "sort", "--eval", str(tmp_path / "e.jsonl")]) == 2
 
 
 def test_sft_flow_learns_tracks_and_resumes(tmp_path):
