@@ -84,6 +84,9 @@ def test_convert_gsm8k_and_the_recipe_reward_validates(tmp_path):
 
     from engines.config import load_recipe
 
-    cfg = load_recipe("deployments/gsm8k-qwen.yaml", [f"data.train_path={out}", f"data.eval_path={out}"])
+    cfg = load_recipe("deployments/gsm8k-qwen.yaml", [f"data.train_path={out}", f"data.eval_path={out}",
+                                                      f"sft.train_path={out}"])
     problems = find_problems(cfg)  # no local Qwen here: only the model path may be reported, never the reward
     assert problems == [f"model.path: no Hugging Face model (config.json) in {cfg.model.path}"], problems
+    cfg.sft.response_key = "solution"  # a column the file does not have
+    assert any(p.startswith('sft.train_path:') and 'missing key "solution"' in p for p in find_problems(cfg))

@@ -151,4 +151,10 @@ def test_rejection_sampling_keeps_verified_samples_and_learns_from_them(tmp_path
     assert pools[1] > pools[0]  # round 1 trains on both rounds' samples (accumulate)
     assert seen[11]["rs/accept_frac"] > seen[5]["rs/accept_frac"]  # trained on its own verified samples
     assert store.committed_steps()[-1] == 11 and "eval/reward_mean" in seen[11]
+
+    # one more round: the run resumes after round 1 and trains on rounds 0 and 1 from the store, and round 2
+    more = cfg.sft.rejection.model_copy(update={"rounds": 3})
+    resumed = _run(rejection_sampling, cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"rejection": more})}))
+    assert sorted(resumed) == list(range(12, 18))
+    assert resumed[17]["rs/pool"] >= pools[1] and store.load_round(2).num_rows == 32 * 8
     mlflow.set_tracking_uri(None)
