@@ -53,7 +53,7 @@ def sft_arm(args, workdir: str) -> dict:
     session.save(f"{workdir}/sft", args.sft_steps - 1)
     session.shutdown()
     grpo = load_recipe(GRPO, [f"model.path={workdir}/sft/model", f"train.steps={args.grpo_steps}",
-                              f"eval.every={args.eval_every}", *common])
+                              f"eval.every={args.eval_every}", *common, *args.after_sft])
     history = run_bare(grpo, workdir, log=_quiet)
     evals |= {args.sft_steps + m["step"] + 1: m["eval/reward_mean"] for m in history if "eval/reward_mean" in m}
     return {"evals": evals, "sft_loss_first_last": [losses[0], losses[-1]],
@@ -78,7 +78,8 @@ def run_arm(arm: str, seed: int, args, datadir: str) -> dict:
     """One arm and seed in its own process (its own torch thread, its own model directory)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--arm", arm, "--seed", str(seed),
            "--sft-steps", str(args.sft_steps), "--grpo-steps", str(args.grpo_steps),
-           "--eval-every", str(args.eval_every), *[a for s in args.set for a in ("--set", s)]]
+           "--eval-every", str(args.eval_every), *[a for s in args.set for a in ("--set", s)],
+           *[a for s in args.after_sft for a in ("--after-sft", s)]]
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=datadir, env=env, capture_output=True, text=True)
@@ -99,6 +100,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--parallel", type=int, default=2, help="arm processes at once (1 torch thread each)")
     ap.add_argument("--set", action="append", default=[], help="extra override for every recipe")
+    ap.add_argument("--after-sft", action="append", default=[], metavar="KEY=VALUE",
+                    help="override for the GRPO phase that follows SFT only (e.g. algorithm.entropy_coef=0.02)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--arm", choices=["grpo", "sft+grpo"], help=argparse.SUPPRESS)  # a child process
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -120,8 +123,8 @@ def main() -> None:
         futures = [pool.submit(run_arm, arm, seed, args, datadir) for arm, seed in jobs]
         results = [f.result() for f in futures]
     total = args.sft_steps + args.grpo_steps
-    print(f"held-out greedy reward by step (sft+grpo: {args.sft_steps} SFT + {args.grpo_steps} GRPO steps; "
-          f"grpo: {total} GRPO steps)")
+    print(f"held-out greedy reward by step (sft+grpo: {args.sft_steps} SFT + {args.grpo_steps} GRPO steps"
+          f"{' with ' + ', '.join(args.after_sft) if args.after_sft else ''}; grpo: {total} GRPO steps)")
     for r in results:
         if "error" in r:
             print(f"{r['arm']:<9} seed {r['seed']}  FAILED\n{r['error']}")
@@ -140,6 +143,7 @@ def main() -> None:
         print(f"mean difference at step {total}: {sum(diffs) / len(diffs):+.3f} over {len(diffs)} seed(s)")
     if args.json:
         Path(args.json).write_text(json.dumps({"sft_steps": args.sft_steps, "grpo_steps": args.grpo_steps,
+                                               "set": args.set, "after_sft": args.after_sft,
                                                "results": results, "differences": diffs}, indent=1))
 
 

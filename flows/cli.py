@@ -31,7 +31,8 @@ def _load(args) -> object:
 
 def cmd_validate(args) -> int:
     cfg = _load(args)
-    print(f"{args.recipe}: ok (run '{cfg.name}', {cfg.train.steps} steps)")
+    sft = f"; sft: {cfg.sft.steps} steps" if cfg.sft.train_path else ""
+    print(f"{args.recipe}: ok (run '{cfg.name}', {cfg.train.steps} RL steps{sft})")
     return 0
 
 
