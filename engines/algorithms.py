@@ -532,6 +532,29 @@ def rl_loss(
     return loss, metrics
 
 
+def sft_loss(
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    loss_agg: str = "token_mean",
+    norm_len: int | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Supervised fine-tuning: the negative log-likelihood of the target tokens under the mask, aggregated.
+
+    `mask` is 1 on the response tokens (the answer the model should learn to give) and 0 on the prompt and the
+    padding, so the prompt is context, never a target. token_mean (the usual SFT loss) weighs every response
+    token the same; seq_mean_token_mean weighs every example the same whatever its length. A row with an empty
+    response adds nothing, an all-empty batch gives 0 (not NaN), and -inf or NaN logprobs off the mask never
+    reach the loss or its gradient.
+    Metrics: loss (the NLL), entropy (when given; detach it to only log it).
+    """
+    loss = aggregate_loss(-logprobs, mask, loss_agg, norm_len)
+    metrics = {"loss": loss.detach()}
+    if entropy is not None:
+        metrics["entropy"] = aggregate_loss(entropy.detach(), mask, loss_agg, norm_len)
+    return loss, metrics
+
+
 # ----------------------------------------------------------------------------- helpers
 
 

@@ -104,11 +104,19 @@ def write_rows_atomic(rows: list[dict], path: str) -> None:
         raise
 
 
-def write_task_files(cfg: BuiltinTaskConfig, train_path: str, eval_path: str | None) -> None:
-    """Write disjoint train and held-out eval splits; train is the same whether or not eval_path is given."""
-    if eval_path is not None and Path(eval_path).resolve() == Path(train_path).resolve():
-        raise ValueError(f"data: train_path and eval_path are the same file: {train_path}")
+def write_task_files(
+    cfg: BuiltinTaskConfig, train_path: str | None, eval_path: str | None, sft_path: str | None = None
+) -> None:
+    """Write disjoint train and held-out eval splits; train is the same whether or not eval_path is given.
+
+    sft_path gets the train split as SFT pairs: each prompt with its correct answer as "response"."""
+    paths = [Path(p).resolve() for p in (train_path, eval_path, sft_path) if p is not None]
+    if len(set(paths)) < len(paths):
+        raise ValueError(f"data: the train, eval and SFT files must differ: {train_path}, {eval_path}, {sft_path}")
     train, held_out = split_examples(cfg)
     if eval_path is not None:
         write_rows_atomic(held_out, eval_path)
-    write_rows_atomic(train, train_path)
+    if train_path is not None:
+        write_rows_atomic(train, train_path)
+    if sft_path is not None:
+        write_rows_atomic([{"prompt": r["prompt"], "response": r["label"]} for r in train], sft_path)

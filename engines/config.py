@@ -48,6 +48,11 @@ class DataConfig(Section):
     label_key: str = Field("label", description="Column holding what the reward checks against.")
     shuffle: bool = True
     seed: int = 0
+    chat_template: bool = Field(
+        False,
+        description="Wrap each prompt as one user message in the tokenizer's chat template (with the generation "
+        "prompt) before tokenizing; for instruct models. False: the prompt text is tokenized as it is.",
+    )
     generate: BuiltinTaskConfig | None = Field(
         None, description="Write a built-in task to train_path/eval_path first, if those files are missing."
     )
@@ -171,6 +176,45 @@ class AlgorithmConfig(Section):
             "is_correction": self.is_correction, "tis_cap": self.tis_cap,
             "icepop_low": self.icepop_low, "icepop_high": self.icepop_high,
         }
+
+
+class RejectionSamplingConfig(Section):
+    """Rejection sampling (flows/rejection_sampling.py): generate, keep what the verifier accepts, SFT on it."""
+
+    rounds: int = Field(3, gt=0, description="Generate-filter-train rounds.")
+    threshold: float = Field(
+        1.0, description="A sample is kept when the reward (reward.fn) is >= threshold and it ended on its own."
+    )
+    max_per_prompt: int = Field(1, gt=0, description="Distinct accepted responses kept per prompt and round.")
+    steps_per_round: int = Field(20, gt=0, description="SFT optimizer steps on the kept samples each round.")
+    accumulate: bool = Field(
+        True, description="Train on the samples kept in every round so far; false: only on this round's."
+    )
+
+
+class SFTConfig(Section):
+    """Supervised fine-tuning (flows/sft.py) and rejection sampling. The train section gives the optimizer
+    settings (lr unless sft.lr is set, schedule, warmup, grad_clip, threads, device); data gives the prompts
+    for evaluation and for rejection sampling."""
+
+    train_path: str | None = Field(
+        None, description="Prompt/response file (.jsonl or .parquet) for `rlflow sft`; unused by rejection sampling."
+    )
+    response_key: str = Field("response", description="Column holding the target response text.")
+    generate: BuiltinTaskConfig | None = Field(
+        None,
+        description="Write a built-in task's prompts with their correct answers to train_path first, if missing "
+        "(same task, num_digits, num_eval and seed as data.generate keep the held-out prompts out of it).",
+    )
+    steps: int = Field(100, gt=0, description="SFT optimizer steps (`rlflow sft`).")
+    batch_size: int = Field(64, gt=0, description="Sequences per optimizer step (over all data-parallel workers).")
+    lr: float | None = Field(None, gt=0.0, description="Learning rate; empty: train.lr.")
+    add_eos: bool = Field(True, description="End every response with the EOS token, so the model learns to stop.")
+    rejection: RejectionSamplingConfig = Field(default_factory=RejectionSamplingConfig)
+
+    def total_steps(self, rejection: bool) -> int:
+        r = self.rejection
+        return r.rounds * r.steps_per_round if rejection else self.steps
 
 
 class TrainConfig(Section):
@@ -384,6 +428,7 @@ class RLConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
@@ -422,6 +467,7 @@ class RLConfig(Section):
             )
         self._check_placement()
         self._check_debug()
+        self._check_sft()
         if self.model.hidden_size % self.model.num_heads or self.model.num_heads % self.model.num_kv_heads:
             raise ValueError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
         return self
@@ -446,6 +492,18 @@ class RLConfig(Section):
     def use_critic(self) -> bool:
         """Whether the run has a value model (critic.enabled, by default: advantage gae)."""
         return self.critic.enabled if self.critic.enabled is not None else self.algorithm.advantage == "gae"
+
+    def _check_sft(self) -> None:
+        if self.sft.batch_size % self.data_parallel_size:
+            raise ValueError(f"sft.batch_size ({self.sft.batch_size}) must divide evenly into "
+                             f"{self.data_parallel_size} data-parallel workers")
+        a, b = self.data.generate, self.sft.generate
+        if a is not None and b is not None and (a.task, a.num_digits, a.num_eval, a.seed) != (
+                b.task, b.num_digits, b.num_eval, b.seed):
+            raise ValueError("sft.generate: task, num_digits, num_eval and seed must equal data.generate's, or the "
+                             "SFT pairs may contain the held-out prompts")
+        if b is not None and not self.sft.train_path:
+            raise ValueError("sft.generate: needs sft.train_path (the file to write)")
 
     def _check_placement(self) -> None:
         transport, on_gpu = self.weight_sync.transport, self.train.device == "cuda" and self.rollout_device == "cuda"

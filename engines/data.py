@@ -124,3 +124,13 @@ class PromptCursor:
         self.epoch, self.offset, self.seed = epoch, offset, int(d["seed"])
         self.shuffle = bool(d.get("shuffle", self.shuffle))
         self._perm = None
+
+
+def load_pairs(path: str, prompt_key: str = "prompt", response_key: str = "response") -> list[dict]:
+    """SFT rows as {"prompt", "response"} (both strings). Raises DataError naming the file, row and key."""
+    out = []
+    for i, row in enumerate(load_prompts(path, prompt_key, response_key), start=1):
+        if not isinstance(row["label"], str):
+            raise DataError(f'{path}: row {i}: "{response_key}" must be a string, got {type(row["label"]).__name__}')
+        out.append({"prompt": row["prompt"], "response": row["label"]})
+    return out

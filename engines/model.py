@@ -103,5 +103,17 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return tok
 
 
+def encode_prompt(tokenizer, prompt: str, chat_template: bool = False) -> list[int]:
+    """Token ids of a prompt. With chat_template the prompt is one user message in the tokenizer's chat template,
+    ending with the generation prompt; the template writes its own special tokens, so none are added twice."""
+    if not chat_template:
+        return tokenizer(prompt)["input_ids"]
+    if not tokenizer.chat_template:
+        raise ValueError(f"data.chat_template: the tokenizer of {tokenizer.name_or_path} has no chat template")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -9,7 +9,7 @@ import importlib.util
 from pathlib import Path
 
 from engines.config import RecipeError, RLConfig
-from engines.data import DataError, load_prompts
+from engines.data import DataError, load_pairs, load_prompts
 from engines.rewards import RewardError, load_reward_fn
 
 
@@ -27,6 +27,12 @@ def find_problems(cfg: RLConfig) -> list[str]:
             load_prompts(path, cfg.data.prompt_key, cfg.data.label_key)
         except DataError as e:
             problems.append(f"{field}: {e}")
+    sft_path = cfg.sft.train_path
+    if sft_path and not (cfg.sft.generate is not None and not Path(sft_path).exists()):
+        try:
+            load_pairs(sft_path, cfg.data.prompt_key, cfg.sft.response_key)
+        except DataError as e:
+            problems.append(f"sft.train_path: {e}")
     try:
         load_reward_fn(cfg.reward.fn)
     except RewardError as e:

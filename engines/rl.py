@@ -25,7 +25,7 @@ from engines.builtin_tasks import write_task_files
 from engines.cluster import LocalWorkerGroup, RayWorkerGroup, free_port, init_ray, make_placement_group
 from engines.config import RLConfig
 from engines.data import PromptCursor, load_prompts
-from engines.model import DTYPES, build_tiny_model, load_tokenizer
+from engines.model import DTYPES, build_tiny_model, encode_prompt, load_tokenizer
 from engines.rewards import compute_rewards, load_reward_fn
 from engines.rollout_torch import TorchRolloutBackend, concat_packed, split_packed
 from engines.sampling import SamplingParams
@@ -57,6 +57,9 @@ def prepare_data(cfg: RLConfig) -> None:
     missing = not Path(cfg.data.train_path).exists() or (cfg.data.eval_path and not Path(cfg.data.eval_path).exists())
     if gen is not None and missing:
         write_task_files(gen, cfg.data.train_path, cfg.data.eval_path)
+    sft = cfg.sft
+    if sft.generate is not None and sft.train_path and not Path(sft.train_path).exists():
+        write_task_files(sft.generate, None, None, sft_path=sft.train_path)
 
 
 def prepare_model(cfg: RLConfig, workdir: str | Path) -> str:
@@ -186,6 +189,14 @@ class RLSession:
                 f"({self.replay.uri('steps', step, 'rollout.parquet')}); a run keeps its batches with "
                 "checkpoint.keep_rollouts: true (rollout_only runs always do)")
         return self.restore_rollout(step, table) | {"rollout/replayed": 1.0}
+
+    def scored_table(self, step: int) -> pa.Table:
+        """rollout_table with each sample's decoded response and reward (after the reward stage)."""
+        st = self._state(step)
+        if st.rewards is None:
+            raise RuntimeError(f"step {step}: no rewards yet (run the reward stage first)")
+        return self.rollout_table(step).append_column("response", pa.array(st.responses)).append_column(
+            "reward", pa.array(st.rewards.tolist(), type=pa.float64()))
 
     def restore_rollout(self, step: int, table: pa.Table) -> dict[str, float]:
         """Take a persisted batch as this step's rollout; the data cursor moves exactly as a fresh rollout would."""
@@ -511,7 +522,7 @@ class RLSession:
 
     def _encode(self, prompt: str) -> list[int]:
         with self._tokenizer_lock:
-            return self.tokenizer(prompt)["input_ids"]
+            return encode_prompt(self.tokenizer, prompt, self.cfg.data.chat_template)
 
     def _sampling(self, temperature: float) -> SamplingParams:
         r = self.cfg.rollout

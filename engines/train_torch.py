@@ -97,12 +97,14 @@ class TorchTrainBackend:
     def _autocast(self):
         return torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
 
-    def _forward(self, model, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, model, mb: TrainBatch, with_entropy: bool, temperature: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids, attn = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         with self._autocast():
             logits = model(ids, attention_mask=attn, position_ids=pos).logits[:, :-1]
-        logits = scaled_logits(logits, self.temperature)
+        logits = scaled_logits(logits, self.temperature if temperature is None else temperature)
         logprobs = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
         logprobs[:, 1:] = algorithms.token_logprobs(logits, ids[:, 1:])
         entropy = None
@@ -171,14 +173,23 @@ class TorchTrainBackend:
         # the stage's wall time minus this is what moving the batch and calling the worker cost
         return {k: float(v) for k, v in sums.items()} | {"worker_s": time.perf_counter() - t0}
 
-    def _optimizer_step(self, mb: TrainBatch) -> dict[str, torch.Tensor]:
-        mode = self.loss_agg
+    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One supervised optimizer step on this worker's shard: NLL of the loss-masked (response) tokens.
+
+        The logprobs are the model's own (temperature 1), not the rollout's temperature-scaled ones."""
+        t0 = time.perf_counter()
+        self.model.train()
+        stats = self._optimizer_step(batch, sft=True)
+        return {k: float(v) for k, v in stats.items()} | {"worker_s": time.perf_counter() - t0}
+
+    def _optimizer_step(self, mb: TrainBatch, sft: bool = False) -> dict[str, torch.Tensor]:
+        mode = "token_mean" if sft else self.loss_agg
         total_weight = self._all_reduce(algorithms.aggregation_weight(mb["loss_mask"], mode).double().clone())
         self.optimizer.zero_grad(set_to_none=False)
         metric_sums: dict[str, torch.Tensor] = {}
         for i in range(0, batch_size(mb), self.cfg.micro_batch_size):
             micro = {k: v.to(self.device) for k, v in select(mb, slice(i, i + self.cfg.micro_batch_size)).items()}
-            loss, metrics = self._loss(micro)
+            loss, metrics = self._loss(micro, sft)
             share = algorithms.aggregation_weight(micro["loss_mask"], mode).double() / total_weight.clamp(min=1)
             (loss * share.float()).backward()
             for k, v in metrics.items():
@@ -201,8 +212,12 @@ class TorchTrainBackend:
         self.scheduler.step()  # the schedule counts optimizer steps
         return out
 
-    def _loss(self, micro: TrainBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The role's objective on one micro-batch (aggregated over it with self.loss_agg) and its metrics."""
+    def _loss(self, micro: TrainBatch, sft: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The role's objective on one micro-batch (aggregated over it with self.loss_agg) and its metrics;
+        sft: the NLL of the response tokens under the model's own (temperature 1) distribution."""
+        if sft:
+            logprobs, entropy = self._forward(self.model, micro, True, 1.0)
+            return algorithms.sft_loss(logprobs, micro["loss_mask"], "token_mean", entropy=entropy.detach())
         if self.role == "critic":
             loss, metrics = algorithms.value_loss(
                 self._values(micro), micro["old_values"], micro["returns"], micro["loss_mask"],

@@ -1,6 +1,8 @@
 """The `rlflow` command: run, validate, and make built-in task data.
 
     rlflow run deployments/sort-tiny.yaml [--set train.steps=20 --set tracking.uri=...]
+    rlflow sft deployments/sort-tiny-sft.yaml            supervised fine-tuning (flows/sft.py)
+    rlflow rejection-sample deployments/sort-tiny-sft.yaml   generate, keep verified, SFT (flows/rejection_sampling.py)
     rlflow validate deployments/sort-tiny.yaml
     rlflow runs [--store s3://bucket/runs]
     rlflow resume RUN [--store ...] [--set train.steps=200]
@@ -8,7 +10,9 @@
     rlflow run RECIPE --debug rollout_only [--trace-every 1]
     rlflow run RECIPE --debug train_only --replay OTHER_RUN [--replay-store s3://...]
     rlflow trace render FILE_OR_RUN --out timeline.png [--step N] [--store ...]
-    rlflow data make --task sort --num-digits 4 --train data/sort4/train.jsonl --eval data/sort4/eval.jsonl
+    rlflow data make --task sort --num-digits 4 --train data/sort4/train.jsonl --eval data/sort4/eval.jsonl \
+        [--sft data/sort4/sft.jsonl]
+    rlflow data gsm8k --input gsm8k/main/train-00000-of-00001.parquet --out data/gsm8k/train.jsonl
 """
 
 from __future__ import annotations
@@ -42,12 +46,27 @@ def cmd_validate(args) -> int:
     cfg = _load(args)
     mode = f", debug {cfg.debug.mode}" if cfg.debug.mode else ""
     mode += f", replaying {cfg.debug.replay_run}" if cfg.debug.replay_run else ""
-    print(f"{args.recipe}: ok (run '{cfg.name}', {cfg.train.steps} steps{mode})")
+    mode += f"; sft: {cfg.sft.steps} steps" if cfg.sft.train_path else ""
+    print(f"{args.recipe}: ok (run '{cfg.name}', {cfg.train.steps} RL steps{mode})")
     return 0
 
 
 def cmd_run(args) -> int:
     return _run(_load(args))
+
+
+def cmd_sft(args) -> int:
+    from flows.sft import sft
+
+    cfg = _load(args)
+    return _run(cfg, sft, cfg.sft.steps)
+
+
+def cmd_rejection_sample(args) -> int:
+    from flows.rejection_sampling import rejection_sampling
+
+    cfg = _load(args)
+    return _run(cfg, rejection_sampling, cfg.sft.total_steps(rejection=True))
 
 
 def _store_config(args):
@@ -165,7 +184,8 @@ def _download_trace(args, tmp: str):
     return Path(client.download_artifacts(run_id, trace_artifact(step), tmp))
 
 
-def _run(cfg) -> int:
+def _run(cfg, flow_fn=None, total: int | None = None) -> int:
+    """Run a flow (post_train by default) with a progress bar over its `total` steps."""
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the progress bar says what the task logs would
     logging.getLogger("rlflow").setLevel(logging.INFO)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -173,19 +193,25 @@ def _run(cfg) -> int:
     from flows.post_train import post_train
     from tasks.run_context import STEP_LISTENERS
 
+    flow_fn = flow_fn or post_train
+    total = total or cfg.train.steps
+
     with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TextColumn("{task.fields[info]}"), transient=False,
     ) as progress:
         mode = f" [{cfg.debug.mode}]" if cfg.debug.mode else ""
         mode += f" [replay {cfg.debug.replay_run}]" if cfg.debug.replay_run else ""
-        bar = progress.add_task(cfg.name + mode, total=cfg.train.steps, info="starting engines...")
+        bar = progress.add_task(cfg.name + mode, total=total, info="starting engines...")
         last_eval: dict[str, float] = {}
 
         def on_step(step: int, m: dict) -> None:
             if "eval/reward_mean" in m:
                 last_eval["eval"] = m["eval/reward_mean"]
-            info = f"reward {m.get('rollout/reward_mean', 0):.3f}  {m.get('time/step', 0):.2f}s/step"
+            if "rollout/reward_mean" in m:
+                info = f"reward {m['rollout/reward_mean']:.3f}  {m.get('time/step', 0):.2f}s/step"
+            else:
+                info = f"loss {m.get('train/loss', 0):.3f}"
             if cfg.debug.mode == "rollout_only":
                 info += f"  {m.get('rollout/tokens_per_s', 0):.0f} tok/s"
             if last_eval:
@@ -194,14 +220,15 @@ def _run(cfg) -> int:
 
         STEP_LISTENERS.append(on_step)
         try:
-            final = post_train.with_options(
+            final = flow_fn.with_options(
                 retries=cfg.orchestration.flow_retries, retry_delay_seconds=cfg.orchestration.retry_delay_s
             )(cfg)
         finally:
             STEP_LISTENERS.remove(on_step)
     print(f"done: run '{cfg.name}' in store {cfg.storage.uri}; MLflow at {cfg.tracking.uri} "
           f"(experiment '{cfg.tracking.experiment}')")
-    for k in ("rollout/reward_mean", "rollout/tokens_per_s", "eval/reward_mean", "eval/accuracy"):
+    for k in ("rollout/reward_mean", "rollout/tokens_per_s", "train/loss", "rs/pool", "eval/reward_mean",
+              "eval/accuracy"):
         if k in final:
             print(f"  {k} = {final[k]:.4f}")
     return 0
@@ -212,8 +239,19 @@ def cmd_data_make(args) -> int:
 
     cfg = BuiltinTaskConfig(task=args.task, num_digits=args.num_digits, num_train=args.num_train,
                             num_eval=args.num_eval, seed=args.seed)
-    write_task_files(cfg, args.train, args.eval)
-    print(f"wrote {args.train}" + (f" and {args.eval}" if args.eval else ""))
+    if not (args.train or args.sft):
+        print("error: data make: give --train and/or --sft (the files to write)", file=sys.stderr)
+        return 2
+    write_task_files(cfg, args.train, args.eval, args.sft)
+    print("wrote " + ", ".join(p for p in (args.train, args.eval, args.sft) if p))
+    return 0
+
+
+def cmd_data_gsm8k(args) -> int:
+    from engines.math_reward import convert_gsm8k
+
+    n = convert_gsm8k(args.input, args.out, args.instruction)
+    print(f"wrote {n} rows to {args.out} (prompt, label: the final answer, response: the worked solution)")
     return 0
 
 
@@ -229,7 +267,10 @@ def _debug_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rlflow", description="RL post-training for LLMs on Prefect + Ray.")
     sub = ap.add_subparsers(dest="command", required=True)
-    for name, fn, text in (("run", cmd_run, "run or resume a recipe"), ("validate", cmd_validate, "check a recipe")):
+    for name, fn, text in (("run", cmd_run, "run or resume a recipe"), ("validate", cmd_validate, "check a recipe"),
+                           ("sft", cmd_sft, "supervised fine-tuning on the recipe's sft.train_path"),
+                           ("rejection-sample", cmd_rejection_sample,
+                            "generate, keep what the reward accepts, SFT on it (sft.rejection)")):
         p = sub.add_parser(name, help=text)
         p.add_argument("recipe")
         p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY.PATH=VALUE",
@@ -267,9 +308,16 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--num-train", type=int, default=20000)
     make.add_argument("--num-eval", type=int, default=256)
     make.add_argument("--seed", type=int, default=1234)
-    make.add_argument("--train", required=True)
-    make.add_argument("--eval")
+    make.add_argument("--train", help="prompt/label file of the train split")
+    make.add_argument("--eval", help="held-out prompt/label file")
+    make.add_argument("--sft", help="the train split as SFT pairs (prompt, response: the correct answer)")
     make.set_defaults(fn=cmd_data_make)
+    gsm = data.add_parser("gsm8k", help="convert GSM8K (parquet or JSONL with question/answer) to rlflow rows")
+    gsm.add_argument("--input", required=True, help="GSM8K file, e.g. gsm8k/main/test-00000-of-00001.parquet")
+    gsm.add_argument("--out", required=True, help=".jsonl or .parquet to write")
+    gsm.add_argument("--instruction", default=None, help="text appended to each question (default: ask for "
+                     "step-by-step reasoning and a final line '#### <answer>')")
+    gsm.set_defaults(fn=cmd_data_gsm8k)
     return ap
 
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engines.config import RLConfig
 from engines.rl import RLSession, prepare_data, prepare_model
@@ -40,7 +41,7 @@ def active_run(name: str) -> RunContext:
 @dataclass
 class RunContext:
     cfg: RLConfig
-    session: RLSession
+    session: RLSession  # or an engines.sft.SFTSession, which has the same stage, save and load methods
     store: RunStore
     tracker: Tracker
     workdir: Path
@@ -85,7 +86,9 @@ def stored_config(cfg: RLConfig) -> dict:
     return cfg.model_dump(mode="json", exclude={"storage": {"key", "secret"}})
 
 
-def open_run(cfg: RLConfig) -> RunContext:
+def open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any] = RLSession.create) -> RunContext:
+    """Open (or resume) the run `cfg.name`. make_session starts the engines: an RLSession for post_train, an
+    SFTSession (engines/sft.py) for the SFT and rejection-sampling flows; both save and load the same way."""
     store = RunStore(cfg.storage, cfg.name)
     torn = store.clean_torn()
     if torn:
@@ -101,7 +104,7 @@ def open_run(cfg: RLConfig) -> RunContext:
     # an earlier attempt's MLflow run continues, also when it died before its first checkpoint
     earlier = store.read_json("status.json") if store.exists("status.json") else {}
     tracker = Tracker(cfg, run_id=meta["mlflow_run_id"] if meta else earlier.get("mlflow_run_id"))
-    session = RLSession.create(cfg, model_path)
+    session = make_session(cfg, model_path)
     store.write_json({"status": "running", "mlflow_run_id": tracker.run_id}, "status.json")
     ctx = RunContext(cfg, session, store, tracker, workdir)
     _OPEN[cfg.name] = ctx

@@ -7,6 +7,7 @@ Layout (see docs/architecture.md):
     <root>/<run>/checkpoints/<step>/...           worker state, meta.json
     <root>/<run>/checkpoints/<step>/COMMITTED     written last: a checkpoint without it does not exist
     <root>/<run>/latest                           newest committed step, written after COMMITTED
+    <root>/<run>/rounds/<round>/samples.parquet   rejection sampling: a round's scored samples (+ COMMITTED)
 Object stores have no rename, so everything is committed by writing a marker last, never by moving.
 Transient errors (timeouts, 5xx, throttling) are retried with backoff; anything else stops the run
 with a StorageError naming the URI.
@@ -141,6 +142,21 @@ class RunStore:
             return None
         return pq.read_table(io.BytesIO(self.read_bytes("steps", step, "rollout.parquet")))
 
+    # ---- rejection-sampling rounds -------------------------------------------------------------------
+    def save_round(self, rnd: int, table: pa.Table) -> str:
+        """A rejection-sampling round's scored samples, then its marker. Kept for the whole run: later rounds
+        (and a resumed run) train on what earlier rounds accepted."""
+        buf = io.BytesIO()
+        pq.write_table(table, buf)
+        self.write_bytes(buf.getvalue(), "rounds", rnd, "samples.parquet")
+        self.write_bytes(b"", "rounds", rnd, "COMMITTED")
+        return self.uri("rounds", rnd, "samples.parquet")
+
+    def load_round(self, rnd: int) -> pa.Table | None:
+        if not self.exists("rounds", rnd, "COMMITTED"):
+            return None
+        return pq.read_table(io.BytesIO(self.read_bytes("rounds", rnd, "samples.parquet")))
+
     # ---- checkpoints ---------------------------------------------------------------------------------
     def commit_checkpoint(self, step: int, local_dir: str | Path, meta: dict) -> str:
         """Upload a checkpoint written in `local_dir`, then COMMITTED, then `latest`. Returns its URI."""
@@ -165,7 +181,7 @@ class RunStore:
     def clean_torn(self) -> list[str]:
         """Delete checkpoints and rollout batches that never got their COMMITTED marker."""
         removed = []
-        for kind in ("checkpoints", "steps"):
+        for kind in ("checkpoints", "steps", "rounds"):
             for name in self._list(kind):
                 if not self.exists(kind, name, "COMMITTED"):
                     self.remove(kind, name)

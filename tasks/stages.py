@@ -112,7 +112,31 @@ def trace_artifact(step: int) -> str:
     return f"traces/step_{step:06d}.json"
 
 
-IDEMPOTENT = ("rollout", "reward", "checkpoint", "evaluate", "trace")
+@_stage("collect", "trace")
+def collect(run: RunContext, step: int) -> dict[str, float]:
+    """Rejection sampling: generate and verify round `step`'s samples (or reuse the round a failed attempt
+    committed), then make what rounds <= step accepted the SFT pool. Earlier rounds come from the store."""
+    t0 = time.perf_counter()
+    rnd = step  # a round of rejection sampling is this task's step
+    session = run.session
+    for earlier in range(rnd):
+        if earlier not in session.rounds:
+            table = run.store.load_round(earlier)
+            if table is None:
+                raise RuntimeError(f"rejection sampling: round {earlier} is missing from {run.store.uri('rounds')}")
+            session.rounds[earlier] = table
+    stored = run.store.load_round(rnd)
+    if stored is not None:
+        metrics = session.restore_round(rnd, stored)
+        session.rounds[rnd] = stored
+        log.info("round %d: reusing the committed samples %s", rnd, run.store.uri("rounds", rnd))
+    else:
+        session.rounds[rnd], metrics = session.generate_round(rnd)
+        run.store.save_round(rnd, session.rounds[rnd])
+    return metrics | session.use_rounds(rnd) | {"time/collect": time.perf_counter() - t0}
+
+
+IDEMPOTENT = ("rollout", "reward", "checkpoint", "evaluate", "collect", "trace")
 
 
 @dataclass(frozen=True)
@@ -127,6 +151,7 @@ class Stages:
     checkpoint: Task
     evaluate: Task
     trace: Task
+    collect: Task
 
 
 def bind(cfg: RLConfig) -> Stages:

@@ -800,3 +800,47 @@ def test_rl_loss_gspo_and_errors():
         A.rl_loss(*args, policy="gspo", clip_ratio_c=3.0, **kw)
     with pytest.raises(ValueError, match="unknown policy 'a2c'; expected one of ppo, gspo"):
         A.rl_loss(*args, policy="a2c", **kw)
+
+
+# ----------------------------------------------------------------------------- SFT
+
+
+def test_sft_loss_by_hand_token_mean_and_seq_mean():
+    # row 0: prompt at t=0,1 (logprob -9 must be ignored), response tokens -ln2, -ln4 at t=2,3
+    # row 1: prompt at t=0, response -ln2 at t=1, then padding (-inf, NaN) at t=2,3
+    lp = torch.tensor([[0.0, -9.0, -LN2, -2 * LN2], [0.0, -LN2, -INF, NAN]], requires_grad=True)
+    mask = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
+    # token_mean: (ln2 + 2 ln2 + ln2) / 3 tokens = 4/3 ln2
+    loss, metrics = A.sft_loss(lp, mask)
+    assert loss.item() == pytest.approx(4 / 3 * LN2, abs=1e-6)
+    assert metrics["loss"].item() == pytest.approx(4 / 3 * LN2, abs=1e-6)
+    loss.backward()
+    # d loss / d logprob = -1/3 on each response token, exactly 0 on prompt and padding (no NaN from -inf / NaN)
+    assert torch.equal(lp.grad, torch.tensor([[0.0, 0.0, -1 / 3, -1 / 3], [0.0, -1 / 3, 0.0, 0.0]]))
+    # seq_mean_token_mean: row 0 mean 1.5 ln2, row 1 mean ln2 -> 1.25 ln2
+    seq, _ = A.sft_loss(lp.detach(), mask, "seq_mean_token_mean")
+    assert seq.item() == pytest.approx(1.25 * LN2, abs=1e-6)
+
+
+def test_sft_loss_empty_responses():
+    lp = torch.tensor([[0.0, -LN2, -LN2], [0.0, -INF, NAN]])
+    # row 1 has an empty response: it adds nothing under either aggregation
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    assert A.sft_loss(lp, mask)[0].item() == pytest.approx(LN2, abs=1e-6)
+    assert A.sft_loss(lp, mask, "seq_mean_token_mean")[0].item() == pytest.approx(LN2, abs=1e-6)
+    # every response empty: 0, not NaN, and a zero gradient
+    lp = lp.clone().requires_grad_(True)
+    loss, _ = A.sft_loss(lp, torch.zeros_like(mask))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(lp.grad, torch.zeros_like(lp))
+
+
+def test_sft_loss_reports_entropy_and_perfect_prediction_is_zero():
+    lp = torch.zeros(1, 3)  # p = 1 on every target: NLL 0
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    ent = torch.tensor([[5.0, LN2, 3 * LN2]])  # masked mean (ln2 + 3 ln2) / 2 = 2 ln2
+    loss, metrics = A.sft_loss(lp, mask, entropy=ent)
+    assert loss.item() == 0.0
+    assert metrics["entropy"].item() == pytest.approx(2 * LN2, abs=1e-6)
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        A.sft_loss(lp, mask, "sum")

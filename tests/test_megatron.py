@@ -199,6 +199,25 @@ def test_backend_matches_torch_backend(hf_models, mcore, algo, budget):
     assert_same_weights(dict(torch_be.named_tensors()), dict(mega.named_tensors()))
 
 
+def test_sft_step_matches_torch_backend(hf_models, mcore):
+    """sft_step: the same NLL, entropy and updates as TorchTrainBackend.sft_step (micro-batches of 3 rows)."""
+    path = hf_models["llama"][0]
+    torch_be = TorchTrainBackend(path, train_config(mini_batches=1), AlgorithmConfig())
+    mega = _backend(path, train_config(mini_batches=1), AlgorithmConfig(), MegatronConfig(micro_batch_tokens=20))
+    batch = toy_batch()
+    losses = []
+    for _ in range(2):
+        m_t, m_m = global_metrics(torch_be.sft_step(batch)), global_metrics(mega.sft_step(batch))
+        assert set(m_t) == set(m_m) == {"loss", "entropy", "grad_norm", "lr"}
+        for k in m_t:
+            assert m_m[k] == pytest.approx(m_t[k], rel=1e-4, abs=1e-6), k
+        losses.append(m_t["loss"])
+    assert losses[1] < losses[0]  # the first step lowered the NLL
+    assert_same_weights(dict(torch_be.named_tensors()), dict(mega.named_tensors()))
+    # an RL step after the SFT steps still reports the RL metrics
+    assert "pg_loss" in global_metrics(mega.train_step({**batch, "old_logprobs": mega.forward_logprobs(batch)}))
+
+
 def assert_same_weights(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
     """Equal up to float noise. Adam turns noise on a gradient near 0 into a visible step on that one element
     (at most ~lr), so single elements get a loose bound and the bulk a tight one."""

@@ -51,6 +51,8 @@ from engines.model import DTYPES
 from engines.train_torch import lr_lambda, rng_state, set_rng_state, with_train_logprobs
 from engines.weight_sync import put_bucket
 
+SFT_METRICS = ("entropy", "loss")  # what algorithms.sft_loss reports when given the entropy
+
 
 def _on_device(method):
     """Run a public method inside the device context (the CPU shim on CPU)."""
@@ -83,6 +85,7 @@ class MegatronTrainBackend:
         self.temperature, self.norm_len = temperature, norm_len
         self.rank, self.world_size, self.device = rank, world_size, train.device
         self.model_path = model_path
+        self._sft = False  # inside sft_step: the loss is algorithms.sft_loss
         with device_context(self.device):
             self._build(dist_url, seed)
 
@@ -222,16 +225,25 @@ class MegatronTrainBackend:
             rollout_logprobs=rollout, entropy=entropy, **self.algo.loss_kwargs(),
         )
 
+    def _keys(self) -> list[str]:
+        """The metric names the current loss reports, in the order every rank reduces them."""
+        return list(SFT_METRICS) if self._sft else self.metric_keys
+
     def _loss(self, mb: TrainBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this micro-batch's loss x its share of the mini-batch, its metrics x share as one float64 vector)."""
         dev = logits.device
         mb = {k: v.to(dev) for k, v in mb.items()}
-        logprobs, entropy = token_logprobs(logits, mb["input_ids"], self.temperature,
-                                           "loss" if self.algo.entropy_coef else "metric")
-        loss, metrics = self._rl_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
-                                      ref=mb.get("ref_logprobs"), entropy=entropy, rollout=mb.get("rollout_logprobs"))
+        if self._sft:  # the model's own distribution (temperature 1); entropy is only logged
+            logprobs, entropy = token_logprobs(logits, mb["input_ids"], 1.0, "metric")
+            loss, metrics = algorithms.sft_loss(logprobs, mb["loss_mask"], "token_mean", entropy=entropy)
+        else:
+            logprobs, entropy = token_logprobs(logits, mb["input_ids"], self.temperature,
+                                               "loss" if self.algo.entropy_coef else "metric")
+            loss, metrics = self._rl_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
+                                          ref=mb.get("ref_logprobs"), entropy=entropy,
+                                          rollout=mb.get("rollout_logprobs"))
         share = mb["share"]
-        vec = torch.stack([metrics[k].detach().double() for k in self.metric_keys]) * share
+        vec = torch.stack([metrics[k].detach().double() for k in self._keys()]) * share
         return loss * share.float(), vec
 
     @_on_device
@@ -254,8 +266,21 @@ class MegatronTrainBackend:
                     sums[k] = sums.get(k, 0.0) + v / updates
         return sums | {"worker_s": time.perf_counter() - t0}  # wall time, not a global metric
 
+    @_on_device
+    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One supervised optimizer step on this rank's data-parallel shard: algorithms.sft_loss (NLL of the
+        loss-masked response tokens, token mean), the same as TorchTrainBackend.sft_step."""
+        t0 = time.perf_counter()
+        self.model.train()
+        self._sft = True
+        try:
+            stats = self._optimizer_step(batch)
+        finally:
+            self._sft = False
+        return stats | {"worker_s": time.perf_counter() - t0}
+
     def _optimizer_step(self, mb: TrainBatch) -> dict[str, float]:
-        mode, dev = self.algo.loss_agg, self._dev()
+        mode, dev = "token_mean" if self._sft else self.algo.loss_agg, self._dev()
         total = self._dp_all_reduce(algorithms.aggregation_weight(mb["loss_mask"], mode).double().to(dev))
         micro = self._micro(mb)
         for part in micro:
@@ -264,7 +289,7 @@ class MegatronTrainBackend:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         if self.pp == 1:
-            vec = torch.zeros(len(self.metric_keys), dtype=torch.float64, device=dev)
+            vec = torch.zeros(len(self._keys()), dtype=torch.float64, device=dev)
             for i, part in enumerate(micro):
                 sync = contextlib.nullcontext() if i == len(micro) - 1 else self.model.no_sync()
                 with sync:
@@ -274,7 +299,7 @@ class MegatronTrainBackend:
             finalize_model_grads([self.model])
         else:
             reported = self._pipeline(self.model, micro, forward_only=False)
-            vec = torch.zeros(len(self.metric_keys), dtype=torch.float64, device=dev)
+            vec = torch.zeros(len(self._keys()), dtype=torch.float64, device=dev)
             for r in reported:
                 vec += r["metrics"]
         lr = self.cfg.lr * self.schedule(self.updates)
@@ -283,7 +308,7 @@ class MegatronTrainBackend:
         _ok, grad_norm, _zeros = self.optimizer.step()
         self.updates += 1
         vec = self._to_last_stage_value(self._dp_all_reduce(vec))
-        out = dict(zip(self.metric_keys, vec.tolist(), strict=True))
+        out = dict(zip(self._keys(), vec.tolist(), strict=True))
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["lr"] = lr
         return out

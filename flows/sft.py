@@ -1,0 +1,46 @@
+"""The SFT flow: supervised fine-tuning on prompt/response pairs, one flow run per run, one task per stage.
+
+    train (sft_step) -> [sync weights -> eval] -> log metrics -> (checkpoint)
+
+The loss covers the response tokens only (engines.algorithms.sft_loss). Same engines, run store, resume and
+MLflow tracking as post_train: a run whose name has a committed checkpoint continues from it. A typical cold
+start: `rlflow sft` on demonstrations, `rlflow export` the result, then `rlflow run` with model.path set to it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prefect import flow
+
+from engines.config import RLConfig
+from engines.sft import SFTSession
+from flows.post_train import _due
+from tasks import stages
+from tasks.run_context import RunContext, open_run
+
+
+@flow(name="sft", log_prints=True)
+def sft(config: RLConfig) -> dict[str, float]:
+    """Run (or resume) the SFT run `config.name` for sft.steps optimizer steps; returns the last step's metrics."""
+    run: RunContext = open_run(config, SFTSession.factory(rejection=False))
+    s = stages.bind(config)
+    r, last = run.name, config.sft.steps - 1
+    metrics: dict[str, float] = {}
+    status = "FAILED"
+    try:
+        for step in range(run.start_step, config.sft.steps):
+            t0 = time.perf_counter()
+            metrics = s.train(r, step)
+            if config.data.eval_path and _due(config.eval.every, step, last):
+                metrics |= s.sync_weights(r, step)  # the rollout engine evaluates the weights just trained
+                metrics |= s.evaluate(r, step)
+            metrics["time/step"] = time.perf_counter() - t0
+            run.tracker.log_metrics(metrics, step)
+            if _due(config.checkpoint.every, step, last):
+                s.checkpoint(r, step)
+            run.notify(step, metrics)
+        status = "FINISHED"
+    finally:
+        run.close(status)
+    return metrics
