@@ -464,7 +464,7 @@ class PipelineConfig(Section):
     train_recipe: str = Field(..., description="The training recipe (YAML, relative to the working directory).")
     train_overrides: list[str] = Field(default_factory=list, description="KEY.PATH=VALUE overrides of the recipe.")
     eval: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
-    register: RegisterConfig = Field(default_factory=RegisterConfig)
+    registry: RegisterConfig = Field(default_factory=RegisterConfig)
     train_deployment: str = Field("post-train/post-train", description="Deployment that runs the training stage.")
     eval_deployment: str = Field("evaluate/evaluate", description="Deployment that runs the evaluation stage.")
 

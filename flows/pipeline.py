@@ -86,7 +86,7 @@ def pipeline(
         recipe: A recipe file relative to the working directory, read as the CLI reads it
             (e.g. deployments/pipeline-sort-tiny.yaml). Leave empty when `config` is given.
         overrides: KEY.PATH=VALUE changes applied on top of `config` or `recipe`
-            (e.g. register.threshold=0.8).
+            (e.g. registry.threshold=0.8).
     """
     cfg = resolve_config(PipelineConfig, config, recipe, overrides)
     train = load_recipe(cfg.train_recipe, cfg.train_overrides)  # the same file the training stage reads
@@ -103,13 +103,13 @@ def pipeline(
     eval_run = run_stage(cfg.eval_deployment, {"config": params}, "evaluate")
     mlflow_run = eval_mlflow_run(train.tracking.uri, train.tracking.experiment, str(eval_run.id))
 
-    dataset = cfg.register.dataset or evaluation.eval.datasets[0].key
-    metric_key = f"{dataset}/{cfg.register.metric}"
+    dataset = cfg.registry.dataset or evaluation.eval.datasets[0].key
+    metric_key = f"{dataset}/{cfg.registry.metric}"
     logged = mlflow_run.data.metrics
     if metric_key.replace("/", ".") not in logged:
-        raise ValueError(f"register.metric: {metric_key!r} was not measured; the evaluation logged "
+        raise ValueError(f"registry.metric: {metric_key!r} was not measured; the evaluation logged "
                          f"{sorted(k.replace('.', '/', 1) for k in logged)}")
     value = logged[metric_key.replace("/", ".")]
-    result = register_model(checkpoint, metric_key, value, mlflow_run.info.run_id, cfg.register, train.tracking.uri,
+    result = register_model(checkpoint, metric_key, value, mlflow_run.info.run_id, cfg.registry, train.tracking.uri,
                             train.storage, mlflow_run.data.tags.get("rlflow.training_run_id"))
     return {"checkpoint": checkpoint, metric_key: value, **result}
