@@ -105,21 +105,23 @@ def wait_final(client, flow_run_id, timeout: float):
 
 def test_pipeline_deployment_trains_evaluates_registers(stack, tmp_path):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort, FlowRunSort, FlowSort
 
     with client_for(stack["api"]) as client:
         deployment = client.read_deployment_by_name("pipeline/pipeline")
         params = {"config": tiny_pipeline(tmp_path, stack["mlflow"]), "recipe": None}
         run = client.create_flow_run_from_deployment(deployment.id, parameters=params)
         run = wait_final(client, run.id, timeout=300)
-        runs = client.read_flow_runs()
-        flows = {f.id: f.name for f in client.read_flows()}
+        runs = client.read_flow_runs(sort=FlowRunSort.ID_DESC, limit=50)  # explicit: this server rejects nulls
+        flows = {f.id: f.name for f in client.read_flows(sort=FlowSort.NAME_ASC, limit=50)}
         states = {flows[r.flow_id]: r.state.type.value for r in runs}
         assert run.state.is_completed(), (run.state, states, (stack["tmp"] / "worker.log").read_text()[-3000:])
         assert states == {"pipeline": "COMPLETED", "post-train": "COMPLETED", "evaluate": "COMPLETED",
                           "register": "COMPLETED"}, states
 
         def artifacts(key: str):
-            return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+            return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+                                         sort=ArtifactSort.UPDATED_DESC, limit=50)
 
         metrics = artifacts("e2e-eval-metrics")
         assert metrics and metrics[0].type == "table" and "pass_at_4" in str(metrics[0].data)
