@@ -7,6 +7,7 @@ Every section forbids unknown keys, so a typo is an error that names the field, 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -541,10 +542,11 @@ def config_from_dict(raw: dict, source: str = "<config>", model: type[M] | None 
 def resolve_config(model: type[M], config: M | None, recipe: str | None, overrides: list[str] | None) -> M:
     """A flow's configuration from its parameters: the whole tree (`config`, what the UI form fills in), or a
     recipe file (`recipe`, relative to the working directory) read with the CLI's loader; `overrides`
-    ('a.b=value', as `--set`) apply on top of either."""
+    ('a.b=value', as `--set`) apply on top of either. A given `config` wins over `recipe`: a deployment's
+    default `recipe` stays in the parameters of a run started with a config."""
     if config is not None:
         if recipe:
-            raise RecipeError("parameters", [f"give either config or recipe, not both (recipe: {recipe!r})"])
+            logging.getLogger("rlflow").warning("config given: the recipe %s is not read", recipe)
         if not overrides:
             return config
         raw = config.model_dump(mode="json", exclude_unset=False, round_trip=True)

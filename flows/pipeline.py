@@ -91,7 +91,8 @@ def pipeline(
     cfg = resolve_config(PipelineConfig, config, recipe, overrides)
     train = load_recipe(cfg.train_recipe, cfg.train_overrides)  # the same file the training stage reads
 
-    run_stage(cfg.train_deployment, {"recipe": cfg.train_recipe, "overrides": cfg.train_overrides}, "train")
+    run_stage(cfg.train_deployment, {"config": None, "recipe": cfg.train_recipe, "overrides": cfg.train_overrides},
+              "train")
     store = RunStore(train.storage, train.name)
     step = store.latest_step()
     if step is None:
@@ -100,7 +101,7 @@ def pipeline(
 
     evaluation = eval_config(cfg, train, checkpoint)
     params = evaluation.model_dump(mode="json", exclude={"storage": {"key", "secret"}})  # credentials: worker's env
-    eval_run = run_stage(cfg.eval_deployment, {"config": params}, "evaluate")
+    eval_run = run_stage(cfg.eval_deployment, {"config": params, "recipe": None, "overrides": None}, "evaluate")
     mlflow_run = eval_mlflow_run(train.tracking.uri, train.tracking.experiment, str(eval_run.id))
 
     dataset = cfg.registry.dataset or evaluation.eval.datasets[0].key

@@ -7,6 +7,7 @@ writes goes under the test's tmp directory through the parameters (store, data, 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -28,24 +29,29 @@ DEPLOYMENTS = ("post-train/post-train", "evaluate/evaluate", "pipeline/pipeline"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """Prefect server + MLflow server + the deployments of prefect.yaml + a process worker."""
+def deployed(tmp_path_factory):
+    """A Prefect server (SQLite in a temporary PREFECT_HOME) with the deployments of prefect.yaml."""
     tmp = tmp_path_factory.mktemp("stack")
     svc = Services()
     try:
         api = start_prefect_server(svc, free_port(), home=tmp / "prefect", log=tmp / "prefect.log")
-        mlflow_uri = start_mlflow_server(svc, free_port(), f"sqlite:///{tmp}/mlflow.db", tmp / "mlartifacts",
-                                         log=tmp / "mlflow.log")
         ensure_work_pool(api)
         deploy_all(api)
-        import os
-
-        env = os.environ | {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_HOME": str(tmp / "prefect"),
-                            "PREFECT_LOGGING_LEVEL": "INFO"}
-        start_worker(svc, api, REPO, env=env, log=tmp / "worker.log")
-        yield {"api": api, "mlflow": mlflow_uri, "tmp": tmp}
+        yield {"api": api, "tmp": tmp, "services": svc}
     finally:
         svc.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(deployed):
+    """... plus an MLflow server and a process worker running flows in this checkout."""
+    tmp, svc = deployed["tmp"], deployed["services"]
+    mlflow_uri = start_mlflow_server(svc, free_port(), f"sqlite:///{tmp}/mlflow.db", tmp / "mlartifacts",
+                                     log=tmp / "mlflow.log")
+    env = os.environ | {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_HOME": str(tmp / "prefect"),
+                        "PREFECT_LOGGING_LEVEL": "INFO"}
+    start_worker(svc, deployed["api"], REPO, env=env, log=tmp / "worker.log")
+    return deployed | {"mlflow": mlflow_uri}
 
 
 def client_for(api: str):
@@ -54,9 +60,17 @@ def client_for(api: str):
     return SyncPrefectClient(api)
 
 
-def test_deployment_schema_has_the_config_fields(stack):
-    with client_for(stack["api"]) as client:
-        schemas = {name: client.read_deployment_by_name(name).parameter_openapi_schema for name in DEPLOYMENTS}
+def test_deployments_and_their_parameter_schema(deployed):
+    """prefect.yaml deployed: each on the process pool, with the checkout pull step, a default recipe, and the
+    config tree (types, defaults, descriptions) as its parameter schema."""
+    with client_for(deployed["api"]) as client:
+        deployments = {name: client.read_deployment_by_name(name) for name in DEPLOYMENTS}
+    for d in deployments.values():
+        assert d.work_pool_name == "rlflow-process"
+        assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory":
+                                 {"directory": "{{ $RLFLOW_HOME }}"}}]
+        assert (REPO / d.parameters["recipe"]).is_file()
+    schemas = {name: d.parameter_openapi_schema for name, d in deployments.items()}
     train = schemas["post-train/post-train"]
     assert set(train["properties"]) == {"config", "recipe", "overrides"}
     defs = train["definitions"]
@@ -103,13 +117,15 @@ def wait_final(client, flow_run_id, timeout: float):
     raise AssertionError(f"flow run {flow_run_id} not finished after {timeout} s (state {run.state.name})")
 
 
+@pytest.mark.slow  # ~3 min on a loaded 2-core machine: three flow-run processes start (tests/test_evaluation.py
+# runs the evaluate and register flows in the default suite)
 def test_pipeline_deployment_trains_evaluates_registers(stack, tmp_path):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort, FlowRunSort, FlowSort
 
     with client_for(stack["api"]) as client:
         deployment = client.read_deployment_by_name("pipeline/pipeline")
-        params = {"config": tiny_pipeline(tmp_path, stack["mlflow"]), "recipe": None}
+        params = {"config": tiny_pipeline(tmp_path, stack["mlflow"])}  # beside the deployment's default recipe
         run = client.create_flow_run_from_deployment(deployment.id, parameters=params)
         run = wait_final(client, run.id, timeout=300)
         runs = client.read_flow_runs(sort=FlowRunSort.ID_DESC, limit=50)  # explicit: this server rejects nulls
