@@ -76,6 +76,7 @@ def start_prefect_server(svc: Services, port: int, home: Path | None = None, log
         env |= {"PREFECT_HOME": str(home),
                 "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db"}
     env.pop("PREFECT_API_URL", None)
+    env["PREFECT_UI_API_URL"] = f"http://127.0.0.1:{port}/api"  # what the UI in the browser calls (default: :4200)
     proc = svc.start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                      env, log)
     api = f"http://127.0.0.1:{port}/api"
