@@ -59,7 +59,8 @@ class TrainingArtifacts:
             f"| reward (rollout mean) | {fmt(metrics.get('rollout/reward_mean'))} |",
             f"| accuracy (rollout) | {fmt(metrics.get('rollout/accuracy'))} |",
         ]
-        for k, v in sorted(self.last_eval.items()):
+        evals = {k: v for k, v in metrics.items() if k.startswith("eval/")} or self.last_eval  # this step's, or older
+        for k, v in sorted(evals.items()):
             lines.append(f"| {k} (latest eval) | {fmt(v)} |")
         lines += [f"| checkpoint | `{uri}` |", f"| MLflow | {self.mlflow_url} |"]
         create_markdown_artifact("\n".join(lines), key=artifact_key(self.run, "checkpoint"),
