@@ -7,8 +7,9 @@ Every section forbids unknown keys, so a typo is an error that names the field, 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -552,6 +553,101 @@ class RLConfig(Section):
         return self.train.num_workers
 
 
+class EvalDatasetConfig(Section):
+    path: str = Field(..., description="Held-out prompt file: .jsonl or .parquet.")
+    name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+$", description="Name in metric keys (<name>/accuracy); empty: the file's stem."
+    )
+    prompt_key: str = Field("prompt", description="Column holding the prompt text.")
+    label_key: str = Field("label", description="Column holding what the reward checks against.")
+
+    @property
+    def key(self) -> str:
+        return self.name or Path(self.path).stem
+
+
+class EvalSamplingConfig(Section):
+    """How a checkpoint is evaluated: samples per prompt, decoding, size. Shared by the evaluate and pipeline flows."""
+
+    datasets: list[EvalDatasetConfig] = Field(
+        default_factory=list, description="Held-out datasets. In the pipeline, empty: the training recipe's eval_path."
+    )
+    max_prompts: int = Field(256, gt=0, description="Prompts evaluated per dataset (the first ones).")
+    samples_per_prompt: int = Field(4, gt=0, description="n: responses sampled per prompt (pass@k needs k <= n).")
+    pass_k: list[int] = Field(default_factory=lambda: [1], description="k values of pass@k, each at most n.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 means greedy (then use n = 1).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int | None = Field(None, gt=0, description="Response length limit; empty: 8, or in the pipeline "
+                                       "the training recipe's rollout.max_new_tokens.")
+    batch_size: int = Field(512, gt=0, description="Sequences generated together.")
+    threads: int = Field(2, gt=0, description="torch threads.")
+    device: Literal["cpu", "cuda"] = "cpu"
+    seed: int = 0
+    samples_logged: int = Field(8, ge=0, description="Sample responses per dataset in the report and MLflow table.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EvalSamplingConfig:
+        bad = [k for k in self.pass_k if not 1 <= k <= self.samples_per_prompt]
+        if bad:
+            raise ValueError(f"pass_k: {bad} must be between 1 and samples_per_prompt ({self.samples_per_prompt})")
+        names = [d.key for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"datasets: names must be unique, got {names}")
+        return self
+
+
+class EvaluationConfig(Section):
+    """One evaluation of one checkpoint (flows/evaluate.py): metrics to MLflow and Prefect artifacts."""
+
+    name: str = Field("eval", pattern=r"^[A-Za-z0-9_.-]+$", description="Name of the evaluation's MLflow run.")
+    checkpoint: str = Field(
+        ...,
+        description="What to evaluate: a run-store checkpoint (<store>/<run>/checkpoints/<step>, file:// or s3://), "
+        "a run (<store>/<run>: its newest committed checkpoint), or a local Hugging Face model directory.",
+    )
+    training_run_id: str | None = Field(
+        None, description="MLflow run id of the training run to link to; empty: the one in the checkpoint's meta.json."
+    )
+    eval: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig, description="Credentials and endpoint for an s3:// checkpoint (uri unused)."
+    )
+
+    @model_validator(mode="after")
+    def _has_data(self) -> EvaluationConfig:
+        if not self.eval.datasets:
+            raise ValueError("eval.datasets: at least one dataset is required")
+        return self
+
+
+class RegisterConfig(Section):
+    """When the pipeline registers an evaluated checkpoint in the MLflow model registry."""
+
+    model_name: str = Field("rlflow-model", description="Registered model name in MLflow.")
+    metric: str = Field(
+        "accuracy", description="Eval metric that decides: accuracy, reward_mean, pass_at_<k>, response_len_mean."
+    )
+    dataset: str | None = Field(None, description="Dataset whose metric decides; empty: the first one.")
+    threshold: float | None = Field(None, description="Register only if the metric is at least this; empty: no bar.")
+    beat_best: bool = Field(True, description="Register only if the metric beats every registered version's.")
+
+
+class PipelineConfig(Section):
+    """post-train -> evaluate -> register (flows/pipeline.py); each stage is its own flow run."""
+
+    train_recipe: str = Field(..., description="The training recipe (YAML, relative to the working directory).")
+    train_overrides: list[str] = Field(default_factory=list, description="KEY.PATH=VALUE overrides of the recipe.")
+    eval: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
+    registry: RegisterConfig = Field(default_factory=RegisterConfig)
+    train_deployment: str = Field("post-train/post-train", description="Deployment that runs the training stage.")
+    eval_deployment: str = Field("evaluate/evaluate", description="Deployment that runs the evaluation stage.")
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
 class RecipeError(ValueError):
     """A recipe that cannot run; the message lists every problem, one per line, each naming its field."""
 
@@ -595,8 +691,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RLConfig:
-    """Read a YAML recipe, apply `--set` overrides, validate. Raises RecipeError naming every bad field."""
+def load_recipe(path: str | Path, overrides: list[str] | None = None, model: type[M] | None = None) -> M:
+    """Read a YAML recipe, apply `--set` overrides, validate. Raises RecipeError naming every bad field.
+
+    `model` is the tree the recipe is for: RLConfig (the default), EvaluationConfig or PipelineConfig."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(str(path), ["recipe file not found"])
@@ -606,11 +704,41 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RLConfi
         raise RecipeError(str(path), [f"not valid YAML: {e}"]) from None
     if not isinstance(raw, dict):
         raise RecipeError(str(path), ["top level must be a mapping of sections"])
-    return config_from_dict(apply_overrides(raw, overrides or []), source=str(path))
+    return config_from_dict(apply_overrides(raw, overrides or []), source=str(path), model=model)
 
 
-def config_from_dict(raw: dict, source: str = "<config>") -> RLConfig:
+def config_from_dict(raw: dict, source: str = "<config>", model: type[M] | None = None) -> M:
     try:
-        return RLConfig.model_validate(raw)
+        return (model or RLConfig).model_validate(raw)
     except ValidationError as e:
         raise RecipeError(source, _format_errors(e)) from None
+
+
+def resolve_config(model: type[M], config: M | None, recipe: str | None, overrides: list[str] | None) -> M:
+    """A flow's configuration from its parameters: the whole tree (`config`, what the UI form fills in), or a
+    recipe file (`recipe`, relative to the working directory) read with the CLI's loader; `overrides`
+    ('a.b=value', as `--set`) apply on top of either. A given `config` wins over `recipe`: a deployment's
+    default `recipe` stays in the parameters of a run started with a config."""
+    if config is not None:
+        if recipe:
+            logging.getLogger("rlflow").warning("config given: the recipe %s is not read", recipe)
+        if not overrides:
+            return config
+        raw = config.model_dump(mode="json", exclude_unset=False, round_trip=True)
+        for section, secret_fields in _secrets(config).items():  # model_dump masks SecretStr values
+            raw[section].update(secret_fields)
+        return config_from_dict(apply_overrides(raw, overrides), source="config", model=model)
+    if not recipe:
+        raise RecipeError("parameters", ["config or recipe: one of them is required"])
+    return load_recipe(recipe, overrides, model=model)
+
+
+def _secrets(config: BaseModel) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    for name in type(config).model_fields:
+        section = getattr(config, name)
+        if isinstance(section, BaseModel):
+            found = {k: v.get_secret_value() for k, v in section if isinstance(v, SecretStr)}
+            if found:
+                out[name] = found
+    return out

@@ -25,6 +25,7 @@ from engines.builtin_tasks import write_task_files
 from engines.cluster import LocalWorkerGroup, RayWorkerGroup, free_port, init_ray, make_placement_group
 from engines.config import RLConfig
 from engines.data import PromptCursor, load_prompts
+from engines.evaluation import score
 from engines.model import DTYPES, build_tiny_model, encode_prompt, load_tokenizer
 from engines.rewards import compute_rewards, load_reward_fn
 from engines.rollout_torch import TorchRolloutBackend, concat_packed, split_packed
@@ -388,11 +389,8 @@ class RLSession:
             {"step": step, "prompt": r["prompt"], "response": s, "label": str(r["label"]), "reward": w}
             for r, s, w in zip(rows, responses, rewards, strict=True)
         ]
-        metrics = {
-            "eval/reward_mean": sum(rewards) / len(rewards),
-            "eval/accuracy": sum(w >= 1.0 for w in rewards) / len(rewards),
-            "eval/response_len_mean": float(gen["lengths"].mean()),
-        }
+        scored = score(rewards, gen["lengths"], n=1)
+        metrics = {f"eval/{k}": scored[k] for k in ("reward_mean", "accuracy", "response_len_mean")}
         return metrics, samples
 
     def sample_rows(self, step: int, k: int) -> list[dict]:

@@ -13,6 +13,7 @@
     rlflow data make --task sort --num-digits 4 --train data/sort4/train.jsonl --eval data/sort4/eval.jsonl \
         [--sft data/sort4/sft.jsonl]
     rlflow data gsm8k --input gsm8k/main/train-00000-of-00001.parquet --out data/gsm8k/train.jsonl
+    rlflow serve [--prefect-port 4200] [--mlflow-port 5000] [--no-deploy]
 """
 
 from __future__ import annotations
@@ -110,7 +111,6 @@ def cmd_runs(args) -> int:
 
 def cmd_export(args) -> int:
     """Copy a committed checkpoint's model/ (HF safetensors + config + tokenizer) to a local directory."""
-    import tempfile
     from pathlib import Path
 
     from tasks.run_store import RunStore
@@ -120,12 +120,8 @@ def cmd_export(args) -> int:
     if step is None or step not in store.committed_steps():
         print(f"error: run '{args.run}' has no committed checkpoint {'' if step is None else step}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory() as tmp:
-        local = store.download_checkpoint(step, tmp)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        for f in (local / "model").iterdir():
-            (out / f.name).write_bytes(f.read_bytes())
+    out = Path(args.out)
+    store.export_model(step, out)
     print(f"exported step {step} of '{args.run}' to {out} (load with AutoModelForCausalLM.from_pretrained)")
     return 0
 
@@ -264,6 +260,13 @@ def _debug_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-every", type=int, metavar="N", help="log a trace timeline to MLflow every N steps")
 
 
+def cmd_serve(args) -> int:
+    """Prefect server + MLflow server + a process worker (and the deployments of prefect.yaml), until Ctrl-C."""
+    from flows.serve import serve
+
+    return serve(args.prefect_port, args.mlflow_port, deploy=not args.no_deploy)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rlflow", description="RL post-training for LLMs on Prefect + Ray.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -318,6 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
     gsm.add_argument("--instruction", default=None, help="text appended to each question (default: ask for "
                      "step-by-step reasoning and a final line '#### <answer>')")
     gsm.set_defaults(fn=cmd_data_gsm8k)
+    serve = sub.add_parser("serve", help="local Prefect server, MLflow server and worker (the UIs on a laptop)")
+    serve.add_argument("--prefect-port", type=int, default=4200)
+    serve.add_argument("--mlflow-port", type=int, default=5000)
+    serve.add_argument("--no-deploy", action="store_true", help="do not run `prefect deploy --all`")
+    serve.set_defaults(fn=cmd_serve)
     return ap
 
 

@@ -16,8 +16,9 @@ import time
 
 from prefect import flow
 
-from engines.config import RLConfig
+from engines.config import RLConfig, resolve_config
 from tasks import stages
+from tasks.artifacts import TrainingArtifacts
 from tasks.run_context import RunContext, open_run
 
 
@@ -26,8 +27,19 @@ def _due(every: int, step: int, last: int) -> bool:
 
 
 @flow(name="post-train", log_prints=True)
-def post_train(config: RLConfig) -> dict[str, float]:
-    """Run (or resume) the RL run `config.name` and return its last step's metrics."""
+def post_train(
+    config: RLConfig | None = None, recipe: str | None = None, overrides: list[str] | None = None
+) -> dict[str, float]:
+    """Run (or resume) an RL run and return its last step's metrics.
+
+    Args:
+        config: The whole configuration tree (RLConfig). Leave empty to use `recipe`.
+        recipe: A recipe file relative to the working directory, read as the CLI reads it
+            (e.g. deployments/sort-tiny.yaml). Leave empty when `config` is given.
+        overrides: KEY.PATH=VALUE changes applied on top of `config` or `recipe`
+            (e.g. train.steps=20).
+    """
+    config = resolve_config(RLConfig, config, recipe, overrides)
     run: RunContext = open_run(config)
     s = stages.bind(config)  # the stage tasks, with the recipe's retry settings
     r = run.name  # tasks take (run name, step): Prefect records two plain values per task run
@@ -38,6 +50,7 @@ def post_train(config: RLConfig) -> dict[str, float]:
     debug = config.debug
     ahead: dict[str, float] | None = None  # one-step-off: this step's rollout metrics, generated last step
     try:
+        run.artifacts = TrainingArtifacts(config.name, config.train.steps, run.start_step, run.tracker.url)
         for step in range(run.start_step, config.train.steps):
             t0 = time.perf_counter()
             metrics, ahead = (ahead if ahead is not None else s.rollout(r, step)), None
@@ -58,8 +71,10 @@ def post_train(config: RLConfig) -> dict[str, float]:
             run.tracker.log_metrics(metrics, step)
             if debug.trains and _due(config.checkpoint.every, step, last):  # after logging: a committed step has
                 s.checkpoint(r, step)  # its metrics
+                run.artifacts.checkpoint(step, metrics, run.store.uri("checkpoints", step))
             if debug.traced(step):
                 s.trace(r, step)
+            run.artifacts.step_done(step, metrics)
             run.notify(step, metrics)
         status = "FINISHED"
     finally:

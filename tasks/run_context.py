@@ -17,6 +17,7 @@ from typing import Any
 
 from engines.config import RLConfig
 from engines.rl import RLSession, prepare_data, prepare_model
+from tasks.artifacts import TrainingArtifacts
 from tasks.run_store import RunStore
 from tasks.tracking import Tracker
 
@@ -46,6 +47,7 @@ class RunContext:
     tracker: Tracker
     workdir: Path
     start_step: int = 0
+    artifacts: TrainingArtifacts | None = None  # Prefect artifacts, when running as a flow
 
     def notify(self, step: int, metrics: dict) -> None:
         for listener in STEP_LISTENERS:
@@ -103,7 +105,7 @@ def open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any] = RLSes
         store.write_json(stored_config(cfg), "config.json")
     # an earlier attempt's MLflow run continues, also when it died before its first checkpoint
     earlier = store.read_json("status.json") if store.exists("status.json") else {}
-    tracker = Tracker(cfg, run_id=meta["mlflow_run_id"] if meta else earlier.get("mlflow_run_id"))
+    tracker = Tracker.for_training(cfg, run_id=meta["mlflow_run_id"] if meta else earlier.get("mlflow_run_id"))
     session = make_session(cfg, model_path)
     store.write_json({"status": "running", "mlflow_run_id": tracker.run_id}, "status.json")
     ctx = RunContext(cfg, session, store, tracker, workdir)

@@ -188,14 +188,22 @@ class RunStore:
                     removed.append(f"{kind}/{name}")
         return removed
 
-    def download_checkpoint(self, step: int, local_dir: str | Path) -> Path:
+    def download_checkpoint(self, step: int, local_dir: str | Path, only: str | None = None) -> Path:
+        """Copy a checkpoint (or only its subfolder `only`, e.g. "model") into `local_dir`."""
         local_dir = Path(local_dir)
-        src = self.path("checkpoints", step)
+        src = self.path("checkpoints", step, *([only] if only else []))
         for p in self._call("list", src, self.fs.find, src):
             rel = p[len(src) + 1 :]
             (local_dir / rel).parent.mkdir(parents=True, exist_ok=True)
             (local_dir / rel).write_bytes(self._call("read", p, self.fs.cat_file, p))
         return local_dir
+
+    def export_model(self, step: int, local_dir: str | Path) -> Path:
+        """The checkpoint's Hugging Face export (model/: safetensors, config, tokenizer) as a local directory
+        that AutoModelForCausalLM.from_pretrained loads."""
+        if step not in self.committed_steps():
+            raise StorageError(f"{self.uri('checkpoints', step)}: no committed checkpoint at step {step}")
+        return self.download_checkpoint(step, local_dir, only="model")
 
     def prune(self, keep_last: int) -> list[int]:
         """Delete all but the newest `keep_last` committed checkpoints; never the newest one."""
@@ -240,3 +248,28 @@ def replay_source(cfg: RLConfig) -> RunStore | None:
         raise FileNotFoundError(f"debug.replay_run: no run {d.replay_run!r} in store {storage.uri} "
                                 f"(no {store.uri('config.json')})")
     return store
+
+
+def locate_checkpoint(uri: str, storage: StorageConfig) -> tuple[RunStore, int]:
+    """`<store>/<run>/checkpoints/<step>` or `<store>/<run>` (its newest committed step) -> (run store, step).
+
+    `storage` gives the endpoint and credentials; its uri is replaced by the one in `uri`."""
+    text = uri.rstrip("/")
+    step: int | None = None
+    if "/checkpoints/" in text:
+        text, tail = text.rsplit("/checkpoints/", 1)
+        if not tail.isdigit():
+            raise StorageError(f"{uri}: expected <store>/<run>/checkpoints/<step>, step {tail!r} is not a number")
+        step = int(tail)
+    if "/" not in text.split("://", 1)[-1]:
+        raise StorageError(f"{uri}: expected <store>/<run>[/checkpoints/<step>]")
+    root, run = text.rsplit("/", 1)
+    store = RunStore(storage.model_copy(update={"uri": root}), run)
+    committed = store.committed_steps()
+    if step is None:
+        if not committed:
+            raise StorageError(f"{uri}: run {run!r} has no committed checkpoint")
+        step = committed[-1]
+    elif step not in committed:
+        raise StorageError(f"{uri}: no committed checkpoint at step {step} (committed: {committed or 'none'})")
+    return store, step

@@ -91,8 +91,12 @@ def evaluate(run: RunContext, step: int) -> dict[str, float]:
     t0 = time.perf_counter()
     metrics, samples = run.session.evaluate(step)
     k = run.cfg.tracking.log_samples
+    train_rows = run.session.sample_rows(step, k)
     run.tracker.log_table(samples[:k], f"samples/eval_step_{step:06d}.json")
-    run.tracker.log_table(run.session.sample_rows(step, k), f"samples/train_step_{step:06d}.json")
+    run.tracker.log_table(train_rows, f"samples/train_step_{step:06d}.json")
+    if run.artifacts is not None:
+        run.artifacts.samples(step, [{"kind": "rollout", **r} for r in train_rows] +
+                              [{"kind": "eval", **r} for r in samples[:k]])
     return metrics | {"time/eval": time.perf_counter() - t0}
 
 

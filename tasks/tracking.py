@@ -29,23 +29,30 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 class Tracker:
     """One MLflow run. Pass `run_id` to continue a run (a resumed training run logs into the same one)."""
 
-    def __init__(self, cfg: RLConfig, run_id: str | None = None):
-        mlflow.set_tracking_uri(cfg.tracking.uri)
-        self.client = MlflowClient(cfg.tracking.uri)
-        exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(cfg.tracking.experiment)
+    def __init__(self, uri: str, experiment: str, run_name: str, recipe: dict | None = None,
+                 tags: dict[str, str] | None = None, run_id: str | None = None):
+        mlflow.set_tracking_uri(uri)
+        self.client = MlflowClient(uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
         if run_id is None:
-            run = self.client.create_run(exp_id, run_name=cfg.name, tags={"rlflow.run": cfg.name})
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags or {})
             self.run_id = run.info.run_id
-            recipe = cfg.model_dump(mode="json", exclude={"storage": {"key", "secret"}})
-            params = {k: str(v)[:6000] for k, v in flatten(recipe).items()}
-            items = list(params.items())
-            for i in range(0, len(items), 100):
-                self.client.log_batch(self.run_id, params=[mlflow.entities.Param(k, v) for k, v in items[i : i + 100]])
-            self.client.log_text(self.run_id, json.dumps(recipe, indent=2), "recipe.json")
+            if recipe is not None:
+                params = {k: str(v)[:6000] for k, v in flatten(recipe).items()}
+                items = list(params.items())
+                for i in range(0, len(items), 100):
+                    batch = [mlflow.entities.Param(k, v) for k, v in items[i : i + 100]]
+                    self.client.log_batch(self.run_id, params=batch)
+                self.client.log_text(self.run_id, json.dumps(recipe, indent=2), "recipe.json")
         else:
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
+
+    @classmethod
+    def for_training(cls, cfg: RLConfig, run_id: str | None = None) -> Tracker:
+        recipe = cfg.model_dump(mode="json", exclude={"storage": {"key", "secret"}})
+        return cls(cfg.tracking.uri, cfg.tracking.experiment, cfg.name, recipe, {"rlflow.run": cfg.name}, run_id)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         clean = {k.replace("/", "."): float(v) for k, v in metrics.items() if math.isfinite(float(v))}
@@ -68,4 +75,11 @@ class Tracker:
 
     @property
     def url(self) -> str:
-        return f"{mlflow.get_tracking_uri()} run {self.run_id}"
+        """A link to the run in the MLflow UI when tracking goes to a server; else where to find it."""
+        return run_url(self.client.tracking_uri, self.experiment_id, self.run_id)
+
+
+def run_url(uri: str, experiment_id: str, run_id: str) -> str:
+    if uri.startswith(("http://", "https://")):
+        return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"run {run_id} in {uri}"

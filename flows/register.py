@@ -1,0 +1,76 @@
+"""Register an evaluated checkpoint in the MLflow model registry, if its metric earns it.
+
+The model version's files are the checkpoint's Hugging Face export (safetensors weights, config.json,
+tokenizer files; what `rlflow export` writes), logged as artifacts of the evaluation's MLflow run under
+`model/`: no pickle, and `AutoModelForCausalLM.from_pretrained` loads a downloaded version as it is.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+from prefect import flow
+
+from engines.config import RegisterConfig, StorageConfig
+from tasks.run_store import locate_checkpoint
+
+
+def should_register(value: float, best: float | None, cfg: RegisterConfig) -> tuple[bool, str]:
+    """Every configured gate must pass: the threshold (if any) and beating the best registered version (if asked)."""
+    if cfg.threshold is not None and value < cfg.threshold:
+        return False, f"{value:.4g} is below the threshold {cfg.threshold:.4g}"
+    if cfg.beat_best and best is not None and value <= best:
+        return False, f"{value:.4g} does not beat the best registered version ({best:.4g})"
+    why = [f"{value:.4g} >= threshold {cfg.threshold:.4g}"] if cfg.threshold is not None else []
+    why += ["no version registered yet" if best is None else f"beats the best version ({best:.4g})"] if cfg.beat_best \
+        else []
+    return True, "; ".join(why) or "no gate configured"
+
+
+def registered_versions(client: MlflowClient, name: str) -> list[ModelVersion]:
+    try:
+        return list(client.search_model_versions(f"name = '{name}'"))
+    except MlflowException:
+        return []
+
+
+def best_value(versions: list[ModelVersion], metric_key: str) -> float | None:
+    values = [float(v.tags["rlflow.metric_value"]) for v in versions if v.tags.get("rlflow.metric") == metric_key]
+    return max(values) if values else None
+
+
+@flow(name="register", log_prints=True)
+def register_model(
+    checkpoint: str, metric_key: str, value: float, eval_run_id: str, cfg: RegisterConfig, tracking_uri: str,
+    storage: StorageConfig, training_run_id: str | None = None,
+) -> dict:
+    """Register `checkpoint` as a new version of `cfg.model_name` when `value` of `metric_key` passes the gates.
+
+    Idempotent: a checkpoint already registered under this name is not registered twice."""
+    client = MlflowClient(tracking_uri)
+    versions = registered_versions(client, cfg.model_name)
+    for v in versions:
+        if v.tags.get("rlflow.checkpoint") == checkpoint:
+            print(f"{checkpoint} is already version {v.version} of {cfg.model_name}")
+            return {"registered": True, "version": int(v.version), "reason": "already registered"}
+    ok, reason = should_register(value, best_value(versions, metric_key), cfg)
+    if not ok:
+        print(f"not registering {checkpoint}: {metric_key} {reason}")
+        return {"registered": False, "version": None, "reason": reason}
+    store, step = locate_checkpoint(checkpoint, storage)
+    with tempfile.TemporaryDirectory() as tmp:
+        client.log_artifacts(eval_run_id, str(store.export_model(step, tmp)), "model")
+    if not any(m.name == cfg.model_name for m in client.search_registered_models(f"name = '{cfg.model_name}'")):
+        client.create_registered_model(cfg.model_name, description="Hugging Face exports of rlflow checkpoints")
+    tags = {"rlflow.checkpoint": checkpoint, "rlflow.metric": metric_key, "rlflow.metric_value": str(value),
+            "rlflow.eval_run_id": eval_run_id, "rlflow.format": "huggingface-safetensors"}
+    if training_run_id:
+        tags["rlflow.training_run_id"] = training_run_id
+    source = f"{client.get_run(eval_run_id).info.artifact_uri}/model"
+    mv = client.create_model_version(cfg.model_name, source, run_id=eval_run_id, tags=tags,
+                                     description=f"{checkpoint}: {metric_key} = {value:.4g} ({reason})")
+    print(f"registered {checkpoint} as version {mv.version} of {cfg.model_name}: {metric_key} {reason}")
+    return {"registered": True, "version": int(mv.version), "reason": reason}

@@ -1,0 +1,158 @@
+"""Local services for a laptop: a Prefect server, an MLflow server and a process worker (`rlflow serve`).
+
+The tests start the same services with the same functions. Each service is a child process in its own
+process group, stopped by signalling that group (never by name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+WORK_POOL = "rlflow-process"  # the pool prefect.yaml's deployments use
+
+
+@dataclass
+class Services:
+    """Started service processes; `stop()` ends them (newest first)."""
+
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    prefect_api: str | None = None
+    mlflow_uri: str | None = None
+
+    def start(self, cmd: list[str], env: dict[str, str], log: Path | None = None, cwd: Path | None = None
+              ) -> subprocess.Popen:
+        out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child process owns it
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, timeout: float = 20) -> None:
+        for proc in reversed(self.procs):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs.clear()
+
+
+def wait_http(url: str, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before answering {url}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.3)
+    raise RuntimeError(f"{what} did not answer {url} within {timeout:.0f} s")
+
+
+def prefect_env(api_url: str, home: Path | None = None) -> dict[str, str]:
+    env = os.environ | {"PREFECT_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    if home is not None:
+        env["PREFECT_HOME"] = str(home)
+    return env
+
+
+def start_prefect_server(svc: Services, port: int, home: Path | None = None, log: Path | None = None) -> str:
+    """`prefect server start` (SQLite in PREFECT_HOME); returns the API URL once it answers."""
+    env = os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "true"}
+    if home is not None:
+        env |= {"PREFECT_HOME": str(home),
+                "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db"}
+    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_UI_API_URL"] = f"http://127.0.0.1:{port}/api"  # what the UI in the browser calls (default: :4200)
+    proc = svc.start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                     env, log)
+    api = f"http://127.0.0.1:{port}/api"
+    wait_http(f"{api}/health", proc, "prefect server")
+    svc.prefect_api = api
+    return api
+
+
+def start_mlflow_server(svc: Services, port: int, backend_uri: str, artifacts: Path, log: Path | None = None) -> str:
+    """`mlflow server` with a model registry (SQL backend) and artifacts served over HTTP; returns its URI."""
+    proc = svc.start([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                      "--backend-store-uri", backend_uri, "--artifacts-destination", str(artifacts),
+                      "--workers", "1"], dict(os.environ), log)
+    uri = f"http://127.0.0.1:{port}"
+    wait_http(f"{uri}/health", proc, "mlflow server")
+    svc.mlflow_uri = uri
+    return uri
+
+
+def ensure_work_pool(api_url: str, name: str = WORK_POOL) -> None:
+    """Create the process work pool the deployments name, if it is not there yet."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.workers.process import ProcessWorker
+
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        template = ProcessWorker.get_default_base_job_template()
+        with contextlib.suppress(ObjectAlreadyExists):
+            client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
+
+
+def deploy_all(api_url: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> str:
+    """`prefect deploy --all` with prefect.yaml in `cwd` (through flows/deploy.py's client fix); returns its output."""
+    env = (env or os.environ) | {"PREFECT_API_URL": api_url, "PYTHONPATH": str(cwd)}
+    done = subprocess.run([sys.executable, "-m", "flows.deploy", "--all"], cwd=cwd, env=env, capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise RuntimeError(f"prefect deploy --all failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def start_worker(svc: Services, api_url: str, checkout: Path = REPO, pool: str = WORK_POOL,
+                 env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
+    """A process worker on `pool`; its flow runs execute in `checkout` (RLFLOW_HOME, see prefect.yaml)."""
+    env = dict(env or os.environ)
+    path = os.pathsep.join(filter(None, [str(checkout), env.get("PYTHONPATH")]))
+    env |= {"PREFECT_API_URL": api_url, "RLFLOW_HOME": str(checkout), "PYTHONPATH": path}
+    return svc.start([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"], env,
+                     log, cwd=checkout)
+
+
+def serve(prefect_port: int = 4200, mlflow_port: int = 5000, deploy: bool = True, checkout: Path = REPO) -> int:
+    """Start everything, print where it is, and run until Ctrl-C."""
+    svc = Services()
+    logs = checkout / ".rlflow-serve"
+    logs.mkdir(exist_ok=True)
+    try:
+        api = start_prefect_server(svc, prefect_port, log=logs / "prefect-server.log")
+        print(f"Prefect UI      http://127.0.0.1:{prefect_port}   (API {api})")
+        uri = start_mlflow_server(svc, mlflow_port, f"sqlite:///{checkout / 'mlflow.db'}", checkout / "mlartifacts",
+                                  log=logs / "mlflow-server.log")
+        print(f"MLflow UI       {uri}   (use it in recipes: tracking.uri={uri})")
+        ensure_work_pool(api)
+        if deploy:
+            deploy_all(api, checkout)
+            print("deployments     post-train/post-train, evaluate/evaluate, pipeline/pipeline (from prefect.yaml)")
+        start_worker(svc, api, checkout, log=logs / "worker.log")
+        print(f"worker          pool {WORK_POOL}, runs flows in {checkout}; logs in {logs}")
+        print(f"Ctrl-C stops all. In another shell: export PREFECT_API_URL={api}")
+        while all(p.poll() is None for p in svc.procs):
+            time.sleep(1)
+        print("a service exited; see the logs in", logs, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        svc.stop()
