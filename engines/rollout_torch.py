@@ -1,70 +1,79 @@
-"""The embedded rollout engine: batched generation with a KV cache in plain PyTorch.
+"""The embedded rollout backend: a continuous-batching engine in plain PyTorch behind SGLang's routes.
 
-It runs anywhere (CPU or GPU) and is what the embedded rollout server puts behind SGLang's HTTP routes.
-It returns token ids and per-token logprobs (of the temperature-scaled distribution the tokens were
+It runs anywhere (CPU or GPU). `generate` (what the RL loop calls through Ray) and the HTTP server
+(engines/rollout_server.py) feed the same engine (engines/rollout_engine.py), so there is one generation
+path. It returns token ids and per-token logprobs (of the temperature-scaled distribution the tokens were
 drawn from), so the trainer can use them as behaviour-policy logprobs.
 """
 
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
-from engines.algorithms import token_logprobs
 from engines.config import StorageConfig
+from engines.llm import DecoderLM
 from engines.model import load_model, load_tokenizer
-from engines.sampling import SamplingParams, sample_tokens, scaled_logits
+from engines.rollout_engine import ContinuousBatchEngine, Generation, Request, request_generator
+from engines.sampling import SamplingParams
+from engines.trace import TraceRecorder
 from engines.weight_sync import get_bucket
 from engines.weight_transport import NcclChannel, copy_named, open_ipc_handles
 
-
-@dataclass
-class Generation:
-    """One finished request, in SGLang's terms (finish_reason is {"type": "stop"|"length", ...})."""
-
-    prompt_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    finish_reason: dict
-    weight_version: int
-    meta: dict = field(default_factory=dict)
+__all__ = ["Generation", "TorchRolloutBackend", "pack_generations", "concat_packed", "split_packed"]
 
 
 class TorchRolloutBackend:
     def __init__(
         self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None,
-        batch_size: int = 512,
+        batch_size: int = 512, context_len: int = 4096, trace: bool = True,
     ):
         if threads:
             torch.set_num_threads(threads)
-        self.device, self.batch_size = device, batch_size
+        self.model_path, self.device, self.batch_size = model_path, device, batch_size
         self.model = load_model(model_path, dtype=dtype, device=device).eval()
         self.tokenizer = load_tokenizer(model_path)
         self.params = dict(self.model.named_parameters())
         self.weight_version = 0
         self._released: dict[torch.nn.Parameter, torch.Size] = {}  # colocated: weights whose memory was released
+        self.trace = TraceRecorder(f"rollout-{os.getpid()}", enabled=trace)
+        self.engine = ContinuousBatchEngine(
+            DecoderLM(self.model), self.tokenizer, max_running=batch_size, max_len=context_len, trace=self.trace,
+            weight_version=lambda: self.weight_version, weights_ready=lambda: not self._released,
+        )
+        self.server = None  # engines.rollout_server.RolloutServer once start_server() ran
 
     def pid(self) -> int:
         """This worker's process id (fault-injection drills kill it)."""
         return os.getpid()
 
+    def drain_trace(self) -> list[dict]:
+        """Per-request trace events (queued, first token, request span, abort, weight update) since the last
+        drain, as Chrome-trace dicts; the driver merges them into the step's timeline."""
+        return self.trace.drain()
+
     # ---- weights -------------------------------------------------------------------------------------
+    @contextmanager
+    def _between_steps(self):
+        """Hold the engine between decode steps: weights never change inside a step."""
+        with self.engine.lock:
+            yield
+
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
-        self.resume_memory_occupation()
         """Copy HF-named tensors into the model; the version goes with every sample generated after."""
-        for name, tensor in named_tensors:
-            if name not in self.params:
-                raise KeyError(f"update_weights: unknown parameter {name!r}")
-            self.params[name].copy_(tensor.to(self.params[name].dtype))
-        if version is not None:
-            self.weight_version = version
-        return self.weight_version
+        with self._between_steps():
+            self.resume_memory_occupation()
+            for name, tensor in named_tensors:
+                if name not in self.params:
+                    raise KeyError(f"update_weights: unknown parameter {name!r}")
+                self.params[name].copy_(tensor.to(self.params[name].dtype))
+            return self._weights_updated(self.weight_version if version is None else version)
 
     def update_weights_from_store(self, storage: StorageConfig, run: str, version: int, index: int) -> int:
         """Load bucket `index` of weight version `version` from the run store (the `store` transport)."""
@@ -80,34 +89,41 @@ class TorchRolloutBackend:
         self._ipc_sources = open_ipc_handles(handles, torch.device(self.device, torch.cuda.current_device()))
 
     def update_weights_from_ipc(self, version: int) -> int:
-        self.resume_memory_occupation()
-        copy_named(self.params, self._ipc_sources)
-        torch.cuda.synchronize()  # the trainer may step again as soon as this returns
-        return self._weights_updated(version)
+        with self._between_steps():
+            self.resume_memory_occupation()
+            copy_named(self.params, self._ipc_sources)
+            torch.cuda.synchronize()  # the trainer may step again as soon as this returns
+            return self._weights_updated(version)
 
     def nccl_connect(self, host: str, port: int, rank: int, world_size: int) -> None:
         self._nccl = NcclChannel(host, port, rank, world_size, torch.device(self.device, torch.cuda.current_device()))
 
     def update_weights_from_nccl(self, buckets: list[list[str]], version: int) -> int:
-        self.resume_memory_occupation()
-        self._nccl.receive(self.params, buckets)
-        return self._weights_updated(version)
+        with self._between_steps():
+            self.resume_memory_occupation()
+            self._nccl.receive(self.params, buckets)
+            return self._weights_updated(version)
 
     def release_memory_occupation(self) -> None:
-        """Colocated: give the weights' GPU memory to the trainer (the KV cache lives only inside a
-        generate call). The weights are gone until the next sync refills them, as SGLang's route does."""
-        for p in self.params.values():
-            self._released[p] = p.shape
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        if self.device == "cuda":
-            torch.cuda.empty_cache()
+        """Colocated: give the weights' and the KV cache's GPU memory to the trainer. The weights are gone
+        until the next sync refills them, as SGLang's route of that name does; refused while requests run."""
+        with self._between_steps():
+            if not self.engine.drop_cache():
+                raise RuntimeError("release_memory_occupation: requests are running (abort or finish them first)")
+            for p in self.params.values():
+                if p not in self._released:
+                    self._released[p] = p.shape
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
 
     def resume_memory_occupation(self) -> None:
         """Allocate the weights again (contents undefined until the sync that follows writes them). Every
         weight update does this first, so a colocated sync costs no extra call."""
-        for p, shape in self._released.items():
-            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
-        self._released.clear()
+        with self._between_steps():
+            for p, shape in self._released.items():
+                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+            self._released.clear()
 
     def link_bandwidth(self, kind: str, nbytes: int) -> float:
         """GB/s of the NCCL weight-sync group (the trainer's rank 0 measures at the same time)."""
@@ -121,6 +137,7 @@ class TorchRolloutBackend:
 
     def _weights_updated(self, version: int) -> int:
         self.weight_version = version
+        self.trace.instant("weight_update", tid="weights", args={"version": version})
         return version
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -128,83 +145,50 @@ class TorchRolloutBackend:
         return [(n, p.detach().cpu().clone()) for n, p in self.params.items()]
 
     # ---- generation ----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:
+    def requests(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+                 rid: str | None = None) -> list[Request]:
+        """`params.n` requests per prompt, prompt-major. Request i samples from generator (seed, i): its
+        tokens do not depend on what else runs in the batch. No seed: fresh randomness."""
         if self._released:
             raise RuntimeError("generate: the weights were released (release_memory_occupation); resume and "
                                "update them first")
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-        out: list[Generation] = []
-        for i in range(0, len(prompts), self.batch_size):
-            out += self._generate_batch(prompts[i : i + self.batch_size], params, gen)
+        seed = random.getrandbits(63) if seed is None else seed
+        one = params.model_copy(update={"n": 1})
+        out = []
+        for i, prompt in enumerate(prompts):
+            for j in range(params.n):
+                index = i * params.n + j
+                kwargs = {} if rid is None else {"rid": rid if len(prompts) * params.n == 1 else f"{rid}_{index}"}
+                out.append(Request(list(prompt), one, request_generator(seed, index), **kwargs))
         return out
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:
+        """Generate for all prompts on the continuous-batching engine (admitted in order, `batch_size` at a
+        time); blocks until every request finished."""
+        futures = self.engine.submit(self.requests(prompts, params, seed))
+        return [f.result() for f in futures]
 
     def generate_packed(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> dict:
         """`generate`, returned as flat arrays (see pack_generations): what the RL loop moves over Ray."""
         return pack_generations(self.generate(prompts, params, seed))
 
-    def _generate_batch(self, prompts: list[list[int]], p: SamplingParams, gen) -> list[Generation]:
-        bsz, width = len(prompts), max(len(x) for x in prompts)
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.full((bsz, width), pad, dtype=torch.long)
-        attn = torch.zeros((bsz, width), dtype=torch.long)
-        for b, ids in enumerate(prompts):  # left padding keeps every row's next token in the last column
-            input_ids[b, width - len(ids) :] = torch.tensor(ids)
-            attn[b, width - len(ids) :] = 1
-        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else {self.tokenizer.eos_token_id})
-        stop_ids_t = torch.tensor(sorted(stop_ids), device=self.device)
+    # ---- the HTTP server -----------------------------------------------------------------------------
+    def start_server(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve SGLang's routes for this engine on an ephemeral port (engines/rollout_server.py); the URL."""
+        if self.server is None:
+            from engines.rollout_server import RolloutServer
 
-        cache = DynamicCache()
-        logits = self.model(input_ids, attention_mask=attn, position_ids=pos, past_key_values=cache).logits[:, -1]
-        tokens, logps = [], []
-        done = torch.zeros(bsz, dtype=torch.bool, device=self.device)
-        stop_at = [0] * bsz  # 1 + index of the token that stopped a row; 0 while it runs
-        next_pos = pos[:, -1] + 1
-        texts = [""] * bsz if p.stop else None
-        for step in range(p.max_new_tokens):
-            nxt = sample_tokens(logits, p, gen)
-            lp = token_logprobs(scaled_logits(logits, p.temperature)[:, None], nxt[:, None])[:, 0]
-            nxt = nxt.masked_fill(done, pad)
-            tokens.append(nxt)
-            logps.append(lp)
-            hit = torch.isin(nxt, stop_ids_t) & ~done
-            if texts is not None:
-                hit |= self._stop_strings(nxt, done, texts, p.stop)
-            for b in hit.nonzero().flatten().tolist():
-                stop_at[b] = step + 1
-            done |= hit
-            if bool(done.all()):
-                break
-            attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=self.device)], dim=1)
-            logits = self.model(
-                nxt[:, None], attention_mask=attn, position_ids=next_pos[:, None], past_key_values=cache
-            ).logits[:, -1]
-            next_pos = next_pos + 1
-        return self._collect(prompts, tokens, logps, stop_at)
+            self.server = RolloutServer(self, host, port)
+        return self.server.url
 
-    def _stop_strings(self, nxt: torch.Tensor, done: torch.Tensor, texts: list[str], stops: list[str]) -> torch.Tensor:
-        hit = torch.zeros_like(done)
-        for b in (~done).nonzero().flatten().tolist():
-            texts[b] += self.tokenizer.decode([int(nxt[b])], skip_special_tokens=True)
-            hit[b] = any(texts[b].endswith(s) for s in stops)
-        return hit
+    def server_url(self) -> str | None:
+        return None if self.server is None else self.server.url
 
-    def _collect(self, prompts, tokens, logps, stop_at: list[int]) -> list[Generation]:
-        toks = torch.stack(tokens, 1).cpu() if tokens else torch.zeros((len(prompts), 0), dtype=torch.long)
-        lps = torch.stack(logps, 1).float().cpu() if logps else torch.zeros((len(prompts), 0))
-        out = []
-        for b, prompt in enumerate(prompts):
-            n = stop_at[b] or toks.shape[1]
-            if stop_at[b]:
-                finish = {"type": "stop", "matched": int(toks[b, n - 1])}
-            else:
-                finish = {"type": "length", "length": n}
-            out.append(Generation(list(prompt), toks[b, :n].tolist(), lps[b, :n].tolist(), finish, self.weight_version))
-        return out
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        self.engine.shutdown()
 
 
 def pack_generations(gens: list[Generation]) -> dict[str, np.ndarray]:
