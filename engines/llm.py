@@ -41,7 +41,7 @@ class KVCache:
 
 
 class DecoderLM:
-    """Prefill one prompt into cache slots; decode one token for many slots at once."""
+    """Prefill prompts into cache slots; decode one token for many slots at once."""
 
     def __init__(self, hf_model: torch.nn.Module):
         cfg = hf_model.config
@@ -103,22 +103,30 @@ class DecoderLM:
         return self.model.lm_head(rms_norm(x, self.model.model.norm.weight, self.eps)).float()
 
     @torch.no_grad()
-    def prefill(self, cache: KVCache, slots: list[int], prompt: list[int]) -> torch.Tensor:
-        """Run one prompt, store its keys/values in every slot of `slots` (requests sharing the prompt);
-        returns the logits [V] of the next token."""
-        ids = torch.tensor([prompt], device=self.device)
-        positions = torch.arange(len(prompt), device=self.device)
-        cos, sin = self._cos_sin(positions)
-        idx = torch.tensor(slots, device=self.device)
+    def prefill(self, cache: KVCache, slots: list[list[int]], prompts: list[list[int]]) -> torch.Tensor:
+        """Run prompts in one right-padded batch and store prompt i's keys/values in every slot of
+        `slots[i]` (requests sharing a prompt); returns the next-token logits [len(prompts), V]."""
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        width = int(lengths.max())
+        ids = torch.zeros((len(prompts), width), dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p, device=self.device)
+        cos, sin = self._cos_sin(torch.arange(width, device=self.device))
+        span = torch.arange(width, device=self.device)
+        # causal, and never a padded key: [N, 1, T, T]
+        visible = ((span[None, :] <= span[:, None])[None] & (span[None, None, :] < lengths[:, None, None]))[:, None]
+        rows = torch.tensor([i for i, group in enumerate(slots) for _ in group], device=self.device)
+        dest = torch.tensor([s for group in slots for s in group], device=self.device)
         x = self.model.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.model.layers):
             def attend(q, k, v, i=i):
-                cache.k[i][idx, :, : len(prompt)] = k[0]
-                cache.v[i][idx, :, : len(prompt)] = v[0]
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                # keys past a prompt's end are padding; decode masks them until it overwrites them
+                cache.k[i][dest, :, :width] = k[rows]
+                cache.v[i][dest, :, :width] = v[rows]
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
 
             x = self._layer(layer, x, cos, sin, attend)
-        return self._logits(x[0, -1])
+        return self._logits(x[torch.arange(len(prompts), device=self.device), lengths - 1])
 
     @torch.no_grad()
     def decode(self, cache: KVCache, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor

@@ -9,7 +9,7 @@ Weight updates take `engine.lock`, which the loop holds during a step, so weight
 
 from __future__ import annotations
 
-import itertools
+import logging
 import threading
 import uuid
 from collections import deque
@@ -72,8 +72,10 @@ class Request:
 
 class ContinuousBatchEngine:
     def __init__(self, lm: DecoderLM, tokenizer, max_running: int, max_len: int, trace: TraceRecorder,
-                 weight_version: Callable[[], int], weights_ready: Callable[[], bool]):
+                 weight_version: Callable[[], int], weights_ready: Callable[[], bool],
+                 max_prefill_tokens: int = 16384):
         self.lm, self.tokenizer, self.trace = lm, tokenizer, trace
+        self.max_prefill_tokens = max_prefill_tokens  # padded tokens per prefill forward
         self.max_running, self.max_len = max_running, min(max_len, lm.max_positions)
         self.weight_version, self.weights_ready = weight_version, weights_ready
         self.lock = threading.RLock()  # held for a whole step; weight updates take it between steps
@@ -148,6 +150,7 @@ class ContinuousBatchEngine:
                 with self.lock:
                     self._step()
             except Exception as exc:  # a failed step fails its requests, never the loop
+                logging.getLogger(__name__).exception("rollout engine step failed")
                 with self._cond:
                     for r in self._running:
                         self._free.append(r.slot)
@@ -158,6 +161,7 @@ class ContinuousBatchEngine:
     @torch.no_grad()
     def _step(self) -> None:
         for r in [r for r in self._running if r.abort_requested]:
+            self._running.remove(r)
             self._release(r)
             self._finish(r, {"type": "abort", "message": "Aborted by request"})
         self._admit()
@@ -210,12 +214,16 @@ class ContinuousBatchEngine:
                 else:
                     r.slot = self._free.pop()
                     admitted.append(r)
-        version = self.weight_version()
-        for prompt, group in itertools.groupby(sorted(admitted, key=lambda r: r.prompt), key=lambda r: r.prompt):
-            group = list(group)
-            logits = self.lm.prefill(self._cache, [r.slot for r in group], prompt)
-            for r in group:
-                r.logits, r.weight_version, r.start_us = logits, version, now_us()
+        version, start = self.weight_version(), now_us()
+        groups: dict[tuple[int, ...], list[Request]] = {}
+        for r in admitted:
+            groups.setdefault(tuple(r.prompt), []).append(r)
+        for chunk in _prefill_chunks(list(groups), self.max_prefill_tokens):
+            slots = [[r.slot for r in groups[p]] for p in chunk]
+            logits = self.lm.prefill(self._cache, slots, [list(p) for p in chunk])
+            for p, row in zip(chunk, logits, strict=True):
+                for r in groups[p]:
+                    r.logits, r.weight_version, r.start_us = row, version, start
         self._running.extend(admitted)
 
     def _reject(self, r: Request) -> Exception | None:
@@ -257,3 +265,17 @@ class ContinuousBatchEngine:
         r.future.set_result(Generation(list(r.prompt), r.output_ids, r.output_logprobs, reason,
                                        r.weight_version, r.rid,
                                        {"queued_us": r.queued_us, "start_us": r.start_us, "end_us": end}))
+
+
+def _prefill_chunks(prompts: list[tuple[int, ...]], budget: int) -> list[list[tuple[int, ...]]]:
+    """Consecutive groups of prompts whose padded batch (count x longest) stays within `budget` tokens."""
+    chunks: list[list[tuple[int, ...]]] = []
+    width = 0
+    for p in prompts:
+        if chunks and (len(chunks[-1]) + 1) * max(width, len(p)) <= budget:
+            chunks[-1].append(p)
+            width = max(width, len(p))
+        else:
+            chunks.append([p])
+            width = len(p)
+    return chunks
