@@ -20,7 +20,8 @@ COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 NO_OP = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "echo": False, "top_logprobs": 0, "tools": None,
          "tool_choice": None, "response_format": None, "logit_bias": None, "best_of": 1, "suffix": None,
-         "parallel_tool_calls": None}
+         "parallel_tool_calls": None, "no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False,
+         "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True}
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 

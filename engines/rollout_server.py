@@ -25,9 +25,11 @@ from engines.rollout_http import BadRequest, EngineClient, deserialize_named_ten
 
 # /generate fields the embedded server reads; others it accepts only at their no-op default
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream"}
+# (sglang-router 0.3.2 fills in model, background, no_logs, return_bytes, return_entropy, ... on every request)
 GENERATE_NO_OP = {"logprob_start_len": -1, "top_logprobs_num": 0, "return_text_in_logprobs": False,
                   "log_metrics": True, "return_hidden_states": False, "image_data": None, "lora_path": None,
-                  "custom_logit_processor": None, "session_params": None, "token_ids_logprob": None}
+                  "custom_logit_processor": None, "session_params": None, "token_ids_logprob": None, "model": None,
+                  "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
 
 
 def _body_error(exc: BadRequest) -> JSONResponse:
@@ -183,6 +185,7 @@ def build_app(backend) -> FastAPI:
         return Response(status_code=200)
 
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def get_model_info():
         cfg = backend.model.config
         return {"model_path": backend.model_path, "tokenizer_path": backend.model_path, "is_generation": True,
@@ -191,6 +194,7 @@ def build_app(backend) -> FastAPI:
                 "has_image_understanding": False, "has_audio_understanding": False}
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def get_server_info():
         engine = client.engine
         return {"model_path": backend.model_path, "tokenizer_path": backend.model_path,
