@@ -91,6 +91,7 @@ class RLSession:
         self._rows_taken: tuple[int, list[dict]] | None = None
         self._cursor_after: dict[int, dict] = {}  # data cursor state right after each step took its prompts
         self._tokenizer_lock = threading.Lock()  # the rollout thread and the main thread share the tokenizer
+        self.server_urls: list[str] = []  # rollout.http_server: each rollout worker's SGLang-compatible server
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
@@ -110,7 +111,10 @@ class RLSession:
         else:
             init_ray(cfg.cluster)
             train, rollout = _ray_groups(cfg, train_cls, train_kwargs, rollout_kwargs)
-        return cls(cfg, model_path, train, rollout)
+        session = cls(cfg, model_path, train, rollout)
+        if cfg.rollout.http_server:
+            session.server_urls = rollout.call("start_server")
+        return session
 
     def shutdown(self) -> None:
         self.train_group.shutdown()

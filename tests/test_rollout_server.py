@@ -371,3 +371,19 @@ def test_sglang_router_fronts_embedded_servers(model_dir):
         proc.wait(timeout=30)
         for b in backends:
             b.close()
+
+
+def test_session_starts_one_server_per_rollout_worker(recipe, tmp_path):
+    from engines.rl import RLSession, prepare_data, prepare_model
+
+    cfg = recipe(rollout={"num_workers": 2, "http_server": True})
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
+    urls = session.server_urls
+    assert len(urls) == 2 and len(set(urls)) == 2
+    for url in urls:
+        assert httpx.post(f"{url}/generate", json={"text": "12", "sampling_params": {"max_new_tokens": 2}}
+                          ).status_code == 200
+    session.shutdown()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{urls[0]}/health", timeout=5)
