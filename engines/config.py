@@ -66,7 +66,7 @@ class RolloutConfig(Section):
     batch_size: int = Field(512, gt=0, description="Sequences generated together per worker (KV-cache slots).")
     http_server: bool = Field(
         False, description="Every rollout worker also serves SGLang's HTTP routes on an ephemeral port "
-        "(docs/rollout.md); the session's `server_urls` lists them.",
+        "(docs/rollout.md); the session's `server_urls` lists them and `router.url` balances over them.",
     )
     device: Literal["cpu", "cuda"] | None = Field(None, description="Where rollout engines run; empty: train.device.")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="Weights and compute dtype of the rollout engine.")

@@ -92,6 +92,7 @@ class RLSession:
         self._cursor_after: dict[int, dict] = {}  # data cursor state right after each step took its prompts
         self._tokenizer_lock = threading.Lock()  # the rollout thread and the main thread share the tokenizer
         self.server_urls: list[str] = []  # rollout.http_server: each rollout worker's SGLang-compatible server
+        self.router = None  # ... and one least-loaded endpoint in front of them (engines/router.py)
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
@@ -113,10 +114,15 @@ class RLSession:
             train, rollout = _ray_groups(cfg, train_cls, train_kwargs, rollout_kwargs)
         session = cls(cfg, model_path, train, rollout)
         if cfg.rollout.http_server:
+            from engines.router import RolloutRouter
+
             session.server_urls = rollout.call("start_server")
+            session.router = RolloutRouter(session.server_urls)
         return session
 
     def shutdown(self) -> None:
+        if self.router is not None:
+            self.router.stop()
         self.train_group.shutdown()
         self.rollout_group.shutdown()
         shared = getattr(self.train_group, "placement_group", None)

@@ -387,3 +387,43 @@ def test_session_starts_one_server_per_rollout_worker(recipe, tmp_path):
     session.shutdown()
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{urls[0]}/health", timeout=5)
+
+
+def test_router_balances_broadcasts_and_retries(model_dir):
+    """Least-loaded: 4 concurrent long requests spread 2/2 over two workers; abort_all through the router
+    reaches both; with one worker's server gone, requests are retried on the other."""
+    from engines.router import RolloutRouter
+
+    backends = [TorchRolloutBackend(model_dir, threads=1, batch_size=4) for _ in range(2)]
+    router = RolloutRouter([b.start_server() for b in backends])
+    try:
+        started = [threading.Event() for _ in range(4)]
+        finals: list = [None] * 4
+
+        def run(i: int) -> None:
+            with httpx.Client(base_url=router.url, timeout=120) as own:
+                body = {"text": str(i), "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
+                finals[i] = _stream(own, body, on_first=started[i].set)[-2]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in started)
+        with httpx.Client(base_url=router.url, timeout=60) as http:
+            assert [w["in_flight"] for w in http.get("/workers").json()["workers"]] == [2, 2]
+            r = http.post("/abort_request", json={"abort_all": True})
+            assert r.status_code == 200 and r.json()["success"]
+            for t in threads:
+                t.join()
+            assert [f["meta_info"]["finish_reason"]["type"] for f in finals] == ["abort"] * 4
+
+            backends[0].server.stop()  # worker 0 is gone: its share is retried on worker 1
+            for i in range(3):
+                assert _gen(http, text=str(i), sampling_params={"max_new_tokens": 2})["meta_info"]["id"]
+            workers = http.get("/workers").json()["workers"]
+            assert workers[0]["healthy"] is False and workers[1]["healthy"] is True
+            assert http.get("/health").status_code == 200
+    finally:
+        router.stop()
+        for b in backends:
+            b.close()
