@@ -160,10 +160,11 @@ class ContinuousBatchEngine:
 
     @torch.no_grad()
     def _step(self) -> None:
-        for r in [r for r in self._running if r.abort_requested]:
-            self._running.remove(r)
-            self._release(r)
-            self._finish(r, {"type": "abort", "message": "Aborted by request"})
+        with self._cond:  # abort() reads the running list from other threads: change it under the condition
+            for r in [r for r in self._running if r.abort_requested]:
+                self._running.remove(r)
+                self._release(r)
+                self._finish(r, {"type": "abort", "message": "Aborted by request"})
         self._admit()
         if not self._running:
             return
@@ -189,7 +190,8 @@ class ContinuousBatchEngine:
             else:
                 self._release(r)
                 self._finish(r, reason)
-        self._running = still
+        with self._cond:
+            self._running = still
         if still:
             out = self.lm.decode(self._cache, torch.tensor([r.slot for r in still], device=self.lm.device),
                                  torch.tensor([r.output_ids[-1] for r in still], device=self.lm.device),
@@ -214,6 +216,7 @@ class ContinuousBatchEngine:
                 else:
                     r.slot = self._free.pop()
                     admitted.append(r)
+            self._running.extend(admitted)  # visible to abort() from now on; their logits come next
         version, start = self.weight_version(), now_us()
         groups: dict[tuple[int, ...], list[Request]] = {}
         for r in admitted:
@@ -224,7 +227,6 @@ class ContinuousBatchEngine:
             for p, row in zip(chunk, logits, strict=True):
                 for r in groups[p]:
                     r.logits, r.weight_version, r.start_us = row, version, start
-        self._running.extend(admitted)
 
     def _reject(self, r: Request) -> Exception | None:
         if not self.weights_ready():
