@@ -54,6 +54,9 @@ class LocalWorkerGroup:
         return list(handles)
 
     def shutdown(self) -> None:
+        for w in self.workers:  # a rollout backend stops its engine thread and HTTP server
+            if hasattr(w, "close"):
+                w.close()
         self.workers.clear()
 
 

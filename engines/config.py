@@ -69,7 +69,11 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     stop: list[str] = Field(default_factory=list, description="Stop strings besides the EOS token.")
-    batch_size: int = Field(512, gt=0, description="Sequences generated together per worker.")
+    batch_size: int = Field(512, gt=0, description="Sequences generated together per worker (KV-cache slots).")
+    http_server: bool = Field(
+        False, description="Every rollout worker also serves SGLang's HTTP routes on an ephemeral port "
+        "(docs/rollout.md); the session's `server_urls` lists them and `router.url` balances over them.",
+    )
     device: Literal["cpu", "cuda"] | None = Field(None, description="Where rollout engines run; empty: train.device.")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="Weights and compute dtype of the rollout engine.")
     off_policy_steps: int = Field(

@@ -111,6 +111,8 @@ class RLSession:
             self.trace.name_thread(lane, stage)
         self._step_start_us: dict[int, float] = {}  # when each step's first stage began (traced runs)
         self._trace_carry: list[list[dict]] = []  # events of the next step that a trace drained early
+        self.server_urls: list[str] = []  # rollout.http_server: each rollout worker's SGLang-compatible server
+        self.router = None  # ... and one least-loaded endpoint in front of them (engines/router.py)
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
@@ -140,9 +142,17 @@ class RLSession:
                 gpus = 1.0 if cfg.train.device == "cuda" else 0.0
                 critic = RayWorkerGroup(TorchTrainBackend, cfg.critic.num_workers, critic_kwargs,
                                         cfg.cluster.cpus_per_worker, f"{cfg.name}-critic", gpus)
-        return cls(cfg, model_path, train, rollout, critic)
+        session = cls(cfg, model_path, train, rollout, critic)
+        if cfg.rollout.http_server and n_rollout:
+            from engines.router import RolloutRouter
+
+            session.server_urls = rollout.call("start_server")
+            session.router = RolloutRouter(session.server_urls)
+        return session
 
     def shutdown(self) -> None:
+        if self.router is not None:
+            self.router.stop()
         self.train_group.shutdown()
         self.rollout_group.shutdown()
         if self.critic_group is not None:
