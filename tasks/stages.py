@@ -116,7 +116,7 @@ def trace_artifact(step: int) -> str:
     return f"traces/step_{step:06d}.json"
 
 
-@_stage("collect", "trace")
+@_stage("collect")
 def collect(run: RunContext, step: int) -> dict[str, float]:
     """Rejection sampling: generate and verify round `step`'s samples (or reuse the round a failed attempt
     committed), then make what rounds <= step accepted the SFT pool. Earlier rounds come from the store."""
