@@ -25,6 +25,12 @@ from engines.llm import DecoderLM, KVCache
 from engines.sampling import SamplingParams, row_params, sample_rows, scaled_logits
 from engines.trace import TraceRecorder, now_us
 
+QUEUE_TID = 0  # trace lane of queued requests and weight updates; KV-cache slot s is lane s + 1
+
+
+def slot_lane(slot: int) -> int:
+    return slot + 1
+
 
 @dataclass
 class Generation:
@@ -96,7 +102,7 @@ class ContinuousBatchEngine:
         with self._cond:
             for r in requests:
                 r.queued_us, r.weight_version = t, version
-                self.trace.instant("queued", tid="queue", args={"rid": r.rid, "prompt_tokens": len(r.prompt)},
+                self.trace.instant("queued", tid=QUEUE_TID, args={"rid": r.rid, "prompt_tokens": len(r.prompt)},
                                    ts_us=t)
             self._waiting.extend(requests)
             self._cond.notify()
@@ -181,7 +187,7 @@ class ContinuousBatchEngine:
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
             if len(r.output_ids) == 1:
-                self.trace.instant("first_token", tid=r.slot, args={"rid": r.rid})
+                self.trace.instant("first_token", tid=slot_lane(r.slot), args={"rid": r.rid})
             reason = self._finish_reason(r, tok)
             if r.on_token is not None:
                 r.on_token(r)
@@ -261,9 +267,10 @@ class ContinuousBatchEngine:
         args = {"rid": r.rid, "finish": reason["type"], "prompt_tokens": len(r.prompt),
                 "completion_tokens": len(r.output_ids), "weight_version": r.weight_version}
         if reason["type"] == "abort":
-            self.trace.instant("abort", tid=r.slot if r.slot >= 0 else "queue", args=args, ts_us=end)
+            self.trace.instant("abort", tid=slot_lane(r.slot) if r.slot >= 0 else QUEUE_TID, args=args,
+                               ts_us=end)
         if r.start_us:
-            self.trace.complete("request", r.start_us, end, tid=r.slot, args=args)
+            self.trace.complete("request", r.start_us, end, tid=slot_lane(r.slot), args=args)
         r.future.set_result(Generation(list(r.prompt), r.output_ids, r.output_logprobs, reason,
                                        r.weight_version, r.rid,
                                        {"queued_us": r.queued_us, "start_us": r.start_us, "end_us": end}))

@@ -20,7 +20,7 @@ import torch
 from engines.config import StorageConfig
 from engines.llm import DecoderLM
 from engines.model import load_model, load_tokenizer
-from engines.rollout_engine import ContinuousBatchEngine, Generation, Request, request_generator
+from engines.rollout_engine import QUEUE_TID, ContinuousBatchEngine, Generation, Request, request_generator
 from engines.sampling import SamplingParams
 from engines.trace import TraceRecorder
 from engines.weight_sync import get_bucket
@@ -48,6 +48,7 @@ class TorchRolloutBackend:
         self._released = False  # colocated: the weights' memory was given back (release_memory_occupation)
         # per-request timeline (engines/trace.py): off unless the run traces; the driver drains it
         self.trace = TraceRecorder(f"rollout-{rank}", enabled=trace)
+        self.trace.name_thread(QUEUE_TID, "queue, weight updates")  # then a lane per KV-cache slot
         self.engine = ContinuousBatchEngine(
             DecoderLM(self.model), self.tokenizer, max_running=batch_size, max_len=context_len, trace=self.trace,
             weight_version=lambda: self.weight_version, weights_ready=lambda: not self._released,
@@ -162,7 +163,7 @@ class TorchRolloutBackend:
     def _weights_updated(self, version: int, start_s: float) -> int:
         self.weight_version = version
         self.last_update_s = time.perf_counter() - start_s
-        self.trace.instant("weight_update", tid="weights", args={"version": version})
+        self.trace.instant("weight_update", tid=QUEUE_TID, args={"version": version})
         return version
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -119,8 +119,13 @@ def test_data_parallel_matches_single_worker(tiny_model_dir, ray_cluster):
         m.pop("worker_s")  # wall time, differs per rank
     assert m2[0] == pytest.approx(m2[1])  # every rank reports the global metrics
     assert m1["loss"] == pytest.approx(m2[0]["loss"], abs=1e-6)
+    # Adam divides each gradient by its own running magnitude, so an element whose gradient is ~0 moves by an
+    # amount that depends on the float summation order (2 shards + all-reduce vs 1 batch): compare each
+    # tensor's update with the update itself, to 1% of its largest element
+    start = dict(LocalWorkerGroup([TorchTrainBackend(tiny_model_dir, train, algo)]).call_rank0("named_tensors"))
     for (n, a), (_, b) in zip(single.call_rank0("named_tensors"), pair.call_rank0("named_tensors"), strict=True):
-        assert torch.allclose(a, b, atol=1e-6), n
+        step = (a - start[n]).abs().max()
+        assert (a - b).abs().max() <= 1e-2 * step + 1e-7, n
     pair.shutdown()
 
 
@@ -273,7 +278,7 @@ def test_samples_do_not_depend_on_batch_mates(tiny_model_dir):
 def test_request_joins_mid_batch_and_abort_keeps_its_tokens(tiny_model_dir):
     """At the 2nd token of a running request a second one is submitted (it joins the running batch and samples
     what it samples alone); at the 3rd the first is aborted and returns its 3 tokens."""
-    backend = TorchRolloutBackend(tiny_model_dir, threads=1)
+    backend = TorchRolloutBackend(tiny_model_dir, threads=1, trace=True)
     long = SamplingParams(max_new_tokens=20, ignore_eos=True)
     first = backend.requests([PROMPTS[0]], long, seed=1, rid="first")[0]
     joiner = backend.requests([PROMPTS[1]], SamplingParams(max_new_tokens=4, ignore_eos=True), seed=2)[0]

@@ -41,7 +41,7 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def embedded(model_dir):
-    backend = TorchRolloutBackend(model_dir, threads=1, batch_size=16)
+    backend = TorchRolloutBackend(model_dir, threads=1, batch_size=16, trace=True)
     backend.start_server()
     yield backend
     backend.close()
