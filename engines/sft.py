@@ -122,6 +122,10 @@ class SFTSession:
     def sync_weights(self, step: int) -> dict[str, float]:
         return self.rl.sync_weights(step)
 
+    def stage_span(self, stage: str, step: int):
+        """The stage's span on the run's trace timeline (tasks/stages.py wraps every stage in it)."""
+        return self.rl.stage_span(stage, step)
+
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
         return self.rl.evaluate(step)
 
