@@ -20,8 +20,9 @@ PLACEMENT_TIMEOUT_S = 300
 class LocalWorkerGroup:
     """Workers as plain objects in this process (one worker, or sequential calls for tests)."""
 
-    def __init__(self, workers: Sequence[Any]):
-        self.workers = list(workers)
+    def __init__(self, workers: Sequence[Any], factory: Callable[[int], Any] | None = None):
+        """`factory(rank)` builds a worker again for `restart`."""
+        self.workers, self.factory = list(workers), factory
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -36,6 +37,9 @@ class LocalWorkerGroup:
 
     def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.workers[0], method)(*args, **kwargs)
+
+    def call_one(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.workers[rank], method)(*args, **kwargs)
 
     def submit_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
         """call_each without waiting (here: it runs now); `wait` gives the results."""
@@ -53,7 +57,23 @@ class LocalWorkerGroup:
         """Results of `submit` handles (raises a worker's error)."""
         return list(handles)
 
+    def alive(self) -> list[bool]:
+        """In one process every worker object lives as long as the group."""
+        return [True] * len(self.workers)
+
+    def restart(self, rank: int) -> None:
+        """Replace worker `rank` by a fresh one (its old object is closed first)."""
+        if self.factory is None:
+            raise RuntimeError("LocalWorkerGroup.restart: this group was built without a factory")
+        old = self.workers[rank]
+        if hasattr(old, "close"):
+            old.close()
+        self.workers[rank] = self.factory(rank)
+
     def shutdown(self) -> None:
+        for w in self.workers:  # a rollout backend stops its engine thread and HTTP server
+            if hasattr(w, "close"):
+                w.close()
         self.workers.clear()
 
 
@@ -74,14 +94,39 @@ class RayWorkerGroup:
             placement_group = make_placement_group([bundle] * num_workers, f"{name}-pg")
         self.placement_group = placement_group
         actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(cls)
-        self.workers = [
-            actor_cls.options(
-                name=f"{name}-{rank}", max_concurrency=1,
+
+        def start(rank: int, name: str) -> Any:
+            return actor_cls.options(
+                name=name, max_concurrency=1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, rank),
             ).remote(**make_kwargs(rank))
-            for rank in range(num_workers)
-        ]
+
+        self._start, self._name, self._restarts = start, name, 0
+        self.workers = [start(rank, f"{name}-{rank}") for rank in range(num_workers)]
         ray.get([w.__ray_ready__.remote() for w in self.workers])  # surface constructor errors here
+
+    def alive(self, timeout_s: float = 10.0) -> list[bool]:
+        """Whether each actor still answers (a killed worker process raises at once)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        out = []
+        for ref in [w.__ray_ready__.remote() for w in self.workers]:
+            try:
+                ray.get(ref, timeout=timeout_s)
+                out.append(True)
+            except (RayActorError, GetTimeoutError):
+                out.append(False)
+        return out
+
+    def restart(self, rank: int) -> None:
+        """Replace actor `rank` by a fresh one in the same placement bundle (the old one is killed if alive)."""
+        import ray
+
+        ray.kill(self.workers[rank], no_restart=True)
+        self._restarts += 1
+        self.workers[rank] = self._start(rank, f"{self._name}-{rank}-restart{self._restarts}")
+        ray.get(self.workers[rank].__ray_ready__.remote())
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -97,9 +142,12 @@ class RayWorkerGroup:
         return ray.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args, strict=True)])
 
     def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.call_one(0, method, *args, **kwargs)
+
+    def call_one(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         import ray
 
-        return ray.get(getattr(self.workers[0], method).remote(*args, **kwargs))
+        return ray.get(getattr(self.workers[rank], method).remote(*args, **kwargs))
 
     def submit_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
         """call_each without waiting: one ObjectRef per worker, for `wait` (another group can work meanwhile)."""

@@ -8,6 +8,7 @@ Every section forbids unknown keys, so a typo is an error that names the field, 
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -59,8 +60,48 @@ class DataConfig(Section):
     )
 
 
+class SGLangConfig(Section):
+    """rollout.backend: sglang. Each rollout worker runs `python -m <launch_module> --model-path <model> --host
+    127.0.0.1 --port <free port> <args>` on the GPUs Ray gave it (docs/rollout.md)."""
+
+    launch_module: str = Field("sglang.launch_server", description="Module started with `python -m` as the server.")
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="SGLang's launch_server options, passed through untouched: `mem-fraction-static: 0.8` -> "
+        "`--mem-fraction-static 0.8`; true -> the bare flag; false or null -> left out; a list -> its values after "
+        "one flag. model-path, host and port are set by the worker.",
+    )
+    startup_timeout_s: float = Field(600, gt=0, description="Seconds to wait for the server's /health to answer 200.")
+
+    @model_validator(mode="after")
+    def _check_args(self) -> SGLangConfig:
+        taken = {"model-path", "model", "host", "port"} & {k.lstrip("-").replace("_", "-") for k in self.args}
+        if taken:
+            raise ValueError(f"rollout.sglang.args: {sorted(taken)} are set by the rollout worker; leave them out")
+        return self
+
+
+class DynamicSamplingConfig(Section):
+    """Over-sample prompts, drop groups whose rewards are all equal (they carry no group-relative signal), and
+    abort what is still generating once prompts_per_step groups are kept."""
+
+    enabled: bool = False
+    over_sample: float = Field(
+        1.5, ge=1.0, description="Prompts started per round, as a multiple of the groups still missing.")
+    max_prompts: int = Field(
+        0, ge=0, description="Give up filtering after this many prompts in a step and fill the batch with "
+        "dropped groups (0: 4 x prompts_per_step).")
+    partial_rollout: bool = Field(
+        False, description="Keep the generations cut short by the abort and continue them next step (with the "
+        "default rollout.fn); otherwise their prompts are started again next step. Finished surplus groups are "
+        "always kept for the next step.")
+
+
 class RolloutConfig(Section):
-    backend: Literal["torch"] = Field("torch", description="Rollout engine: the embedded PyTorch generator.")
+    backend: Literal["torch", "sglang"] = Field(
+        "torch", description="Rollout engine: the embedded PyTorch generator, or an SGLang server per worker "
+        "(rollout.sglang).")
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="The SGLang backend's server.")
     num_workers: int = Field(1, gt=0)
     prompts_per_step: int = Field(64, gt=0)
     samples_per_prompt: int = Field(8, gt=0, description="Group size for group-relative advantages.")
@@ -69,7 +110,15 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     stop: list[str] = Field(default_factory=list, description="Stop strings besides the EOS token.")
-    batch_size: int = Field(512, gt=0, description="Sequences generated together per worker.")
+    batch_size: int = Field(512, gt=0, description="Sequences generated together per worker (KV-cache slots).")
+    fn: str = Field(
+        "engines.rollout_fn:single_turn",
+        description="Import path of the async rollout function f(prompt, router_url, sampling_params) -> "
+        "list[Sample] (docs/rollout.md): multi-turn, tools and agents live there. The default generates "
+        "samples_per_prompt single-turn completions through SGLang's /generate.",
+    )
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=lambda: DynamicSamplingConfig(), description="DAPO-style group filtering (off by default).")
     device: Literal["cpu", "cuda"] | None = Field(None, description="Where rollout engines run; empty: train.device.")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="Weights and compute dtype of the rollout engine.")
     off_policy_steps: int = Field(
@@ -367,12 +416,19 @@ class StorageConfig(Section):
 
 
 class WeightSyncConfig(Section):
-    transport: Literal["ray", "store", "cuda_ipc", "nccl"] = Field(
+    transport: Literal["ray", "store", "disk", "cuda_ipc", "nccl"] = Field(
         "ray",
         description="ray: tensors go actor to actor through Ray's object store, bucket by bucket. store: rank 0 "
         "writes safetensors under the run store and rollout workers read them (works wherever the store does). "
+        "disk: rank 0 writes safetensors into a folder per version under disk_dir and every rollout worker loads "
+        "it (SGLang's /update_weights_from_disk). "
         "cuda_ipc (colocated GPUs): rollout workers copy straight from their train worker's parameters. "
         "nccl (separate GPUs): train rank 0 broadcasts buckets to the rollout workers over NCCL.",
+    )
+    disk_dir: str = Field(
+        default_factory=lambda: str(Path(tempfile.gettempdir()) / "rlflow-weights"),
+        description="transport disk: a local folder that train rank 0 and every rollout worker see (one node, or a "
+        "shared file system); versions go to <disk_dir>/<run>/weights/v<version>/ and are removed once loaded.",
     )
     bucket_mb: float = Field(64, gt=0, description="Size of one weight bucket, MiB.")
 
@@ -469,6 +525,10 @@ class RLConfig(Section):
         self._check_placement()
         self._check_debug()
         self._check_sft()
+        ds = self.rollout.dynamic_sampling
+        if ds.partial_rollout and ds.enabled and self.rollout.fn != "engines.rollout_fn:single_turn":
+            raise ValueError("rollout.dynamic_sampling.partial_rollout: continues cut-short generations of the "
+                             f"default rollout.fn only (engines.rollout_fn:single_turn), not {self.rollout.fn!r}")
         if self.model.hidden_size % self.model.num_heads or self.model.num_heads % self.model.num_kv_heads:
             raise ValueError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
         return self

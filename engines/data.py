@@ -92,11 +92,13 @@ class PromptCursor:
                 self._perm = list(range(self.num_prompts))
         return self._perm
 
-    def next_batch(self) -> list[int]:
-        """The next batch_size indices; a batch that runs past an epoch's end continues into the next epoch."""
+    def next_batch(self, size: int | None = None) -> list[int]:
+        """The next batch_size (or `size`) indices; a batch that runs past an epoch's end continues into the
+        next epoch."""
+        size = self.batch_size if size is None else size
         batch: list[int] = []
-        while len(batch) < self.batch_size:
-            take = min(self.batch_size - len(batch), self.num_prompts - self.offset)
+        while len(batch) < size:
+            take = min(size - len(batch), self.num_prompts - self.offset)
             batch += self._order()[self.offset : self.offset + take]
             self.offset += take
             if self.offset == self.num_prompts:

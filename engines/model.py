@@ -29,6 +29,9 @@ hf_logging.disable_progress_bar()
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = "0123456789+=SR"
 
+# the demo's chat template: BOS, then the messages' contents back to back (the vocabulary has no role words)
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -38,9 +41,11 @@ def build_char_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def build_tiny_model(cfg: ModelConfig, out_dir: str | Path, seed: int) -> Path:

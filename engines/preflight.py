@@ -11,6 +11,7 @@ from pathlib import Path
 from engines.config import RecipeError, RLConfig
 from engines.data import DataError, load_pairs, load_prompts
 from engines.rewards import RewardError, load_reward_fn
+from engines.rollout_fn import load_rollout_fn
 
 
 def find_problems(cfg: RLConfig) -> list[str]:
@@ -36,6 +37,10 @@ def find_problems(cfg: RLConfig) -> list[str]:
     try:
         load_reward_fn(cfg.reward.fn)
     except RewardError as e:
+        problems.append(str(e))
+    try:
+        load_rollout_fn(cfg.rollout.fn)
+    except (ValueError, TypeError) as e:
         problems.append(str(e))
     if cfg.train.backend == "megatron":
         problems += _megatron_problems(cfg)

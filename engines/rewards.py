@@ -49,28 +49,33 @@ def exact_match_reward(
     return [float(r.strip() == str(lab).strip()) for r, lab in zip(responses, labels, strict=True)]
 
 
-def load_reward_fn(path: str) -> RewardFn:
-    """Import "package.module:function" (or "package.module.function"); RewardError says which step failed."""
+def load_callable(path: str, field: str, error: type[Exception] = ValueError) -> Any:
+    """Import "package.module:function" (or "package.module.function") named by recipe field `field`; the
+    error says which step failed. User code (rewards, rollout functions) is only ever loaded this way."""
     if re.fullmatch(rf"{_DOTTED}:{_DOTTED}", path):
         module_name, attr = path.split(":")
     elif re.fullmatch(rf"{_DOTTED}\.[A-Za-z_]\w*", path):
         module_name, attr = path.rsplit(".", 1)
     else:
-        raise RewardError(f"reward.fn: {path!r} is not of the form 'package.module:function'")
+        raise error(f"{field}: {path!r} is not of the form 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
-        raise RewardError(
-            f"reward.fn: cannot import module {module_name!r} for {path!r}: {type(e).__name__}: {e}"
+        raise error(
+            f"{field}: cannot import module {module_name!r} for {path!r}: {type(e).__name__}: {e}"
         ) from e
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise RewardError(f"reward.fn: module {module_name!r} has no attribute {attr!r}")
+            raise error(f"{field}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise RewardError(f"reward.fn: {path!r} is not callable (it is a {type(obj).__name__})")
+        raise error(f"{field}: {path!r} is not callable (it is a {type(obj).__name__})")
     return obj
+
+
+def load_reward_fn(path: str) -> RewardFn:
+    return load_callable(path, "reward.fn", RewardError)
 
 
 def _name(fn: RewardFn) -> str:

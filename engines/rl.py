@@ -8,6 +8,8 @@ tensors stay here or in the workers. The Prefect flow calls these methods from t
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -23,13 +25,14 @@ from engines import algorithms
 from engines.batch import TrainBatch, batch_size, pack_samples, select, shard_for_workers
 from engines.builtin_tasks import write_task_files
 from engines.cluster import LocalWorkerGroup, RayWorkerGroup, free_port, init_ray, make_placement_group
-from engines.config import RLConfig
+from engines.config import RLConfig, StorageConfig
 from engines.data import PromptCursor, load_prompts
+from engines.dynamic_sampling import Carry, collect_groups
 from engines.evaluation import score
 from engines.model import DTYPES, build_tiny_model, encode_prompt, load_tokenizer
 from engines.rewards import compute_rewards, load_reward_fn
-from engines.rollout_torch import TorchRolloutBackend, concat_packed, split_packed
-from engines.sampling import SamplingParams
+from engines.rollout_fn import PromptSample, RolloutRunner, Sample, load_rollout_fn
+from engines.rollout_torch import TorchRolloutBackend, split_packed
 from engines.trace import TraceRecorder, chrome_trace, merge, now_us, within
 from engines.train_torch import TorchTrainBackend, with_train_logprobs
 from engines.weight_sync import connect_ipc, connect_nccl, plan_buckets, version_dir
@@ -43,13 +46,15 @@ class StepState:
     step: int
     rows: list[dict]
     prompt_ids: list[list[int]]
-    generated: dict  # flat arrays from engines.rollout_torch.pack_generations
+    generated: dict  # flat arrays (pack_groups): output_ids, output_logprobs, loss_mask, lengths, ...
+    texts: list[str | None] = field(default_factory=list)  # response text a rollout function gave, per sample
     responses: list[str] = field(default_factory=list)
     rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None  # [N], or [N, L] aligned with the packed batch (token-level estimators)
     train_logprobs: torch.Tensor | None = None  # the train engine's, when the advantages stage already needed them
     values: torch.Tensor | None = None  # [N, L] the critic's, aligned with the packed batch (with a critic)
     returns: torch.Tensor | None = None  # [N, L] GAE's value targets for the critic
+    behaviour_logprobs: torch.Tensor | None = None  # the train engine's, for samples that came without logprobs
 
 
 def prepare_data(cfg: RLConfig) -> None:
@@ -85,6 +90,9 @@ class RLSession:
         self.critic_group = critic_group  # the value model's train workers (role "critic"), when the run has one
         self.tokenizer = load_tokenizer(model_path)
         self.reward_fn = load_reward_fn(cfg.reward.fn)
+        self.rollout_fn = load_rollout_fn(cfg.rollout.fn)
+        self._fn_tokenizer = load_tokenizer(model_path)  # rollout functions' own: HF tokenizers are not thread-safe
+        self.runner: RolloutRunner | None = None  # runs rollout_fn against the router (set by create)
         self.train_rows = load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.label_key)
         self.eval_rows = (
             load_prompts(cfg.data.eval_path, cfg.data.prompt_key, cfg.data.label_key) if cfg.data.eval_path else []
@@ -103,7 +111,12 @@ class RLSession:
         self._gpu_link = False  # cuda_ipc / nccl: set up at the first sync
         self._rows_taken: tuple[int, list[dict]] | None = None
         self._cursor_after: dict[int, dict] = {}  # data cursor state right after each step took its prompts
+        self._carry: list[Carry] = []  # dynamic sampling: groups the last step's rollout carries into the next
+        self._carry_after: dict[int, list[dict]] = {}  # ... as they were right after each step's rollout
+        self._ds_begin: tuple[int, dict, list[dict]] | None = None  # cursor and carry before a dynamic rollout
         self._tokenizer_lock = threading.Lock()  # the rollout thread and the main thread share the tokenizer
+        self._heal_lock = threading.Lock()  # one replacement of dead rollout workers at a time
+        self.workers_restarted = 0
         self.replay = replay_source(cfg)
         # the driver's side of the timeline: one span per stage, a lane per stage (engines/trace.py)
         self.trace = TraceRecorder("driver", enabled=cfg.debug.trace_every > 0)
@@ -111,6 +124,8 @@ class RLSession:
             self.trace.name_thread(lane, stage)
         self._step_start_us: dict[int, float] = {}  # when each step's first stage began (traced runs)
         self._trace_carry: list[list[dict]] = []  # events of the next step that a trace drained early
+        self.server_urls: list[str] = []  # each rollout worker's SGLang-compatible server
+        self.router = None  # ... and one least-loaded endpoint in front of them (engines/router.py)
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
@@ -120,7 +135,7 @@ class RLSession:
         train_kwargs = _train_kwargs(cfg, model_path)
         rollout_kwargs = _rollout_kwargs(cfg, model_path)
         critic_kwargs = _critic_kwargs(cfg, model_path) if cfg.use_critic else None
-        train_cls = train_backend_class(cfg)
+        train_cls, rollout_cls = train_backend_class(cfg), rollout_backend_class(cfg)
         critic = None
         n_train = cfg.train.num_workers if cfg.debug.trains else 0  # debug modes start one kind of worker
         n_rollout = cfg.rollout.num_workers if cfg.debug.generates else 0
@@ -130,7 +145,8 @@ class RLSession:
             if n_train > 1 or (critic_kwargs and cfg.critic.num_workers > 1):
                 raise ValueError("train.num_workers / critic.num_workers > 1 need cluster.use_ray: true")
             train = LocalWorkerGroup([train_cls(**train_kwargs(r)) for r in range(n_train)])
-            rollout = LocalWorkerGroup([TorchRolloutBackend(**rollout_kwargs(r)) for r in range(n_rollout)])
+            rollout = LocalWorkerGroup([rollout_cls(**rollout_kwargs(r)) for r in range(n_rollout)],
+                                       factory=lambda r: rollout_cls(**rollout_kwargs(r)))
             if critic_kwargs:
                 critic = LocalWorkerGroup([TorchTrainBackend(**critic_kwargs(0))])
         else:
@@ -140,9 +156,20 @@ class RLSession:
                 gpus = 1.0 if cfg.train.device == "cuda" else 0.0
                 critic = RayWorkerGroup(TorchTrainBackend, cfg.critic.num_workers, critic_kwargs,
                                         cfg.cluster.cpus_per_worker, f"{cfg.name}-critic", gpus)
-        return cls(cfg, model_path, train, rollout, critic)
+        session = cls(cfg, model_path, train, rollout, critic)
+        if n_rollout:  # rollout functions talk HTTP to one router in front of every worker's server
+            from engines.router import RolloutRouter
+
+            session.server_urls = rollout.call("start_server")
+            session.router = RolloutRouter(session.server_urls)
+            session.runner = RolloutRunner(session.rollout_fn, session.router.url, n_rollout)
+        return session
 
     def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+        if self.router is not None:
+            self.router.stop()
         self.train_group.shutdown()
         self.rollout_group.shutdown()
         if self.critic_group is not None:
@@ -159,27 +186,81 @@ class RLSession:
         if self.replay is not None:
             return self.replay_rollout(step)
         t0 = time.perf_counter()
-        rows = self._take_rows(step)
-        group = self.cfg.rollout.samples_per_prompt
-        prompt_ids = [ids for r in rows for ids in [self._encode(r["prompt"])] * group]
-        gen = self._generate(prompt_ids, self._sampling(self.cfg.rollout.temperature), seed=self._seed(step))
-        self._open(StepState(step, rows, prompt_ids, gen))
-        metrics = _generation_metrics(gen)
+        metrics = self.replace_dead_rollout_workers()
+        if self.cfg.rollout.dynamic_sampling.enabled:
+            prompts, groups, metrics = self._dynamic_groups(step)
+            rows = [p.row for p in prompts]
+        else:
+            rows = self._take_rows(step)
+            prompts = self._prompt_samples(rows, self.cfg.rollout.samples_per_prompt, self._seed(step))
+            groups = self.runner.run(prompts, self._sampling(self.cfg.rollout.temperature))
+        st = self._state_from_groups(step, rows, prompts, groups)
+        self._open(st)
+        metrics |= _generation_metrics(st.generated)
         return metrics | {"rollout/tokens_per_s": metrics["rollout/tokens"] / (time.perf_counter() - t0)}
+
+    def _dynamic_groups(self, step: int) -> tuple[list[PromptSample], list[list[Sample]], dict[str, float]]:
+        """Dynamic sampling (engines/dynamic_sampling.py): prompts_per_step groups whose rewards differ, taking
+        prompts from the data as needed; what is left over carries into the next step. A retried rollout of
+        the same step starts again from the same cursor and carry."""
+        r, ds = self.cfg.rollout, self.cfg.rollout.dynamic_sampling
+        if self._ds_begin is None or self._ds_begin[0] != step:
+            self._ds_begin = (step, self.cursor.state_dict(), [c.to_json() for c in self._carry])
+        else:
+            self.cursor.load_state_dict(self._ds_begin[1])
+        carry = [Carry.from_json(c, self._fn_tokenizer) for c in self._ds_begin[2]]
+        taken = 0
+
+        def next_prompts(k: int) -> list[PromptSample]:
+            nonlocal taken
+            rows = [self.train_rows[i] for i in self.cursor.next_batch(k)]
+            prompts = self._prompt_samples(rows, r.samples_per_prompt, self._seed(step) + taken * r.samples_per_prompt)
+            for i, p in enumerate(prompts):
+                p.index = taken + i
+            taken += k
+            return prompts
+
+        async def score(prompt: PromptSample, samples: list[Sample]) -> list[float]:
+            texts = await asyncio.to_thread(self._responses, [s.response_ids for s in samples],
+                                            [s.response for s in samples])
+            for s, text in zip(samples, texts, strict=True):
+                s.response = text
+            given = np.array([np.nan if s.reward is None else s.reward for s in samples])
+            return await asyncio.to_thread(self._rewards, [prompt.prompt] * len(samples), texts,
+                                           [prompt.label] * len(samples), given)
+
+        collected = self.runner.submit(collect_groups(
+            self.rollout_fn, self.runner.name, self.runner.router_url, self._sampling(r.temperature),
+            r.prompts_per_step, next_prompts, score, carry, over_sample=ds.over_sample,
+            max_prompts=ds.max_prompts or 4 * r.prompts_per_step, partial=ds.partial_rollout))
+        self._carry = collected.carry
+        self._cursor_after[step] = self.cursor.state_dict()
+        self._carry_after[step] = [c.to_json() for c in self._carry]
+        return ([p for p, _ in collected.groups], [g for _, g in collected.groups], collected.metrics)
 
     def rollout_table(self, step: int) -> pa.Table:
         """The step's samples as one table (a row per sample): what the run store persists."""
         st = self._state(step)
         group = self.cfg.rollout.samples_per_prompt
         g = st.generated
+        meta = None
+        if self.cfg.rollout.dynamic_sampling.enabled:  # its prompts do not follow from the cursor: store both
+            meta = {"rlflow.cursor": json.dumps(self._cursor_after[step]),
+                    "rlflow.carry": json.dumps(self._carry_after[step])}
         return pa.table({
             "prompt": [r["prompt"] for r in st.rows for _ in range(group)],
+            "label": [json.dumps(r["label"]) for r in st.rows for _ in range(group)],
             "prompt_ids": st.prompt_ids,
             "output_ids": split_packed(g, "output_ids"),
             "output_logprobs": split_packed(g, "output_logprobs"),
+            "loss_mask": split_packed(g, "loss_mask"),
+            "has_logprobs": g["has_logprobs"],
+            "fn_reward": pa.array(g["fn_reward"], type=pa.float64(), from_pandas=True),  # NaN -> null
+            "text": pa.array(st.texts, type=pa.string()),
             "stopped": g["stopped"],
             "weight_version": g["weight_version"],
-        })
+            "carried": g["carried"],
+        }, metadata=meta)
 
     def replay_rollout(self, step: int) -> dict[str, float]:
         """Take step's batch from the replayed run's store, exactly as that run generated it."""
@@ -201,32 +282,34 @@ class RLSession:
 
     def restore_rollout(self, step: int, table: pa.Table) -> dict[str, float]:
         """Take a persisted batch as this step's rollout; the data cursor moves exactly as a fresh rollout would."""
-        rows = self._take_rows(step)
-        prompts = [r["prompt"] for r in rows for _ in range(self.cfg.rollout.samples_per_prompt)]
+        group = self.cfg.rollout.samples_per_prompt
+        if self.cfg.rollout.dynamic_sampling.enabled:
+            meta = table.schema.metadata or {}
+            if b"rlflow.cursor" not in meta:
+                raise RuntimeError(f"step {step}: the stored rollout batch has no dynamic-sampling cursor")
+            self.cursor.load_state_dict(json.loads(meta[b"rlflow.cursor"]))
+            self._cursor_after[step] = self.cursor.state_dict()
+            self._carry_after[step] = json.loads(meta[b"rlflow.carry"])
+            self._carry = [Carry.from_json(c, self._fn_tokenizer) for c in self._carry_after[step]]
+            prompts, labels = table.column("prompt").to_pylist(), table.column("label").to_pylist()
+            rows = [{"prompt": prompts[i], "label": json.loads(labels[i])} for i in range(0, len(prompts), group)]
+        else:
+            rows = self._take_rows(step)
+        prompts = [r["prompt"] for r in rows for _ in range(group)]
         if table.column("prompt").to_pylist() != prompts:
             raise RuntimeError(f"step {step}: the stored rollout batch was made from other prompts (data changed?)")
-        ids, lps = table.column("output_ids").to_pylist(), table.column("output_logprobs").to_pylist()
-        generated = {
-            "output_ids": np.array([t for x in ids for t in x], dtype=np.int64),
-            "output_logprobs": np.array([t for x in lps for t in x], dtype=np.float32),
-            "lengths": np.array([len(x) for x in ids], dtype=np.int64),
-            "stopped": table.column("stopped").to_numpy(zero_copy_only=False),
-            "weight_version": table.column("weight_version").to_numpy(),
-        }
-        self._open(StepState(step, rows, table.column("prompt_ids").to_pylist(), generated))
+        generated, texts = packed_from_table(table)
+        self._open(StepState(step, rows, table.column("prompt_ids").to_pylist(), generated, texts))
         return _generation_metrics(generated)
 
     def reward(self, step: int) -> dict[str, float]:
         st = self._state(step)
         group = self.cfg.rollout.samples_per_prompt
-        with self._tokenizer_lock:
-            st.responses = self.tokenizer.batch_decode(split_packed(st.generated, "output_ids"),
-                                                       skip_special_tokens=True)
+        st.responses = self._responses(split_packed(st.generated, "output_ids"), st.texts)
         prompts = [r["prompt"] for r in st.rows for _ in range(group)]
         labels = [r["label"] for r in st.rows for _ in range(group)]
-        st.rewards = torch.tensor(
-            compute_rewards(self.reward_fn, prompts, st.responses, labels, self.cfg.reward.kwargs), dtype=torch.float32
-        )
+        st.rewards = torch.tensor(self._rewards(prompts, st.responses, labels, st.generated["fn_reward"]),
+                                  dtype=torch.float32)
         return {
             "rollout/reward_mean": float(st.rewards.mean()),
             "rollout/reward_std": float(st.rewards.std()) if len(st.rewards) > 1 else 0.0,
@@ -304,8 +387,12 @@ class RLSession:
 
     def train(self, step: int) -> dict[str, float]:
         st = self._state(step)
-        staleness = self.weight_version - st.generated["weight_version"]
-        if staleness.max() > self.cfg.rollout.off_policy_steps:
+        known = st.generated["weight_version"] >= 0
+        staleness = self.weight_version - np.where(known, st.generated["weight_version"], self.weight_version)
+        # dynamic sampling's carried groups are older by design; samples without logprobs are trained on-policy
+        checked = ~st.generated["carried"] & st.generated["has_logprobs"]
+        fresh = staleness[checked]
+        if fresh.size and fresh.max() > self.cfg.rollout.off_policy_steps:
             raise RuntimeError(
                 f"step {step}: samples from weight version {st.generated['weight_version'].min()} are "
                 f"{staleness.max()} updates behind the trainer (version {self.weight_version}); "
@@ -339,6 +426,7 @@ class RLSession:
         if not self.cfg.debug.generates:  # train_only: no rollout workers; the version still counts updates
             self.weight_version = step + 1
             return {"sync/weight_version": float(self.weight_version)}
+        self.replace_dead_rollout_workers(probe=True)
         t0 = time.perf_counter()
         if self._weight_layout is None:
             self._weight_layout = self.train_group.call_rank0("weight_layout")
@@ -361,6 +449,13 @@ class RLSession:
         elif ws.transport == "ray":
             for names in buckets:
                 self._send_weights(names, version)
+        elif ws.transport == "disk":  # rank 0 writes the version's folder; every worker loads it, then it goes
+            disk, run = StorageConfig(uri=ws.disk_dir), self.cfg.name
+            for i, names in enumerate(buckets):
+                self._train_rank0("put_weights_to_store", disk, run, version, i, names)
+            folder = RunStore(disk, run)
+            self.rollout_group.call("update_weights_from_disk", folder.path(*version_dir(version)), version)
+            folder.remove(*version_dir(version))
         else:
             storage, run = self.cfg.storage, self.cfg.name
             for i, names in enumerate(buckets):
@@ -379,17 +474,17 @@ class RLSession:
         rows = self.eval_rows[: self.cfg.eval.max_prompts]
         if not rows:
             return {}, []
-        gen = self._generate([self._encode(r["prompt"]) for r in rows], self._sampling(self.cfg.eval.temperature),
-                             seed=self._seed(step) + 1)
-        responses = self.tokenizer.batch_decode(split_packed(gen, "output_ids"), skip_special_tokens=True)
-        rewards = compute_rewards(
-            self.reward_fn, [r["prompt"] for r in rows], responses, [r["label"] for r in rows], self.cfg.reward.kwargs
-        )
+        self.replace_dead_rollout_workers()
+        prompts = self._prompt_samples(rows, 1, 2**62 + self._seed(step))  # seeds apart from training's
+        gen = [g[0] for g in self.runner.run(prompts, self._sampling(self.cfg.eval.temperature))]
+        responses = self._responses([s.response_ids for s in gen], [s.response for s in gen])
+        fn_reward = np.array([np.nan if s.reward is None else s.reward for s in gen])
+        rewards = self._rewards([r["prompt"] for r in rows], responses, [r["label"] for r in rows], fn_reward)
         samples = [
             {"step": step, "prompt": r["prompt"], "response": s, "label": str(r["label"]), "reward": w}
             for r, s, w in zip(rows, responses, rewards, strict=True)
         ]
-        scored = score(rewards, gen["lengths"], n=1)
+        scored = score(rewards, np.array([len(s.response_ids) for s in gen]), n=1)
         metrics = {f"eval/{k}": scored[k] for k in ("reward_mean", "accuracy", "response_len_mean")}
         return metrics, samples
 
@@ -403,6 +498,25 @@ class RLSession:
             for p in range(min(k, len(st.rows)))
         ]
 
+    def replace_dead_rollout_workers(self, probe: bool = False) -> dict[str, float]:
+        """Restart every rollout worker that died: the router marked its server unreachable (its requests
+        were retried on the others), or, with `probe`, its actor no longer answers. The new worker gets the
+        current weights and takes the old one's place behind the router."""
+        if self.router is None:
+            return {}
+        with self._heal_lock:
+            alive = self.rollout_group.alive() if probe else [True] * len(self.rollout_group)
+            dead = [i for i, w in enumerate(self.router.workers) if not alive[i] or not w.healthy]
+            dead = [i for i in dead if not alive[i] or not _answers(self.router.workers[i].url)]
+            for i in dead:
+                self.rollout_group.restart(i)
+                self.router.replace(i, self.rollout_group.call_one(i, "start_server"))
+            if dead:
+                self._gpu_link = False  # GPU transports connect again, the new worker included
+                self._send_weights(None, self.weight_version)
+                self.workers_restarted += len(dead)
+        return {"rollout/workers_restarted": float(self.workers_restarted)} if self.workers_restarted else {}
+
     # ---- checkpoints ---------------------------------------------------------------------------------
     def save(self, path: str | Path, step: int) -> dict:
         """Every worker saves its state into `path`; returns the controller state to store beside it.
@@ -413,13 +527,15 @@ class RLSession:
         self.tokenizer.save_pretrained(Path(path) / "model")  # so model/ loads with transformers as it is
         if self.critic_group is not None:
             self.critic_group.call("save", str(Path(path) / "critic"))
-        return {"cursor": self._cursor_after[step], "weight_version": self.weight_version}
+        return {"cursor": self._cursor_after[step], "weight_version": self.weight_version,
+                "carry": self._carry_after.get(step, [])}
 
     def load(self, path: str | Path, controller_state: dict) -> None:
         self.train_group.call("load", str(path))
         if self.critic_group is not None:
             self.critic_group.call("load", str(Path(path) / "critic"))
         self.cursor.load_state_dict(controller_state["cursor"])
+        self._carry = [Carry.from_json(c, self._fn_tokenizer) for c in controller_state.get("carry", [])]
         self.weight_version = controller_state["weight_version"]
         if self.cfg.debug.generates:
             self._send_weights(None, self.weight_version)
@@ -483,12 +599,19 @@ class RLSession:
             del self._states[old]
         for old in [k for k in self._cursor_after if k < st.step - 1]:
             del self._cursor_after[old]
+        for old in [k for k in self._carry_after if k < st.step - 1]:
+            del self._carry_after[old]
 
     def _pack(self, st: StepState, advantages: torch.Tensor) -> TrainBatch:
-        return pack_samples(
-            st.prompt_ids, split_packed(st.generated, "output_ids"), split_packed(st.generated, "output_logprobs"),
-            advantages, self.tokenizer.pad_token_id,
-        )
+        g = st.generated
+        batch = pack_samples(st.prompt_ids, split_packed(g, "output_ids"), split_packed(g, "output_logprobs"),
+                             advantages, self.tokenizer.pad_token_id, split_packed(g, "loss_mask"))
+        if not g["has_logprobs"].all():  # a rollout function gave none: the samples count as on-policy
+            if st.behaviour_logprobs is None:
+                st.behaviour_logprobs = self._train_logprobs(batch)
+            missing = torch.as_tensor(~g["has_logprobs"])
+            batch["old_logprobs"][missing] = (st.behaviour_logprobs * batch["loss_mask"])[missing]
+        return batch
 
     def _train_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Per-token logprobs [N, L] of the train engine's policy (or reference), each worker on its slice."""
@@ -522,20 +645,105 @@ class RLSession:
         with self._tokenizer_lock:
             return encode_prompt(self.tokenizer, prompt, self.cfg.data.chat_template)
 
-    def _sampling(self, temperature: float) -> SamplingParams:
+    def _sampling(self, temperature: float) -> dict:
+        """SGLang sampling_params for a rollout function."""
         r = self.cfg.rollout
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p,
-                              top_k=r.top_k or -1, stop=r.stop)
+        return {"max_new_tokens": r.max_new_tokens, "temperature": temperature, "top_p": r.top_p,
+                "top_k": r.top_k or -1, "stop": list(r.stop)}
+
+    def _prompt_samples(self, rows: list[dict], n: int, seed: int) -> list[PromptSample]:
+        return [PromptSample(index=i, prompt=r["prompt"], label=r["label"], prompt_ids=self._encode(r["prompt"]),
+                             n=n, seed=seed + i * n, row=r, tokenizer=self._fn_tokenizer) for i, r in enumerate(rows)]
+
+    def _state_from_groups(self, step: int, rows: list[dict], prompts: list[PromptSample],
+                           groups: list[list[Sample]]) -> StepState:
+        prompt_ids, generated, texts = pack_groups(prompts, groups)
+        return StepState(step, rows, prompt_ids, generated, texts)
+
+    def _responses(self, output_ids: list, texts: list[str | None]) -> list[str]:
+        """The text the reward sees: what the rollout function gave, else the decoded response tokens."""
+        todo = [i for i, t in enumerate(texts) if t is None]
+        if not todo:
+            return list(texts)
+        with self._tokenizer_lock:
+            decoded = self.tokenizer.batch_decode([output_ids[i] for i in todo], skip_special_tokens=True)
+        out = list(texts)
+        for i, text in zip(todo, decoded, strict=True):
+            out[i] = text
+        return out
+
+    def _rewards(self, prompts: list[str], responses: list[str], labels: list, given: np.ndarray) -> list[float]:
+        """The recipe's reward for every sample whose rollout function did not score it (NaN in `given`)."""
+        todo = np.flatnonzero(np.isnan(given)).tolist()
+        out = given.astype(float).tolist()
+        if todo:
+            scored = compute_rewards(self.reward_fn, [prompts[i] for i in todo], [responses[i] for i in todo],
+                                     [labels[i] for i in todo], self.cfg.reward.kwargs)
+            for i, r in zip(todo, scored, strict=True):
+                out[i] = r
+        return out
 
     def _seed(self, step: int) -> int:
         return self.cfg.seed * 1_000_003 + step * 7919
 
-    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> dict:
-        """Split requests evenly over the rollout workers (one call per worker per batch)."""
-        n = len(self.rollout_group)
-        per = -(-len(prompt_ids) // n)
-        chunks = [(prompt_ids[i * per : (i + 1) * per], params, seed + i) for i in range(n)]
-        return concat_packed(self.rollout_group.call_each("generate_packed", chunks))
+
+def pack_groups(prompts: list[PromptSample], groups: list[list[Sample]]) -> tuple[list[list[int]], dict, list]:
+    """Samples as flat arrays (one Ray/parquet-friendly object instead of N Python objects): the prompt ids
+    per sample, the packed responses, and the texts the rollout function gave (None where it gave none)."""
+    pairs = [(p, s) for p, g in zip(prompts, groups, strict=True) for s in g]
+    samples = [s for _, s in pairs]
+    lengths = np.array([len(s.response_ids) for s in samples], dtype=np.int64)
+    total = int(lengths.sum())
+    generated = {
+        "output_ids": np.fromiter((t for s in samples for t in s.response_ids), dtype=np.int64, count=total),
+        "output_logprobs": np.fromiter((x for s in samples for x in (s.logprobs or [0.0] * len(s.response_ids))),
+                                       dtype=np.float32, count=total),
+        "loss_mask": np.fromiter((m for s in samples for m in (s.loss_mask or [1] * len(s.response_ids))),
+                                 dtype=np.float32, count=total),
+        "lengths": lengths,
+        "stopped": np.array([s.finish_reason == "stop" for s in samples], dtype=bool),
+        "weight_version": np.array([-1 if s.weight_version is None else s.weight_version for s in samples],
+                                   dtype=np.int64),  # -1: not known (a rollout function that gives no logprobs)
+        "has_logprobs": np.array([s.logprobs is not None for s in samples], dtype=bool),
+        "fn_reward": np.array([np.nan if s.reward is None else s.reward for s in samples], dtype=np.float64),
+        "carried": np.array([bool(s.metadata.get("carried")) for s in samples], dtype=bool),
+    }
+    prompt_ids = [list(s.prompt_ids if s.prompt_ids is not None else p.prompt_ids) for p, s in pairs]
+    return prompt_ids, generated, [s.response for s in samples]
+
+
+def packed_from_table(table: pa.Table) -> tuple[dict, list[str | None]]:
+    """pack_groups' arrays and texts back from a persisted rollout table (tables written before loss masks,
+    given rewards and texts were stored read as: all tokens trained, rollout logprobs, reward.fn scores)."""
+    ids, lps = table.column("output_ids").to_pylist(), table.column("output_logprobs").to_pylist()
+    n, names = len(ids), set(table.column_names)
+    masks = table.column("loss_mask").to_pylist() if "loss_mask" in names else [[1] * len(x) for x in ids]
+    given = table.column("fn_reward").to_pylist() if "fn_reward" in names else [None] * n
+    generated = {
+        "output_ids": np.array([t for x in ids for t in x], dtype=np.int64),
+        "output_logprobs": np.array([t for x in lps for t in x], dtype=np.float32),
+        "loss_mask": np.array([m for x in masks for m in x], dtype=np.float32),
+        "lengths": np.array([len(x) for x in ids], dtype=np.int64),
+        "stopped": table.column("stopped").to_numpy(zero_copy_only=False),
+        "weight_version": table.column("weight_version").to_numpy(),
+        "has_logprobs": (table.column("has_logprobs").to_numpy(zero_copy_only=False) if "has_logprobs" in names
+                         else np.ones(n, dtype=bool)),
+        "fn_reward": np.array([np.nan if r is None else r for r in given], dtype=np.float64),
+        "carried": (table.column("carried").to_numpy(zero_copy_only=False) if "carried" in names
+                    else np.zeros(n, dtype=bool)),
+    }
+    texts = table.column("text").to_pylist() if "text" in names else [None] * n
+    return generated, texts
+
+
+def _answers(url: str) -> bool:
+    """Whether a rollout server answers /health now (the router may have seen a passing failure)."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def _dedup_meta(events: list[dict]) -> list[dict]:
@@ -555,7 +763,7 @@ def _generation_metrics(gen: dict) -> dict[str, float]:
         "rollout/response_len_mean": n_tokens / len(gen["lengths"]),
         "rollout/tokens": float(n_tokens),
         "rollout/truncated": float(1 - gen["stopped"].mean()),
-        "rollout/weight_version": float(gen["weight_version"].min()),
+        "rollout/weight_version": float(gen["weight_version"].min()),  # -1: a rollout function did not say
     }
 
 
@@ -566,6 +774,18 @@ def train_backend_class(cfg: RLConfig) -> type:
 
         return MegatronTrainBackend
     return TorchTrainBackend
+
+
+def rollout_backend_class(cfg: RLConfig) -> type:
+    """The rollout backend the recipe names: the embedded engine, or an SGLang server per worker."""
+    if cfg.rollout.backend != "sglang":
+        return TorchRolloutBackend
+    if cfg.weight_sync.transport in ("cuda_ipc", "nccl"):
+        raise ValueError(f"weight_sync.transport: {cfg.weight_sync.transport} feeds the embedded engine only; "
+                         "rollout.backend sglang takes 'disk' (or 'ray' / 'store', through a folder of the worker's)")
+    from engines.rollout_sglang import SGLangRolloutBackend
+
+    return SGLangRolloutBackend
 
 
 def _train_kwargs(cfg: RLConfig, model_path: str):
@@ -598,6 +818,8 @@ def _critic_kwargs(cfg: RLConfig, model_path: str):
 
 def _rollout_kwargs(cfg: RLConfig, model_path: str):
     def make(rank: int) -> dict:
+        if cfg.rollout.backend == "sglang":
+            return dict(model_path=model_path, sglang=cfg.rollout.sglang, rank=rank, threads=cfg.train.threads)
         return dict(model_path=model_path, device=cfg.rollout_device, dtype=DTYPES[cfg.rollout.precision],
                     threads=cfg.train.threads, batch_size=cfg.rollout.batch_size,
                     trace=cfg.debug.trace_every > 0, rank=rank)
@@ -613,12 +835,16 @@ def _ray_groups(cfg: RLConfig, train_cls: type, train_kwargs, rollout_kwargs, n_
     cpus, name = cfg.cluster.cpus_per_worker, cfg.name
     train_gpus = 1.0 if cfg.train.device == "cuda" else 0.0
     rollout_gpus = 1.0 if cfg.rollout_device == "cuda" else 0.0
+    if cfg.rollout.backend == "sglang":  # one server's GPUs: its tensor x pipeline parallel size
+        from engines.rollout_sglang import gpus_per_server
+
+        rollout_gpus *= gpus_per_server(cfg.rollout.sglang.args)
     shared = None
     if cfg.cluster.colocate:
         shared = make_placement_group([{"CPU": 2 * cpus, "GPU": 1}] * cfg.train.num_workers, f"{name}-colocated-pg")
         train_gpus = rollout_gpus = 0.5
     train = (RayWorkerGroup(train_cls, n_train, train_kwargs, cpus, f"{name}-train", train_gpus, shared)
              if n_train else LocalWorkerGroup([]))
-    rollout = (RayWorkerGroup(TorchRolloutBackend, n_rollout, rollout_kwargs, cpus, f"{name}-rollout", rollout_gpus,
-                              shared) if n_rollout else LocalWorkerGroup([]))
+    rollout = (RayWorkerGroup(rollout_backend_class(cfg), n_rollout, rollout_kwargs, cpus, f"{name}-rollout",
+                              rollout_gpus, shared) if n_rollout else LocalWorkerGroup([]))
     return train, rollout

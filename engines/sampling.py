@@ -1,4 +1,9 @@
-"""Sampling parameters and token sampling, with SGLang's field names so the HTTP layer maps 1:1."""
+"""Sampling parameters and token sampling, with SGLang's field names so the HTTP layer maps 1:1.
+
+Every row of a batch carries its own parameters (a continuous batch mixes requests) and its own uniform
+random number (drawn from the request's generator), so what a request samples never depends on what
+else shares its batch.
+"""
 
 from __future__ import annotations
 
@@ -17,28 +22,43 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    n: int = Field(1, ge=1, description="Samples per prompt (each its own request).")
 
 
-def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Logits of the distribution the sample is drawn from; greedy (T=0) reports the T=1 distribution."""
+def scaled_logits(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """Logits of the distribution the sample is drawn from; greedy (T=0) reports the T=1 distribution.
+    `temperature` is one number or one per row of logits [B, V]."""
     logits = logits.float()
+    if isinstance(temperature, torch.Tensor):
+        return logits / torch.where(temperature > 0, temperature, 1.0)[:, None].to(logits)
     return logits / temperature if temperature > 0 else logits
 
 
-def sample_tokens(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row from temperature-scaled, top-k/top-p/min-p filtered logits [B, V]."""
-    if p.temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = scaled_logits(logits, p.temperature)
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, idx = probs.sort(dim=-1, descending=True)
-        drop = sorted_probs.cumsum(-1) - sorted_probs > p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_probs)
-    if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def row_params(params: list[SamplingParams], device) -> dict[str, torch.Tensor]:
+    """Per-row parameter tensors for `sample_rows`."""
+    return {
+        "temperature": torch.tensor([p.temperature for p in params], device=device),
+        "top_p": torch.tensor([p.top_p for p in params], device=device),
+        "top_k": torch.tensor([p.top_k for p in params], device=device),
+        "min_p": torch.tensor([p.min_p for p in params], device=device),
+    }
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of logits [B, V]: temperature, then top-k, top-p (on the top-k renormalised
+    probabilities) and min-p; greedy rows (T=0) take the argmax. Every filter keeps a prefix of the tokens
+    sorted by probability, so one sort serves all and the draw is an inverse-CDF lookup of `uniforms` [B]."""
+    vocab = logits.shape[-1]
+    z, order = scaled_logits(logits, temperature).sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=logits.device)[None]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)[:, None]
+    probs = torch.softmax(z.masked_fill(rank >= k, float("-inf")), dim=-1)
+    keep = (probs.cumsum(-1) - probs <= top_p[:, None]) & (rank < k)
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    kept = probs.masked_fill(~keep, 0.0).double()
+    cdf = kept.cumsum(-1)
+    pick = (cdf <= uniforms.double()[:, None] * cdf[:, -1:]).sum(-1)
+    pick = torch.minimum(pick, keep.sum(-1) - 1)  # a rounding at the top end stays inside the kept prefix
+    pick = torch.where(temperature > 0, pick, 0)  # greedy: the most likely token
+    return order.gather(-1, pick[:, None]).squeeze(-1)

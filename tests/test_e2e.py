@@ -50,7 +50,7 @@ def test_demo_learns_and_is_tracked(tmp_path):
     client = MlflowClient(cfg.tracking.uri)
     run = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])[0]
     assert run.info.status == "FINISHED"
-    assert run.data.params["train.lr"] == "0.001"
+    assert run.data.params["train.lr"] == str(cfg.train.lr)
     logged = client.get_metric_history(run.info.run_id, "rollout.reward_mean")
     assert [m.step for m in logged] == list(range(100))
     for key in ("train.loss", "train.grad_norm", "time.rollout", "time.train", "eval.reward_mean"):

@@ -119,8 +119,13 @@ def test_data_parallel_matches_single_worker(tiny_model_dir, ray_cluster):
         m.pop("worker_s")  # wall time, differs per rank
     assert m2[0] == pytest.approx(m2[1])  # every rank reports the global metrics
     assert m1["loss"] == pytest.approx(m2[0]["loss"], abs=1e-6)
+    # Adam divides each gradient by its own running magnitude, so an element whose gradient is ~0 moves by an
+    # amount that depends on the float summation order (2 shards + all-reduce vs 1 batch): compare each
+    # tensor's update with the update itself, to 1% of its largest element
+    start = dict(LocalWorkerGroup([TorchTrainBackend(tiny_model_dir, train, algo)]).call_rank0("named_tensors"))
     for (n, a), (_, b) in zip(single.call_rank0("named_tensors"), pair.call_rank0("named_tensors"), strict=True):
-        assert torch.allclose(a, b, atol=1e-6), n
+        step = (a - start[n]).abs().max()
+        assert (a - b).abs().max() <= 1e-2 * step + 1e-7, n
     pair.shutdown()
 
 
@@ -212,3 +217,86 @@ def test_session_token_advantages_kl_reward_and_is(recipe, tmp_path):
             assert abs(adv["adv/kl_penalty"]) < 1e-5
     assert abs(adv["adv/kl_penalty"]) > 1e-4  # one step (lr 0.05) later the policy has moved
     session.shutdown()
+
+
+# ----------------------------------------------------------------------------- the continuous-batching rollout engine
+
+
+def _arch_model(tmp_path, arch: str) -> str:
+    """A random 2-layer model of each family the engine's own forward implements (Qwen2: qkv bias; Qwen3: q/k
+    norm and a head_dim that is not hidden/heads)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = {"llama": lambda: LlamaConfig(**common),
+           "qwen2": lambda: Qwen2Config(**common),
+           "qwen3": lambda: Qwen3Config(**common, head_dim=16)}[arch]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # random biases / norm weights, so a forward that ignored them would differ
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    out = tmp_path / arch
+    model.save_pretrained(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_own_forward_matches_hf(tmp_path, arch):
+    from engines.llm import DecoderLM
+    from engines.model import load_model
+
+    hf = load_model(_arch_model(tmp_path, arch)).eval()
+    lm = DecoderLM(hf)
+    cache = lm.new_cache(slots=3, max_len=32)
+    prompts = [[1, 5, 9, 2, 7], [3, 3, 8]]
+    seqs = [list(p) for p in prompts]
+    with torch.no_grad():
+        last = list(lm.prefill(cache, [[0], [1, 2]], prompts))  # one padded batch; prompt 1 also fills slot 2
+        for _ in range(4):  # grow both sequences token by token; compare with HF on the whole sequence
+            for s, seq in enumerate(seqs):
+                ref = hf(torch.tensor([seq])).logits[0, -1]
+                assert (last[s] - ref).abs().max() < 1e-5, (arch, len(seq))
+            nxt = [int(x.argmax()) for x in last]
+            for seq, t in zip(seqs, nxt, strict=True):
+                seq.append(t)
+            out = lm.decode(cache, torch.tensor([0, 2]), torch.tensor(nxt), torch.tensor([len(s) - 1 for s in seqs]))
+            last = list(out)
+
+
+def test_samples_do_not_depend_on_batch_mates(tiny_model_dir):
+    p = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.9)
+    alone = TorchRolloutBackend(tiny_model_dir, threads=1, batch_size=1).generate(PROMPTS, p, seed=7)
+    together = TorchRolloutBackend(tiny_model_dir, threads=1, batch_size=8).generate(PROMPTS + [[1, 2, 3]], p, seed=7)
+    assert [g.output_ids for g in alone] == [g.output_ids for g in together[:3]]
+    for a, b in zip(alone, together, strict=False):
+        assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs, strict=True)) < 1e-5
+
+
+def test_request_joins_mid_batch_and_abort_keeps_its_tokens(tiny_model_dir):
+    """At the 2nd token of a running request a second one is submitted (it joins the running batch and samples
+    what it samples alone); at the 3rd the first is aborted and returns its 3 tokens."""
+    backend = TorchRolloutBackend(tiny_model_dir, threads=1, trace=True)
+    long = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    first = backend.requests([PROMPTS[0]], long, seed=1, rid="first")[0]
+    joiner = backend.requests([PROMPTS[1]], SamplingParams(max_new_tokens=4, ignore_eos=True), seed=2)[0]
+    joined_at: list[int] = []
+
+    def on_token(r):
+        if len(r.output_ids) == 2:
+            backend.engine.submit([joiner])
+        if len(r.output_ids) == 3:
+            backend.engine.abort("first")
+
+    first.on_token = on_token
+    joiner.on_token = lambda r: joined_at.append(len(first.output_ids)) if len(r.output_ids) == 1 else None
+    aborted = backend.engine.submit([first])[0].result(timeout=60)
+    assert aborted.finish_reason["type"] == "abort" and len(aborted.output_ids) == len(aborted.output_logprobs) == 3
+    assert joined_at == [3]  # the joiner's first token came in the step right after it was submitted
+    joined = joiner.future.result(timeout=60)
+    alone = backend.generate([PROMPTS[1]], SamplingParams(max_new_tokens=4, ignore_eos=True), seed=2)[0]
+    assert joined.output_ids == alone.output_ids and joined.finish_reason == {"type": "length", "length": 4}
+    assert [e["name"] for e in backend.drain_trace()].count("abort") == 1
+    backend.close()

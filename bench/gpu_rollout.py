@@ -1,0 +1,306 @@
+"""Rollout throughput on one GPU: our embedded engine against `transformers` generate, same weights.
+
+    PYTHONUNBUFFERED=1 python -m bench.gpu_rollout --out gpu_rollout.json
+
+A random-weight model of Qwen2-0.5B's shape (bf16, tied embeddings, full 151936 vocab) is saved as an HF
+directory with the demo's char tokenizer (prompts are random token ids, so the tokenizer only has to load).
+Both sides generate `--new-tokens` tokens for each of `--batch` prompts of `--prompt-len` random ids, with
+temperature 1.0 and no top-k/top-p, every request running to full length (ignore_eos / min_new_tokens).
+Each side is warmed up once with the full batch, then timed `--repeats` times; the median counts.
+
+The decode limit is what memory bandwidth allows: each decode step reads every weight once plus the keys
+and values of every running sequence; at the measured device-to-device copy bandwidth that gives the
+fewest seconds per step, hence the most output tokens/s (prefill not counted, so the limit is generous).
+
+`--size smoke` runs a tiny model on the CPU to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "0.5B": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2),
+    "smoke": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+}
+
+
+def build_model(size: str, out: Path, device: str) -> Path:
+    """Random Qwen2 of `size` in bf16 (HF directory) with the char tokenizer beside it."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from engines.model import build_char_tokenizer
+
+    cfg = Qwen2Config(tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096, **SHAPES[size])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    build_char_tokenizer().save_pretrained(out)
+    return out
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """GB/s of a device-to-device copy, bytes read plus bytes written (median of 10)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times[2:]) / 1e9
+
+
+def decode_limit(model: torch.nn.Module, batch: int, prompt_len: int, new_tokens: int, gb_per_s: float) -> dict:
+    """Output tokens/s if every decode step only had to read the weights and the live KV cache once."""
+    cfg = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: counted once
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2  # k and v, bf16
+    # step t (0-based) of decode attends over prompt_len + t + 1 positions for every sequence
+    kv_bytes = sum(batch * (prompt_len + t + 1) * kv_per_token for t in range(new_tokens - 1))
+    steps = new_tokens - 1  # the first token comes from prefill
+    seconds = (steps * weight_bytes + kv_bytes) / (gb_per_s * 1e9)
+    return {"weight_bytes": weight_bytes, "kv_bytes_mean_per_step": kv_bytes / steps,
+            "bytes_per_step": weight_bytes + kv_bytes / steps, "seconds": seconds,
+            "tokens_per_s": batch * steps / seconds}
+
+
+def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int, device: str,
+              profile: bool) -> dict:
+    from engines.rollout_torch import TorchRolloutBackend
+    from engines.sampling import SamplingParams
+
+    backend = TorchRolloutBackend(str(path), device=device, dtype=torch.bfloat16, batch_size=len(prompts),
+                                  context_len=len(prompts[0]) + new_tokens + 16)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    backend.generate(prompts, params, seed=0)  # warm-up: cache allocation, graph capture, kernels
+    sync(device)
+    warmup_s = time.perf_counter() - t0
+    times, tokens = [], 0
+    for i in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        gens = backend.generate(prompts, params, seed=1 + i)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        tokens = sum(len(g.output_ids) for g in gens)
+    assert tokens == len(prompts) * new_tokens, tokens
+    out = {"warmup_s": warmup_s, "seconds": times, "output_tokens": tokens,
+           "tokens_per_s": tokens / statistics.median(times),
+           "sample": [(g.prompt_ids, g.output_ids, g.output_logprobs) for g in gens[:8]]}
+    if profile and device == "cuda":
+        out["profile"] = kernel_profile(lambda: backend.generate(prompts, params.model_copy(
+            update={"max_new_tokens": 32}), seed=9))
+    backend.close()
+    return out
+
+
+def time_hf(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int, device: str
+            ) -> tuple[dict, torch.nn.Module]:
+    from engines.model import load_model
+
+    if device == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN's SDPA is far slower here; flash/efficient are used
+    model = load_model(path, dtype=torch.bfloat16, device=device).eval()
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, **kwargs)
+    sync(device)
+    warmup_s = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, **kwargs)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    assert tokens == len(prompts) * new_tokens, out.shape
+    result = {"warmup_s": warmup_s, "seconds": times, "output_tokens": tokens,
+              "tokens_per_s": tokens / statistics.median(times), "attention": model.config._attn_implementation}
+    return result, model
+
+
+def check_logprobs(device: str) -> dict:
+    """Correctness of the fast paths (graphs, overlapped decode, batched sampling) before timing them: a
+    small fp32 Qwen2 generates for more prompts than it has slots (requests join as others finish, with
+    different lengths, temperatures and filters); every logprob must match the HF forward of the same model
+    on the generated sequence."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from engines.model import build_char_tokenizer
+    from engines.rollout_torch import TorchRolloutBackend
+    from engines.sampling import SamplingParams
+
+    path = Path(tempfile.mkdtemp(prefix="rlflow-check-"))
+    cfg = Qwen2Config(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    build_char_tokenizer().save_pretrained(path)
+    backend = TorchRolloutBackend(str(path), device=device, dtype=torch.float32, batch_size=8, context_len=200)
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(3, 60, (24,), generator=g).tolist()
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lengths]
+    variants = [SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True),
+                SamplingParams(max_new_tokens=25, temperature=0.7, ignore_eos=True),
+                SamplingParams(max_new_tokens=33, temperature=0.9, top_k=50, top_p=0.9, ignore_eos=True),
+                SamplingParams(max_new_tokens=17, temperature=0.0, ignore_eos=True)]
+    requests = [backend.requests([p], variants[i % 4], seed=i)[0] for i, p in enumerate(prompts)]
+    gens = [f.result(timeout=120) for f in backend.engine.submit(requests)]
+    worst = 0.0
+    with torch.no_grad():
+        for r, gen in zip(requests, gens, strict=True):
+            ids = torch.tensor([gen.prompt_ids + gen.output_ids], device=device)
+            logits = backend.model(ids).logits[0, len(gen.prompt_ids) - 1 : -1].float()
+            t = r.params.temperature
+            logp = torch.log_softmax(logits / (t if t > 0 else 1.0), -1)
+            ref = logp.gather(-1, ids[0, len(gen.prompt_ids):, None])[:, 0].cpu()
+            worst = max(worst, float((ref - torch.tensor(gen.output_logprobs)).abs().max()))
+            assert len(gen.output_ids) == r.params.max_new_tokens, (len(gen.output_ids), r.params)
+            if t == 0:  # greedy: every token is the argmax of the reference
+                assert gen.output_ids == logits.argmax(-1).tolist()
+    backend.close()
+    return {"max_abs_logprob_diff_fp32": worst, "ok": worst < 1e-3}
+
+
+def hf_agreement(path: Path, gens_prompts: list[list[int]], gens_outputs: list[list[int]],
+                 gens_logprobs: list[list[float]], model: torch.nn.Module) -> dict:
+    """bf16 context: our rollout logprobs against the HF forward (bf16, sdpa) on the same sequences."""
+    diffs = []
+    with torch.no_grad():
+        for prompt, out, lps in zip(gens_prompts, gens_outputs, gens_logprobs, strict=True):
+            ids = torch.tensor([prompt + out], device=model.device)
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+            ref = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0].cpu()
+            diffs.append((ref - torch.tensor(lps)).abs())
+    d = torch.cat(diffs)
+    return {"sequences": len(diffs), "mean_abs_logprob_diff_bf16": float(d.mean()), "max": float(d.max())}
+
+
+def kernel_profile(fn) -> dict:
+    """GPU kernel time by kernel name for one call of `fn` (CUPTI sees kernels from every thread)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        rows = []
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = getattr(e, "self_cuda_time_total", 0)
+            if us > 0:
+                rows.append((e.key, us, e.count))
+        rows.sort(key=lambda r: -r[1])
+        busy = sum(us for _, us, _ in rows) / 1e6
+        return {"wall_s": wall, "gpu_busy_s": busy,
+                "top": [{"name": k[:120], "ms": us / 1e3, "count": c} for k, us, c in rows[:25]]}
+    except Exception as exc:  # the profile is context; a failure must not lose the timings
+        return {"error": repr(exc)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="0.5B", choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="also record the GPU kernels of a short run of ours")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--check", action="store_true", help="first check logprobs against HF on a small fp32 model")
+    ap.add_argument("--out", default="gpu_rollout.json")
+    args = ap.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    work = Path(tempfile.mkdtemp(prefix="rlflow-rollout-"))
+    path = build_model(args.size, work / "model", device)
+    g = torch.Generator().manual_seed(0)
+    vocab = SHAPES[args.size]["vocab_size"]
+    prompts = torch.randint(3, vocab, (args.batch, args.prompt_len), generator=g).tolist()
+    result: dict = {"date": time.strftime("%Y-%m-%d"), "size": args.size, "batch": args.batch,
+                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                    "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+                    "command": " ".join(["python -m bench.gpu_rollout", *sys.argv[1:]])}
+    import transformers
+
+    result["transformers"] = transformers.__version__
+
+    def save() -> None:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+    if args.check:
+        result["check"] = check_logprobs(device)
+        print(f"check: {result['check']}", flush=True)
+        save()
+    result["ours"] = time_ours(path, prompts, args.new_tokens, args.repeats, device, args.profile)
+    sample = result["ours"].pop("sample")
+    print(f"ours: {result['ours']['tokens_per_s']:.0f} tokens/s  ({result['ours']['seconds']})", flush=True)
+    save()
+    model = None
+    if not args.skip_hf:
+        result["hf"], model = time_hf(path, prompts, args.new_tokens, args.repeats, device)
+        print(f"hf:   {result['hf']['tokens_per_s']:.0f} tokens/s  ({result['hf']['seconds']})", flush=True)
+        result["ratio"] = result["ours"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+        result["agreement"] = hf_agreement(path, *zip(*sample, strict=True), model)
+        print(f"agreement with HF: {result['agreement']}", flush=True)
+        save()
+    if device == "cuda":
+        del model
+        torch.cuda.empty_cache()
+        gbps = copy_bandwidth()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+        result["copy_gb_per_s"] = gbps
+        result["decode_limit"] = decode_limit(meta, args.batch, args.prompt_len, args.new_tokens, gbps)
+        result["ours"]["fraction_of_limit"] = result["ours"]["tokens_per_s"] / result["decode_limit"]["tokens_per_s"]
+        print(f"decode limit: {result['decode_limit']['tokens_per_s']:.0f} tokens/s at {gbps:.0f} GB/s; ours at "
+              f"{100 * result['ours']['fraction_of_limit']:.1f}%", flush=True)
+    save()
+    prof = result["ours"].get("profile")
+    if prof and "top" in prof:
+        print(f"profile (32 new tokens): wall {prof['wall_s']:.3f} s, GPU busy {prof['gpu_busy_s']:.3f} s")
+        for row in prof["top"][:15]:
+            print(f"  {row['ms']:9.2f} ms  x{row['count']:<6} {row['name']}")
+    if "ratio" in result:
+        print(f"ratio: {result['ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

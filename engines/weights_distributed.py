@@ -1,0 +1,205 @@
+"""SGLang's distributed weight update, both ends: the embedded server's routes and the trainer's sender.
+
+SGLang's pair of routes, with its field names and meanings:
+
+- `POST /init_weights_update_group` {master_address, master_port, rank_offset, world_size, group_name,
+  backend}: the server joins a process group of its own (not its tensor-parallel one) as rank
+  `rank_offset` (SGLang: rank_offset + its TP rank); the trainer's sending rank is rank 0 and serves the
+  rendezvous (a TCP store on master_address:master_port). The call returns once every rank has joined, so
+  the trainer joins at the same time (`join_weights_update_group`).
+- `POST /update_weights_from_distributed` {names, dtypes, shapes, group_name, weight_version,
+  abort_all_requests, flush_cache}: the server receives one broadcast from rank 0 per name, in order, of
+  that dtype ("bfloat16", "float32", ...) and shape, and loads them (HF names). The trainer broadcasts at
+  the same time (`broadcast_weights`).
+- `POST /destroy_weights_update_group` {group_name}.
+
+The group is built the way SGLang builds it (a `tcp://` rendezvous, the store prefixed with the group name,
+torch's own process-group constructor), so the trainer's side here also pairs with a real SGLang server of
+the same torch version. Backend "gloo" moves CPU tensors (the embedded server on CPU, and the CPU tests);
+"nccl" GPU tensors. Nothing is pickled: only tensors travel over the group, names and shapes as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Iterable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from engines.rollout_http import BadRequest, EngineClient
+
+GROUP_NAME = "weight_update_group"  # SGLang's default
+INIT_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
+UPDATE_FIELDS = {
+    "names",
+    "dtypes",
+    "shapes",
+    "group_name",
+    "weight_version",
+    "abort_all_requests",
+    "flush_cache",
+    "load_format",
+}
+
+
+def join_weights_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str = GROUP_NAME,
+    backend: str = "gloo",
+    timeout_s: float = 300,
+) -> dist.ProcessGroup:
+    """Join (rank 0: create and serve the rendezvous of) a weight-update process group, as SGLang does. It is
+    separate from any default process group of this process, which it neither needs nor touches."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    options = (
+        "backend_options"
+        if "backend_options" in inspect.signature(_new_process_group_helper).parameters
+        else "pg_options"
+    )
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+        **{options: None},
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def broadcast_weights(group: dist.ProcessGroup, tensors: Iterable[torch.Tensor]) -> int:
+    """Rank 0 (the trainer): broadcast each tensor in order (what /update_weights_from_distributed receives;
+    each as it is: its dtype and shape are the ones named in that request). Returns the bytes sent."""
+    works, total = [], 0
+    for t in tensors:
+        t = t.detach().contiguous()
+        works.append(dist.broadcast(t, src=0, group=group, async_op=True))
+        total += t.numel() * t.element_size()
+    for w in works:
+        w.wait()
+    return total
+
+
+def destroy_weights_update_group(group: dist.ProcessGroup) -> None:
+    dist.destroy_process_group(group)
+
+
+def dtype_names(tensors: Iterable[torch.Tensor]) -> list[str]:
+    """The `dtypes` field for these tensors ("float32", "bfloat16", ...)."""
+    return [str(t.dtype).removeprefix("torch.") for t in tensors]
+
+
+def _dtype(name: object, where: str) -> torch.dtype:
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise BadRequest(f"{where}: {name!r} is not a torch dtype name (e.g. 'bfloat16', 'float32')")
+    return dtype
+
+
+def add_distributed_routes(app: FastAPI, backend, client: EngineClient) -> None:
+    """SGLang's distributed weight-update routes on the embedded server of `backend` (a TorchRolloutBackend)."""
+    from engines.rollout_server import _check_fields, _json, _update
+
+    groups: dict[str, dist.ProcessGroup] = {}
+    lock = threading.Lock()  # one collective at a time: a group's broadcasts must not interleave
+
+    def failed(message: str) -> JSONResponse:
+        return JSONResponse({"success": False, "message": message}, status_code=400)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body = await _json(request)
+        _check_fields(body, INIT_FIELDS, {}, "/init_weights_update_group")
+        missing = sorted({"master_address", "master_port", "rank_offset", "world_size"} - set(body))
+        if missing:
+            raise BadRequest(f"/init_weights_update_group: missing {missing}")
+        name, kind = str(body.get("group_name") or GROUP_NAME), str(body.get("backend") or "nccl")
+        if kind not in ("gloo", "nccl"):
+            raise BadRequest(f"backend: 'gloo' (CPU tensors) or 'nccl' (GPU tensors), got {kind!r}")
+        if (kind == "nccl") != (torch.device(backend.device).type == "cuda"):
+            raise BadRequest(
+                f"backend: {kind!r} does not fit the engine's device {backend.device!r} (nccl: cuda, gloo: cpu)"
+            )
+        if name in groups:
+            return failed(f"group {name!r} exists already (destroy it first)")
+
+        def join() -> dist.ProcessGroup:
+            return join_weights_update_group(
+                str(body["master_address"]),
+                int(body["master_port"]),
+                int(body["rank_offset"]),
+                int(body["world_size"]),
+                name,
+                kind,
+            )
+
+        try:
+            groups[name] = await asyncio.to_thread(join)
+        except Exception as exc:  # noqa: BLE001 - the rendezvous' error goes back to the caller
+            return failed(f"joining {name!r} failed: {type(exc).__name__}: {exc}")
+        return {"success": True, "message": f"joined {name!r} as rank {body['rank_offset']} of {body['world_size']}"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body = await _json(request)
+        _check_fields(body, UPDATE_FIELDS, {}, "/update_weights_from_distributed")
+        if body.get("load_format") is not None:
+            raise BadRequest(
+                f"load_format: the embedded server receives one broadcast per tensor (no {body['load_format']!r})"
+            )
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) or not (
+            len(names) == len(dtypes) == len(shapes)
+        ):
+            raise BadRequest("names, dtypes, shapes: three lists of the same length")
+        group = groups.get(str(body.get("group_name") or GROUP_NAME))
+        if group is None:
+            return failed(
+                f"no weight update group {body.get('group_name') or GROUP_NAME!r} (/init_weights_update_group first)"
+            )
+        device = backend.device if torch.device(backend.device).type == "cpu" else torch.cuda.current_device()
+        tensors = [
+            torch.empty([int(d) for d in shape], dtype=_dtype(dt, f"dtypes[{i}]"), device=device)
+            for i, (dt, shape) in enumerate(zip(dtypes, shapes, strict=True))
+        ]
+
+        def receive() -> None:
+            with lock:
+                works = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
+                for w in works:
+                    w.wait()
+
+        try:
+            await asyncio.to_thread(receive)
+        except Exception as exc:  # noqa: BLE001 - a broken group or a timeout goes back to the caller
+            return failed(f"receiving the broadcast failed: {type(exc).__name__}: {exc}")
+        return await _update(backend, client, body, dict(zip(names, tensors, strict=True)))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group_route(request: Request):
+        body = await _json(request)
+        _check_fields(body, {"group_name"}, {}, "/destroy_weights_update_group")
+        name = str(body.get("group_name") or GROUP_NAME)
+        group = groups.pop(name, None)
+        if group is None:
+            return failed(f"no weight update group {name!r}")
+        await asyncio.to_thread(destroy_weights_update_group, group)
+        return {"success": True, "message": f"destroyed {name!r}"}

@@ -1,0 +1,1 @@
+"""Example rollout functions (named by import path in a recipe's rollout.fn)."""

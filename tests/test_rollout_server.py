@@ -1,0 +1,429 @@
+"""The SGLang HTTP contract, against the embedded rollout server and (when one is reachable) a real SGLang.
+
+Every contract test runs against `server`, parametrised over:
+- "embedded": a TorchRolloutBackend started by this module, serving on an ephemeral port;
+- "sglang": a real SGLang server at $RLFLOW_SGLANG_URL. SGLang needs a GPU, so it cannot run here: those
+  cases are SKIPPED unless that variable names a running server (`-m sglang` selects only them).
+Tests that need the model's weights in this process (logprob parity with the train backend, tensor
+updates in our safetensors payload, trace events) run against the embedded server only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from engines.batch import pack_samples
+from engines.config import AlgorithmConfig, ModelConfig, TrainConfig
+from engines.model import build_tiny_model
+from engines.rollout_http import serialize_named_tensors
+from engines.rollout_torch import TorchRolloutBackend
+from engines.train_torch import TorchTrainBackend
+
+SGLANG_URL = os.environ.get("RLFLOW_SGLANG_URL")
+LONG = 1000  # tokens: long enough that an abort always lands while the request still runs
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """The tiny demo model, with room for LONG tokens."""
+    out = tmp_path_factory.mktemp("server_model")
+    build_tiny_model(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                 max_seq_len=LONG + 64), out, seed=0)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def embedded(model_dir):
+    backend = TorchRolloutBackend(model_dir, threads=1, batch_size=16, trace=True)
+    backend.start_server()
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(params=["embedded", pytest.param("sglang", marks=pytest.mark.sglang)])
+def server(request) -> str:
+    if request.param == "sglang":
+        if not SGLANG_URL:
+            pytest.skip("no SGLang server: set RLFLOW_SGLANG_URL to run the contract against a real one")
+        return SGLANG_URL.rstrip("/")
+    return request.getfixturevalue("embedded").server_url()
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server, timeout=120) as client:
+        yield client
+
+
+def _gen(http, **body) -> dict | list:
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream(http, body: dict, on_first=None) -> list[dict]:
+    """The events of a streamed /generate; `on_first()` is called once the first token arrived."""
+    events = []
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                events.append("[DONE]")
+                break
+            events.append(json.loads(line[len("data: "):]))
+            if on_first is not None and len(events) == 1:
+                on_first()
+    return events
+
+
+# ---------------------------------------------------------------------------------------------- information
+def test_health_and_info(http):
+    assert http.get("/health").status_code == 200
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] is True and info["model_path"]
+    assert isinstance(http.get("/get_server_info").json(), dict)
+
+
+# ---------------------------------------------------------------------------------------------- /generate
+def test_generate_text_with_logprobs(http):
+    out = _gen(http, text="12+3=", sampling_params={"max_new_tokens": 6, "temperature": 1.0}, return_logprob=True)
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == len(out["output_ids"]) <= 6 and meta["prompt_tokens"] > 0
+    assert meta["finish_reason"]["type"] in ("stop", "length") and "weight_version" in meta
+    lps = meta["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == out["output_ids"] and all(lp <= 0 for lp, _, _ in lps)
+
+
+def test_generate_batch_of_input_ids_and_n(http):
+    out = _gen(http, input_ids=[[1, 5, 6], [1, 7]], sampling_params={"max_new_tokens": 3, "n": 2})
+    assert isinstance(out, list) and len(out) == 4
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [3, 3, 2, 2]
+    single = _gen(http, input_ids=[1, 5, 6], sampling_params={"max_new_tokens": 3, "n": 3})
+    assert isinstance(single, list) and len(single) == 3
+
+
+def test_ignore_eos_and_length(http):
+    out = _gen(http, text="1", sampling_params={"max_new_tokens": 7, "ignore_eos": True})
+    assert len(out["output_ids"]) == 7 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 7}
+
+
+def test_greedy_is_repeatable_and_stops_at_a_token(http):
+    body = {"text": "31+2=", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    a, b = _gen(http, **body), _gen(http, **body)
+    assert a["output_ids"] == b["output_ids"]
+    first = a["output_ids"][0]
+    stopped = _gen(http, text="31+2=", sampling_params={"max_new_tokens": 8, "temperature": 0,
+                                                        "stop_token_ids": [first]})
+    assert stopped["output_ids"] == [first]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
+
+
+def test_stop_string_ends_the_text_before_it(http):
+    from transformers import AutoTokenizer
+
+    path = http.get("/get_model_info").json()["tokenizer_path"]
+    if not Path(path).is_dir():
+        pytest.skip(f"the server's tokenizer {path!r} is not a local directory")
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = _gen(http, text="31+2=", sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+               )["output_ids"]
+    pieces = [tok.decode([t], skip_special_tokens=True) for t in ids]
+    j = next((j for j in range(1, len(ids)) if pieces[j] and pieces[j] not in "".join(pieces[:j])), None)
+    if j is None:
+        pytest.skip(f"no usable stop string in the greedy output {pieces}")
+    out = _gen(http, text="31+2=", sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True,
+                                                     "stop": pieces[j]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pieces[j]}
+    assert out["output_ids"] == ids[: j + 1] and out["text"] == "".join(pieces[:j])
+
+
+def test_stream_is_cumulative_and_ends_with_done(http):
+    body = {"text": "12+", "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True}
+    events = _stream(http, body)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    final, whole = chunks[-1], _gen(http, **body)
+    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    assert final["output_ids"] == whole["output_ids"] and final["text"] == whole["text"]
+    assert len(final["meta_info"]["output_token_logprobs"]) == 5
+
+
+# ---------------------------------------------------------------------------------------------- batching and abort
+def test_request_joins_a_running_batch_and_abort_by_rid(http, server):
+    """A short request sent while a long one decodes finishes first (it joined the running batch); the long
+    one, aborted by rid, returns the tokens it had with finish_reason abort."""
+    long_body = {"text": "1", "rid": "long-1", "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
+    short: dict = {}
+
+    def send_short_then_abort():
+        with httpx.Client(base_url=server, timeout=120) as other:
+            short.update(_gen(other, text="2", sampling_params={"max_new_tokens": 3, "ignore_eos": True}))
+            assert other.post("/abort_request", json={"rid": "long-1"}).status_code == 200
+
+    helper = threading.Thread(target=send_short_then_abort)
+    events = _stream(http, long_body, on_first=helper.start)
+    helper.join()
+    final = events[-2]
+    assert short["meta_info"]["finish_reason"]["type"] == "length" and len(short["output_ids"]) == 3
+    assert final["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 1 <= len(final["output_ids"]) < LONG
+
+
+def test_abort_all(http, server):
+    started = [threading.Event() for _ in range(3)]
+    finals: list = [None] * 3
+
+    def run(i: int) -> None:
+        with httpx.Client(base_url=server, timeout=120) as own:
+            body = {"text": str(i), "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
+            finals[i] = _stream(own, body, on_first=started[i].set)[-2]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in started)
+    assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
+    for t in threads:
+        t.join()
+    assert [f["meta_info"]["finish_reason"]["type"] for f in finals] == ["abort"] * 3
+    assert all(len(f["output_ids"]) < LONG for f in finals)
+
+
+# ---------------------------------------------------------------------------------------------- weights and memory
+def test_flush_cache(http):
+    assert http.post("/flush_cache").status_code == 200
+
+
+def test_release_resume_and_update_from_disk(http, server):
+    path = http.get("/get_model_info").json()["model_path"]
+    greedy = {"text": "12+", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    before = _gen(http, **greedy)["output_ids"]
+    assert http.post("/release_memory_occupation", json={}).status_code == 200
+    assert http.post("/resume_memory_occupation", json={}).status_code == 200
+    r = http.post("/update_weights_from_disk", json={"model_path": path})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert _gen(http, **greedy)["output_ids"] == before
+
+
+def test_released_engine_refuses_generation(embedded):
+    with httpx.Client(base_url=embedded.server_url(), timeout=60) as http:
+        assert http.post("/release_memory_occupation").status_code == 200
+        r = http.post("/generate", json={"text": "1", "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 400 and "released" in r.json()["error"]["message"]
+        assert http.post("/resume_memory_occupation").status_code == 200
+        assert http.post("/update_weights_from_disk", json={"model_path": embedded.model_path}).json()["success"]
+
+
+def test_bad_requests_name_the_field(embedded):
+    with httpx.Client(base_url=embedded.server_url(), timeout=60) as http:
+        cases = [
+            ({"text": "1", "sampling_params": {"frequency_penalty": 0.5}}, "sampling_params.frequency_penalty"),
+            ({"text": "1", "sampling_params": {"max_new_token": 3}}, "sampling_params.max_new_token"),
+            ({"text": "1", "input_ids": [1]}, "exactly one of text or input_ids"),
+            ({"input_ids": "12"}, "input_ids"),
+        ]
+        for body, needle in cases:
+            r = http.post("/generate", json=body)
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], (body, r.text)
+        r = http.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["gASVAAAA"]})
+        assert r.status_code == 400 and "never unpickles" in r.json()["error"]["message"]
+        r = http.post("/update_weights_from_disk", json={"model_path": "/nonexistent"})
+        assert r.status_code == 400 and "model_path" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------------------------------- logprob parity
+def _train_logprobs(trainer: TorchTrainBackend, outs: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    prompts = [o["prompt_ids"] for o in outs]
+    outputs = [o["output_ids"] for o in outs]
+    served = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
+    batch = pack_samples(prompts, outputs, served, torch.zeros(len(outs)), pad_id)
+    mask = batch["loss_mask"].bool()
+    assert mask.sum() > 0
+    return trainer.forward_logprobs(batch)[mask], batch["old_logprobs"][mask]
+
+
+def test_generate_logprobs_match_the_train_backend_also_after_a_tensor_update(embedded, model_dir):
+    trainer = TorchTrainBackend(model_dir, TrainConfig(threads=1), AlgorithmConfig())
+    pad = embedded.tokenizer.pad_token_id
+    prompts = [[1, 5, 6, 7, 15], [1, 9, 15], [1, 4, 4, 8, 9, 10, 15]]
+    with httpx.Client(base_url=embedded.server_url(), timeout=120) as http:
+        def sample(version: str) -> list[dict]:
+            outs = _gen(http, input_ids=prompts, return_logprob=True,
+                        sampling_params={"max_new_tokens": 8, "temperature": 1.0, "top_k": 5, "n": 2})
+            assert all(o["meta_info"]["weight_version"] == version for o in outs)
+            return [o | {"prompt_ids": p} for o, p in zip(outs, [p for p in prompts for _ in range(2)], strict=True)]
+
+        train_lp, served_lp = _train_logprobs(trainer, sample("0"), pad)
+        assert (train_lp - served_lp).abs().max() <= 1e-5
+
+        # one training step, the new weights sent as base64 safetensors, then the two agree again
+        outs = sample("0")
+        batch = pack_samples([o["prompt_ids"] for o in outs], [o["output_ids"] for o in outs],
+                             [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs],
+                             torch.linspace(-1, 1, len(outs)), pad)
+        trainer.train_step(batch)
+        named = trainer.named_tensors()
+        half = len(named) // 2
+        payload = {"serialized_named_tensors": [serialize_named_tensors(named[:half]),
+                                                serialize_named_tensors(named[half:])],
+                   "load_format": "safetensors", "weight_version": "1"}
+        r = http.post("/update_weights_from_tensor", json=payload)
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+        train_lp, served_lp = _train_logprobs(trainer, sample("1"), pad)
+        assert (train_lp - served_lp).abs().max() <= 1e-5
+        assert http.get("/get_model_info").json()["weight_version"] == "1"
+        # back to the starting weights for the other tests
+        assert http.post("/update_weights_from_disk", json={"model_path": model_dir, "weight_version": 0}
+                         ).json()["success"]
+
+
+def test_trace_records_requests_and_weight_updates(embedded):
+    embedded.drain_trace()
+    with httpx.Client(base_url=embedded.server_url(), timeout=60) as http:
+        _gen(http, text="1", sampling_params={"max_new_tokens": 2})
+        http.post("/update_weights_from_disk", json={"model_path": embedded.model_path})
+    names = [e["name"] for e in embedded.drain_trace()]
+    for name in ("process_name", "queued", "first_token", "request", "weight_update"):
+        assert name in names, names
+    assert embedded.drain_trace() == []
+
+
+# ---------------------------------------------------------------------------------------------- OpenAI API
+def test_openai_client_completions_and_chat(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    done = client.completions.create(model=model, prompt="12+3=", max_tokens=5, temperature=0, logprobs=1,
+                                     extra_body={"ignore_eos": True})
+    choice = done.choices[0]
+    assert choice.finish_reason == "length" and done.usage.completion_tokens == 5
+    assert len(choice.logprobs.token_logprobs) == 5 and isinstance(choice.text, str)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "321"}], max_tokens=4,
+                                          n=2, temperature=1.0, seed=3)
+    assert len(chat.choices) == 2 and all(c.message.role == "assistant" for c in chat.choices)
+    assert chat.usage.completion_tokens > 0 and chat.choices[0].finish_reason in ("stop", "length")
+    streamed = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "321"}],
+                                              max_tokens=4, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True})
+    pieces = list(streamed)
+    text = "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
+    whole = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "321"}], max_tokens=4,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert text == whole.choices[0].message.content and pieces[-1].choices[0].finish_reason == "length"
+
+
+# ---------------------------------------------------------------------------------------------- sglang-router
+ROUTER_PYTHON = os.environ.get("RLFLOW_SGLANG_ROUTER_PYTHON")
+
+
+@pytest.mark.skipif(not ROUTER_PYTHON, reason="set RLFLOW_SGLANG_ROUTER_PYTHON to a python with sglang-router "
+                    "installed (it pins other fastapi/pydantic versions than this venv, so it lives in its own venv)")
+def test_sglang_router_fronts_embedded_servers(model_dir):
+    """sglang-router (checked with 0.3.2) in front of two embedded servers: generation and OpenAI routes go
+    through it round-robin; it does not forward /abort_request or the weight routes (404), so the rollout
+    manager calls those on every worker directly."""
+    import socket
+    import subprocess
+    import time
+
+    backends = [TorchRolloutBackend(model_dir, threads=1, batch_size=4) for _ in range(2)]
+    urls = [b.start_server() for b in backends]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([ROUTER_PYTHON, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--port",
+                             str(port), "--policy", "round_robin", "--log-level", "warn"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            for _ in range(600):
+                try:
+                    if http.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+            for backend in backends:
+                backend.drain_trace()
+            for i in range(4):
+                out = _gen(http, text=str(i), sampling_params={"max_new_tokens": 3}, return_logprob=True)
+                assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+            chat = http.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2,
+                                                           "messages": [{"role": "user", "content": "1"}]})
+            assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
+            queued = [sum(e["name"] == "queued" for e in b.drain_trace()) for b in backends]
+            assert sum(queued) == 5 and min(queued) >= 2
+            assert http.post("/abort_request", json={"abort_all": True}).status_code == 404
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        for b in backends:
+            b.close()
+
+
+def test_session_starts_one_server_per_rollout_worker(recipe, tmp_path):
+    from engines.rl import RLSession, prepare_data, prepare_model
+
+    cfg = recipe(rollout={"num_workers": 2})
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
+    urls = session.server_urls
+    assert len(urls) == 2 and len(set(urls)) == 2
+    for url in urls:
+        assert httpx.post(f"{url}/generate", json={"text": "12", "sampling_params": {"max_new_tokens": 2}}
+                          ).status_code == 200
+    session.shutdown()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{urls[0]}/health", timeout=5)
+
+
+def test_router_balances_broadcasts_and_retries(model_dir):
+    """Least-loaded: 4 concurrent long requests spread 2/2 over two workers; abort_all through the router
+    reaches both; with one worker's server gone, requests are retried on the other."""
+    from engines.router import RolloutRouter
+
+    backends = [TorchRolloutBackend(model_dir, threads=1, batch_size=4) for _ in range(2)]
+    router = RolloutRouter([b.start_server() for b in backends])
+    try:
+        started = [threading.Event() for _ in range(4)]
+        finals: list = [None] * 4
+
+        def run(i: int) -> None:
+            with httpx.Client(base_url=router.url, timeout=120) as own:
+                body = {"text": str(i), "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
+                finals[i] = _stream(own, body, on_first=started[i].set)[-2]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in started)
+        with httpx.Client(base_url=router.url, timeout=60) as http:
+            assert [w["in_flight"] for w in http.get("/workers").json()["workers"]] == [2, 2]
+            r = http.post("/abort_request", json={"abort_all": True})
+            assert r.status_code == 200 and r.json()["success"]
+            for t in threads:
+                t.join()
+            assert [f["meta_info"]["finish_reason"]["type"] for f in finals] == ["abort"] * 4
+
+            backends[0].server.stop()  # worker 0 is gone: its share is retried on worker 1
+            for i in range(3):
+                assert _gen(http, text=str(i), sampling_params={"max_new_tokens": 2})["meta_info"]["id"]
+            workers = http.get("/workers").json()["workers"]
+            assert workers[0]["healthy"] is False and workers[1]["healthy"] is True
+            assert http.get("/health").status_code == 200
+    finally:
+        router.stop()
+        for b in backends:
+            b.close()
