@@ -68,8 +68,10 @@ def test_sft_examples_mask_the_prompt_and_end_with_eos():
     [chat] = tokenize_pairs(tok, [{"prompt": "31", "response": "13"}], chat_template=True, add_eos=False)
     assert chat.prompt_ids == ex.prompt_ids and chat.response_ids == [5, 7]
     assert encode_prompt(tok, "31", True) == ex.prompt_ids
+    bare = build_char_tokenizer()
+    bare.chat_template = None  # the demo tokenizer has one (engines/model.py); a tokenizer without it is refused
     with pytest.raises(ValueError, match="no chat template"):
-        encode_prompt(build_char_tokenizer(), "31", True)
+        encode_prompt(bare, "31", True)
 
 
 def test_data_make_writes_sft_pairs(tmp_path):
