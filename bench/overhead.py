@@ -6,6 +6,9 @@ and as a bare loop over the same engine classes in one process, side by side in 
 Step time is wall time between consecutive step ends (everything between them counts: tasks, actor
 calls, metric logging). The first `--warmup` steps of each are dropped. Bare and full runs alternate
 `--repeats` times; prints `ratio: X`, the median full step over the median bare step of all repeats.
+It also prints the CPU seconds per step of the controller (this process: the flow, the router, the rollout
+function's HTTP client, MLflow's logging threads) and of the temporary Prefect server (Linux /proc), which
+is what orchestration takes from the cores the workers compute on.
 """
 
 from __future__ import annotations
@@ -25,8 +28,36 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from bench.bare_loop import run_bare  # noqa: E402
 from engines.config import load_recipe  # noqa: E402
+from flows.serve import use_prefect_server_defaults  # noqa: E402
+
+use_prefect_server_defaults()  # the full stack as `rlflow run` starts it
 
 STAGES = ("rollout", "reward", "advantages", "train", "sync")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _prefect_server_pid() -> int | None:
+    """The temporary Prefect server this process started (None when PREFECT_API_URL names another)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if parent == os.getpid() and b"prefect.server" in cmd:
+            return int(stat.parent.name)
+    return None
+
+
+def _cpu_per_step(samples: list[dict[str, float]], warmup: int, last: int) -> dict[str, float]:
+    """CPU seconds per step of each process over the steps whose times count."""
+    a, b = samples[warmup], samples[last - 1]
+    return {k: (b[k] - a[k]) / (last - 1 - warmup) for k in a}
 
 
 def _step_times(ends: list[float], warmup: int) -> list[float]:
@@ -51,14 +82,23 @@ def _start_prefect(settle_s: float = 10.0) -> None:
     time.sleep(settle_s)
 
 
-def run_full(cfg) -> tuple[list[dict], list[float]]:
+def _sample_cpu(server: int | None) -> dict[str, float]:
+    out = {"controller": _cpu_s(os.getpid())}
+    if server is not None:
+        out["prefect server"] = _cpu_s(server)
+    return out
+
+
+def run_full(cfg, cpu: list[dict[str, float]]) -> tuple[list[dict], list[float]]:
     from flows.post_train import post_train
     from tasks.run_context import STEP_LISTENERS
 
     history, ends = [], []
+    server = _prefect_server_pid()
 
     def listen(step, m):
         ends.append(time.perf_counter())
+        cpu.append(_sample_cpu(server))
         history.append(m)
 
     STEP_LISTENERS.append(listen)
@@ -85,6 +125,7 @@ def main() -> None:
     steps: dict[str, list[float]] = {"bare": [], "full": []}
     rows: dict[str, list[dict]] = {"bare": [], "full": []}
     per_repeat = []
+    cpu: dict[str, list[dict[str, float]]] = {"bare": [], "full": []}  # CPU s per step, one dict per repeat
     _start_prefect()
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
@@ -93,11 +134,18 @@ def main() -> None:
             cfg = load_recipe(args.recipe, overrides)
             cfg = cfg.model_copy(update={"name": f"{cfg.name}-overhead-{rep}"})
             ends: list[float] = []
-            hist = run_bare(cfg, tmp, log=lambda line, ends=ends: ends.append(time.perf_counter()))
-            runs = {"bare": (hist, ends), "full": run_full(cfg)}
+            samples: dict[str, list[dict[str, float]]] = {"bare": [], "full": []}
+
+            def log_bare(line: str, ends=ends, samples=samples["bare"]) -> None:
+                ends.append(time.perf_counter())
+                samples.append(_sample_cpu(None))
+
+            hist = run_bare(cfg, tmp, log=log_bare)
+            runs = {"bare": (hist, ends), "full": run_full(cfg, samples["full"])}
             for kind, (hist, ends) in runs.items():
                 steps[kind] += _step_times(ends[:last], args.warmup)
                 rows[kind] += hist[args.warmup + 1 : last]
+                cpu[kind].append(_cpu_per_step(samples[kind], args.warmup, last))
             per_repeat.append(statistics.median(_step_times(runs["full"][1][:last], args.warmup))
                               / statistics.median(_step_times(runs["bare"][1][:last], args.warmup)))
 
@@ -111,11 +159,15 @@ def main() -> None:
         "ratio_per_repeat": per_repeat,
         "bare_stages_s": _stage_medians(rows["bare"]),
         "full_stages_s": _stage_medians(rows["full"]),
+        "cpu_s_per_step": {kind: {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+                           for kind, reps in cpu.items()},
     }
     print(f"{'stage (median)':<20}{'bare s':>10}{'full s':>10}")
     for s in result["bare_stages_s"]:
         print(f"{s:<20}{result['bare_stages_s'][s]:>10.4f}{result['full_stages_s'][s]:>10.4f}")
     print(f"{'step':<20}{result['bare_step_s']:>10.4f}{result['full_step_s']:>10.4f}")
+    for kind, procs in result["cpu_s_per_step"].items():
+        print(f"cpu s per step, {kind}: " + ", ".join(f"{k} {v:.3f}" for k, v in procs.items()))
     print("ratio per repeat: " + ", ".join(f"{r:.3f}" for r in per_repeat))
     print(f"ratio: {result['ratio']:.3f}")
     if args.json:

@@ -6,8 +6,9 @@ mask over response tokens selects exactly the logprobs the policy is trained on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 TrainBatch = dict[str, torch.Tensor]
@@ -27,21 +28,34 @@ def pack_samples(
     token-level estimators produce from a batch packed the same way).
     """
     n = len(prompt_ids)
-    width = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True))
+    p_len = np.fromiter(map(len, prompt_ids), dtype=np.int64, count=n)
+    r_len = np.fromiter(map(len, response_ids), dtype=np.int64, count=n)
+    _check_lengths(response_logprobs, r_len, "response_logprobs")
+    if response_masks is not None:
+        _check_lengths(response_masks, r_len, "response_masks")
+    total = p_len + r_len
+    width = int(total.max())
     if advantages.shape not in ((n,), (n, width)):
         raise ValueError(f"pack_samples: advantages of shape {tuple(advantages.shape)}; expected ({n},) or "
                          f"({n}, {width})")
+    # one scatter per tensor instead of a few small tensor writes per sample: (row, column) of every token,
+    # prompt then response, row after row; the response positions in that order match the flat responses
+    rows = np.repeat(np.arange(n), total)
+    cols = np.arange(int(total.sum())) - np.repeat(np.cumsum(total) - total, total)
+    in_response = cols >= np.repeat(p_len, total)
+    tokens = _flat((x for p, r in zip(prompt_ids, response_ids, strict=True) for x in (p, r)), np.int64)
+    resp_rows, resp_cols = torch.from_numpy(rows[in_response]), torch.from_numpy(cols[in_response])
+    rows, cols = torch.from_numpy(rows), torch.from_numpy(cols)
+
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    input_ids[rows, cols] = torch.from_numpy(tokens)
     attention_mask = torch.zeros((n, width), dtype=torch.long)
+    attention_mask[rows, cols] = 1
     loss_mask = torch.zeros((n, width), dtype=torch.float32)
+    loss_mask[resp_rows, resp_cols] = 1.0 if response_masks is None else torch.from_numpy(
+        _flat(response_masks, np.float32))
     old_logprobs = torch.zeros((n, width), dtype=torch.float32)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
-        lp, lr = len(p), len(r)
-        input_ids[i, : lp + lr] = torch.tensor(list(p) + list(r), dtype=torch.long)
-        attention_mask[i, : lp + lr] = 1
-        mask = torch.ones(lr) if response_masks is None else torch.tensor(response_masks[i], dtype=torch.float32)
-        loss_mask[i, lp : lp + lr] = mask
-        old_logprobs[i, lp : lp + lr] = torch.tensor(response_logprobs[i], dtype=torch.float32)
+    old_logprobs[resp_rows, resp_cols] = torch.from_numpy(_flat(response_logprobs, np.float32))
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
@@ -49,6 +63,19 @@ def pack_samples(
         "old_logprobs": old_logprobs,
         "advantages": advantages.float(),
     }
+
+
+def _flat(seqs: Iterable[Sequence], dtype) -> np.ndarray:
+    parts = [np.asarray(x, dtype=dtype) for x in seqs]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _check_lengths(seqs: Sequence[Sequence], expected: np.ndarray, name: str) -> None:
+    if len(seqs) != len(expected):
+        raise ValueError(f"pack_samples: {name} has {len(seqs)} rows for {len(expected)} samples")
+    for i, (x, n) in enumerate(zip(seqs, expected.tolist(), strict=True)):
+        if len(x) != n:
+            raise ValueError(f"pack_samples: {name}[{i}] has {len(x)} values for {n} response tokens")
 
 
 def select(batch: TrainBatch, idx: slice | torch.Tensor) -> TrainBatch:

@@ -172,7 +172,8 @@ class _Batcher:
         self.url, self.parts = url, parts
         self.pending: list[tuple[list[int], dict, bool, str, str | None, asyncio.Future]] = []
         self.session: aiohttp.ClientSession | None = None
-        self._rids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
+        prefix = uuid.uuid4().hex[:8]  # request ids unique across batchers and runs sharing a server
+        self._rids = (f"{prefix}-{i}" for i in itertools.count())
 
     async def submit(self, input_ids: list[int], params: dict, return_logprob: bool) -> dict:
         tag = REQUEST_TAG.get()

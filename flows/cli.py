@@ -183,6 +183,9 @@ def _download_trace(args, tmp: str):
 def _run(cfg, flow_fn=None, total: int | None = None) -> int:
     """Run a flow (post_train by default) with a progress bar over its `total` steps."""
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the progress bar says what the task logs would
+    from flows.serve import use_prefect_server_defaults
+
+    use_prefect_server_defaults()  # for the temporary server, when no PREFECT_API_URL is set
     logging.getLogger("rlflow").setLevel(logging.INFO)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -62,6 +62,18 @@ def wait_http(url: str, proc: subprocess.Popen, what: str, timeout: float = 120)
     raise RuntimeError(f"{what} did not answer {url} within {timeout:.0f} s")
 
 
+# Settings of the Prefect servers rlflow starts, its own (`rlflow serve`) and the temporary one a flow run starts
+# when PREFECT_API_URL is unset; what the user's environment sets wins. The task-run recorder writes each task
+# run's state events as they come, one database transaction each (batch size 1); batched, the server spends half
+# the CPU per RL step (docs/benchmarks.md), and a task's state reaches the UI within the flush interval (5 s).
+PREFECT_SERVER_DEFAULTS = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100"}
+
+
+def use_prefect_server_defaults(env: dict[str, str] | os._Environ = os.environ) -> None:
+    for key, value in PREFECT_SERVER_DEFAULTS.items():
+        env.setdefault(key, value)
+
+
 def prefect_env(api_url: str, home: Path | None = None) -> dict[str, str]:
     env = os.environ | {"PREFECT_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     if home is not None:
@@ -72,6 +84,7 @@ def prefect_env(api_url: str, home: Path | None = None) -> dict[str, str]:
 def start_prefect_server(svc: Services, port: int, home: Path | None = None, log: Path | None = None) -> str:
     """`prefect server start` (SQLite in PREFECT_HOME); returns the API URL once it answers."""
     env = os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "true"}
+    use_prefect_server_defaults(env)
     if home is not None:
         env |= {"PREFECT_HOME": str(home),
                 "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db"}

@@ -10,7 +10,9 @@ import math
 from typing import Any
 
 import mlflow
+from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
+from mlflow.utils.time import get_current_time_millis
 
 from engines.config import RLConfig
 
@@ -55,8 +57,11 @@ class Tracker:
         return cls(cfg.tracking.uri, cfg.tracking.experiment, cfg.name, recipe, {"rlflow.run": cfg.name}, run_id)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        clean = {k.replace("/", "."): float(v) for k, v in metrics.items() if math.isfinite(float(v))}
-        mlflow.log_metrics(clean, step=step, run_id=self.run_id, synchronous=False)
+        """Queue one step's metrics (the client's log_batch: mlflow.log_metrics would first load the whole run,
+        params and tags included, on the calling thread, every step)."""
+        ts = get_current_time_millis()
+        batch = [Metric(k.replace("/", "."), float(v), ts, step) for k, v in metrics.items() if math.isfinite(float(v))]
+        self.client.log_batch(self.run_id, metrics=batch, synchronous=False)
 
     def log_table(self, rows: list[dict], artifact_file: str) -> None:
         if rows:
