@@ -416,14 +416,16 @@ class StorageConfig(Section):
 
 
 class WeightSyncConfig(Section):
-    transport: Literal["ray", "store", "disk", "cuda_ipc", "nccl"] = Field(
+    transport: Literal["ray", "store", "disk", "distributed", "cuda_ipc", "nccl"] = Field(
         "ray",
         description="ray: tensors go actor to actor through Ray's object store, bucket by bucket. store: rank 0 "
         "writes safetensors under the run store and rollout workers read them (works wherever the store does). "
         "disk: rank 0 writes safetensors into a folder per version under disk_dir and every rollout worker loads "
         "it (SGLang's /update_weights_from_disk). "
+        "distributed: every rollout server joins a process group with train rank 0 and receives its broadcasts "
+        "(SGLang's /init_weights_update_group and /update_weights_from_distributed; gloo on CPU, NCCL on GPUs). "
         "cuda_ipc (colocated GPUs): rollout workers copy straight from their train worker's parameters. "
-        "nccl (separate GPUs): train rank 0 broadcasts buckets to the rollout workers over NCCL.",
+        "nccl (separate GPUs, embedded engine): train rank 0 broadcasts buckets to the rollout workers over NCCL.",
     )
     disk_dir: str = Field(
         default_factory=lambda: str(Path(tempfile.gettempdir()) / "rlflow-weights"),
@@ -575,6 +577,13 @@ class RLConfig(Section):
             if self.train.backend != "torch":
                 raise ValueError(f"weight_sync.transport: {transport} works with train.backend 'torch'; "
                                  "use 'ray' or 'store' with megatron")
+        if transport == "distributed":
+            if self.rollout_device == "cuda" and self.train.device != "cuda":
+                raise ValueError("weight_sync.transport: distributed with rollout.device 'cuda' broadcasts over "
+                                 "NCCL, which needs train.device 'cuda' too")
+            if self.rollout.backend == "torch" and not self.cluster.use_ray:
+                raise ValueError("weight_sync.transport: distributed with the embedded engine needs cluster.use_ray: "
+                                 "true (its server and train rank 0 join one process group from two processes)")
         if transport == "cuda_ipc" and not self.cluster.colocate:
             raise ValueError("weight_sync.transport: cuda_ipc needs cluster.colocate: true (a shared GPU)")
         if self.cluster.colocate:

@@ -35,7 +35,14 @@ from engines.rollout_fn import PromptSample, RolloutRunner, Sample, load_rollout
 from engines.rollout_torch import TorchRolloutBackend, split_packed
 from engines.trace import TraceRecorder, chrome_trace, merge, now_us, within
 from engines.train_torch import TorchTrainBackend, with_train_logprobs
-from engines.weight_sync import connect_ipc, connect_nccl, plan_buckets, version_dir
+from engines.weight_sync import (
+    connect_distributed,
+    connect_ipc,
+    connect_nccl,
+    plan_buckets,
+    send_distributed,
+    version_dir,
+)
 from tasks.run_store import RunStore, replay_source
 
 
@@ -108,7 +115,9 @@ class RLSession:
         self._weight_layout: list[tuple[str, int]] | None = None
         self._buckets: list[list[str]] | None = None  # weight-sync bucket plan (names per bucket), set once
         self._rollout_weight_bytes: int | None = None
-        self._gpu_link = False  # cuda_ipc / nccl: set up at the first sync
+        self._linked = False  # cuda_ipc / nccl / distributed: connected at the first sync (again after a restart)
+        self._weights_group: str | None = None  # distributed: the weight-update group's name
+        self._weight_shapes: dict[str, list[int]] | None = None
         self._rows_taken: tuple[int, list[dict]] | None = None
         self._cursor_after: dict[int, dict] = {}  # data cursor state right after each step took its prompts
         self._carry: list[Carry] = []  # dynamic sampling: groups the last step's rollout carries into the next
@@ -437,15 +446,17 @@ class RLSession:
             self._buckets = list(plan_buckets(layout, int(ws.bucket_mb * 1024 * 1024)))
         buckets = self._buckets
         if ws.transport == "cuda_ipc":
-            if not self._gpu_link:
-                self._gpu_link = connect_ipc(self.train_group, self.rollout_group)
+            if not self._linked:
+                self._linked = connect_ipc(self.train_group, self.rollout_group)
             self.rollout_group.call("update_weights_from_ipc", version)
         elif ws.transport == "nccl":
-            if not self._gpu_link:
-                self._gpu_link = connect_nccl(self.train_group, self.rollout_group, self.cfg.rollout.precision)
+            if not self._linked:
+                self._linked = connect_nccl(self.train_group, self.rollout_group, self.cfg.rollout.precision)
             send = self.train_group.submit_rank0("nccl_send", buckets)
             self.rollout_group.call("update_weights_from_nccl", buckets, version)
             self.train_group.wait([send])
+        elif ws.transport == "distributed":
+            self._sync_distributed(buckets, version)
         elif ws.transport == "ray":
             for names in buckets:
                 self._send_weights(names, version)
@@ -468,6 +479,24 @@ class RLSession:
         nbytes = self._rollout_weight_bytes  # what each rollout worker received, in its own dtype
         dt = time.perf_counter() - t0
         return {"sync/weight_version": float(version), "sync/bytes": float(nbytes), "sync/gb_per_s": nbytes / dt / 1e9}
+
+    def _sync_distributed(self, buckets: list[list[str]], version: int) -> None:
+        """SGLang's distributed update: the servers join a group with train rank 0 once (again after a worker
+        restart), then receive each bucket's broadcast in the rollout precision."""
+        cfg = self.cfg
+        if not self._linked:
+            from engines.rollout_sglang import gpus_per_server
+
+            ranks = gpus_per_server(cfg.rollout.sglang.args) if cfg.rollout.backend == "sglang" else 1
+            backend = "nccl" if cfg.rollout_device == "cuda" else "gloo"
+            self._weights_group = connect_distributed(
+                self.train_group, self.rollout_group, f"rlflow-weights-{cfg.name}-{self.workers_restarted}", backend,
+                ranks, previous=self._weights_group)
+            self._weight_shapes = self.train_group.call_rank0("weight_shapes")
+            self._linked = True
+        dtype = str(DTYPES[cfg.rollout.precision]).removeprefix("torch.")
+        send_distributed(lambda names: self._train_rank0("broadcast_weights_update", names, dtype), self.rollout_group,
+                         buckets, self._weight_shapes, dtype, version, self._weights_group)
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
         """Held-out reward with eval.temperature (greedy by default); also returns a few sample rows."""
@@ -512,7 +541,7 @@ class RLSession:
                 self.rollout_group.restart(i)
                 self.router.replace(i, self.rollout_group.call_one(i, "start_server"))
             if dead:
-                self._gpu_link = False  # GPU transports connect again, the new worker included
+                self._linked = False  # connected transports connect again, the new worker included
                 self._send_weights(None, self.weight_version)
                 self.workers_restarted += len(dead)
         return {"rollout/workers_restarted": float(self.workers_restarted)} if self.workers_restarted else {}

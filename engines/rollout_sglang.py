@@ -52,7 +52,7 @@ from engines.rollout_engine import Generation
 from engines.rollout_torch import pack_generations
 from engines.sampling import SamplingParams
 from engines.weight_sync import get_bucket
-from engines.weights_distributed import GROUP_NAME
+from engines.weights_distributed import GROUP_NAME, init_request, update_request
 
 STOP_GRACE_S = 10.0  # SIGTERM first; SIGKILL what is left of the process group after this
 LOG_TAIL_CHARS = 4000
@@ -330,28 +330,12 @@ class SGLangRolloutBackend:
         """Bucket `index` of weight version `version` from the run store (the `store` transport)."""
         return self.update_weights(get_bucket(storage, run, version, index), version)
 
-    def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = GROUP_NAME,
-        backend: str = "nccl",
-    ) -> None:
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = GROUP_NAME, backend: str = "nccl") -> None:
         """Join the trainer's weight-update group as rank `rank_offset` (SGLang's /init_weights_update_group). It
         returns once all ranks joined: the trainer joins at the same time (join_weights_update_group)."""
-        self._post(
-            "/init_weights_update_group",
-            {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": rank_offset,
-                "world_size": world_size,
-                "group_name": group_name,
-                "backend": backend,
-            },
-        )
+        self._post("/init_weights_update_group",
+                   init_request(master_address, master_port, rank_offset, world_size, group_name, backend))
 
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int, group_name: str = GROUP_NAME
@@ -360,16 +344,7 @@ class SGLangRolloutBackend:
         them (broadcast_weights); SGLang's /update_weights_from_distributed."""
         t0 = time.perf_counter()
         self.resume_memory_occupation()
-        self._post(
-            "/update_weights_from_distributed",
-            {
-                "names": names,
-                "dtypes": dtypes,
-                "shapes": shapes,
-                "group_name": group_name,
-                "weight_version": str(version),
-            },
-        )
+        self._post("/update_weights_from_distributed", update_request(names, dtypes, shapes, version, group_name))
         self._weight_bytes = sum(math.prod(s) * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes, strict=True))
         self.weight_version = version
         self.last_update_s = time.perf_counter() - t0

@@ -27,6 +27,7 @@ from engines.sampling import SamplingParams
 from engines.trace import TraceRecorder
 from engines.weight_sync import get_bucket
 from engines.weight_transport import NcclChannel, copy_plan, flatten_, open_ipc_handles
+from engines.weights_distributed import GROUP_NAME, init_request, update_request
 
 __all__ = ["Generation", "TorchRolloutBackend", "pack_generations", "concat_packed", "split_packed"]
 
@@ -219,6 +220,29 @@ class TorchRolloutBackend:
 
     def server_url(self) -> str | None:
         return None if self.server is None else self.server.url
+
+    # the `distributed` transport: SGLang's pair of routes on this engine's own server, as an SGLang worker
+    # drives SGLang's (the route receives the trainer's broadcast and loads it between decode steps)
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = GROUP_NAME, backend: str = "gloo") -> None:
+        self._post_own("/init_weights_update_group",
+                       init_request(master_address, master_port, rank_offset, world_size, group_name, backend))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        version: int, group_name: str = GROUP_NAME) -> int:
+        self._post_own("/update_weights_from_distributed", update_request(names, dtypes, shapes, version, group_name))
+        return version
+
+    def destroy_weights_update_group(self, group_name: str = GROUP_NAME) -> None:
+        self._post_own("/destroy_weights_update_group", {"group_name": group_name})
+
+    def _post_own(self, route: str, body: dict) -> None:
+        import httpx
+
+        url = self.start_server()
+        r = httpx.post(url + route, json=body, timeout=httpx.Timeout(None, connect=10))
+        if r.status_code != 200:
+            raise RuntimeError(f"rollout worker: {route} answered {r.status_code}: {r.text[:500]}")
 
     def close(self) -> None:
         if self.server is not None:

@@ -27,12 +27,12 @@ from safetensors.torch import load_file, save_file
 
 from engines import algorithms
 from engines.batch import TrainBatch, batch_size, select
-from engines.cluster import free_port, node_ip
 from engines.config import AlgorithmConfig, StorageConfig, TrainConfig
 from engines.model import DTYPES, load_model, load_value_model
 from engines.sampling import scaled_logits
 from engines.weight_sync import put_bucket
 from engines.weight_transport import NcclChannel, device_copy_bandwidth, export_ipc_handles, flatten_
+from engines.weights_distributed import DistributedWeightSender
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -52,7 +52,7 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
-class TorchTrainBackend:
+class TorchTrainBackend(DistributedWeightSender):
     def __init__(
         self,
         model_path: str,
@@ -249,10 +249,6 @@ class TorchTrainBackend:
         torch.cuda.synchronize()
         return export_ipc_handles([(n, p.data) for n, p in self.model.named_parameters()])
 
-    def rendezvous_address(self) -> tuple[str, int]:
-        """Host and free port for the weight-sync group's TCP store, which this worker (rank 0) serves."""
-        return node_ip(), free_port()
-
     def nccl_connect(self, host: str, port: int, world_size: int, rollout_precision: str) -> None:
         self._nccl = NcclChannel(host, port, 0, world_size, torch.device(self.device, torch.cuda.current_device()))
         self._nccl_dtype = DTYPES[rollout_precision]
@@ -278,6 +274,9 @@ class TorchTrainBackend:
     def weight_layout(self) -> list[tuple[str, int]]:
         """(name, bytes) of every weight, in order: lets the sync plan buckets without moving tensors."""
         return [(n, p.numel() * p.element_size()) for n, p in self.model.named_parameters()]
+
+    def weight_shapes(self) -> dict[str, list[int]]:
+        return {n: list(p.shape) for n, p in self.model.named_parameters()}
 
     def save(self, path: str | Path) -> None:
         """Model, optimizer, scheduler and RNG state in safetensors + JSON (no pickle)."""

@@ -10,11 +10,19 @@ Transports, chosen by `weight_sync.transport`:
   store and the rollout workers read it. Slower, but works wherever the store does (across clusters,
   to a rollout fleet outside Ray), and nothing but plain tensors travels.
 - cuda_ipc and nccl: GPU to GPU, set up here and carried out by engines.weight_transport.
+- distributed: SGLang's own pair of routes (engines/weights_distributed.py): every rollout server joins a
+  process group with train rank 0 through /init_weights_update_group and receives each bucket's broadcast
+  through /update_weights_from_distributed (gloo for CPU engines, NCCL on GPUs). It is how real SGLang servers
+  take weights without a disk hop and without pickle; the embedded engine's server speaks it too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from functools import partial
+from typing import Any
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -68,3 +76,45 @@ def connect_nccl(train_group, rollout_group, rollout_precision: str) -> bool:
     rollout_group.call_each("nccl_connect", [(host, port, 1 + i, world) for i in range(len(rollout_group))])
     train_group.wait([sender])
     return True
+
+
+def together(*calls: Callable[[], Any]) -> list[Any]:
+    """Run blocking calls at the same time and return their results in order: the members of a collective each
+    return only once all have joined, so they need threads, with in-process workers as with Ray actors. The
+    first error is raised at once (the others end with the group's timeout)."""
+    pool = ThreadPoolExecutor(len(calls), thread_name_prefix="weight-sync")
+    futures = [pool.submit(c) for c in calls]
+    wait(futures, return_when=FIRST_EXCEPTION)
+    pool.shutdown(wait=False)
+    for f in futures:
+        if f.done() and f.exception() is not None:
+            raise f.exception()
+    return [f.result() for f in futures]
+
+
+def connect_distributed(train_group, rollout_group, group_name: str, backend: str, ranks_per_worker: int = 1,
+                        previous: str | None = None) -> str:
+    """distributed: train rank 0 (rank 0, serving the rendezvous) and every rollout server (ranks from 1; a
+    server of `ranks_per_worker` tensor-parallel ranks takes that many) join `group_name`. A previous group
+    is destroyed on the servers that still have it (a restarted worker has none)."""
+    n = len(rollout_group)
+    if previous is not None:
+        for i in range(n):
+            with contextlib.suppress(Exception):  # a fresh server never joined it
+                rollout_group.call_one(i, "destroy_weights_update_group", previous)
+    host, port = train_group.call_rank0("rendezvous_address")
+    world = 1 + n * ranks_per_worker
+    together(partial(train_group.call, "join_weights_update_group", host, port, world, group_name, backend),
+             *[partial(rollout_group.call_one, i, "init_weights_update_group", host, port, 1 + i * ranks_per_worker,
+                       world, group_name, backend) for i in range(n)])
+    return group_name
+
+
+def send_distributed(send: Callable[[list[str]], Any], rollout_group, buckets: list[list[str]],
+                     shapes: dict[str, list[int]], dtype: str, version: int, group_name: str) -> None:
+    """distributed: for each bucket, the trainer's broadcast (`send(names)`) and every server's
+    /update_weights_from_distributed run together; every weight travels as `dtype`."""
+    for names in buckets:
+        meta = (names, [dtype] * len(names), [shapes[n] for n in names], version, group_name)
+        together(partial(send, names), *[partial(rollout_group.call_one, i, "update_weights_from_distributed", *meta)
+                                         for i in range(len(rollout_group))])

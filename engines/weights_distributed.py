@@ -102,6 +102,58 @@ def destroy_weights_update_group(group: dist.ProcessGroup) -> None:
     dist.destroy_process_group(group)
 
 
+def init_request(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                 group_name: str = GROUP_NAME, backend: str = "nccl") -> dict:
+    """The body of /init_weights_update_group."""
+    return {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}
+
+
+def update_request(names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
+                   group_name: str = GROUP_NAME) -> dict:
+    """The body of /update_weights_from_distributed (SGLang takes weight_version as a string)."""
+    return {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "weight_version": str(version)}
+
+
+class DistributedWeightSender:
+    """The trainer's side of the `distributed` weight-sync transport, for a train backend with `rank`,
+    `named_tensors(names)` (HF names; collective where weights are sharded, full tensors at rank 0) and
+    `weight_shapes()`. Rank 0 is rank 0 of the weight-update group; the rollout servers join as 1..N through
+    /init_weights_update_group, and receive what it broadcasts through /update_weights_from_distributed."""
+
+    _weights_group: dist.ProcessGroup | None = None
+    _weights_device: torch.device | None = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Host and free port for a weight-sync group's TCP store, which this worker (rank 0) serves."""
+        from engines.cluster import free_port, node_ip
+
+        return node_ip(), free_port()
+
+    def join_weights_update_group(self, master_address: str, master_port: int, world_size: int,
+                                  group_name: str = GROUP_NAME, backend: str = "gloo") -> None:
+        """Rank 0 joins (serving the rendezvous), leaving the group it had; other ranks have nothing to join."""
+        if self.rank != 0:
+            return
+        if self._weights_group is not None:
+            destroy_weights_update_group(self._weights_group)
+        self._weights_group = join_weights_update_group(master_address, master_port, 0, world_size, group_name,
+                                                        backend)
+        self._weights_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+
+    def broadcast_weights_update(self, names: list[str], dtype: str) -> int:
+        """Broadcast these weights in order, as `dtype` (what the receivers were told; an LM's weights are all
+        floating point); returns the bytes sent (0 on other ranks, which only join the gather)."""
+        tensors = [t for _, t in self.named_tensors(names)]
+        if self.rank != 0:
+            return 0
+        if self._weights_group is None:
+            raise RuntimeError("broadcast_weights_update: join_weights_update_group first")
+        cast = getattr(torch, dtype)
+        return broadcast_weights(self._weights_group, [t.to(self._weights_device or t.device, cast) for t in tensors])
+
+
 def dtype_names(tensors: Iterable[torch.Tensor]) -> list[str]:
     """The `dtypes` field for these tensors ("float32", "bfloat16", ...)."""
     return [str(t.dtype).removeprefix("torch.") for t in tensors]

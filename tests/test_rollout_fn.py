@@ -228,18 +228,21 @@ def test_rollout_fn_samples_are_validated():
         check_group(asyncio.sleep, prompt, "f")
 
 
-@pytest.mark.parametrize("use_ray", [False, True], ids=["local", "ray"])
-def test_a_dead_rollout_worker_is_routed_around_then_restarted_with_current_weights(tmp_path, use_ray):
+@pytest.mark.parametrize(("use_ray", "transport"), [(False, "ray"), (True, "ray"), (True, "distributed")],
+                         ids=["local", "ray", "ray-distributed"])
+def test_a_dead_rollout_worker_is_routed_around_then_restarted_with_current_weights(tmp_path, use_ray, transport):
     """Worker 0 dies (its process is SIGKILLed on Ray; locally its server and engine are closed): the step's
     requests are retried on worker 1, and the next weight sync starts a new worker 0 that gets the trainer's
-    current weights and serves behind the router again."""
+    current weights and serves behind the router again. With the distributed transport the trainer, the new
+    worker and the surviving one form a new weight-update group (the survivor leaves the old one)."""
     import os
     import signal
 
     import httpx
 
     cfg = config_from_dict(small_recipe(tmp_path, rollout={"num_workers": 2},
-                                        cluster={"use_ray": use_ray, "num_cpus": 4}))
+                                        cluster={"use_ray": use_ray, "num_cpus": 4},
+                                        weight_sync={"transport": transport}))
     prepare_data(cfg)
     session = RLSession.create(cfg, prepare_model(cfg, tmp_path))
     try:

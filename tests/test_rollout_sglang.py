@@ -270,18 +270,21 @@ def test_distributed_weight_update_over_gloo(worker, model_dir):
             destroy_weights_update_group(group)
 
 
-# ---- the disk transport through a session ----------------------------------------------------------------
+# ---- SGLang's weight transports through a session: disk, and the distributed pair ---------------------------
+TRANSPORTS = ["disk", "distributed"]
+
+
 @contextmanager
-def _session_run(recipe, tmp_path, name: str, **sections):
-    """A session of the small recipe with the disk transport after two RL steps: (session, trainer's weights,
-    every stage's metrics)."""
+def _session_run(recipe, tmp_path, name: str, transport: str, use_ray: bool = False, **sections):
+    """A session of the small recipe after two RL steps whose weights went by `transport`, in several buckets:
+    (session, trainer's weights, every stage's metrics)."""
     from engines.rl import RLSession, prepare_data, prepare_model
 
     cfg = recipe(
         name=name,
         train={"steps": 2, "threads": 1},
-        cluster={"use_ray": False},
-        weight_sync={"transport": "disk", "disk_dir": str(tmp_path / "weights"), "bucket_mb": 1 / 64},
+        cluster={"use_ray": use_ray, "num_cpus": 2},
+        weight_sync={"transport": transport, "disk_dir": str(tmp_path / "weights"), "bucket_mb": 1 / 64},
         **sections,
     )
     prepare_data(cfg)
@@ -293,13 +296,18 @@ def _session_run(recipe, tmp_path, name: str, **sections):
                 metrics.append(getattr(session, stage)(step))
         trained = dict(session.train_group.call_rank0("named_tensors"))
         assert not (tmp_path / "weights" / name / "weights" / "v00000002").exists(), "a loaded version is removed"
+        if transport == "distributed":  # nothing went through the disk
+            assert not (tmp_path / "weights").exists()
         yield session, trained, metrics
     finally:
         session.shutdown()
 
 
-def test_disk_transport_gives_the_embedded_engine_the_trainers_weights(recipe, tmp_path):
-    with _session_run(recipe, tmp_path, "disk-torch") as (session, trained, metrics):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_transport_gives_the_embedded_engine_the_trainers_weights(recipe, tmp_path, transport):
+    # the embedded engine's server joins the group from its own process: a Ray actor (the config refuses less)
+    use_ray = transport == "distributed"
+    with _session_run(recipe, tmp_path, f"{transport}-torch", transport, use_ray) as (session, trained, metrics):
         rollout = dict(session.rollout_group.call_rank0("named_tensors"))
         assert trained.keys() == rollout.keys()
         for name in trained:
@@ -307,13 +315,16 @@ def test_disk_transport_gives_the_embedded_engine_the_trainers_weights(recipe, t
         assert metrics[-1]["sync/weight_version"] == 2.0 and metrics[-1]["sync/bytes"] > 0
 
 
-def test_sglang_backend_runs_rl_steps_with_the_disk_transport(recipe, tmp_path):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sglang_backend_runs_rl_steps(recipe, tmp_path, transport):
     """Two RL steps whose rollouts come from the launched server (the worker's /generate) and whose weights
-    reach it through /update_weights_from_disk; the server then generates what the trainer's weights give."""
+    reach it through /update_weights_from_disk, or a weight-update group and /update_weights_from_distributed;
+    the server then generates what the trainer's weights give."""
     from engines.rollout_torch import TorchRolloutBackend
 
     rollout = {"backend": "sglang", "sglang": {"launch_module": EMBEDDED, "args": {"random-seed": 0}}}
-    with _session_run(recipe, tmp_path, "disk-sglang", rollout=rollout) as (session, trained, metrics):
+    with _session_run(recipe, tmp_path, f"{transport}-sglang", transport, rollout=rollout) as (session, trained,
+                                                                                                metrics):
         worker = session.rollout_group.workers[0]
         pid = worker.server_pid()
         assert isinstance(worker, SGLangRolloutBackend)

@@ -50,6 +50,7 @@ from engines.megatron.model_build import (
 from engines.model import DTYPES
 from engines.train_torch import lr_lambda, rng_state, set_rng_state, with_train_logprobs
 from engines.weight_sync import put_bucket
+from engines.weights_distributed import DistributedWeightSender
 
 SFT_METRICS = ("entropy", "loss")  # what algorithms.sft_loss reports when given the entropy
 
@@ -65,7 +66,7 @@ def _on_device(method):
     return run
 
 
-class MegatronTrainBackend:
+class MegatronTrainBackend(DistributedWeightSender):
     def __init__(
         self,
         model_path: str,
@@ -330,6 +331,9 @@ class MegatronTrainBackend:
     def weight_layout(self) -> list[tuple[str, int]]:
         """(HF name, bytes) of every exported weight, in order: lets the sync plan buckets without moving tensors."""
         return self.exporter.layout()
+
+    def weight_shapes(self) -> dict[str, list[int]]:
+        return {n: list(s) for n, s in self.exporter.shapes.items()}
 
     def _layout_meta(self) -> dict[str, Any]:
         import megatron.core
