@@ -4,8 +4,9 @@ and as a bare loop over the same engine classes in one process, side by side in 
     python bench/overhead.py deployments/sort-tiny.yaml --steps 30 --repeats 2 [--json out.json]
 
 Step time is wall time between consecutive step ends (everything between them counts: tasks, actor
-calls, metric logging). The first `--warmup` steps of each are dropped. Bare and full runs alternate
-`--repeats` times; prints `ratio: X`, the median full step over the median bare step of all repeats.
+calls, metric logging). The first `--warmup` steps of each are dropped. Every run is a fresh process, bare
+and full alternating `--repeats` times; prints `ratio: X`, the median full step over the median bare step
+of all repeats.
 It also prints the CPU seconds per step of the controller (this process: the flow, the router, the rollout
 function's HTTP client, MLflow's logging threads) and of the temporary Prefect server (Linux /proc), which
 is what orchestration takes from the cores the workers compute on.
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -109,6 +111,26 @@ def run_full(cfg, cpu: list[dict[str, float]]) -> tuple[list[dict], list[float]]
     return history, ends
 
 
+def run_one(kind: str, recipe: str, overrides: list[str], out: Path) -> None:
+    """One run, in this process (a fresh one: `main` starts one per run): its step end times, CPU samples and
+    stage metrics go to `out` as JSON."""
+    cfg = load_recipe(recipe, overrides)
+    samples: list[dict[str, float]] = []
+    if kind == "bare":
+        ends: list[float] = []
+
+        def log(line: str) -> None:
+            ends.append(time.perf_counter())
+            samples.append(_sample_cpu(None))
+
+        with tempfile.TemporaryDirectory() as work:
+            history = run_bare(cfg, work, log=log)
+    else:
+        _start_prefect()
+        history, ends = run_full(cfg, samples)
+    out.write_text(json.dumps({"ends": ends, "cpu": samples, "history": history}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("recipe")
@@ -117,37 +139,38 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="bare/full pairs, alternating")
     ap.add_argument("--set", action="append", default=[], dest="overrides")
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--one", choices=["bare", "full"], help=argparse.SUPPRESS)  # a single run (main starts these)
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:
+        return run_one(args.one, args.recipe, args.overrides, args.result)
 
-    # bare and full alternate, `--repeats` times: a shared machine drifts (other processes, CPU steal), and
-    # alternating puts the drift on both sides instead of on whichever ran second
+    # Each run is a fresh process: the bare loop then runs with no Prefect server and no Ray cluster on the
+    # machine, and the full stack pays for its own (sharing one process, the idle services of the full runs
+    # slowed the bare runs after them). Bare and full alternate, `--repeats` times: a shared machine drifts
+    # (other processes, CPU steal), and alternating puts the drift on both sides.
     last = args.steps - 1  # the last step is dropped: the full stack writes its closing checkpoint there
     steps: dict[str, list[float]] = {"bare": [], "full": []}
     rows: dict[str, list[dict]] = {"bare": [], "full": []}
     per_repeat = []
     cpu: dict[str, list[dict[str, float]]] = {"bare": [], "full": []}  # CPU s per step, one dict per repeat
-    _start_prefect()
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
-            overrides = [f"train.steps={args.steps}", "eval.every=0", "checkpoint.every=0", f"storage.uri={tmp}/runs",
-                         f"tracking.uri=sqlite:///{tmp}/mlflow.db", *args.overrides]
-            cfg = load_recipe(args.recipe, overrides)
-            cfg = cfg.model_copy(update={"name": f"{cfg.name}-overhead-{rep}"})
-            ends: list[float] = []
-            samples: dict[str, list[dict[str, float]]] = {"bare": [], "full": []}
-
-            def log_bare(line: str, ends=ends, samples=samples["bare"]) -> None:
-                ends.append(time.perf_counter())
-                samples.append(_sample_cpu(None))
-
-            hist = run_bare(cfg, tmp, log=log_bare)
-            runs = {"bare": (hist, ends), "full": run_full(cfg, samples["full"])}
-            for kind, (hist, ends) in runs.items():
-                steps[kind] += _step_times(ends[:last], args.warmup)
-                rows[kind] += hist[args.warmup + 1 : last]
-                cpu[kind].append(_cpu_per_step(samples[kind], args.warmup, last))
-            per_repeat.append(statistics.median(_step_times(runs["full"][1][:last], args.warmup))
-                              / statistics.median(_step_times(runs["bare"][1][:last], args.warmup)))
+            run: dict[str, dict] = {}
+            for kind in ("bare", "full"):
+                out = Path(tmp) / f"{kind}-{rep}.json"
+                overrides = [f"train.steps={args.steps}", "eval.every=0", "checkpoint.every=0",
+                             f"storage.uri={tmp}/runs", f"tracking.uri=sqlite:///{tmp}/mlflow.db",
+                             f"name=overhead-{kind}-{rep}", *args.overrides]
+                subprocess.run([sys.executable, __file__, args.recipe, "--one", kind, "--result", str(out),
+                                *(a for o in overrides for a in ("--set", o))], check=True)
+                run[kind] = json.loads(out.read_text())
+            for kind, r in run.items():
+                steps[kind] += _step_times(r["ends"][:last], args.warmup)
+                rows[kind] += r["history"][args.warmup + 1 : last]
+                cpu[kind].append(_cpu_per_step(r["cpu"], args.warmup, last))
+            per_repeat.append(statistics.median(_step_times(run["full"]["ends"][:last], args.warmup))
+                              / statistics.median(_step_times(run["bare"]["ends"][:last], args.warmup)))
 
     result = {
         "recipe": args.recipe,

@@ -96,12 +96,16 @@ def connect_distributed(train_group, rollout_group, group_name: str, backend: st
                         previous: str | None = None) -> str:
     """distributed: train rank 0 (rank 0, serving the rendezvous) and every rollout server (ranks from 1; a
     server of `ranks_per_worker` tensor-parallel ranks takes that many) join `group_name`. A previous group
-    is destroyed on the servers that still have it (a restarted worker has none)."""
+    is left first, by the trainer and the servers that still have it at the same time (with NCCL, a member
+    that destroys the group alone waits for the others: measured on 2 GPUs, docs/benchmarks.md)."""
     n = len(rollout_group)
+
+    def leave(i: int) -> None:
+        with contextlib.suppress(Exception):  # a restarted worker's fresh server never joined it
+            rollout_group.call_one(i, "destroy_weights_update_group", previous)
+
     if previous is not None:
-        for i in range(n):
-            with contextlib.suppress(Exception):  # a fresh server never joined it
-                rollout_group.call_one(i, "destroy_weights_update_group", previous)
+        together(partial(train_group.call, "leave_weights_update_group"), *[partial(leave, i) for i in range(n)])
     host, port = train_group.call_rank0("rendezvous_address")
     world = 1 + n * ranks_per_worker
     together(partial(train_group.call, "join_weights_update_group", host, port, world, group_name, backend),

@@ -1,4 +1,5 @@
-"""SGLang's distributed weight update, both ends: the embedded server's routes and the trainer's sender.
+"""SGLang's distributed weight update, both ends: the embedded server's routes and the trainer's sender
+(`DistributedWeightSender`, a mixin of the train backends; the `distributed` transport of engines/weight_sync.py).
 
 SGLang's pair of routes, with its field names and meanings:
 
@@ -133,14 +134,20 @@ class DistributedWeightSender:
 
     def join_weights_update_group(self, master_address: str, master_port: int, world_size: int,
                                   group_name: str = GROUP_NAME, backend: str = "gloo") -> None:
-        """Rank 0 joins (serving the rendezvous), leaving the group it had; other ranks have nothing to join."""
+        """Rank 0 joins (serving the rendezvous); other ranks have nothing to join."""
         if self.rank != 0:
             return
         if self._weights_group is not None:
-            destroy_weights_update_group(self._weights_group)
+            raise RuntimeError("join_weights_update_group: leave the current group first (all members together)")
         self._weights_group = join_weights_update_group(master_address, master_port, 0, world_size, group_name,
                                                         backend)
         self._weights_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+
+    def leave_weights_update_group(self) -> None:
+        """Destroy this worker's side of the group, while the servers destroy theirs."""
+        if self._weights_group is not None:
+            destroy_weights_update_group(self._weights_group)
+            self._weights_group = None
 
     def broadcast_weights_update(self, names: list[str], dtype: str) -> int:
         """Broadcast these weights in order, as `dtype` (what the receivers were told; an LM's weights are all
