@@ -9,8 +9,8 @@ CUDA_VISIBLE_DEVICES; tensor parallelism is the user's `tp-size`), in its own pr
 where every option of `rollout.sglang.args` is passed through untouched (`server_args`). It waits until
 `/health` answers 200; a server that exits first, or does not answer within `startup_timeout_s`, fails the
 worker with the end of the server's log in the error. `close()` stops the whole process group, and so does
-a small guard process when the worker dies without closing (a killed Ray actor runs no exit handlers): the
-guard waits for EOF on a pipe only the worker holds, which the kernel closes however the worker ends.
+a small guard process when the worker dies without closing (a killed Ray actor runs no exit handlers; see
+engines/process_group.py).
 
 Everything else goes through SGLang's HTTP routes: generation (`/generate`), weights
 (`/update_weights_from_disk`; the `ray` and `store` transports hand tensors to the worker, which writes them
@@ -25,13 +25,11 @@ SGLang's place, since SGLang cannot be installed where they run.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import math
 import os
 import random
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -48,6 +46,7 @@ from safetensors.torch import save_file
 
 from engines.cluster import free_port
 from engines.config import SGLangConfig, StorageConfig
+from engines.process_group import stop_group
 from engines.rollout_engine import Generation
 from engines.rollout_torch import pack_generations
 from engines.sampling import SamplingParams
@@ -56,32 +55,6 @@ from engines.weights_distributed import GROUP_NAME, init_request, update_request
 
 STOP_GRACE_S = 10.0  # SIGTERM first; SIGKILL what is left of the process group after this
 LOG_TAIL_CHARS = 4000
-
-# The guard: reads its stdin until EOF (the worker closed the pipe, or died), then stops the server's process
-# group: SIGTERM, and SIGKILL for what is still there after the grace period.
-GUARD = r"""
-import os, signal, sys, time
-pgid, grace = int(sys.argv[1]), float(sys.argv[2])
-sys.stdin.buffer.read()
-def alive():
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-if alive():
-    os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if alive():
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-"""
 
 
 def server_args(args: dict[str, Any]) -> list[str]:
@@ -197,7 +170,7 @@ class SGLangRolloutBackend:
             start_new_session=True,
         )
         self._guard = subprocess.Popen(
-            [self.python, "-c", GUARD, str(self.proc.pid), str(STOP_GRACE_S)],
+            [sys.executable, "-m", "engines.process_group", str(self.proc.pid), str(STOP_GRACE_S)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -254,7 +227,7 @@ class SGLangRolloutBackend:
         """Stop the server's process group (SIGTERM, then SIGKILL after STOP_GRACE_S) and its guard."""
         proc, self.proc, self.url = self.proc, None, None
         if proc is not None:
-            _stop_group(proc)
+            stop_group(proc.pid, STOP_GRACE_S, leader=proc)
         guard, self._guard = self._guard, None
         if guard is not None:
             guard.stdin.close()  # the server is gone: the guard finds nothing to stop and exits
@@ -330,12 +303,21 @@ class SGLangRolloutBackend:
         """Bucket `index` of weight version `version` from the run store (the `store` transport)."""
         return self.update_weights(get_bucket(storage, run, version, index), version)
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str = GROUP_NAME, backend: str = "nccl") -> None:
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = GROUP_NAME,
+        backend: str = "nccl",
+    ) -> None:
         """Join the trainer's weight-update group as rank `rank_offset` (SGLang's /init_weights_update_group). It
         returns once all ranks joined: the trainer joins at the same time (join_weights_update_group)."""
-        self._post("/init_weights_update_group",
-                   init_request(master_address, master_port, rank_offset, world_size, group_name, backend))
+        self._post(
+            "/init_weights_update_group",
+            init_request(master_address, master_port, rank_offset, world_size, group_name, backend),
+        )
 
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int, group_name: str = GROUP_NAME
@@ -400,28 +382,3 @@ class SGLangRolloutBackend:
     def generate_packed(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> dict:
         """`generate`, as the flat arrays the RL loop moves over Ray (engines.rollout_torch.pack_generations)."""
         return pack_generations(self.generate(prompts, params, seed))
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group led by `proc`, wait for it, SIGKILL what is left after STOP_GRACE_S."""
-    pgid = proc.pid
-    deadline = time.monotonic() + STOP_GRACE_S
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=STOP_GRACE_S)
-    while _group_alive(pgid) and time.monotonic() < deadline:  # the server's own children (SGLang's scheduler)
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
-    proc.wait()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True

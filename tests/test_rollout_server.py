@@ -85,6 +85,24 @@ def _stream(http, body: dict, on_first=None) -> list[dict]:
     return events
 
 
+def _long_streams(url: str, n: int) -> tuple[list[threading.Thread], list]:
+    """`n` concurrent streamed /generate calls of LONG tokens; returns once each has its first token. Join the
+    threads, then the list holds each call's final event."""
+    started = [threading.Event() for _ in range(n)]
+    finals: list = [None] * n
+
+    def run(i: int) -> None:
+        with httpx.Client(base_url=url, timeout=120) as own:
+            body = {"text": str(i), "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
+            finals[i] = _stream(own, body, on_first=started[i].set)[-2]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in started)
+    return threads, finals
+
+
 # ---------------------------------------------------------------------------------------------- information
 def test_health_and_info(http):
     assert http.get("/health").status_code == 200
@@ -181,18 +199,7 @@ def test_request_joins_a_running_batch_and_abort_by_rid(http, server):
 
 
 def test_abort_all(http, server):
-    started = [threading.Event() for _ in range(3)]
-    finals: list = [None] * 3
-
-    def run(i: int) -> None:
-        with httpx.Client(base_url=server, timeout=120) as own:
-            body = {"text": str(i), "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
-            finals[i] = _stream(own, body, on_first=started[i].set)[-2]
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    assert all(e.wait(60) for e in started)
+    threads, finals = _long_streams(server, 3)
     assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
     for t in threads:
         t.join()
@@ -397,18 +404,7 @@ def test_router_balances_broadcasts_and_retries(model_dir):
     backends = [TorchRolloutBackend(model_dir, threads=1, batch_size=4) for _ in range(2)]
     router = RolloutRouter([b.start_server() for b in backends])
     try:
-        started = [threading.Event() for _ in range(4)]
-        finals: list = [None] * 4
-
-        def run(i: int) -> None:
-            with httpx.Client(base_url=router.url, timeout=120) as own:
-                body = {"text": str(i), "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
-                finals[i] = _stream(own, body, on_first=started[i].set)[-2]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        assert all(e.wait(60) for e in started)
+        threads, finals = _long_streams(router.url, 4)
         with httpx.Client(base_url=router.url, timeout=60) as http:
             assert [w["in_flight"] for w in http.get("/workers").json()["workers"]] == [2, 2]
             r = http.post("/abort_request", json={"abort_all": True})
