@@ -66,7 +66,12 @@ def wait_http(url: str, proc: subprocess.Popen, what: str, timeout: float = 120)
 # when PREFECT_API_URL is unset; what the user's environment sets wins. The task-run recorder writes each task
 # run's state events as they come, one database transaction each (batch size 1); batched, the server spends half
 # the CPU per RL step (docs/benchmarks.md), and a task's state reaches the UI within the flush interval (5 s).
-PREFECT_SERVER_DEFAULTS = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100"}
+# Analytics off: its heartbeat writes to a fresh SQLite database while the server migrates it and prints a
+# "database is locked" traceback at the start of the first run (and it has no network to reach on a cluster).
+PREFECT_SERVER_DEFAULTS = {
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
 
 
 def use_prefect_server_defaults(env: dict[str, str] | os._Environ = os.environ) -> None:
@@ -75,7 +80,7 @@ def use_prefect_server_defaults(env: dict[str, str] | os._Environ = os.environ) 
 
 
 def prefect_env(api_url: str, home: Path | None = None) -> dict[str, str]:
-    env = os.environ | {"PREFECT_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = os.environ | {"PREFECT_API_URL": api_url}
     if home is not None:
         env["PREFECT_HOME"] = str(home)
     return env
@@ -83,7 +88,7 @@ def prefect_env(api_url: str, home: Path | None = None) -> dict[str, str]:
 
 def start_prefect_server(svc: Services, port: int, home: Path | None = None, log: Path | None = None) -> str:
     """`prefect server start` (SQLite in PREFECT_HOME); returns the API URL once it answers."""
-    env = os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "true"}
+    env = os.environ | {"PREFECT_UI_ENABLED": "true"}
     use_prefect_server_defaults(env)
     if home is not None:
         env |= {"PREFECT_HOME": str(home),

@@ -39,7 +39,7 @@ def prefect_api(tmp_path_factory):
 
     home = tmp_path_factory.mktemp("prefect")
     port = free_port()
-    env = os.environ | {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    env = os.environ | {"PREFECT_HOME": str(home),
                         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db"}
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                              "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
