@@ -83,8 +83,11 @@ def start_server(path: Path, gpu: bool) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the rollout server did not answer /health")
 
 
+HTTP = httpx.Client(timeout=httpx.Timeout(None, connect=10))  # kept alive: a new client costs ~25 ms
+
+
 def post(url: str, route: str, body: dict) -> dict:
-    r = httpx.post(url + route, json=body, timeout=httpx.Timeout(None, connect=10))
+    r = HTTP.post(url + route, json=body)
     if r.status_code != 200:
         raise RuntimeError(f"{route}: {r.status_code} {r.text[:500]}")
     return r.json()
@@ -95,14 +98,25 @@ def greedy(url: str, prompts: list[list[int]]) -> list[dict]:
         "max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}})
 
 
+def join(url: str, backend: str):
+    """This process as rank 0 and the server as rank 1 of a new weight-update group (both join at once)."""
+    port = free_port()
+    joined = threading.Thread(target=post, args=(url, "/init_weights_update_group", init_request(
+        "127.0.0.1", port, 1, 2, GROUP, backend)))
+    joined.start()
+    group = join_weights_update_group("127.0.0.1", port, 0, 2, GROUP, backend)
+    joined.join()
+    return group
+
+
 def update(url: str, group, params: dict[str, torch.Tensor], buckets: list[list[str]], dtype: torch.dtype,
            version: int) -> float:
     """One weight update, bucket by bucket: the server's request and this process's broadcast together."""
     t0 = time.perf_counter()
-    for names in buckets:
-        body = update_request(names, [str(dtype).removeprefix("torch.")] * len(names),
-                              [list(params[n].shape) for n in names], version, GROUP)
-        with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1) as pool:
+        for names in buckets:
+            body = update_request(names, [str(dtype).removeprefix("torch.")] * len(names),
+                                  [list(params[n].shape) for n in names], version, GROUP)
             answer = pool.submit(post, url, "/update_weights_from_distributed", body)
             broadcast_weights(group, [params[n].to(dtype) for n in names])
             if not answer.result().get("success"):
@@ -171,12 +185,7 @@ def main() -> None:
             before = greedy(url, prompts)
             say("generated before the update")
 
-            port = free_port()
-            joined = threading.Thread(target=post, args=(url, "/init_weights_update_group", init_request(
-                "127.0.0.1", port, 1, 2, GROUP, "nccl" if gpu else "gloo")))
-            joined.start()
-            group = join_weights_update_group("127.0.0.1", port, 0, 2, GROUP, "nccl" if gpu else "gloo")
-            joined.join()
+            group = join(url, "nccl" if gpu else "gloo")
             say("weight-update group joined")
 
             layout = [(n, p.numel() * dtype.itemsize) for n, p in params.items()]
@@ -221,11 +230,28 @@ def main() -> None:
                 for m in result["modes"].values():
                     m["share_of_link"] = m["gb_per_s"] / result["link_gb_per_s"]
                 report(result, args.out)
-            # both ends leave the group together, as a reconnect after a worker restart does
+            # both ends leave the group together and join a new one, as a reconnect after a worker restart does
+            # (engines.weight_sync.connect_distributed); the new group brings back the server's first weights
             with ThreadPoolExecutor(1) as pool:
                 left = pool.submit(post, url, "/destroy_weights_update_group", {"group_name": GROUP})
                 destroy_weights_update_group(group)
                 result["group_destroyed"] = bool(left.result(timeout=60).get("success"))
+            group = join(url, "nccl" if gpu else "gloo")
+            first = {n: p.detach() for n, p in
+                     AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).named_parameters()}
+            update(url, group, first, [list(first)], dtype, version + 1)
+            again = greedy(url, prompts)
+            result["rejoined"] = {
+                "tokens_equal_first_weights": all(a["output_ids"] == b["output_ids"]
+                                                  for a, b in zip(again, before, strict=True)),
+                "logprob_max_abs_diff": max(abs(x[0] - y[0]) for a, b in zip(again, before, strict=True)
+                                            for x, y in zip(a["meta_info"]["output_token_logprobs"],
+                                                            b["meta_info"]["output_token_logprobs"], strict=True)),
+            }
+            with ThreadPoolExecutor(1) as pool:
+                left = pool.submit(post, url, "/destroy_weights_update_group", {"group_name": GROUP})
+                destroy_weights_update_group(group)
+                result["rejoined"]["group_destroyed"] = bool(left.result(timeout=60).get("success"))
             report(result, args.out)
         finally:
             proc.terminate()
