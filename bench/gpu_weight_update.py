@@ -38,6 +38,7 @@ from engines.weight_sync import plan_buckets
 from engines.weights_distributed import (
     broadcast_weights,
     destroy_weights_update_group,
+    dtype_name,
     init_request,
     join_weights_update_group,
     update_request,
@@ -115,7 +116,7 @@ def update(url: str, group, params: dict[str, torch.Tensor], buckets: list[list[
     t0 = time.perf_counter()
     with ThreadPoolExecutor(1) as pool:
         for names in buckets:
-            body = update_request(names, [str(dtype).removeprefix("torch.")] * len(names),
+            body = update_request(names, [dtype_name(dtype)] * len(names),
                                   [list(params[n].shape) for n in names], version, GROUP)
             answer = pool.submit(post, url, "/update_weights_from_distributed", body)
             broadcast_weights(group, [params[n].to(dtype) for n in names])

@@ -36,9 +36,14 @@ use_prefect_server_defaults()  # the full stack as `rlflow run` starts it
 STAGES = ("rollout", "reward", "advantages", "train", "sync")
 
 
+def _stat_fields(stat: Path) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...; the name may hold spaces)."""
+    return stat.read_text().rsplit(")", 1)[1].split()
+
+
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -46,7 +51,7 @@ def _prefect_server_pid() -> int | None:
     """The temporary Prefect server this process started (None when PREFECT_API_URL names another)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            parent = int(_stat_fields(stat)[1])
             cmd = (stat.parent / "cmdline").read_bytes()
         except (OSError, ValueError):
             continue

@@ -43,6 +43,7 @@ from engines.weight_sync import (
     send_distributed,
     version_dir,
 )
+from engines.weights_distributed import dtype_name
 from tasks.run_store import RunStore, replay_source
 
 
@@ -494,7 +495,7 @@ class RLSession:
                 ranks, previous=self._weights_group)
             self._weight_shapes = self.train_group.call_rank0("weight_shapes")
             self._linked = True
-        dtype = str(DTYPES[cfg.rollout.precision]).removeprefix("torch.")
+        dtype = dtype_name(DTYPES[cfg.rollout.precision])
         send_distributed(lambda names: self._train_rank0("broadcast_weights_update", names, dtype), self.rollout_group,
                          buckets, self._weight_shapes, dtype, version, self._weights_group)
 

@@ -161,9 +161,14 @@ class DistributedWeightSender:
         return broadcast_weights(self._weights_group, [t.to(self._weights_device or t.device, cast) for t in tensors])
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the `dtypes` field names it ("float32", "bfloat16", ...)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def dtype_names(tensors: Iterable[torch.Tensor]) -> list[str]:
-    """The `dtypes` field for these tensors ("float32", "bfloat16", ...)."""
-    return [str(t.dtype).removeprefix("torch.") for t in tensors]
+    """The `dtypes` field for these tensors."""
+    return [dtype_name(t.dtype) for t in tensors]
 
 
 def _dtype(name: object, where: str) -> torch.dtype:

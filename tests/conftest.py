@@ -12,10 +12,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from engines.config import ModelConfig, config_from_dict  # noqa: E402
+from engines.model import build_tiny_model  # noqa: E402
 from flows.serve import use_prefect_server_defaults  # noqa: E402
 
 use_prefect_server_defaults()  # the temporary Prefect server the tests' flows start, as `rlflow run` starts it
-from engines.model import build_tiny_model  # noqa: E402
 
 
 def assert_same_update(start: dict, single: list, parallel: list) -> None:
