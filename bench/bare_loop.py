@@ -16,8 +16,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from engines.config import RLConfig, load_recipe
-from engines.rl import RLSession, prepare_data, prepare_model
+from rlflow.engines.core.config import RLConfig, load_recipe
+from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
 
 
 def _timed(session: RLSession, stage: str, step: int, label: str) -> dict:

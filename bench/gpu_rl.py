@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from engines.config import RLConfig, load_recipe
+from rlflow.engines.core.config import RLConfig, load_recipe
 
 QWEN2 = {  # Qwen2.5-0.5B and -1.5B shapes (tied embeddings)
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -48,7 +48,7 @@ def build_random_qwen2(size: str, out: Path) -> Path:
     """A random-weight Qwen2 of `size` (bf16 safetensors) with the demo's char tokenizer beside it."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from engines.model import build_char_tokenizer
+    from rlflow.engines.models.hf import build_char_tokenizer
 
     vocab = 151936 if size != "smoke" else 256
     cfg = Qwen2Config(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=True, **QWEN2[size])
@@ -71,7 +71,7 @@ def _recipe(work: Path, overrides: list[str]) -> RLConfig:
 
 # ---- weight sync -----------------------------------------------------------------------------------------
 def weight_sync(size: str, mode: str, repeats: int) -> dict:
-    from engines.rl import RLSession, prepare_data
+    from rlflow.engines.session.rl import RLSession, prepare_data
 
     work = Path(tempfile.mkdtemp(prefix="rlflow-sync-"))
     model = build_random_qwen2(size, work / "model")

@@ -39,7 +39,7 @@ def build_model(size: str, out: Path, device: str) -> Path:
     """Random Qwen2 of `size` in bf16 (HF directory) with the char tokenizer beside it."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from engines.model import build_char_tokenizer
+    from rlflow.engines.models.hf import build_char_tokenizer
 
     cfg = Qwen2Config(tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096, **SHAPES[size])
     torch.manual_seed(0)
@@ -87,8 +87,8 @@ def decode_limit(model: torch.nn.Module, batch: int, prompt_len: int, new_tokens
 
 def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int, device: str,
               profile: bool) -> dict:
-    from engines.rollout_torch import TorchRolloutBackend
-    from engines.sampling import SamplingParams
+    from rlflow.engines.core.sampling import SamplingParams
+    from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 
     backend = TorchRolloutBackend(str(path), device=device, dtype=torch.bfloat16, batch_size=len(prompts),
                                   context_len=len(prompts[0]) + new_tokens + 16)
@@ -118,7 +118,7 @@ def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: in
 
 def time_hf(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int, device: str
             ) -> tuple[dict, torch.nn.Module]:
-    from engines.model import load_model
+    from rlflow.engines.models.hf import load_model
 
     if device == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN's SDPA is far slower here; flash/efficient are used
@@ -153,9 +153,9 @@ def check_logprobs(device: str) -> dict:
     on the generated sequence."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from engines.model import build_char_tokenizer
-    from engines.rollout_torch import TorchRolloutBackend
-    from engines.sampling import SamplingParams
+    from rlflow.engines.core.sampling import SamplingParams
+    from rlflow.engines.models.hf import build_char_tokenizer
+    from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 
     path = Path(tempfile.mkdtemp(prefix="rlflow-check-"))
     cfg = Qwen2Config(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -3,8 +3,8 @@
     PYTHONUNBUFFERED=1 python -m bench.gpu_weight_update --out gpu_weight_update.json
 
 GPU 0 is the trainer: this process holds fp32 weights of a random Qwen2-0.5B-shaped model and sends them
-with engines/weights_distributed.py's sender. GPU 1 runs the embedded rollout server (`python -m
-engines.rollout_server`, bf16), which joins the group through /init_weights_update_group and receives
+with engines/sync/distributed.py's sender. GPU 1 runs the embedded rollout server (`python -m
+rlflow.engines.rollout.launch`, bf16), which joins the group through /init_weights_update_group and receives
 through /update_weights_from_distributed, as an SGLang server does (the `distributed` transport). Every
 weight goes as bf16, in one request or in buckets of --bucket-mb; an update's time is the driver's wall time
 from the first request to the last answer (the server has loaded the weights), the fp32 -> bf16 cast
@@ -33,9 +33,9 @@ import httpx
 import torch
 
 from bench.gpu_rollout import build_model
-from engines.cluster import free_port
-from engines.weight_sync import plan_buckets
-from engines.weights_distributed import (
+from rlflow.engines.cluster.groups import free_port
+from rlflow.engines.sync.buckets import plan_buckets
+from rlflow.engines.sync.distributed import (
     broadcast_weights,
     destroy_weights_update_group,
     dtype_name,
@@ -68,7 +68,7 @@ def watchdog(server: subprocess.Popen, seconds: float) -> None:
 def start_server(path: Path, gpu: bool) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = os.environ | {"PYTHONFAULTHANDLER": "1"} | ({"CUDA_VISIBLE_DEVICES": "1"} if gpu else {})
-    proc = subprocess.Popen([sys.executable, "-m", "engines.rollout_server", "--model-path", str(path), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "rlflow.engines.rollout.launch", "--model-path", str(path), "--port",
                              str(port), "--dtype", "bfloat16" if gpu else "float32", "--device",
                              "cuda" if gpu else "cpu"], env=env)
     url = f"http://127.0.0.1:{port}"
@@ -127,7 +127,7 @@ def update(url: str, group, params: dict[str, torch.Tensor], buckets: list[list[
 
 def link_gb_per_s(nbytes: int, repeats: int) -> float:
     """A plain NCCL broadcast of `nbytes` from GPU 0 to a helper process on GPU 1."""
-    from engines.weight_transport import NcclChannel
+    from rlflow.engines.sync.gpu import NcclChannel
 
     port = free_port()
     helper = subprocess.Popen([sys.executable, "-m", "bench.gpu_weight_update", "--link-receiver", str(port),
@@ -140,7 +140,7 @@ def link_gb_per_s(nbytes: int, repeats: int) -> float:
 
 def link_receiver(port: int, nbytes: int, repeats: int) -> None:
     """The helper's side of link_gb_per_s: as many broadcasts, received on its GPU."""
-    from engines.weight_transport import NcclChannel
+    from rlflow.engines.sync.gpu import NcclChannel
 
     channel = NcclChannel("127.0.0.1", port, 1, 2, torch.device("cuda", 0))
     buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
@@ -163,8 +163,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from engines.rollout_torch import TorchRolloutBackend
-    from engines.sampling import SamplingParams
+    from rlflow.engines.core.sampling import SamplingParams
+    from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 
     gpu = args.size != "smoke"
     device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
@@ -232,7 +232,7 @@ def main() -> None:
                     m["share_of_link"] = m["gb_per_s"] / result["link_gb_per_s"]
                 report(result, args.out)
             # both ends leave the group together and join a new one, as a reconnect after a worker restart does
-            # (engines.weight_sync.connect_distributed); the new group brings back the server's first weights
+            # (rlflow.engines.sync.buckets.connect_distributed); the new group brings back the server's first weights
             with ThreadPoolExecutor(1) as pool:
                 left = pool.submit(post, url, "/destroy_weights_update_group", {"group_name": GROUP})
                 destroy_weights_update_group(group)

@@ -16,10 +16,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from transformers import AutoConfig
 
-from engines.config import MegatronConfig
-from engines.megatron.cpu import device_context
-from engines.megatron.hf_config import spec_from_hf
-from engines.megatron.model_build import build_model, init_parallel, transformer_config
+from rlflow.engines.core.config import MegatronConfig
+from rlflow.engines.train.megatron.cpu import device_context
+from rlflow.engines.train.megatron.hf_config import spec_from_hf
+from rlflow.engines.train.megatron.model_build import build_model, init_parallel, transformer_config
 
 
 def bare_loop_tokens_per_s(model_dir: str, micro_batch: int, seq: int, micro_batches: int, steps: int,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from engines.batch import TrainBatch, pack_samples
-from engines.config import AlgorithmConfig, MegatronConfig, TrainConfig, load_recipe
+from rlflow.engines.core.batch import TrainBatch, pack_samples
+from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig, TrainConfig, load_recipe
 
 # H100 / H200 SXM dense bf16 peak (the MFU denominator); other devices report TFLOP/s only
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}
@@ -59,7 +59,7 @@ def rl_batch(vocab: int, rows: int, max_len: int, seed: int, min_len: int | None
 
 
 def _mega(model_dir: str, train: TrainConfig, megatron: MegatronConfig, rank: int, world: int, url: str):
-    from engines.megatron.backend import MegatronTrainBackend
+    from rlflow.engines.train.megatron.backend import MegatronTrainBackend
 
     return MegatronTrainBackend(model_dir, train, AlgorithmConfig(), megatron, rank=rank, world_size=world,
                                 dist_url=url)
@@ -77,7 +77,7 @@ def parity(rank: int, world: int, model_dir: str, device: str, url: str, out: st
     """Per-token logprobs of the same HF weights in both backends, fp32 and bf16, on mixed-length rows."""
     from transformers import AutoConfig
 
-    from engines.train_torch import TorchTrainBackend
+    from rlflow.engines.train.torch_backend import TorchTrainBackend
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     max_len = min(1024, AutoConfig.from_pretrained(model_dir).max_position_embeddings)
@@ -168,7 +168,7 @@ def train_flops_per_token(model_dir: str, seq: int) -> float:
     values over the full sequence (no causal discount, Megatron's convention), and the output layer."""
     from transformers import AutoConfig
 
-    from engines.megatron.hf_config import spec_from_hf
+    from rlflow.engines.train.megatron.hf_config import spec_from_hf
 
     s = spec_from_hf(AutoConfig.from_pretrained(model_dir))
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 from bench.bare_loop import run_bare  # noqa: E402
-from engines.config import load_recipe  # noqa: E402
-from flows.serve import use_prefect_server_defaults  # noqa: E402
+from rlflow.engines.core.config import load_recipe  # noqa: E402
+from rlflow.flows.serve import use_prefect_server_defaults  # noqa: E402
 
 use_prefect_server_defaults()  # the full stack as `rlflow run` starts it
 
@@ -96,8 +96,8 @@ def _sample_cpu(server: int | None) -> dict[str, float]:
 
 
 def run_full(cfg, cpu: list[dict[str, float]]) -> tuple[list[dict], list[float]]:
-    from flows.post_train import post_train
-    from tasks.run_context import STEP_LISTENERS
+    from rlflow.flows.post_train import post_train
+    from rlflow.tasks.run_context import STEP_LISTENERS
 
     history, ends = [], []
     server = _prefect_server_pid()

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from engines.config import ModelConfig  # noqa: E402
-from engines.model import build_tiny_model  # noqa: E402
-from engines.rollout_torch import TorchRolloutBackend  # noqa: E402
+from rlflow.engines.core.config import ModelConfig  # noqa: E402
+from rlflow.engines.models.hf import build_tiny_model  # noqa: E402
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend  # noqa: E402
 
 
 def _bodies(n: int, max_new_tokens: int, seed: int = 0) -> list[dict]:

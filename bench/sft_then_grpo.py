@@ -39,9 +39,9 @@ def _quiet(line: str) -> None:
 def sft_arm(args, workdir: str) -> dict:
     """SFT for sft_steps (bare: no Prefect, no Ray), evaluate, then GRPO from the SFT weights."""
     from bench.bare_loop import run_bare
-    from engines.config import load_recipe
-    from engines.rl import prepare_data, prepare_model
-    from engines.sft import SFTSession
+    from rlflow.engines.core.config import load_recipe
+    from rlflow.engines.session.rl import prepare_data, prepare_model
+    from rlflow.engines.session.sft import SFTSession
 
     common = [f"seed={args.seed}", *QUIET, *args.set]
     cfg = load_recipe(SFT, [f"sft.steps={args.sft_steps}", f"eval.every={args.eval_every}", *common])
@@ -63,7 +63,7 @@ def sft_arm(args, workdir: str) -> dict:
 
 def grpo_arm(args, workdir: str) -> dict:
     from bench.bare_loop import run_bare
-    from engines.config import load_recipe
+    from rlflow.engines.core.config import load_recipe
 
     steps = args.sft_steps + args.grpo_steps
     cfg = load_recipe(GRPO, [f"train.steps={steps}", f"eval.every={args.eval_every}", f"seed={args.seed}",
@@ -117,8 +117,9 @@ def main() -> None:
     jobs = [(arm, seed) for seed in seeds for arm in ("grpo", "sft+grpo")]
     with tempfile.TemporaryDirectory() as datadir, ThreadPoolExecutor(args.parallel) as pool:
         # both recipes' relative data paths resolve in datadir: write the task files once, before the arms
-        subprocess.run([sys.executable, "-c", "import sys; from engines.config import load_recipe; "
-                        "from engines.rl import prepare_data; prepare_data(load_recipe(sys.argv[1]))", SFT],
+        subprocess.run([sys.executable, "-c", "import sys; from rlflow.engines.core.config import load_recipe; "
+                        "from rlflow.engines.session.rl import prepare_data; "
+                        "prepare_data(load_recipe(sys.argv[1]))", SFT],
                        cwd=datadir, env=os.environ | {"PYTHONPATH": str(ROOT)}, check=True)
         futures = [pool.submit(run_arm, arm, seed, args, datadir) for arm, seed in jobs]
         results = [f.result() for f in futures]

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bare_loop import run_bare  # noqa: E402
-from engines.config import load_recipe  # noqa: E402
+from rlflow.engines.core.config import load_recipe  # noqa: E402
 
 
 def _run(recipe: str, overrides: list[str], every: int, workdir: Path, warmup: int) -> tuple[list[float], list[float]]:

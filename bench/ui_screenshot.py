@@ -17,9 +17,9 @@ import tempfile
 import urllib.parse
 from pathlib import Path
 
-from engines.cluster import free_port
-from engines.config import EvaluationConfig, PipelineConfig, RLConfig, load_recipe
-from flows.serve import REPO, Services, deploy_all, ensure_work_pool, start_prefect_server
+from rlflow.engines.cluster.groups import free_port
+from rlflow.engines.core.config import EvaluationConfig, PipelineConfig, RLConfig, load_recipe
+from rlflow.flows.serve import REPO, Services, deploy_all, ensure_work_pool, start_prefect_server
 
 FLOW_CONFIGS = {"flows/post_train.py:post_train": RLConfig, "flows/evaluate.py:evaluate": EvaluationConfig,
                 "flows/pipeline.py:pipeline": PipelineConfig}

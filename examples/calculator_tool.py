@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import re
 
-from engines.rewards import match_reward
-from engines.rollout_fn import PromptSample, Sample, generate, sample_from_item
+from rlflow.engines.data.rewards import match_reward
+from rlflow.engines.rollout.functions import PromptSample, Sample, generate, sample_from_item
 
 TOOL_END = "R"
 

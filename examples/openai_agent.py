@@ -7,14 +7,14 @@ re-tokenizes the conversation with the policy's tokenizer (exact for the demo's 
 BPE tokenizer the re-tokenized text can split differently from what was sampled). It returns no logprobs:
 the trainer computes them before the update, so these samples are trained on as on-policy.
 
-    rlflow run deployments/sort-tiny.yaml --set rollout.fn=examples.openai_agent:openai_rollout
+    rlflow run deployments/sort-tiny.yaml --set rollout.fn=rlflow.examples.openai_agent:openai_rollout
 """
 
 from __future__ import annotations
 
 from openai import AsyncOpenAI
 
-from engines.rollout_fn import PromptSample, Sample
+from rlflow.engines.rollout.functions import PromptSample, Sample
 
 
 async def openai_rollout(prompt: PromptSample, router_url: str, sampling_params: dict) -> list[Sample]:

@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 
-from engines.config import BuiltinTaskConfig, RecipeError, load_recipe
+from rlflow.engines.core.config import BuiltinTaskConfig, RecipeError, load_recipe
 
 
 def _debug_overrides(args) -> list[str]:
@@ -37,7 +37,7 @@ def _debug_overrides(args) -> list[str]:
 
 
 def _load(args) -> object:
-    from engines.preflight import check
+    from rlflow.engines.session.preflight import check
 
     cfg = load_recipe(args.recipe, [*args.overrides, *_debug_overrides(args)])
     return check(cfg, args.recipe)
@@ -57,21 +57,21 @@ def cmd_run(args) -> int:
 
 
 def cmd_sft(args) -> int:
-    from flows.sft import sft
+    from rlflow.flows.sft import sft
 
     cfg = _load(args)
     return _run(cfg, sft, cfg.sft.steps)
 
 
 def cmd_rejection_sample(args) -> int:
-    from flows.rejection_sampling import rejection_sampling
+    from rlflow.flows.rejection_sampling import rejection_sampling
 
     cfg = _load(args)
     return _run(cfg, rejection_sampling, cfg.sft.total_steps(rejection=True))
 
 
 def _store_config(args):
-    from engines.config import StorageConfig
+    from rlflow.engines.core.config import StorageConfig
 
     opts = {"uri": args.store}
     for text in args.overrides:
@@ -83,9 +83,9 @@ def _store_config(args):
 
 def cmd_resume(args) -> int:
     """Continue a run from its store: the stored recipe, with --set overrides on top."""
-    from engines.config import apply_overrides, config_from_dict
-    from engines.preflight import check
-    from tasks.run_store import RunStore
+    from rlflow.engines.core.config import apply_overrides, config_from_dict
+    from rlflow.engines.session.preflight import check
+    from rlflow.engines.store.run_store import RunStore
 
     store = RunStore(_store_config(args), args.run)
     if not store.exists("config.json"):
@@ -98,7 +98,7 @@ def cmd_resume(args) -> int:
 
 
 def cmd_runs(args) -> int:
-    from tasks.run_store import list_runs
+    from rlflow.engines.store.run_store import list_runs
 
     runs = list_runs(_store_config(args))
     if not runs:
@@ -113,7 +113,7 @@ def cmd_export(args) -> int:
     """Copy a committed checkpoint's model/ (HF safetensors + config + tokenizer) to a local directory."""
     from pathlib import Path
 
-    from tasks.run_store import RunStore
+    from rlflow.engines.store.run_store import RunStore
 
     store = RunStore(_store_config(args), args.run)
     step = args.step if args.step is not None else store.latest_step()
@@ -131,7 +131,7 @@ def cmd_trace_render(args) -> int:
     import tempfile
     from pathlib import Path
 
-    from engines.trace_render import load_trace, render
+    from rlflow.engines.core.trace_render import load_trace, render
 
     with tempfile.TemporaryDirectory() as tmp:
         if Path(args.source).is_file():
@@ -156,8 +156,8 @@ def _download_trace(args, tmp: str):
 
     from mlflow.tracking import MlflowClient
 
-    from tasks.run_store import RunStore
-    from tasks.stages import trace_artifact
+    from rlflow.engines.store.run_store import RunStore
+    from rlflow.tasks.stages import trace_artifact
 
     store = RunStore(_store_config(args), args.source)
     if not store.exists("config.json"):
@@ -183,14 +183,14 @@ def _download_trace(args, tmp: str):
 def _run(cfg, flow_fn=None, total: int | None = None) -> int:
     """Run a flow (post_train by default) with a progress bar over its `total` steps."""
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the progress bar says what the task logs would
-    from flows.serve import use_prefect_server_defaults
+    from rlflow.flows.serve import use_prefect_server_defaults
 
     use_prefect_server_defaults()  # for the temporary server, when no PREFECT_API_URL is set
     logging.getLogger("rlflow").setLevel(logging.INFO)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from flows.post_train import post_train
-    from tasks.run_context import STEP_LISTENERS
+    from rlflow.flows.post_train import post_train
+    from rlflow.tasks.run_context import STEP_LISTENERS
 
     flow_fn = flow_fn or post_train
     total = total or cfg.train.steps
@@ -234,7 +234,7 @@ def _run(cfg, flow_fn=None, total: int | None = None) -> int:
 
 
 def cmd_data_make(args) -> int:
-    from engines.builtin_tasks import write_task_files
+    from rlflow.engines.data.builtin_tasks import write_task_files
 
     cfg = BuiltinTaskConfig(task=args.task, num_digits=args.num_digits, num_train=args.num_train,
                             num_eval=args.num_eval, seed=args.seed)
@@ -247,7 +247,7 @@ def cmd_data_make(args) -> int:
 
 
 def cmd_data_gsm8k(args) -> int:
-    from engines.math_reward import convert_gsm8k
+    from rlflow.engines.data.math_reward import convert_gsm8k
 
     n = convert_gsm8k(args.input, args.out, args.instruction)
     print(f"wrote {n} rows to {args.out} (prompt, label: the final answer, response: the worked solution)")
@@ -265,7 +265,7 @@ def _debug_flags(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args) -> int:
     """Prefect server + MLflow server + a process worker (and the deployments of prefect.yaml), until Ctrl-C."""
-    from flows.serve import serve
+    from rlflow.flows.serve import serve
 
     return serve(args.prefect_port, args.mlflow_port, deploy=not args.no_deploy)
 

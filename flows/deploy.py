@@ -1,4 +1,4 @@
-"""`prefect deploy` from prefect.yaml, with one client fix: `python -m flows.deploy --all`.
+"""`prefect deploy` from prefect.yaml, with one client fix: `python -m rlflow.flows.deploy --all`.
 
 Arguments go to Prefect's own `prefect deploy` command unchanged (it reads prefect.yaml in the working
 directory). The fix: after creating each deployment, `prefect deploy` (and `flow.deploy`) of Prefect 3.8.8

@@ -4,7 +4,7 @@
     rollout engine, reward them, score (accuracy, mean reward, pass@k, response length) -> MLflow run
     (tagged with the training run) + Prefect table artifact + markdown report
 
-The checkpoint is a run-store URI (file:// or s3://, read through tasks/run_store.py), a run in a store
+The checkpoint is a run-store URI (file:// or s3://, read through engines/store/run_store.py), a run in a store
 (its newest committed checkpoint), or a local Hugging Face model directory.
 """
 
@@ -20,13 +20,13 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from engines.config import EvaluationConfig, resolve_config
-from engines.evaluation import evaluate_dataset
-from engines.rewards import load_reward_fn
-from engines.rollout_torch import TorchRolloutBackend
-from tasks.artifacts import artifact_key, fmt
-from tasks.run_store import locate_checkpoint
-from tasks.tracking import Tracker
+from rlflow.engines.core.config import EvaluationConfig, resolve_config
+from rlflow.engines.data.rewards import load_reward_fn
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.session.evaluation import evaluate_dataset
+from rlflow.engines.store.run_store import locate_checkpoint
+from rlflow.tasks.artifacts import artifact_key, fmt
+from rlflow.tasks.tracking import Tracker
 
 DEFAULT_MAX_NEW_TOKENS = 8
 

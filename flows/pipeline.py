@@ -17,7 +17,7 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 from prefect.runtime import flow_run
 
-from engines.config import (
+from rlflow.engines.core.config import (
     EvalDatasetConfig,
     EvaluationConfig,
     PipelineConfig,
@@ -25,8 +25,8 @@ from engines.config import (
     load_recipe,
     resolve_config,
 )
-from flows.register import register_model
-from tasks.run_store import RunStore
+from rlflow.engines.store.run_store import RunStore
+from rlflow.flows.register import register_model
 
 POLL_S = 2.0  # how often the pipeline asks the API whether a stage run has finished
 

@@ -16,10 +16,10 @@ import time
 
 from prefect import flow
 
-from engines.config import RLConfig, resolve_config
-from tasks import stages
-from tasks.artifacts import TrainingArtifacts
-from tasks.run_context import RunContext, open_run
+from rlflow.engines.core.config import RLConfig, resolve_config
+from rlflow.tasks import stages
+from rlflow.tasks.artifacts import TrainingArtifacts
+from rlflow.tasks.run_context import RunContext, open_run
 
 
 def _due(every: int, step: int, last: int) -> bool:

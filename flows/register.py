@@ -14,8 +14,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from prefect import flow
 
-from engines.config import RegisterConfig, StorageConfig
-from tasks.run_store import locate_checkpoint
+from rlflow.engines.core.config import RegisterConfig, StorageConfig
+from rlflow.engines.store.run_store import locate_checkpoint
 
 
 def should_register(value: float, best: float | None, cfg: RegisterConfig) -> tuple[bool, str]:

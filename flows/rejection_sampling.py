@@ -15,11 +15,11 @@ import time
 
 from prefect import flow
 
-from engines.config import RLConfig
-from engines.sft import SFTSession
-from flows.post_train import _due
-from tasks import stages
-from tasks.run_context import RunContext, open_run
+from rlflow.engines.core.config import RLConfig
+from rlflow.engines.session.sft import SFTSession
+from rlflow.flows.post_train import _due
+from rlflow.tasks import stages
+from rlflow.tasks.run_context import RunContext, open_run
 
 
 @flow(name="rejection-sampling", log_prints=True)

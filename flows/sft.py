@@ -2,7 +2,7 @@
 
     train (sft_step) -> [sync weights -> eval] -> log metrics -> (checkpoint)
 
-The loss covers the response tokens only (engines.algorithms.sft_loss). Same engines, run store, resume and
+The loss covers the response tokens only (rlflow.engines.core.algorithms.sft_loss). Same engines, run store, resume and
 MLflow tracking as post_train: a run whose name has a committed checkpoint continues from it. A typical cold
 start: `rlflow sft` on demonstrations, `rlflow export` the result, then `rlflow run` with model.path set to it.
 """
@@ -13,11 +13,11 @@ import time
 
 from prefect import flow
 
-from engines.config import RLConfig
-from engines.sft import SFTSession
-from flows.post_train import _due
-from tasks import stages
-from tasks.run_context import RunContext, open_run
+from rlflow.engines.core.config import RLConfig
+from rlflow.engines.session.sft import SFTSession
+from rlflow.flows.post_train import _due
+from rlflow.tasks import stages
+from rlflow.tasks.run_context import RunContext, open_run
 
 
 @flow(name="sft", log_prints=True)

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.config import RLConfig
-from engines.rl import RLSession, prepare_data, prepare_model
-from tasks.artifacts import TrainingArtifacts
-from tasks.run_store import RunStore
-from tasks.tracking import Tracker
+from rlflow.engines.core.config import RLConfig
+from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
+from rlflow.engines.store.run_store import RunStore
+from rlflow.tasks.artifacts import TrainingArtifacts
+from rlflow.tasks.tracking import Tracker
 
 log = logging.getLogger("rlflow")
 
@@ -42,7 +42,7 @@ def active_run(name: str) -> RunContext:
 @dataclass
 class RunContext:
     cfg: RLConfig
-    session: RLSession  # or an engines.sft.SFTSession, which has the same stage, save and load methods
+    session: RLSession  # or an rlflow.engines.session.sft.SFTSession, which has the same stage, save and load methods
     store: RunStore
     tracker: Tracker
     workdir: Path
@@ -90,7 +90,7 @@ def stored_config(cfg: RLConfig) -> dict:
 
 def open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any] = RLSession.create) -> RunContext:
     """Open (or resume) the run `cfg.name`. make_session starts the engines: an RLSession for post_train, an
-    SFTSession (engines/sft.py) for the SFT and rejection-sampling flows; both save and load the same way."""
+    SFTSession (engines/session/sft.py) for the SFT and rejection-sampling flows; both save and load the same way."""
     store = RunStore(cfg.storage, cfg.name)
     torn = store.clean_torn()
     if torn:

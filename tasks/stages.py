@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
-from engines.config import RLConfig
-from tasks.faults import maybe_inject
-from tasks.run_context import RunContext, active_run, log
+from rlflow.engines.core.config import RLConfig
+from rlflow.tasks.faults import maybe_inject
+from rlflow.tasks.run_context import RunContext, active_run, log
 
 
 def _timed(stage: str, fn, *args) -> dict[str, float]:

@@ -14,7 +14,7 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from mlflow.utils.time import get_current_time_millis
 
-from engines.config import RLConfig
+from rlflow.engines.core.config import RLConfig
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:

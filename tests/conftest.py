@@ -11,9 +11,9 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from engines.config import ModelConfig, config_from_dict  # noqa: E402
-from engines.model import build_tiny_model  # noqa: E402
-from flows.serve import use_prefect_server_defaults  # noqa: E402
+from rlflow.engines.core.config import ModelConfig, config_from_dict  # noqa: E402
+from rlflow.engines.models.hf import build_tiny_model  # noqa: E402
+from rlflow.flows.serve import use_prefect_server_defaults  # noqa: E402
 
 use_prefect_server_defaults()  # the temporary Prefect server the tests' flows start, as `rlflow run` starts it
 
@@ -68,7 +68,7 @@ def s3_server():
     """An S3-compatible server on loopback (moto's server mode, as s3fs's own tests use)."""
     from moto.server import ThreadedMotoServer
 
-    from engines.cluster import free_port
+    from rlflow.engines.cluster.groups import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
@@ -100,7 +100,7 @@ def s3_bucket(s3_server):
 @pytest.fixture(params=["file", "s3"])
 def storage(request, tmp_path):
     """A StorageConfig for each kind of store the tests cover."""
-    from engines.config import StorageConfig
+    from rlflow.engines.core.config import StorageConfig
 
     if request.param == "file":
         return StorageConfig(uri=str(tmp_path / "store"))

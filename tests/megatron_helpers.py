@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from engines.batch import TrainBatch, pack_samples, shard_for_workers
-from engines.config import AlgorithmConfig, MegatronConfig, TrainConfig
+from rlflow.engines.core.batch import TrainBatch, pack_samples, shard_for_workers
+from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig, TrainConfig
 
 FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
@@ -57,11 +57,11 @@ def parallel_worker(rank: int, world: int, tp: int, pp: int, url: str, model_dir
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from engines.megatron.backend import MegatronTrainBackend
-    from engines.megatron.cpu import cpu_shim
-    from engines.megatron.export import WeightExporter
-    from engines.megatron.hf_config import spec_from_hf
-    from engines.megatron.model_build import build_model, load_hf_weights, stage_params, transformer_config
+    from rlflow.engines.train.megatron.backend import MegatronTrainBackend
+    from rlflow.engines.train.megatron.cpu import cpu_shim
+    from rlflow.engines.train.megatron.export import WeightExporter
+    from rlflow.engines.train.megatron.hf_config import spec_from_hf
+    from rlflow.engines.train.megatron.model_build import build_model, load_hf_weights, stage_params, transformer_config
 
     mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp)
     backend = MegatronTrainBackend(model_dir, train_config(), AlgorithmConfig(), mcfg, rank=rank, world_size=world,

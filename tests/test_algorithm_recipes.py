@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.bare_loop import run_bare
-from engines.config import load_recipe
+from rlflow.engines.core.config import load_recipe
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engines import algorithms as A
+from rlflow.engines.core import algorithms as A
 
 INF, NAN = float("inf"), float("nan")
 LN2 = math.log(2.0)

@@ -9,10 +9,10 @@ import pytest
 import torch
 import yaml
 
-from engines.algorithms import rl_loss
-from engines.config import AlgorithmConfig, RecipeError, load_recipe
-from engines.preflight import check
-from flows.cli import main
+from rlflow.engines.core.algorithms import rl_loss
+from rlflow.engines.core.config import AlgorithmConfig, RecipeError, load_recipe
+from rlflow.engines.session.preflight import check
+from rlflow.flows.cli import main
 from tests.conftest import small_recipe
 
 

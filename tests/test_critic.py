@@ -8,14 +8,21 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForTokenClassification
 
-from engines import algorithms
-from engines.batch import pack_samples, shard_for_workers
-from engines.cluster import LocalWorkerGroup, RayWorkerGroup, free_port
-from engines.config import AlgorithmConfig, ClusterConfig, RecipeError, TrainConfig, config_from_dict, load_recipe
-from engines.model import load_model
-from engines.preflight import find_problems
-from engines.rl import RLSession, prepare_data, prepare_model
-from engines.train_torch import TorchTrainBackend
+from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, free_port
+from rlflow.engines.core import algorithms
+from rlflow.engines.core.batch import pack_samples, shard_for_workers
+from rlflow.engines.core.config import (
+    AlgorithmConfig,
+    ClusterConfig,
+    RecipeError,
+    TrainConfig,
+    config_from_dict,
+    load_recipe,
+)
+from rlflow.engines.models.hf import load_model
+from rlflow.engines.session.preflight import find_problems
+from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
+from rlflow.engines.train.torch_backend import TorchTrainBackend
 from tests.conftest import assert_same_update, small_recipe
 
 
@@ -226,7 +233,7 @@ def test_ppo_session_resumes_exactly(recipe, tmp_path):
 def ray_cluster():
     import ray
 
-    from engines.cluster import init_ray
+    from rlflow.engines.cluster.groups import init_ray
 
     init_ray(ClusterConfig(num_cpus=2))
     yield

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines.builtin_tasks import make_examples, write_task_files
-from engines.config import BuiltinTaskConfig
-from engines.data import DataError, PromptCursor, load_prompts
+from rlflow.engines.core.config import BuiltinTaskConfig
+from rlflow.engines.data.builtin_tasks import make_examples, write_task_files
+from rlflow.engines.data.prompts import DataError, PromptCursor, load_prompts
 
 VOCAB = set("0123456789+=SR")
 

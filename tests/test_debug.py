@@ -18,15 +18,15 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from bench.bare_loop import run_bare, run_steps
-from engines.config import RecipeError, config_from_dict
-from engines.preflight import find_problems
-from engines.rl import STAGE_LANES, RLSession, prepare_data, prepare_model
-from engines.rollout_torch import TorchRolloutBackend
-from engines.sampling import SamplingParams
-from flows.cli import main as cli
-from flows.post_train import post_train
-from tasks.run_context import STEP_LISTENERS
-from tasks.run_store import RunStore, replay_source
+from rlflow.engines.core.config import RecipeError, config_from_dict
+from rlflow.engines.core.sampling import SamplingParams
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.session.preflight import find_problems
+from rlflow.engines.session.rl import STAGE_LANES, RLSession, prepare_data, prepare_model
+from rlflow.engines.store.run_store import RunStore, replay_source
+from rlflow.flows.cli import main as cli
+from rlflow.flows.post_train import post_train
+from rlflow.tasks.run_context import STEP_LISTENERS
 from tests.conftest import small_recipe
 
 STEPS = 2

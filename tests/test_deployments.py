@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from engines.cluster import free_port
-from flows.serve import (
+from rlflow.engines.cluster.groups import free_port
+from rlflow.flows.serve import (
     REPO,
     Services,
     deploy_all,

@@ -13,10 +13,10 @@ from pathlib import Path
 import mlflow
 from mlflow.tracking import MlflowClient
 
-from engines.config import load_recipe
-from flows.post_train import post_train
-from tasks.run_context import STEP_LISTENERS
-from tasks.run_store import RunStore
+from rlflow.engines.core.config import load_recipe
+from rlflow.engines.store.run_store import RunStore
+from rlflow.flows.post_train import post_train
+from rlflow.tasks.run_context import STEP_LISTENERS
 
 DEMO = Path(__file__).resolve().parent.parent / "deployments" / "sort-tiny.yaml"
 

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from engines.batch import pack_samples, shard_for_workers
-from engines.cluster import LocalWorkerGroup, RayWorkerGroup, free_port
-from engines.config import AlgorithmConfig, ClusterConfig, TrainConfig
-from engines.rl import RLSession, prepare_data, prepare_model
-from engines.rollout_torch import TorchRolloutBackend
-from engines.sampling import SamplingParams
-from engines.train_torch import TorchTrainBackend
-from engines.weight_sync import plan_buckets
+from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, free_port
+from rlflow.engines.core.batch import pack_samples, shard_for_workers
+from rlflow.engines.core.config import AlgorithmConfig, ClusterConfig, TrainConfig
+from rlflow.engines.core.sampling import SamplingParams
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
+from rlflow.engines.sync.buckets import plan_buckets
+from rlflow.engines.train.torch_backend import TorchTrainBackend
 from tests.conftest import assert_same_update
 
 PROMPTS = [[1, 5, 6, 7, 15], [1, 9, 15], [1, 4, 4, 8, 9, 10, 15]]  # different lengths: left padding matters
@@ -94,7 +94,7 @@ def test_micro_batches_do_not_change_the_update(tiny_model_dir, loss_agg):
 def ray_cluster():
     import ray
 
-    from engines.cluster import init_ray
+    from rlflow.engines.cluster.groups import init_ray
 
     init_ray(ClusterConfig(num_cpus=2))
     yield
@@ -241,8 +241,8 @@ def _arch_model(tmp_path, arch: str) -> str:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_own_forward_matches_hf(tmp_path, arch):
-    from engines.llm import DecoderLM
-    from engines.model import load_model
+    from rlflow.engines.models.decoder import DecoderLM
+    from rlflow.engines.models.hf import load_model
 
     hf = load_model(_arch_model(tmp_path, arch)).eval()
     lm = DecoderLM(hf)

@@ -11,10 +11,17 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from engines.config import EvaluationConfig, RecipeError, RegisterConfig, RLConfig, StorageConfig, resolve_config
-from engines.evaluation import pass_at_k, score
-from flows.register import should_register
-from tasks.run_store import RunStore, StorageError, locate_checkpoint
+from rlflow.engines.core.config import (
+    EvaluationConfig,
+    RecipeError,
+    RegisterConfig,
+    RLConfig,
+    StorageConfig,
+    resolve_config,
+)
+from rlflow.engines.session.evaluation import pass_at_k, score
+from rlflow.engines.store.run_store import RunStore, StorageError, locate_checkpoint
+from rlflow.flows.register import should_register
 from tests.conftest import small_recipe
 
 
@@ -101,8 +108,8 @@ def test_locate_checkpoint(storage, tiny_model_dir):
 
 
 def eval_config(tmp_path: Path, checkpoint: str, **kw) -> EvaluationConfig:
-    from engines.builtin_tasks import write_task_files
-    from engines.config import BuiltinTaskConfig
+    from rlflow.engines.core.config import BuiltinTaskConfig
+    from rlflow.engines.data.builtin_tasks import write_task_files
 
     write_task_files(BuiltinTaskConfig(task="sort", num_digits=3, num_train=10, num_eval=6), tmp_path / "tr.jsonl",
                      tmp_path / "ev.jsonl")
@@ -118,7 +125,7 @@ def eval_config(tmp_path: Path, checkpoint: str, **kw) -> EvaluationConfig:
 def test_evaluate_flow_on_a_store_checkpoint(tmp_path, tiny_model_dir):
     """The flow through Prefect (a temporary local server) on a committed checkpoint: metrics in its own MLflow
     run, linked to the training run, with the report; a second dataset is scored on its own."""
-    from flows.evaluate import evaluate
+    from rlflow.flows.evaluate import evaluate
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     training = client.create_run(client.create_experiment("rlflow"), run_name="train").info.run_id
@@ -143,14 +150,14 @@ def test_evaluate_flow_on_a_store_checkpoint(tmp_path, tiny_model_dir):
 
 
 def test_evaluate_flow_on_an_hf_directory(tmp_path, tiny_model_dir):
-    from flows.evaluate import evaluate
+    from rlflow.flows.evaluate import evaluate
 
     metrics = evaluate(eval_config(tmp_path, tiny_model_dir, training_run_id=None))
     assert metrics["again/num_prompts"] == 6
 
 
 def test_register_logs_the_hf_export_and_gates_versions(tmp_path, tiny_model_dir):
-    from flows.register import register_model
+    from rlflow.flows.register import register_model
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("math_verify")  # the `math` extra
 
-from engines.math_reward import convert_gsm8k, final_answer_text, gold_answer, gsm8k_reward, is_correct
-from engines.preflight import find_problems
+from rlflow.engines.data.math_reward import convert_gsm8k, final_answer_text, gold_answer, gsm8k_reward, is_correct
+from rlflow.engines.session.preflight import find_problems
 
 # a GSM8K training row, as the dataset stores it
 NATALIA_Q = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -75,14 +75,14 @@ def test_convert_gsm8k_and_the_recipe_reward_validates(tmp_path):
     with pytest.raises(ValueError, match="without '####"):
         convert_gsm8k(str(tmp_path / "bad.jsonl"), str(tmp_path / "x.jsonl"))
 
-    from flows.cli import main as cli_main
+    from rlflow.flows.cli import main as cli_main
 
     assert cli_main(["data", "gsm8k", "--input", str(src), "--out", str(tmp_path / "cli.parquet")]) == 0
-    from engines.data import load_prompts
+    from rlflow.engines.data.prompts import load_prompts
 
     assert load_prompts(str(tmp_path / "cli.parquet"))[0]["label"] == "72"
 
-    from engines.config import load_recipe
+    from rlflow.engines.core.config import load_recipe
 
     cfg = load_recipe("deployments/gsm8k-qwen.yaml", [f"data.train_path={out}", f"data.eval_path={out}",
                                                       f"sft.train_path={out}"])

@@ -16,18 +16,18 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from engines.batch import shard_for_workers
-from engines.config import AlgorithmConfig, MegatronConfig
-from engines.megatron.checkpoint import optimizer_state
-from engines.megatron.hf_config import UnsupportedModel, spec_from_hf
-from engines.megatron.microbatch import micro_batches, restore_width
-from engines.megatron.weights import (
+from rlflow.engines.core.batch import shard_for_workers
+from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig
+from rlflow.engines.train.megatron.checkpoint import optimizer_state
+from rlflow.engines.train.megatron.hf_config import UnsupportedModel, spec_from_hf
+from rlflow.engines.train.megatron.microbatch import micro_batches, restore_width
+from rlflow.engines.train.megatron.weights import (
     hf_to_megatron_state,
     megatron_to_hf_state,
     model_rules,
     to_megatron,
 )
-from engines.train_torch import TorchTrainBackend
+from rlflow.engines.train.torch_backend import TorchTrainBackend
 from tests.megatron_helpers import global_metrics, parallel_worker, tiny_hf_model, toy_batch, train_config
 
 CASES = [("llama", False), ("qwen2", True), ("qwen3", False)]
@@ -144,7 +144,7 @@ def mcore():
 
 
 def _backend(path, train=None, algo=None, megatron=None, **kw):
-    from engines.megatron.backend import MegatronTrainBackend
+    from rlflow.engines.train.megatron.backend import MegatronTrainBackend
 
     return MegatronTrainBackend(path, train or train_config(), algo or AlgorithmConfig(), megatron, **kw)
 
@@ -169,7 +169,7 @@ def test_gptmodel_round_trip_and_logits_match_hf(hf_models, mcore, family):
 
 
 def backend_context(backend):
-    from engines.megatron.cpu import device_context
+    from rlflow.engines.train.megatron.cpu import device_context
 
     return device_context(backend.device)
 
@@ -271,7 +271,7 @@ def parallel_runs(hf_models, tmp_path_factory, mcore):
     """Each 2-rank layout run once: (tp, pp) -> (results JSON, final weights)."""
     import torch.multiprocessing as mp
 
-    from engines.cluster import free_port
+    from rlflow.engines.cluster.groups import free_port
 
     dirs = {f: p for f, (p, _) in hf_models.items()}
     out = {}
@@ -315,7 +315,7 @@ def test_parallel_layouts_train_like_one_torch_worker(parallel_runs, hf_models, 
 def test_rl_session_trains_and_syncs_with_megatron(recipe, mcore, tmp_path):
     """train.backend: megatron in the bare RL loop: steps run, the rollout engine gets the trainer's weights, and
     a checkpoint restores them."""
-    from engines.rl import RLSession, prepare_data, prepare_model
+    from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
 
     cfg = recipe(train={"steps": 2, "threads": 1, "backend": "megatron", "mini_batches": 2},
                  megatron={"micro_batch_tokens": 64})
@@ -342,7 +342,7 @@ def test_ray_tensor_parallel_group_syncs_gathered_weights(recipe, mcore, tmp_pat
     gather through both actors) hands the rollout engine the full tensors."""
     import ray
 
-    from engines.rl import RLSession, prepare_data, prepare_model
+    from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
 
     cfg = recipe(train={"steps": 1, "threads": 1, "backend": "megatron", "num_workers": 2},
                  megatron={"tensor_parallel": 2}, cluster={"num_cpus": 2})
@@ -371,7 +371,7 @@ def test_ray_tensor_parallel_group_syncs_gathered_weights(recipe, mcore, tmp_pat
 def test_preflight_reports_models_the_mapping_cannot_take(recipe, hf_models, mcore, tmp_path):
     from transformers import MistralConfig
 
-    from engines.preflight import find_problems
+    from rlflow.engines.session.preflight import find_problems
 
     MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2).save_pretrained(tmp_path / "mistral")

@@ -22,9 +22,9 @@ import yaml
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from engines.builtin_tasks import write_task_files
-from engines.config import BuiltinTaskConfig, StorageConfig
-from tasks.run_store import RunStore
+from rlflow.engines.core.config import BuiltinTaskConfig, StorageConfig
+from rlflow.engines.data.builtin_tasks import write_task_files
+from rlflow.engines.store.run_store import RunStore
 from tests.conftest import small_recipe
 
 STEPS = 5
@@ -35,7 +35,7 @@ TIMING = ("time/", "_per_s", "gb_per_s")
 @pytest.fixture(scope="module")
 def prefect_api(tmp_path_factory):
     """A Prefect server (SQLite) shared by the trials' flow processes."""
-    from engines.cluster import free_port
+    from rlflow.engines.cluster.groups import free_port
 
     home = tmp_path_factory.mktemp("prefect")
     port = free_port()
@@ -67,7 +67,7 @@ def ray_head(tmp_path_factory):
 
     Started with --block in its own process group and stopped by signalling that group: `ray stop` would
     also kill every other Ray on the machine (another test session's, a user's)."""
-    from engines.cluster import free_port
+    from rlflow.engines.cluster.groups import free_port
 
     port = free_port()
     env = os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -119,7 +119,7 @@ def _rlflow(args: list[str], api: str, fault: str | None = None) -> subprocess.C
     env.pop("RLFLOW_FAULT", None)
     if fault:
         env["RLFLOW_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rlflow.flows.cli", *args], env=env, capture_output=True, text=True,
                           timeout=600, cwd=Path(__file__).resolve().parent.parent)
 
 

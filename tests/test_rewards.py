@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engines.rewards import (
+from rlflow.engines.data.rewards import (
     RewardError,
     add_reward,
     compute_rewards,
@@ -36,8 +36,8 @@ def test_aliases_and_exact_match() -> None:
 
 
 def test_load_builtin_both_spellings() -> None:
-    assert load_reward_fn("engines.rewards:sort_reward") is sort_reward
-    assert load_reward_fn("engines.rewards.exact_match_reward") is exact_match_reward
+    assert load_reward_fn("rlflow.engines.data.rewards:sort_reward") is sort_reward
+    assert load_reward_fn("rlflow.engines.data.rewards.exact_match_reward") is exact_match_reward
 
 
 def _write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, body: str) -> None:
@@ -87,7 +87,7 @@ def test_sync_fn_returning_awaitable_and_array() -> None:
 
 
 def test_load_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for bad in ["sort_reward", "engines.rewards:", "a:b:c", "engines/rewards:f", ""]:
+    for bad in ["sort_reward", "rlflow.engines.data.rewards:", "a:b:c", "engines/rewards:f", ""]:
         with pytest.raises(RewardError, match=r"^reward\.fn: .*not of the form 'package\.module:function'"):
             load_reward_fn(bad)
 
@@ -98,11 +98,12 @@ def test_load_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RewardError, match=r"^reward\.fn: cannot import .*RuntimeError: boom at import"):
         load_reward_fn("broken_reward_mod:f")
 
-    with pytest.raises(RewardError, match=r"^reward\.fn: module 'engines\.rewards' has no attribute 'nope'"):
-        load_reward_fn("engines.rewards:nope")
+    mod = r"rlflow\.engines\.data\.rewards"
+    with pytest.raises(RewardError, match=rf"^reward\.fn: module '{mod}' has no attribute 'nope'"):
+        load_reward_fn("rlflow.engines.data.rewards:nope")
 
-    with pytest.raises(RewardError, match=r"^reward\.fn: 'engines\.rewards:_DOTTED' is not callable \(it is a str\)"):
-        load_reward_fn("engines.rewards:_DOTTED")
+    with pytest.raises(RewardError, match=rf"^reward\.fn: '{mod}:_DOTTED' is not callable \(it is a str\)"):
+        load_reward_fn("rlflow.engines.data.rewards:_DOTTED")
 
 
 def _const(value):

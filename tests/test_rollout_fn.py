@@ -1,5 +1,5 @@
-"""Rollout functions (engines/rollout_fn.py), dynamic sampling (engines/dynamic_sampling.py) and the examples,
-against real embedded servers behind the real router; nothing is mocked."""
+"""Rollout functions (engines/rollout/functions.py), dynamic sampling (engines/rollout/dynamic_sampling.py) and the
+examples, against real embedded servers behind the real router; nothing is mocked."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import random
 import pytest
 import torch
 
-from engines.config import config_from_dict
-from engines.dynamic_sampling import Carry, collect_groups
-from engines.rl import RLSession, prepare_data, prepare_model
-from engines.rollout_fn import PromptSample, RolloutRunner, Sample, load_rollout_fn, single_turn
-from engines.rollout_torch import TorchRolloutBackend
-from engines.router import RolloutRouter
-from engines.sampling import SamplingParams
+from rlflow.engines.core.config import config_from_dict
+from rlflow.engines.core.sampling import SamplingParams
+from rlflow.engines.rollout.dynamic_sampling import Carry, collect_groups
+from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, load_rollout_fn, single_turn
+from rlflow.engines.rollout.router import RolloutRouter
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
 from tests.conftest import small_recipe
 
 PARAMS = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop": []}
@@ -138,7 +138,7 @@ def test_calculator_example_masks_the_tool_out_of_the_loss_and_learns(tmp_path):
                          "num_kv_heads": 4, "max_seq_len": 32},
         data={"train_path": str(tmp_path / "add/train.jsonl"), "eval_path": str(tmp_path / "add/eval.jsonl"),
               "generate": {"task": "add", "num_digits": 1, "num_train": 2000, "num_eval": 16}},
-        rollout={"fn": "examples.calculator_tool:calculator_rollout", "prompts_per_step": 16,
+        rollout={"fn": "rlflow.examples.calculator_tool:calculator_rollout", "prompts_per_step": 16,
                  "samples_per_prompt": 4, "max_new_tokens": 8},
         train={"steps": 30, "threads": 1, "lr": 3e-3, "mini_batches": 2},
         algorithm={"entropy_coef": 0.0},
@@ -173,7 +173,7 @@ def test_calculator_example_masks_the_tool_out_of_the_loss_and_learns(tmp_path):
 def test_openai_agent_example_trains_with_logprobs_the_trainer_computes(tmp_path):
     """examples/openai_agent.py returns text only; its samples train as on-policy with the train engine's
     logprobs filled in, and eval goes through the same function."""
-    cfg = config_from_dict(small_recipe(tmp_path, rollout={"fn": "examples.openai_agent:openai_rollout",
+    cfg = config_from_dict(small_recipe(tmp_path, rollout={"fn": "rlflow.examples.openai_agent:openai_rollout",
                                                           "prompts_per_step": 4, "samples_per_prompt": 2},
                                         train={"steps": 2, "threads": 1, "mini_batches": 1}))
     prepare_data(cfg)
@@ -218,7 +218,7 @@ def test_dynamic_sampling_in_a_session_fills_the_batch_with_informative_groups(t
 
 def test_rollout_fn_samples_are_validated():
     prompt = PromptSample(index=0, prompt="p", label="", prompt_ids=[1], n=1, seed=0)
-    from engines.rollout_fn import check_group
+    from rlflow.engines.rollout.functions import check_group
 
     with pytest.raises(ValueError, match="loss_mask must hold 2 zeros and ones"):
         check_group([Sample(response_ids=[1, 2], loss_mask=[1])], prompt, "f")

@@ -19,12 +19,12 @@ import httpx
 import pytest
 import torch
 
-from engines.batch import pack_samples
-from engines.config import AlgorithmConfig, ModelConfig, TrainConfig
-from engines.model import build_tiny_model
-from engines.rollout_http import serialize_named_tensors
-from engines.rollout_torch import TorchRolloutBackend
-from engines.train_torch import TorchTrainBackend
+from rlflow.engines.core.batch import pack_samples
+from rlflow.engines.core.config import AlgorithmConfig, ModelConfig, TrainConfig
+from rlflow.engines.models.hf import build_tiny_model
+from rlflow.engines.rollout.http_api import serialize_named_tensors
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.train.torch_backend import TorchTrainBackend
 
 SGLANG_URL = os.environ.get("RLFLOW_SGLANG_URL")
 LONG = 1000  # tokens: long enough that an abort always lands while the request still runs
@@ -381,7 +381,7 @@ def test_sglang_router_fronts_embedded_servers(model_dir):
 
 
 def test_session_starts_one_server_per_rollout_worker(recipe, tmp_path):
-    from engines.rl import RLSession, prepare_data, prepare_model
+    from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
 
     cfg = recipe(rollout={"num_workers": 2})
     prepare_data(cfg)
@@ -399,7 +399,7 @@ def test_session_starts_one_server_per_rollout_worker(recipe, tmp_path):
 def test_router_balances_broadcasts_and_retries(model_dir):
     """Least-loaded: 4 concurrent long requests spread 2/2 over two workers; abort_all through the router
     reaches both; with one worker's server gone, requests are retried on the other."""
-    from engines.router import RolloutRouter
+    from rlflow.engines.rollout.router import RolloutRouter
 
     backends = [TorchRolloutBackend(model_dir, threads=1, batch_size=4) for _ in range(2)]
     router = RolloutRouter([b.start_server() for b in backends])

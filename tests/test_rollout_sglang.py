@@ -1,8 +1,8 @@
-"""The SGLang rollout backend (engines/rollout_sglang.py): launching, stopping and driving a server process.
+"""The SGLang rollout backend (engines/rollout/sglang_backend.py): launching, stopping and driving a server process.
 
 SGLang cannot be installed where these tests run (no GPU here, and no SGLang wheel for the device machine
-either), so the embedded server stands in for it: `rollout.sglang.launch_module: engines.rollout_server`
-makes each worker run `python -m engines.rollout_server`, which takes SGLang's launch_server flags (a subset,
+either), so the embedded server stands in for it: `rollout.sglang.launch_module: rlflow.engines.rollout.launch`
+makes each worker run `python -m rlflow.engines.rollout.launch`, which takes SGLang's launch_server flags (a subset,
 same names) and serves SGLang's routes. Everything else is the code path a real SGLang gets: the command line
 built from the recipe's args, the child's process group, the /health wait, the HTTP weight and memory routes,
 and the disk weight transport through an RLSession. What only a real SGLang can show (GPU memory release
@@ -26,19 +26,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engines.cluster import free_port
-from engines.config import ModelConfig
-from engines.model import build_tiny_model
-from engines.rollout_sglang import SGLangRolloutBackend, gpus_per_server, server_args
-from engines.sampling import SamplingParams
-from engines.weights_distributed import (
+from rlflow.engines.cluster.groups import free_port
+from rlflow.engines.core.config import ModelConfig
+from rlflow.engines.core.sampling import SamplingParams
+from rlflow.engines.models.hf import build_tiny_model
+from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend, gpus_per_server, server_args
+from rlflow.engines.sync.distributed import (
     broadcast_weights,
     destroy_weights_update_group,
     dtype_names,
     join_weights_update_group,
 )
 
-EMBEDDED = "engines.rollout_server"  # the stand-in for sglang.launch_server
+EMBEDDED = "rlflow.engines.rollout.launch"  # the stand-in for sglang.launch_server
 ARGS = {"max-running-requests": 3, "context-length": 48, "random-seed": 7, "dtype": "float32"}
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 4, 5, 6], [1, 9, 8]]
@@ -169,7 +169,7 @@ def test_a_killed_owner_leaves_no_server_behind(model_dir):
     """A killed Ray actor runs no exit handlers: the guard process still stops the server."""
     script = (
         "import sys, time\n"
-        "from engines.rollout_sglang import SGLangRolloutBackend\n"
+        "from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend\n"
         f"b = SGLangRolloutBackend(sys.argv[1], {{'launch_module': {EMBEDDED!r}, 'startup_timeout_s': 120}}, "
         "threads=1)\n"
         "print(b.server_pid(), b.server_url(), flush=True)\n"
@@ -278,7 +278,7 @@ TRANSPORTS = ["disk", "distributed"]
 def _session_run(recipe, tmp_path, name: str, transport: str, use_ray: bool = False, **sections):
     """A session of the small recipe after two RL steps whose weights went by `transport`, in several buckets:
     (session, trainer's weights, every stage's metrics)."""
-    from engines.rl import RLSession, prepare_data, prepare_model
+    from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
 
     cfg = recipe(
         name=name,
@@ -320,7 +320,7 @@ def test_sglang_backend_runs_rl_steps(recipe, tmp_path, transport):
     """Two RL steps whose rollouts come from the launched server (the worker's /generate) and whose weights
     reach it through /update_weights_from_disk, or a weight-update group and /update_weights_from_distributed;
     the server then generates what the trainer's weights give."""
-    from engines.rollout_torch import TorchRolloutBackend
+    from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 
     rollout = {"backend": "sglang", "sglang": {"launch_module": EMBEDDED, "args": {"random-seed": 0}}}
     with _session_run(recipe, tmp_path, f"{transport}-sglang", transport, rollout=rollout) as (session, trained,

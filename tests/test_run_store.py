@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from tasks.run_store import RunStore, StorageError, is_transient, list_runs
+from rlflow.engines.store.run_store import RunStore, StorageError, is_transient, list_runs
 
 
 def _ckpt(tmp_path, step: int):

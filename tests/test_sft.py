@@ -11,17 +11,17 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from engines.batch import pack_samples
-from engines.config import config_from_dict
-from engines.data import load_pairs
-from engines.model import build_char_tokenizer, encode_prompt
-from engines.rl import prepare_data, prepare_model
-from engines.sft import SFTSession, accept_samples, tokenize_pairs
-from flows.cli import main as cli_main
-from flows.rejection_sampling import rejection_sampling
-from flows.sft import sft
-from tasks.run_context import STEP_LISTENERS
-from tasks.run_store import RunStore
+from rlflow.engines.core.batch import pack_samples
+from rlflow.engines.core.config import config_from_dict
+from rlflow.engines.data.prompts import load_pairs
+from rlflow.engines.models.hf import build_char_tokenizer, encode_prompt
+from rlflow.engines.session.rl import prepare_data, prepare_model
+from rlflow.engines.session.sft import SFTSession, accept_samples, tokenize_pairs
+from rlflow.engines.store.run_store import RunStore
+from rlflow.flows.cli import main as cli_main
+from rlflow.flows.rejection_sampling import rejection_sampling
+from rlflow.flows.sft import sft
+from rlflow.tasks.run_context import STEP_LISTENERS
 from tests.conftest import small_recipe
 
 SORT3 = {"task": "sort", "num_digits": 3, "num_train": 2000, "num_eval": 32}
@@ -69,7 +69,7 @@ def test_sft_examples_mask_the_prompt_and_end_with_eos():
     assert chat.prompt_ids == ex.prompt_ids and chat.response_ids == [5, 7]
     assert encode_prompt(tok, "31", True) == ex.prompt_ids
     bare = build_char_tokenizer()
-    bare.chat_template = None  # the demo tokenizer has one (engines/model.py); a tokenizer without it is refused
+    bare.chat_template = None  # the demo tokenizer has one (engines/models/hf.py); a tokenizer without it is refused
     with pytest.raises(ValueError, match="no chat template"):
         encode_prompt(bare, "31", True)
 

@@ -1,0 +1,236 @@
+"""Worker groups: N copies of a backend class, called together.
+
+`RayWorkerGroup` runs each copy in a long-lived Ray actor; `LocalWorkerGroup` keeps them in this
+process. Both have the same three verbs, so the RL loop is written once and runs with or without Ray
+(the bare loop is the benchmark's baseline and the first debugging tool).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rlflow.engines.core.config import ClusterConfig
+
+PLACEMENT_TIMEOUT_S = 300
+
+
+class LocalWorkerGroup:
+    """Workers as plain objects in this process (one worker, or sequential calls for tests)."""
+
+    def __init__(self, workers: Sequence[Any], factory: Callable[[int], Any] | None = None):
+        """`factory(rank)` builds a worker again for `restart`."""
+        self.workers, self.factory = list(workers), factory
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Same arguments to every worker; results in rank order."""
+        return [getattr(w, method)(*args, **kwargs) for w in self.workers]
+
+    def call_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+        """Worker i gets per_worker_args[i] (e.g. its shard of a batch)."""
+        return [getattr(w, method)(*a) for w, a in zip(self.workers, per_worker_args, strict=True)]
+
+    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.workers[0], method)(*args, **kwargs)
+
+    def call_one(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.workers[rank], method)(*args, **kwargs)
+
+    def submit_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+        """call_each without waiting (here: it runs now); `wait` gives the results."""
+        return self.call_each(method, per_worker_args)
+
+    def submit_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Start a call on rank 0 and return a handle another group's `call` accepts as an argument."""
+        return self.call_rank0(method, *args, **kwargs)
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Start a call on every worker (a collective); handles in rank order, for another group's `call`."""
+        return self.call(method, *args, **kwargs)
+
+    def wait(self, handles: Sequence[Any]) -> list[Any]:
+        """Results of `submit` handles (raises a worker's error)."""
+        return list(handles)
+
+    def alive(self) -> list[bool]:
+        """In one process every worker object lives as long as the group."""
+        return [True] * len(self.workers)
+
+    def restart(self, rank: int) -> None:
+        """Replace worker `rank` by a fresh one (its old object is closed first)."""
+        if self.factory is None:
+            raise RuntimeError("LocalWorkerGroup.restart: this group was built without a factory")
+        old = self.workers[rank]
+        if hasattr(old, "close"):
+            old.close()
+        self.workers[rank] = self.factory(rank)
+
+    def shutdown(self) -> None:
+        for w in self.workers:  # a rollout backend stops its engine thread and HTTP server
+            if hasattr(w, "close"):
+                w.close()
+        self.workers.clear()
+
+
+class RayWorkerGroup:
+    """Workers as Ray actors in one placement group (one bundle per worker, packed onto as few nodes as
+    fit); calls fan out concurrently and are gathered once per batch, never per sample."""
+
+    def __init__(self, cls: type, num_workers: int, make_kwargs: Callable[[int], dict], num_cpus: float,
+                 name: str, num_gpus: float = 0, placement_group: Any = None):
+        """`placement_group`: share another group's bundles (worker i in bundle i; colocation), which that
+        group's owner removes; by default the group makes its own, one bundle per worker."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._owns_placement = placement_group is None
+        if placement_group is None:
+            bundle = {"CPU": num_cpus} | ({"GPU": num_gpus} if num_gpus else {})
+            placement_group = make_placement_group([bundle] * num_workers, f"{name}-pg")
+        self.placement_group = placement_group
+        actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(cls)
+
+        def start(rank: int, name: str) -> Any:
+            return actor_cls.options(
+                name=name, max_concurrency=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, rank),
+            ).remote(**make_kwargs(rank))
+
+        self._start, self._name, self._restarts = start, name, 0
+        self.workers = [start(rank, f"{name}-{rank}") for rank in range(num_workers)]
+        ray.get([w.__ray_ready__.remote() for w in self.workers])  # surface constructor errors here
+
+    def alive(self, timeout_s: float = 10.0) -> list[bool]:
+        """Whether each actor still answers (a killed worker process raises at once)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        out = []
+        for ref in [w.__ray_ready__.remote() for w in self.workers]:
+            try:
+                ray.get(ref, timeout=timeout_s)
+                out.append(True)
+            except (RayActorError, GetTimeoutError):
+                out.append(False)
+        return out
+
+    def restart(self, rank: int) -> None:
+        """Replace actor `rank` by a fresh one in the same placement bundle (the old one is killed if alive)."""
+        import ray
+
+        ray.kill(self.workers[rank], no_restart=True)
+        self._restarts += 1
+        self.workers[rank] = self._start(rank, f"{self._name}-{rank}-restart{self._restarts}")
+        ray.get(self.workers[rank].__ray_ready__.remote())
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def call_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args, strict=True)])
+
+    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.call_one(0, method, *args, **kwargs)
+
+    def call_one(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        import ray
+
+        return ray.get(getattr(self.workers[rank], method).remote(*args, **kwargs))
+
+    def submit_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+        """call_each without waiting: one ObjectRef per worker, for `wait` (another group can work meanwhile)."""
+        return [getattr(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args, strict=True)]
+
+    def submit_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """An ObjectRef: passed to another group's `call`, the data goes actor to actor, not via the driver."""
+        return getattr(self.workers[0], method).remote(*args, **kwargs)
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """One ObjectRef per worker (a collective every rank must join), in rank order."""
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+    def wait(self, handles: Sequence[Any]) -> list[Any]:
+        import ray
+
+        return ray.get(list(handles))
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for w in self.workers:
+            ray.kill(w)
+        self.workers.clear()
+        if self._owns_placement:
+            remove_placement_group(self.placement_group)
+
+
+def make_placement_group(bundles: list[dict], name: str) -> Any:
+    """A PACK placement group, waited for (a cluster that cannot fit it fails here, with its size)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group(bundles, strategy="PACK", name=name)
+    try:
+        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"cluster: Ray could not place {name} ({bundles}) within {PLACEMENT_TIMEOUT_S} s; "
+                           f"available: {ray.available_resources()}") from None
+    return pg
+
+
+def init_ray(cfg: ClusterConfig) -> None:
+    """Join `cfg.address`, or start a small local Ray (no dashboard: it costs seconds and memory)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    # the driver's modules (engines, user rewards) must import inside actors: ship the working directory
+    env = {"env_vars": {
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+        **omp_env(),
+    }}
+    if cfg.address:
+        ray.init(address=cfg.address, runtime_env=env, log_to_driver=True)
+    else:
+        # "local" always starts a private instance: never attach to a stray cluster found in /tmp/ray.
+        # Ray runs workers at nice 15 so its driver stays responsive; here the actors do the compute and
+        # the driver mostly waits, so they get normal priority (else any daemon preempts a training step)
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
+                 object_store_memory=cfg.object_store_mb * 1024 * 1024)
+
+
+def omp_env() -> dict[str, str]:
+    """OpenMP settings for actors. Train and rollout actors take turns on the same cores: a finished
+    actor's threads must go to sleep soon (else they spin on the cores the other one computes on), but
+    not at once (else each of a step's thousands of small parallel regions pays a thread wake-up)."""
+    env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "100000")}
+    if "OMP_WAIT_POLICY" in os.environ:
+        env["OMP_WAIT_POLICY"] = os.environ["OMP_WAIT_POLICY"]
+    return env
+
+
+def node_ip() -> str:
+    """This node's address as Ray knows it (other nodes reach it there); loopback outside Ray."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,814 @@
+"""The one configuration tree of rlflow.
+
+A recipe (YAML in deployments/) is parsed into `RLConfig`; the same model is the post_train flow's
+parameter type, so Prefect's run form shows these fields with their defaults and descriptions.
+Every section forbids unknown keys, so a typo is an error that names the field, not a silent default.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str | None = Field(
+        None,
+        description="Local Hugging Face causal-LM directory. Empty: build a tiny model from the fields "
+        "below with the built-in character tokenizer (the CPU demo).",
+    )
+    arch: Literal["llama", "qwen2"] = Field("llama", description="Architecture of a model built from scratch.")
+    hidden_size: int = Field(96, gt=0)
+    intermediate_size: int = Field(256, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(4, gt=0)
+    max_seq_len: int = Field(64, gt=0, description="Longest prompt + response, in tokens.")
+
+
+class BuiltinTaskConfig(Section):
+    task: Literal["sort", "reverse", "add"] = Field(..., description="Which built-in verifiable task to generate.")
+    num_digits: int = Field(4, gt=0, le=12)
+    num_train: int = Field(20000, gt=0)
+    num_eval: int = Field(256, gt=0)
+    seed: int = 1234
+
+
+class DataConfig(Section):
+    train_path: str = Field(..., description="Prompt file for training: .jsonl or .parquet.")
+    eval_path: str | None = Field(None, description="Held-out prompt file; empty disables eval.")
+    prompt_key: str = Field("prompt", description="Column holding the prompt text.")
+    label_key: str = Field("label", description="Column holding what the reward checks against.")
+    shuffle: bool = True
+    seed: int = 0
+    chat_template: bool = Field(
+        False,
+        description="Wrap each prompt as one user message in the tokenizer's chat template (with the generation "
+        "prompt) before tokenizing; for instruct models. False: the prompt text is tokenized as it is.",
+    )
+    generate: BuiltinTaskConfig | None = Field(
+        None, description="Write a built-in task to train_path/eval_path first, if those files are missing."
+    )
+
+
+class SGLangConfig(Section):
+    """rollout.backend: sglang. Each rollout worker runs `python -m <launch_module> --model-path <model> --host
+    127.0.0.1 --port <free port> <args>` on the GPUs Ray gave it (docs/rollout.md)."""
+
+    launch_module: str = Field("sglang.launch_server", description="Module started with `python -m` as the server.")
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="SGLang's launch_server options, passed through untouched: `mem-fraction-static: 0.8` -> "
+        "`--mem-fraction-static 0.8`; true -> the bare flag; false or null -> left out; a list -> its values after "
+        "one flag. model-path, host and port are set by the worker.",
+    )
+    startup_timeout_s: float = Field(600, gt=0, description="Seconds to wait for the server's /health to answer 200.")
+
+    @model_validator(mode="after")
+    def _check_args(self) -> SGLangConfig:
+        taken = {"model-path", "model", "host", "port"} & {k.lstrip("-").replace("_", "-") for k in self.args}
+        if taken:
+            raise ValueError(f"rollout.sglang.args: {sorted(taken)} are set by the rollout worker; leave them out")
+        return self
+
+
+class DynamicSamplingConfig(Section):
+    """Over-sample prompts, drop groups whose rewards are all equal (they carry no group-relative signal), and
+    abort what is still generating once prompts_per_step groups are kept."""
+
+    enabled: bool = False
+    over_sample: float = Field(
+        1.5, ge=1.0, description="Prompts started per round, as a multiple of the groups still missing.")
+    max_prompts: int = Field(
+        0, ge=0, description="Give up filtering after this many prompts in a step and fill the batch with "
+        "dropped groups (0: 4 x prompts_per_step).")
+    partial_rollout: bool = Field(
+        False, description="Keep the generations cut short by the abort and continue them next step (with the "
+        "default rollout.fn); otherwise their prompts are started again next step. Finished surplus groups are "
+        "always kept for the next step.")
+
+
+class RolloutConfig(Section):
+    backend: Literal["torch", "sglang"] = Field(
+        "torch", description="Rollout engine: the embedded PyTorch generator, or an SGLang server per worker "
+        "(rollout.sglang).")
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="The SGLang backend's server.")
+    num_workers: int = Field(1, gt=0)
+    prompts_per_step: int = Field(64, gt=0)
+    samples_per_prompt: int = Field(8, gt=0, description="Group size for group-relative advantages.")
+    max_new_tokens: int = Field(8, gt=0)
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings besides the EOS token.")
+    batch_size: int = Field(512, gt=0, description="Sequences generated together per worker (KV-cache slots).")
+    fn: str = Field(
+        "rlflow.engines.rollout.functions:single_turn",
+        description="Import path of the async rollout function f(prompt, router_url, sampling_params) -> "
+        "list[Sample] (docs/rollout.md): multi-turn, tools and agents live there. The default generates "
+        "samples_per_prompt single-turn completions through SGLang's /generate.",
+    )
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=lambda: DynamicSamplingConfig(), description="DAPO-style group filtering (off by default).")
+    device: Literal["cpu", "cuda"] | None = Field(None, description="Where rollout engines run; empty: train.device.")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="Weights and compute dtype of the rollout engine.")
+    off_policy_steps: int = Field(
+        0, ge=0, le=1,
+        description="0: synchronous (step k samples with step k's weights). 1: one-step-off async: step k+1's "
+        "rollout generates while step k trains, with weights one update behind.",
+    )
+
+
+class RewardConfig(Section):
+    fn: str = Field(
+        "rlflow.engines.data.rewards:sort_reward",
+        description="Import path 'module:function' of f(prompts, responses, labels) -> list[float] (sync or async).",
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the reward.")
+
+
+class AlgorithmConfig(Section):
+    """Advantage estimator, policy loss, KL, entropy and rollout/train mismatch correction (docs/algorithms.md)."""
+
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = Field(
+        "grpo",
+        description="grpo: (r - mean) / std per group; dr_grpo: r - mean; rloo: r - mean of the group's other "
+        "samples; reinforce_pp: discounted token returns whitened over the batch (no group needed); "
+        "reinforce_pp_baseline: r - group mean, divided by the batch std; gae: PPO with a critic (the critic "
+        "section), generalised advantage estimation over the critic's token values, whitened over the batch.",
+    )
+    normalize_std: bool | None = Field(
+        None, description="Override std normalisation of grpo / dr_grpo (default: grpo yes, dr_grpo no)."
+    )
+    gamma: float = Field(
+        1.0, gt=0.0, le=1.0,
+        description="Discount of reinforce_pp's and gae's token returns; 1 credits every token fully.",
+    )
+    lam: float = Field(
+        1.0, ge=0.0, le=1.0,
+        description="GAE's lambda (gae and a critic only): 1 is Monte-Carlo returns minus V (unbiased, noisier); "
+        "0 the one-step TD error r_t + gamma V_t+1 - V_t (leans on the critic).",
+    )
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        "ppo",
+        description="ppo: token-level clipped ratio; gspo: clipped sequence ratio exp(mean token log-ratio) "
+        "(use clip_low 3e-4, clip_high 4e-4 and loss_agg seq_mean_token_mean).",
+    )
+    clip_low: float = Field(0.2, ge=0.0, description="Ratio may fall to 1 - clip_low before the loss clips it.")
+    clip_high: float = Field(
+        0.2, ge=0.0, description="Ratio may rise to 1 + clip_high; above clip_low is DAPO's clip-higher."
+    )
+    clip_ratio_c: float | None = Field(
+        None,
+        gt=1.0,
+        description="Dual-clip PPO: caps the loss of negative-advantage tokens at clip_ratio_c * |A| (typically "
+        "3); empty disables. ppo only.",
+    )
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean",
+        description="How per-token losses become one number: over all tokens, per sequence then batch, or "
+        "Dr.GRPO's sum over tokens divided by a constant (max_new_tokens).",
+    )
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL to the frozen reference model; 0 disables it.")
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "k3",
+        description="k1: log-ratio; k2: squared log-ratio / 2; k3: low-variance unbiased estimator; "
+        "low_var_kl: k3 clamped to [-10, 10].",
+    )
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss",
+        description="loss: kl_coef * KL is added to the loss; reward: kl_coef * per-token KL is subtracted from "
+        "the rewards before the advantages.",
+    )
+    entropy_coef: float = Field(0.0, description="Entropy bonus weight (subtracted from the loss).")
+    is_correction: Literal["none", "tis", "icepop"] = Field(
+        "none",
+        description="Rollout/train mismatch correction: tis weighs each token by min(p_train / p_rollout, "
+        "tis_cap); icepop drops tokens whose ratio is outside [icepop_low, icepop_high]. Either costs one "
+        "extra forward pass per step (the train engine's logprobs before the update).",
+    )
+    tis_cap: float = Field(2.0, gt=0.0, description="TIS: upper bound of the importance weight.")
+    icepop_low: float = Field(0.5, gt=0.0, description="IcePop: smallest p_train / p_rollout kept.")
+    icepop_high: float = Field(5.0, gt=0.0, description="IcePop: largest p_train / p_rollout kept.")
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description="DAPO overlong shaping: the last overlong_buffer tokens before rollout.max_new_tokens cost "
+        "reward linearly, up to overlong_penalty at the limit; 0 disables.",
+    )
+    overlong_penalty: float = Field(0.0, ge=0.0, description="Reward lost at the length limit; 0 disables.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AlgorithmConfig:
+        if self.normalize_std is not None and self.advantage not in ("grpo", "dr_grpo"):
+            raise ValueError(f"normalize_std applies to grpo / dr_grpo only, not advantage {self.advantage!r}")
+        if self.clip_ratio_c is not None and self.policy_loss != "ppo":
+            raise ValueError("clip_ratio_c (dual clip) applies to policy_loss 'ppo' only")
+        if self.icepop_low >= self.icepop_high:
+            raise ValueError(f"icepop_low ({self.icepop_low}) must be below icepop_high ({self.icepop_high})")
+        return self
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        """rl_loss's keyword arguments from this config, so every train backend passes the same ones."""
+        return {
+            "clip_low": self.clip_low, "clip_high": self.clip_high, "loss_agg": self.loss_agg,
+            "kl_coef": self.kl_coef if self.kl_in == "loss" else 0.0, "kl_estimator": self.kl_estimator,
+            "entropy_coef": self.entropy_coef, "policy": self.policy_loss, "clip_ratio_c": self.clip_ratio_c,
+            "is_correction": self.is_correction, "tis_cap": self.tis_cap,
+            "icepop_low": self.icepop_low, "icepop_high": self.icepop_high,
+        }
+
+
+class RejectionSamplingConfig(Section):
+    """Rejection sampling (flows/rejection_sampling.py): generate, keep what the verifier accepts, SFT on it."""
+
+    rounds: int = Field(3, gt=0, description="Generate-filter-train rounds.")
+    threshold: float = Field(
+        1.0, description="A sample is kept when the reward (reward.fn) is >= threshold and it ended on its own."
+    )
+    max_per_prompt: int = Field(1, gt=0, description="Distinct accepted responses kept per prompt and round.")
+    steps_per_round: int = Field(20, gt=0, description="SFT optimizer steps on the kept samples each round.")
+    accumulate: bool = Field(
+        True, description="Train on the samples kept in every round so far; false: only on this round's."
+    )
+
+
+class SFTConfig(Section):
+    """Supervised fine-tuning (flows/sft.py) and rejection sampling. The train section gives the optimizer
+    settings (lr unless sft.lr is set, schedule, warmup, grad_clip, threads, device); data gives the prompts
+    for evaluation and for rejection sampling."""
+
+    train_path: str | None = Field(
+        None, description="Prompt/response file (.jsonl or .parquet) for `rlflow sft`; unused by rejection sampling."
+    )
+    response_key: str = Field("response", description="Column holding the target response text.")
+    generate: BuiltinTaskConfig | None = Field(
+        None,
+        description="Write a built-in task's prompts with their correct answers to train_path first, if missing "
+        "(same task, num_digits, num_eval and seed as data.generate keep the held-out prompts out of it).",
+    )
+    steps: int = Field(100, gt=0, description="SFT optimizer steps (`rlflow sft`).")
+    batch_size: int = Field(64, gt=0, description="Sequences per optimizer step (over all data-parallel workers).")
+    lr: float | None = Field(None, gt=0.0, description="Learning rate; empty: train.lr.")
+    add_eos: bool = Field(True, description="End every response with the EOS token, so the model learns to stop.")
+    rejection: RejectionSamplingConfig = Field(default_factory=RejectionSamplingConfig)
+
+    def total_steps(self, rejection: bool) -> int:
+        r = self.rejection
+        return r.rounds * r.steps_per_round if rejection else self.steps
+
+
+class TrainConfig(Section):
+    backend: Literal["torch", "megatron"] = Field(
+        "torch", description="Train engine: the native PyTorch backend, or Megatron-core (see the megatron section)."
+    )
+    num_workers: int = Field(
+        1, gt=0, description="Train workers (gloo on CPU, nccl on GPU): data-parallel copies for torch; "
+        "tensor x pipeline x data-parallel ranks for megatron."
+    )
+    steps: int = Field(100, gt=0, description="RL iterations.")
+    lr: float = Field(3e-3, gt=0.0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = Field(1.0, gt=0.0)
+    mini_batches: int = Field(1, gt=0, description="Optimizer steps per pass over the batch (PPO mini-batches).")
+    epochs: int = Field(1, gt=0, description="Passes over each rollout batch (PPO epochs).")
+    micro_batch_size: int = Field(512, gt=0, description="Sequences per forward/backward on one worker.")
+    precision: Literal["fp32", "bf16"] = "fp32"
+    threads: int = Field(2, gt=0, description="torch threads per worker.")
+    device: Literal["cpu", "cuda"] = "cpu"
+
+
+class CriticConfig(Section):
+    """The value model of PPO with GAE: a second group of train workers (docs/algorithms.md)."""
+
+    enabled: bool | None = Field(
+        None, description="Train a critic. Empty: when algorithm.advantage is gae (which needs one). With another "
+        "estimator the critic trains on the GAE returns beside it (warm-up, or to watch critic/vf_explained_var).",
+    )
+    model_path: str | None = Field(
+        None, description="HF causal-LM directory the value model's body starts from; empty: the policy's starting "
+        "model. Its LM head is dropped and a scalar value head, initialised to zero, is added.",
+    )
+    num_workers: int = Field(1, gt=0, description="Critic train workers: data-parallel copies, like train.num_workers.")
+    lr: float = Field(1e-3, gt=0.0, description="The critic's learning rate (its own AdamW; betas, weight decay, "
+                      "epochs, mini-batches and precision are train's).")
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0, description="LR warm-up of the critic, in RL steps (like train.warmup_steps).")
+    grad_clip: float = Field(1.0, gt=0.0)
+    value_clip: float | None = Field(
+        0.5, gt=0.0, description="PPO value clipping: a value may not move more than this from the one the "
+        "advantages were computed with in a direction that lowers its loss; empty disables it.",
+    )
+    freeze_policy_steps: int = Field(
+        0, ge=0, description="The first N RL steps train only the critic; the policy keeps its weights (verl's "
+        "critic_warmup), so the first policy updates see a critic that already fits the returns.",
+    )
+
+    def train_config(self, train: TrainConfig) -> TrainConfig:
+        """The critic's TrainConfig: train's, with the critic's optimizer settings and worker count."""
+        return train.model_copy(update={
+            "num_workers": self.num_workers, "lr": self.lr, "lr_schedule": self.lr_schedule,
+            "warmup_steps": self.warmup_steps, "grad_clip": self.grad_clip,
+        })
+
+
+class MegatronConfig(Section):
+    """The Megatron-core backend (train.backend: megatron). The three dicts reach megatron-core untouched."""
+
+    tensor_parallel: int = Field(1, gt=0, description="Tensor-parallel size.")
+    pipeline_parallel: int = Field(1, gt=0, description="Pipeline-parallel size.")
+    micro_batch_tokens: int = Field(
+        0, ge=0, description="Token budget of one micro-batch (rows x padded length); 0: train.micro_batch_size rows."
+    )
+    use_distributed_optimizer: bool = Field(True, description="Shard optimizer state over data-parallel ranks.")
+    transformer_engine: bool | None = Field(
+        None, description="Build layers from Transformer Engine; empty: when it is installed."
+    )
+    transformer: dict[str, Any] = Field(
+        default_factory=dict, description="Extra TransformerConfig keyword arguments (override the derived ones)."
+    )
+    optimizer: dict[str, Any] = Field(
+        default_factory=dict, description="Extra OptimizerConfig keyword arguments (override the derived ones)."
+    )
+    ddp: dict[str, Any] = Field(
+        default_factory=dict, description="Extra DistributedDataParallelConfig keyword arguments."
+    )
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+
+class ClusterConfig(Section):
+    address: str | None = Field(
+        None, description="Ray address to join ('auto' joins the one in RAY_ADDRESS); empty starts a private local Ray."
+    )
+    num_cpus: int | None = Field(None, gt=0, description="CPUs for a local Ray; empty: all.")
+    cpus_per_worker: float = Field(0.5, ge=0, description="CPUs Ray reserves for each train/rollout actor.")
+    object_store_mb: int = Field(512, gt=0, description="Object store size of a local Ray, MiB.")
+    use_ray: bool = Field(True, description="False runs the workers inside the flow process (debugging).")
+    colocate: bool = Field(
+        False,
+        description="GPU placement. true: rollout worker i shares train worker i's GPU; the rollout engine releases "
+        "its weights' memory while training runs and takes the new ones after (slime's --colocate). false "
+        "(disaggregated): train and rollout workers get GPUs of their own.",
+    )
+
+
+class CheckpointConfig(Section):
+    every: int = Field(0, ge=0, description="Save every N steps; 0 saves only at the end.")
+    keep_last: int = Field(2, gt=0, description="Committed checkpoints kept; the newest is never deleted.")
+    save_rollouts: bool = Field(True, description="Persist each step's samples so a retried step reuses them.")
+    keep_rollouts: bool = Field(False, description="Keep rollout batches older than the newest checkpoint.")
+
+
+class EvalConfig(Section):
+    every: int = Field(10, ge=0, description="Evaluate every N steps on data.eval_path; 0 disables.")
+    max_prompts: int = Field(256, gt=0)
+    temperature: float = Field(0.0, ge=0.0, description="0 means greedy decoding.")
+
+
+class TrackingConfig(Section):
+    uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI.")
+    experiment: str = "rlflow"
+    log_samples: int = Field(8, ge=0, description="Sample rollouts logged as a table each eval.")
+
+
+class StorageConfig(Section):
+    uri: str = Field("runs", description="Run store root: a local path, file:// or s3:// URI.")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto, ...); empty: AWS.")
+    profile: str | None = Field(None, description="AWS profile name; empty: the environment's credentials.")
+    key: SecretStr | None = Field(None, description="Access key id (prefer the environment: AWS_ACCESS_KEY_ID).")
+    secret: SecretStr | None = Field(None, description="Secret key (prefer the environment: AWS_SECRET_ACCESS_KEY).")
+    region: str | None = None
+    retries: int = Field(5, ge=0, description="Retries of a storage call after a transient error (backoff).")
+
+    def fsspec_options(self) -> dict[str, Any]:
+        """Keyword arguments for fsspec; empty for local paths. Secrets appear here and nowhere else."""
+        if not self.uri.startswith(("s3://", "s3a://")):
+            return {}
+        opts: dict[str, Any] = {}
+        client: dict[str, Any] = {}
+        if self.endpoint_url:
+            client["endpoint_url"] = self.endpoint_url
+        if self.region:
+            client["region_name"] = self.region
+        if client:
+            opts["client_kwargs"] = client
+        if self.profile:
+            opts["profile"] = self.profile
+        if self.key and self.secret:
+            opts["key"], opts["secret"] = self.key.get_secret_value(), self.secret.get_secret_value()
+        return opts
+
+
+class WeightSyncConfig(Section):
+    transport: Literal["ray", "store", "disk", "distributed", "cuda_ipc", "nccl"] = Field(
+        "ray",
+        description="ray: tensors go actor to actor through Ray's object store, bucket by bucket. store: rank 0 "
+        "writes safetensors under the run store and rollout workers read them (works wherever the store does). "
+        "disk: rank 0 writes safetensors into a folder per version under disk_dir and every rollout worker loads "
+        "it (SGLang's /update_weights_from_disk). "
+        "distributed: every rollout server joins a process group with train rank 0 and receives its broadcasts "
+        "(SGLang's /init_weights_update_group and /update_weights_from_distributed; gloo on CPU, NCCL on GPUs). "
+        "cuda_ipc (colocated GPUs): rollout workers copy straight from their train worker's parameters. "
+        "nccl (separate GPUs, embedded engine): train rank 0 broadcasts buckets to the rollout workers over NCCL.",
+    )
+    disk_dir: str = Field(
+        default_factory=lambda: str(Path(tempfile.gettempdir()) / "rlflow-weights"),
+        description="transport disk: a local folder that train rank 0 and every rollout worker see (one node, or a "
+        "shared file system); versions go to <disk_dir>/<run>/weights/v<version>/ and are removed once loaded.",
+    )
+    bucket_mb: float = Field(64, gt=0, description="Size of one weight bucket, MiB.")
+
+
+class OrchestrationConfig(Section):
+    flow_retries: int = Field(0, ge=0, description="Prefect retries of a failed flow run; each resumes from the store.")
+    task_retries: int = Field(0, ge=0, description="Retries of rollout, reward, checkpoint and eval (safe to rerun).")
+    retry_delay_s: float = Field(10.0, ge=0)
+
+
+class DebugConfig(Section):
+    """Debug modes (as slime's --debug-rollout-only / --debug-train-only), replay and the trace timeline
+    (docs/debugging.md)."""
+
+    mode: Literal["rollout_only", "train_only"] | None = Field(
+        None,
+        description="rollout_only: generate and score, no train workers, no training (throughput and rewards). "
+        "train_only: train on replay_run's stored rollout batches, no rollout workers. Empty: a normal run.",
+    )
+    replay_run: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Take each step's rollout batch from this run's store instead of generating (exact "
+        "reproduction). That run must have kept its batches (checkpoint.keep_rollouts: true, or rollout_only).",
+    )
+    replay_store: str | None = Field(
+        None, description="Run store root of replay_run (local path, file:// or s3://); empty: storage.uri, "
+        "with storage's endpoint and credentials.",
+    )
+    trace_every: int = Field(
+        0, ge=0, description="Write a Chrome-trace timeline (stage spans, per-request rollout events) every N steps "
+        "and log it to MLflow as traces/step_<step>.json; 0: off (nothing is recorded).",
+    )
+
+    @property
+    def trains(self) -> bool:
+        return self.mode != "rollout_only"
+
+    def traced(self, step: int) -> bool:
+        return self.trace_every > 0 and (step + 1) % self.trace_every == 0
+
+    @property
+    def generates(self) -> bool:
+        """Rollout workers run (and weights are synced to them)."""
+        return self.mode != "train_only"
+
+
+class RLConfig(Section):
+    """A whole post-training run."""
+
+    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name: its folder in the run store.")
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
+    debug: DebugConfig = Field(default_factory=DebugConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RLConfig:
+        mp = self.megatron.model_parallel
+        if self.train.backend == "megatron" and self.train.num_workers % mp:
+            raise ValueError(f"train.num_workers ({self.train.num_workers}) must be a multiple of "
+                             f"megatron.tensor_parallel x megatron.pipeline_parallel ({mp})")
+        batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if batch % (self.data_parallel_size * self.train.mini_batches) != 0:
+            raise ValueError(
+                f"train: rollout.prompts_per_step * rollout.samples_per_prompt = {batch} must divide evenly "
+                f"into {self.data_parallel_size} data-parallel workers x train.mini_batches "
+                f"({self.train.mini_batches})"
+            )
+        self._check_critic(batch)
+        if self.rollout.off_policy_steps and not self.checkpoint.save_rollouts:
+            raise ValueError(
+                "checkpoint.save_rollouts: must be true with rollout.off_policy_steps > 0 (a resumed run needs the "
+                "batch the last checkpoint's weights did not generate)"
+            )
+        if self.algorithm.overlong_buffer > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must not exceed "
+                f"rollout.max_new_tokens ({self.rollout.max_new_tokens})"
+            )
+        self._check_placement()
+        self._check_debug()
+        self._check_sft()
+        ds = self.rollout.dynamic_sampling
+        if ds.partial_rollout and ds.enabled and self.rollout.fn != "rlflow.engines.rollout.functions:single_turn":
+            raise ValueError("rollout.dynamic_sampling.partial_rollout: continues cut-short generations of the "
+                             f"default rollout.fn only (rlflow.engines.rollout.functions:single_turn), "
+                             f"not {self.rollout.fn!r}")
+        if self.model.hidden_size % self.model.num_heads or self.model.num_heads % self.model.num_kv_heads:
+            raise ValueError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+        return self
+
+    def _check_critic(self, batch: int) -> None:
+        if self.algorithm.advantage == "gae" and self.critic.enabled is False:
+            raise ValueError("critic.enabled: algorithm.advantage gae needs a critic (true, or leave it empty)")
+        if not self.use_critic:
+            return
+        if self.train.backend != "torch":
+            raise ValueError("critic: the critic runs on train.backend 'torch' only (megatron has no value head yet)")
+        if batch % (self.critic.num_workers * self.train.mini_batches) != 0:
+            raise ValueError(
+                f"critic.num_workers: rollout.prompts_per_step * rollout.samples_per_prompt = {batch} must divide "
+                f"evenly into {self.critic.num_workers} critic workers x train.mini_batches ({self.train.mini_batches})"
+            )
+        if self.critic.freeze_policy_steps >= self.train.steps:
+            raise ValueError(f"critic.freeze_policy_steps ({self.critic.freeze_policy_steps}) must be below "
+                             f"train.steps ({self.train.steps}): the policy would never train")
+
+    @property
+    def use_critic(self) -> bool:
+        """Whether the run has a value model (critic.enabled, by default: advantage gae)."""
+        return self.critic.enabled if self.critic.enabled is not None else self.algorithm.advantage == "gae"
+
+    def _check_sft(self) -> None:
+        if self.sft.batch_size % self.data_parallel_size:
+            raise ValueError(f"sft.batch_size ({self.sft.batch_size}) must divide evenly into "
+                             f"{self.data_parallel_size} data-parallel workers")
+        a, b = self.data.generate, self.sft.generate
+        if a is not None and b is not None and (a.task, a.num_digits, a.num_eval, a.seed) != (
+                b.task, b.num_digits, b.num_eval, b.seed):
+            raise ValueError("sft.generate: task, num_digits, num_eval and seed must equal data.generate's, or the "
+                             "SFT pairs may contain the held-out prompts")
+        if b is not None and not self.sft.train_path:
+            raise ValueError("sft.generate: needs sft.train_path (the file to write)")
+
+    def _check_placement(self) -> None:
+        transport, on_gpu = self.weight_sync.transport, self.train.device == "cuda" and self.rollout_device == "cuda"
+        if transport in ("cuda_ipc", "nccl"):
+            if not on_gpu or not self.cluster.use_ray:
+                raise ValueError(f"weight_sync.transport: {transport} needs train.device and rollout.device 'cuda' "
+                                 "and cluster.use_ray: true (train and rollout in separate processes)")
+            if self.train.backend != "torch":
+                raise ValueError(f"weight_sync.transport: {transport} works with train.backend 'torch'; "
+                                 "use 'ray' or 'store' with megatron")
+        if transport == "distributed":
+            if self.rollout_device == "cuda" and self.train.device != "cuda":
+                raise ValueError("weight_sync.transport: distributed with rollout.device 'cuda' broadcasts over "
+                                 "NCCL, which needs train.device 'cuda' too")
+            if self.rollout.backend == "torch" and not self.cluster.use_ray:
+                raise ValueError("weight_sync.transport: distributed with the embedded engine needs cluster.use_ray: "
+                                 "true (its server and train rank 0 join one process group from two processes)")
+        if transport == "cuda_ipc" and not self.cluster.colocate:
+            raise ValueError("weight_sync.transport: cuda_ipc needs cluster.colocate: true (a shared GPU)")
+        if self.cluster.colocate:
+            if not on_gpu:
+                raise ValueError("cluster.colocate: needs train.device and rollout.device 'cuda'")
+            if self.rollout.num_workers != self.train.num_workers:
+                raise ValueError(f"cluster.colocate: rollout.num_workers ({self.rollout.num_workers}) must equal "
+                                 f"train.num_workers ({self.train.num_workers}): one pair per GPU")
+            if self.rollout.off_policy_steps:
+                raise ValueError("cluster.colocate: one-step-off async (rollout.off_policy_steps: 1) needs "
+                                 "separate GPUs for rollout and training (colocate: false)")
+
+    def _check_debug(self) -> None:
+        d = self.debug
+        if d.mode == "train_only" and not d.replay_run:
+            raise ValueError("debug.replay_run: train_only needs a run whose stored rollout batches it trains on")
+        if d.mode == "rollout_only" and d.replay_run:
+            raise ValueError("debug.replay_run: rollout_only generates its batches; it cannot also replay them")
+        if d.mode == "rollout_only" and self.rollout.off_policy_steps:
+            raise ValueError("debug.mode: rollout_only trains nothing, so it runs synchronously "
+                             "(rollout.off_policy_steps: 0)")
+        if d.replay_run == self.name and (d.replay_store or self.storage.uri) == self.storage.uri:
+            raise ValueError(f"debug.replay_run: {d.replay_run!r} is this run; name another run (or another store)")
+        if d.mode and self.cluster.colocate:
+            raise ValueError(f"debug.mode: {d.mode} starts one kind of worker; cluster.colocate pairs train and "
+                             "rollout workers (set it to false)")
+
+    @property
+    def rollout_device(self) -> str:
+        return self.rollout.device or self.train.device
+
+    @property
+    def data_parallel_size(self) -> int:
+        if self.train.backend == "megatron":
+            return self.train.num_workers // self.megatron.model_parallel
+        return self.train.num_workers
+
+
+class EvalDatasetConfig(Section):
+    path: str = Field(..., description="Held-out prompt file: .jsonl or .parquet.")
+    name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+$", description="Name in metric keys (<name>/accuracy); empty: the file's stem."
+    )
+    prompt_key: str = Field("prompt", description="Column holding the prompt text.")
+    label_key: str = Field("label", description="Column holding what the reward checks against.")
+
+    @property
+    def key(self) -> str:
+        return self.name or Path(self.path).stem
+
+
+class EvalSamplingConfig(Section):
+    """How a checkpoint is evaluated: samples per prompt, decoding, size. Shared by the evaluate and pipeline flows."""
+
+    datasets: list[EvalDatasetConfig] = Field(
+        default_factory=list, description="Held-out datasets. In the pipeline, empty: the training recipe's eval_path."
+    )
+    max_prompts: int = Field(256, gt=0, description="Prompts evaluated per dataset (the first ones).")
+    samples_per_prompt: int = Field(4, gt=0, description="n: responses sampled per prompt (pass@k needs k <= n).")
+    pass_k: list[int] = Field(default_factory=lambda: [1], description="k values of pass@k, each at most n.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 means greedy (then use n = 1).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int | None = Field(None, gt=0, description="Response length limit; empty: 8, or in the pipeline "
+                                       "the training recipe's rollout.max_new_tokens.")
+    batch_size: int = Field(512, gt=0, description="Sequences generated together.")
+    threads: int = Field(2, gt=0, description="torch threads.")
+    device: Literal["cpu", "cuda"] = "cpu"
+    seed: int = 0
+    samples_logged: int = Field(8, ge=0, description="Sample responses per dataset in the report and MLflow table.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EvalSamplingConfig:
+        bad = [k for k in self.pass_k if not 1 <= k <= self.samples_per_prompt]
+        if bad:
+            raise ValueError(f"pass_k: {bad} must be between 1 and samples_per_prompt ({self.samples_per_prompt})")
+        names = [d.key for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"datasets: names must be unique, got {names}")
+        return self
+
+
+class EvaluationConfig(Section):
+    """One evaluation of one checkpoint (flows/evaluate.py): metrics to MLflow and Prefect artifacts."""
+
+    name: str = Field("eval", pattern=r"^[A-Za-z0-9_.-]+$", description="Name of the evaluation's MLflow run.")
+    checkpoint: str = Field(
+        ...,
+        description="What to evaluate: a run-store checkpoint (<store>/<run>/checkpoints/<step>, file:// or s3://), "
+        "a run (<store>/<run>: its newest committed checkpoint), or a local Hugging Face model directory.",
+    )
+    training_run_id: str | None = Field(
+        None, description="MLflow run id of the training run to link to; empty: the one in the checkpoint's meta.json."
+    )
+    eval: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig, description="Credentials and endpoint for an s3:// checkpoint (uri unused)."
+    )
+
+    @model_validator(mode="after")
+    def _has_data(self) -> EvaluationConfig:
+        if not self.eval.datasets:
+            raise ValueError("eval.datasets: at least one dataset is required")
+        return self
+
+
+class RegisterConfig(Section):
+    """When the pipeline registers an evaluated checkpoint in the MLflow model registry."""
+
+    model_name: str = Field("rlflow-model", description="Registered model name in MLflow.")
+    metric: str = Field(
+        "accuracy", description="Eval metric that decides: accuracy, reward_mean, pass_at_<k>, response_len_mean."
+    )
+    dataset: str | None = Field(None, description="Dataset whose metric decides; empty: the first one.")
+    threshold: float | None = Field(None, description="Register only if the metric is at least this; empty: no bar.")
+    beat_best: bool = Field(True, description="Register only if the metric beats every registered version's.")
+
+
+class PipelineConfig(Section):
+    """post-train -> evaluate -> register (flows/pipeline.py); each stage is its own flow run."""
+
+    train_recipe: str = Field(..., description="The training recipe (YAML, relative to the working directory).")
+    train_overrides: list[str] = Field(default_factory=list, description="KEY.PATH=VALUE overrides of the recipe.")
+    eval: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
+    registry: RegisterConfig = Field(default_factory=RegisterConfig)
+    train_deployment: str = Field("post-train/post-train", description="Deployment that runs the training stage.")
+    eval_deployment: str = Field("evaluate/evaluate", description="Deployment that runs the evaluation stage.")
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message lists every problem, one per line, each naming its field."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source, self.problems = source, problems
+        super().__init__(f"{source}: {len(problems)} problem(s)\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _format_errors(err: ValidationError) -> list[str]:
+    out = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<recipe>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        elif "input" in e and e["type"] not in ("value_error",):
+            msg = f"{msg} (got {e['input']!r})"
+        out.append(f"{field}: {msg}")
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'a.b=c' -> (['a', 'b'], value), the value parsed as YAML so numbers and lists keep their types."""
+    if "=" not in text:
+        raise RecipeError("--set", [f"{text!r}: expected KEY.PATH=VALUE"])
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise RecipeError("--set", [f"{text!r}: {part} is not a section"])
+        node[path[-1]] = value
+    return raw
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None, model: type[M] | None = None) -> M:
+    """Read a YAML recipe, apply `--set` overrides, validate. Raises RecipeError naming every bad field.
+
+    `model` is the tree the recipe is for: RLConfig (the default), EvaluationConfig or PipelineConfig."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(str(path), ["recipe file not found"])
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(str(path), [f"not valid YAML: {e}"]) from None
+    if not isinstance(raw, dict):
+        raise RecipeError(str(path), ["top level must be a mapping of sections"])
+    return config_from_dict(apply_overrides(raw, overrides or []), source=str(path), model=model)
+
+
+def config_from_dict(raw: dict, source: str = "<config>", model: type[M] | None = None) -> M:
+    try:
+        return (model or RLConfig).model_validate(raw)
+    except ValidationError as e:
+        raise RecipeError(source, _format_errors(e)) from None
+
+
+def resolve_config(model: type[M], config: M | None, recipe: str | None, overrides: list[str] | None) -> M:
+    """A flow's configuration from its parameters: the whole tree (`config`, what the UI form fills in), or a
+    recipe file (`recipe`, relative to the working directory) read with the CLI's loader; `overrides`
+    ('a.b=value', as `--set`) apply on top of either. A given `config` wins over `recipe`: a deployment's
+    default `recipe` stays in the parameters of a run started with a config."""
+    if config is not None:
+        if recipe:
+            logging.getLogger("rlflow").warning("config given: the recipe %s is not read", recipe)
+        if not overrides:
+            return config
+        raw = config.model_dump(mode="json", exclude_unset=False, round_trip=True)
+        for section, secret_fields in _secrets(config).items():  # model_dump masks SecretStr values
+            raw[section].update(secret_fields)
+        return config_from_dict(apply_overrides(raw, overrides), source="config", model=model)
+    if not recipe:
+        raise RecipeError("parameters", ["config or recipe: one of them is required"])
+    return load_recipe(recipe, overrides, model=model)
+
+
+def _secrets(config: BaseModel) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    for name in type(config).model_fields:
+        section = getattr(config, name)
+        if isinstance(section, BaseModel):
+            found = {k: v.get_secret_value() for k, v in section if isinstance(v, SecretStr)}
+            if found:
+                out[name] = found
+    return out

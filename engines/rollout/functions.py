@@ -1,0 +1,275 @@
+"""Rollout functions: how one prompt becomes samples, by talking HTTP to the rollout router.
+
+A rollout function is async and named by import path in the recipe (`rollout.fn`):
+
+    async def my_rollout(prompt: PromptSample, router_url: str, sampling_params: dict) -> list[Sample]
+
+It returns `prompt.n` samples (one group). It may talk to the router however it likes: SGLang's native
+`/generate` (through `generate` below), the OpenAI-compatible `/v1` routes, several turns with tool calls
+in between. The router fronts the embedded servers or real SGLang alike, so the function never knows which.
+`single_turn` is the default rollout, written on this same interface.
+
+The framework (`RolloutRunner`) calls the function once per prompt, all prompts concurrently, on one event
+loop. `generate` gathers the /generate calls that are pending on that loop into one batched request per
+rollout worker, so a step's 64 x 8 single-turn samples cost a couple of HTTP requests, not 512.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import itertools
+import math
+import threading
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from rlflow.engines.data.rewards import load_callable
+
+FINISH_REASONS = ("stop", "length", "abort")
+# requests sent while a tag is set get rids "<tag>-<n>", so a dynamic-sampling collection can abort its own
+REQUEST_TAG: contextvars.ContextVar[str | None] = contextvars.ContextVar("rlflow_request_tag", default=None)
+# calls made under one group key go out as their own request (dynamic sampling: one per prompt group, so a
+# group's answer arrives as soon as the group is done, not when the whole batch is)
+REQUEST_GROUP: contextvars.ContextVar[str | None] = contextvars.ContextVar("rlflow_request_group", default=None)
+_OUTSTANDING: dict[str, set[str]] = {}  # tag -> rids sent and not answered yet
+_ABORTED: set[str] = set()  # tags whose requests are aborted: later calls return at once, aborted
+
+
+@dataclass
+class PromptSample:
+    """One prompt of the step, as the rollout function receives it."""
+
+    index: int  # position in the step's batch of prompts
+    prompt: str
+    label: Any
+    prompt_ids: list[int]  # the prompt encoded with the recipe's chat template
+    n: int  # samples to return: rollout.samples_per_prompt (1 at evaluation)
+    seed: int  # sampling seed of the group's first sample; sample j uses seed + j (reproducible runs)
+    row: dict = field(default_factory=dict)  # the data row the prompt came from (extra keys included)
+    tokenizer: Any = field(default=None, repr=False)  # the policy's tokenizer (to tokenize tool outputs)
+
+
+@dataclass
+class Sample:
+    """One generated response. `response_ids` is everything after the prompt: the model's tokens and, in
+    multi-turn rollouts, the tool or environment tokens between its turns (with loss_mask 0 there)."""
+
+    response_ids: list[int]
+    logprobs: list[float] | None = None  # behaviour-policy logprob per response token (0 where loss_mask is 0);
+    # None: the trainer computes them before training (the sample is then treated as on-policy)
+    loss_mask: list[int] | None = None  # 1: a model token trained on; 0: a tool/environment token; None: all 1
+    reward: float | None = None  # None: the recipe's reward.fn scores the sample
+    response: str | None = None  # the text the reward sees; None: decoded from response_ids
+    finish_reason: str = "stop"  # stop | length | abort
+    weight_version: int | None = None  # weights that generated it (the oldest, if turns spanned an update)
+    prompt_ids: list[int] | None = None  # None: the PromptSample's
+    metadata: dict = field(default_factory=dict)
+
+
+RolloutFn = Callable[[PromptSample, str, dict], Awaitable[list[Sample]]]
+
+
+def load_rollout_fn(path: str) -> RolloutFn:
+    """Import the recipe's rollout.fn; it must be an async function."""
+    fn = load_callable(path, "rollout.fn")
+    if not inspect.iscoroutinefunction(fn):
+        raise TypeError(f"rollout.fn: {path!r} must be an async function (async def f(prompt, router_url, "
+                        "sampling_params) -> list[Sample])")
+    return fn
+
+
+def check_group(samples: Any, prompt: PromptSample, name: str) -> list[Sample]:
+    """The function's result, or an error naming the function and what was wrong."""
+    if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
+        raise TypeError(f"rollout.fn: {name} returned {type(samples).__name__}; expected a list of Sample")
+    if len(samples) != prompt.n:
+        raise ValueError(f"rollout.fn: {name} returned {len(samples)} samples for prompt {prompt.index}; "
+                         f"expected {prompt.n} (rollout.samples_per_prompt)")
+    for j, s in enumerate(samples):
+        where = f"rollout.fn: {name}, prompt {prompt.index} sample {j}"
+        n = len(s.response_ids)
+        if s.logprobs is not None and len(s.logprobs) != n:
+            raise ValueError(f"{where}: {len(s.logprobs)} logprobs for {n} response tokens")
+        if s.loss_mask is not None and (len(s.loss_mask) != n or any(m not in (0, 1) for m in s.loss_mask)):
+            raise ValueError(f"{where}: loss_mask must hold {n} zeros and ones")
+        if s.reward is not None and not math.isfinite(s.reward):
+            raise ValueError(f"{where}: reward {s.reward!r} is not a finite number")
+        if s.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"{where}: finish_reason {s.finish_reason!r}; expected one of {FINISH_REASONS}")
+    return samples
+
+
+# ---- talking to the router ------------------------------------------------------------------------------
+async def generate(router_url: str, input_ids: Sequence[int], sampling_params: dict, *,
+                   return_logprob: bool = True) -> dict:
+    """One SGLang /generate item for `input_ids`: {"text", "output_ids", "meta_info"}. Calls pending on the
+    same event loop are sent together as batched requests (SGLang's list form of input_ids)."""
+    return await _batcher(router_url).submit(list(input_ids), dict(sampling_params), return_logprob)
+
+
+def sample_from_item(item: dict) -> Sample:
+    """A Sample from a /generate item returned with return_logprob."""
+    meta = item["meta_info"]
+    logprobs = [(-math.inf if lp is None else lp) for lp, _tok, _ in meta.get("output_token_logprobs") or []]
+    return Sample(
+        response_ids=list(item["output_ids"]), logprobs=logprobs if "output_token_logprobs" in meta else None,
+        response=item.get("text"), finish_reason=(meta.get("finish_reason") or {}).get("type", "stop"),
+        weight_version=int(meta.get("weight_version") or 0),
+    )
+
+
+async def single_turn(prompt: PromptSample, router_url: str, sampling_params: dict) -> list[Sample]:
+    """The default rollout: n independent completions of the prompt, each with its own sampling seed."""
+    items = await asyncio.gather(*(
+        generate(router_url, prompt.prompt_ids, sampling_params | {"sampling_seed": prompt.seed + j})
+        for j in range(prompt.n)
+    ))
+    return [sample_from_item(item) for item in items]
+
+
+def outstanding_rids(tag: str) -> list[str]:
+    return sorted(_OUTSTANDING.get(tag, ()))
+
+
+async def abort_tagged(router_url: str, tag: str) -> None:
+    """Abort the requests sent under `tag` on every worker (running ones return what they generated, with
+    finish_reason abort); calls made under the tag from now on return aborted without being sent."""
+    _ABORTED.add(tag)
+    async with aiohttp.ClientSession() as session:
+        async def one(rid: str) -> None:
+            async with session.post(f"{router_url}/abort_request", json={"rid": rid}) as resp:
+                resp.raise_for_status()
+
+        await asyncio.gather(*(one(rid) for rid in outstanding_rids(tag)))
+
+
+def end_tag(tag: str) -> None:
+    _ABORTED.discard(tag)
+    _OUTSTANDING.pop(tag, None)
+
+
+def _aborted_item(input_ids: list[int]) -> dict:
+    return {"text": "", "output_ids": [], "meta_info": {
+        "finish_reason": {"type": "abort", "message": "aborted before it was sent"}, "prompt_tokens": len(input_ids),
+        "completion_tokens": 0, "output_token_logprobs": [], "weight_version": "0"}}
+
+
+class _Batcher:
+    """Coalesces the /generate calls pending on one event loop for one router into batched requests.
+
+    A call queues its item and the first one schedules a flush with `call_soon`: it runs after every task
+    that is ready now has reached its own await, so the prompts a step starts together go out together,
+    split into `parts` requests (one per rollout worker, which the router spreads least-loaded).
+    """
+
+    def __init__(self, url: str, parts: int):
+        self.url, self.parts = url, parts
+        self.pending: list[tuple[list[int], dict, bool, str, str | None, asyncio.Future]] = []
+        self.session: aiohttp.ClientSession | None = None
+        prefix = uuid.uuid4().hex[:8]  # request ids unique across batchers and runs sharing a server
+        self._rids = (f"{prefix}-{i}" for i in itertools.count())
+
+    async def submit(self, input_ids: list[int], params: dict, return_logprob: bool) -> dict:
+        tag = REQUEST_TAG.get()
+        if tag in _ABORTED:
+            return _aborted_item(input_ids)
+        rid = f"{tag or 'r'}-{next(self._rids)}"
+        if tag is not None:
+            _OUTSTANDING.setdefault(tag, set()).add(rid)
+        fut = asyncio.get_running_loop().create_future()
+        if not self.pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self.pending.append((input_ids, params, return_logprob, rid, REQUEST_GROUP.get(), fut))
+        try:
+            return await fut
+        finally:
+            if tag is not None:
+                _OUTSTANDING.get(tag, set()).discard(rid)
+
+    def _flush(self) -> None:
+        items, self.pending = self.pending, []
+        by_group: dict[str | None, list] = {}
+        for it in items:
+            by_group.setdefault(it[4], []).append(it)
+        for group, batch in by_group.items():
+            per = len(batch) if group is not None else -(-len(batch) // self.parts)
+            for i in range(0, len(batch), per):
+                asyncio.ensure_future(self._post(batch[i : i + per]))
+
+    async def _post(self, items: list) -> None:
+        body = {"input_ids": [it[0] for it in items], "sampling_params": [it[1] for it in items],
+                "return_logprob": [it[2] for it in items], "rid": [it[3] for it in items]}
+        try:
+            if self.session is None or self.session.closed:
+                self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                                     connector=aiohttp.TCPConnector(limit=0))
+            async with self.session.post(f"{self.url}/generate", json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"/generate on {self.url}: HTTP {resp.status}: {(await resp.text())[:500]}")
+                out = await resp.json()
+        except Exception as exc:
+            for *_, fut in items:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        for (*_, fut), item in zip(items, out, strict=True):
+            if not fut.done():
+                fut.set_result(item)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+_BATCHERS: dict[tuple[int, str], _Batcher] = {}
+_PARTS: dict[str, int] = {}  # router url -> number of rollout workers behind it (RolloutRunner registers it)
+
+
+def _batcher(url: str) -> _Batcher:
+    key = (id(asyncio.get_running_loop()), url)
+    if key not in _BATCHERS:
+        _BATCHERS[key] = _Batcher(url, _PARTS.get(url, 1))
+    return _BATCHERS[key]
+
+
+# ---- the framework's side -------------------------------------------------------------------------------
+class RolloutRunner:
+    """Runs a rollout function over a batch of prompts on a private event loop (one thread for the run),
+    so HTTP sessions and batching live across steps and both the training thread and the one-step-off
+    rollout thread can submit work."""
+
+    def __init__(self, fn: RolloutFn, router_url: str, num_workers: int):
+        self.fn, self.router_url = fn, router_url
+        self.name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
+        _PARTS[router_url] = num_workers
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-fn", daemon=True)
+        self._thread.start()
+
+    def run(self, prompts: list[PromptSample], sampling_params: dict) -> list[list[Sample]]:
+        """Every prompt's group, in prompt order (blocks the calling thread)."""
+        return asyncio.run_coroutine_threadsafe(self._run(prompts, sampling_params), self.loop).result()
+
+    async def _run(self, prompts: list[PromptSample], sampling_params: dict) -> list[list[Sample]]:
+        groups = await asyncio.gather(*(self.fn(p, self.router_url, dict(sampling_params)) for p in prompts))
+        return [check_group(g, p, self.name) for g, p in zip(groups, prompts, strict=True)]
+
+    def submit(self, coro) -> Any:
+        """Run a coroutine on the runner's loop and wait for it (dynamic sampling drives its own)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        async def _close() -> None:
+            for key in [k for k in _BATCHERS if k[0] == id(self.loop)]:
+                await _BATCHERS.pop(key).close()
+
+        asyncio.run_coroutine_threadsafe(_close(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        _PARTS.pop(self.router_url, None)

@@ -1,0 +1,232 @@
+"""What the HTTP routes share: SGLang sampling fields -> SamplingParams, awaiting and streaming engine
+requests from asyncio, output text, and the tensor payload of `/update_weights_from_tensor`.
+
+Tensor payloads are base64 of safetensors bytes, never pickle (SGLang sends pickled tensors: see
+docs/rollout.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import math
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import torch
+import uvicorn
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+from rlflow.engines.core.sampling import SamplingParams
+from rlflow.engines.rollout.engine import Generation, Request
+
+# SGLang sampling fields the engine implements, and those it accepts only at their no-op value
+SUPPORTED = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "n", "ignore_eos"}
+NO_OP = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
+         "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False}
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+
+
+class BadRequest(ValueError):
+    """Bad input from a client: answered with status 400 and this message (which names the field)."""
+
+
+def sampling_params(raw: dict[str, Any] | None, where: str = "sampling_params") -> tuple[SamplingParams, int | None]:
+    """SGLang's sampling_params dict -> (SamplingParams, sampling_seed)."""
+    raw = dict(raw or {})
+    seed = raw.pop("sampling_seed", None)
+    fields: dict[str, Any] = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
+    for key, value in raw.items():
+        if key in SUPPORTED:
+            if value is not None:
+                fields[key] = value
+        elif key in NO_OP:
+            if value is not None and value != NO_OP[key]:
+                raise BadRequest(f"{where}.{key}: the embedded engine supports only {NO_OP[key]!r}, got {value!r}")
+        else:
+            raise BadRequest(f"{where}.{key}: unknown sampling parameter (supported: {sorted(SUPPORTED)})")
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = [fields["stop"]]
+    try:
+        return SamplingParams(**fields), (None if seed is None else int(seed))
+    except (ValueError, TypeError) as exc:
+        raise BadRequest(f"{where}: {exc}") from None
+
+
+class EngineClient:
+    """The asyncio side of one backend's engine."""
+
+    def __init__(self, backend):
+        self.backend, self.engine, self.tokenizer = backend, backend.engine, backend.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        with self.engine.tokenizer_lock:
+            return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        with self.engine.tokenizer_lock:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def output_text(self, output_ids: list[int], finish_reason: dict | None) -> str:
+        """Decoded output; a matched stop string is cut off, as SGLang does."""
+        text = self.decode(output_ids)
+        matched = (finish_reason or {}).get("matched")
+        if isinstance(matched, str) and matched and text.endswith(matched):
+            text = text[: -len(matched)]
+        return text
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise BadRequest("messages: the model's tokenizer has no chat template (use /v1/completions)")
+        with self.engine.tokenizer_lock:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def requests(self, prompts: list[list[int]], params: SamplingParams, seed: int | None,
+                 rid: str | None = None) -> list[Request]:
+        try:
+            return self.backend.requests(prompts, params, seed, rid)
+        except RuntimeError as exc:
+            raise BadRequest(str(exc)) from None
+
+    async def run(self, requests: list[Request]) -> list[Generation]:
+        futures = self.engine.submit(requests)
+        try:
+            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        except (ValueError, RuntimeError) as exc:
+            raise BadRequest(str(exc)) from None
+        except asyncio.CancelledError:  # the client went away: free the slots
+            for r in requests:
+                self.engine.abort(r.rid)
+            raise
+
+    async def stream(self, requests: list[Request]) -> AsyncIterator[StreamEvent]:
+        """Events as tokens arrive: one per new token of any request, and one final (with the
+        Generation) per request. A client that disconnects aborts what is still running."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        for i, r in enumerate(requests):
+            def on_token(r: Request, i: int = i) -> None:
+                snapshot = StreamEvent(i, list(r.output_ids), list(r.output_logprobs), None)
+                loop.call_soon_threadsafe(queue.put_nowait, snapshot)
+
+            r.on_token = on_token
+        futures = self.engine.submit(requests)
+        for i, f in enumerate(futures):
+            f.add_done_callback(lambda f, i=i: loop.call_soon_threadsafe(queue.put_nowait, StreamEvent(i, future=f)))
+        done = 0
+        try:
+            while done < len(requests):
+                event = await queue.get()
+                if event.future is not None:
+                    done += 1
+                    try:
+                        event.final = event.future.result()
+                    except (ValueError, RuntimeError) as exc:
+                        raise BadRequest(str(exc)) from None
+                    event.output_ids, event.output_logprobs = event.final.output_ids, event.final.output_logprobs
+                yield event
+        finally:
+            if done < len(requests):
+                for r in requests:
+                    self.engine.abort(r.rid)
+
+
+@dataclass
+class StreamEvent:
+    index: int
+    output_ids: list[int] | None = None
+    output_logprobs: list[float] | None = None
+    future: Any = None
+    final: Generation | None = None
+
+
+def finite(x: float) -> float | None:
+    """JSON has no -inf: a zero-probability token's logprob is reported as null."""
+    return x if math.isfinite(x) else None
+
+
+# ---- tensor payloads --------------------------------------------------------------------------------------
+def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """HF-named tensors -> base64 of safetensors bytes: one item of `serialized_named_tensors`."""
+    return base64.b64encode(safetensors_save({n: t.detach().cpu().contiguous() for n, t in named})).decode()
+
+
+def deserialize_named_tensors(item: Any, where: str) -> dict[str, torch.Tensor]:
+    if not isinstance(item, str):
+        raise BadRequest(f"{where}: expected a base64 string of safetensors bytes, got {type(item).__name__}")
+    try:
+        return safetensors_load(base64.b64decode(item, validate=True))
+    except Exception as exc:
+        raise BadRequest(f"{where}: not base64 of safetensors bytes ({exc}); the embedded server never "
+                         "unpickles, so SGLang's pickled MultiprocessingSerializer payload is refused") from None
+
+
+class BackgroundServer:
+    """uvicorn serving an ASGI app from a daemon thread on `port` (0: one the OS picks); `url` once started."""
+
+    def __init__(self, app, name: str, host: str = "127.0.0.1", port: int = 0):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.host, self.port = host, sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name=name)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} on {self.url} did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+def body_error(exc: BadRequest) -> JSONResponse:
+    return JSONResponse({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}}, status_code=400)
+
+
+async def read_json(request: HTTPRequest) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"request body: not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body: expected a JSON object")
+    return body
+
+
+def fast_json(obj: Any) -> Response:
+    """Serialize with orjson, skipping FastAPI's per-element encoder: a batch's token and logprob lists are
+    most of a /generate response, and encoding them element by element cost more than generating them."""
+    return Response(orjson.dumps(obj), media_type="application/json")
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def check_fields(body: dict, known: set[str], no_op: dict[str, Any], route: str) -> None:
+    for key, value in body.items():
+        if key in known:
+            continue
+        if key in no_op:
+            if value is not None and value != no_op[key]:
+                raise BadRequest(f"{route}: field {key!r} is not supported by the embedded server (only "
+                                 f"{no_op[key]!r})")
+        else:
+            raise BadRequest(f"{route}: unknown field {key!r} (known: {sorted(known)})")

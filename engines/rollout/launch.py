@@ -1,0 +1,76 @@
+"""`python -m rlflow.engines.rollout.launch`: the embedded rollout server as a process of its own, a stand-in for
+`python -m sglang.launch_server` (the SGLang backend launches either)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import uvicorn
+
+from rlflow.engines.rollout.server import build_app
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+
+# SGLang's launch_server flags the embedded server takes (names, defaults and meanings from SGLang's server_args);
+# any other flag is refused by name rather than ignored
+DTYPE_FLAGS = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
+               "float32": "float32"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve one model as `sglang.launch_server` would, with the subset of its flags the embedded engine has:
+    --model-path (--model), --host, --port, --dtype, --device, --context-length, --max-running-requests,
+    --random-seed. Stops on SIGTERM / SIGINT."""
+    parser = argparse.ArgumentParser(prog="python -m rlflow.engines.rollout.launch", allow_abbrev=False,
+                                     description="rlflow's embedded rollout server with SGLang's routes and a "
+                                     "subset of sglang.launch_server's flags.")
+    parser.add_argument("--model-path", "--model", dest="model_path", required=True,
+                        help="A local Hugging Face model folder.")
+    parser.add_argument("--host", default="127.0.0.1", help="The host of the HTTP server.")
+    parser.add_argument("--port", type=int, default=30000, help="The port of the HTTP server.")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_FLAGS],
+                        help="Weights and compute dtype; auto: the checkpoint's (SGLang's auto serves FP32 "
+                        "checkpoints in FP16).")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="Default: cuda when a GPU is visible, else cpu.")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help="Tokens per sequence, prompt included (default: min(4096, the model's maximum)).")
+    parser.add_argument("--max-running-requests", type=int, default=None,
+                        help="Requests decoded together (KV-cache slots; default 512).")
+    parser.add_argument("--random-seed", type=int, default=None,
+                        help="Seeds the server's random generators (requests without a sampling_seed).")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-")] or unknown
+        known = sorted({s for a in parser._actions for s in a.option_strings} - {"-h", "--help"})
+        parser.error(f"the embedded server does not support {', '.join(flags)} (it takes SGLang's {', '.join(known)})")
+
+    if args.random_seed is not None:
+        random.seed(args.random_seed)
+        np.random.seed(args.random_seed % 2**32)
+        torch.manual_seed(args.random_seed)
+    dtype_name = DTYPE_FLAGS.get(args.dtype)
+    if dtype_name is None:  # auto: the dtype the checkpoint was saved in
+        config = json.loads((Path(args.model_path) / "config.json").read_text())
+        saved = config.get("torch_dtype") or config.get("dtype")
+        dtype_name = saved if saved in ("float32", "bfloat16", "float16") else "float32"
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kwargs = {"batch_size": args.max_running_requests, "context_len": args.context_length}
+    backend = TorchRolloutBackend(args.model_path, device=device, dtype=getattr(torch, dtype_name),
+                                  **{k: v for k, v in kwargs.items() if v is not None})
+    server = uvicorn.Server(uvicorn.Config(build_app(backend), host=args.host, port=args.port, log_level="warning",
+                                          lifespan="off", timeout_keep_alive=30))
+    print(f"rlflow embedded rollout server: {args.model_path} ({device}, {dtype_name}) on "
+          f"http://{args.host}:{args.port}", flush=True)
+    try:
+        server.run()  # returns on SIGTERM / SIGINT
+    finally:
+        backend.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""OpenAI-compatible routes of the embedded rollout server: `/v1/models`, `/v1/completions` and
+`/v1/chat/completions` (also streamed), usable by the official `openai` client. SGLang's extra sampling
+fields (top_k, min_p, stop_token_ids, ignore_eos) may come in the body (the client's `extra_body`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from rlflow.engines.rollout.http_api import BadRequest, EngineClient, finite, read_json, sampling_params, sse
+
+COMMON = {"model", "n", "temperature", "top_p", "stop", "seed", "stream", "user", "max_tokens", "top_k", "min_p",
+          "stop_token_ids", "ignore_eos", "rid", "stream_options"}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
+CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+NO_OP = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "echo": False, "top_logprobs": 0, "tools": None,
+         "tool_choice": None, "response_format": None, "logit_bias": None, "best_of": 1, "suffix": None,
+         "parallel_tool_calls": None, "no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False,
+         "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True}
+FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _params(body: dict, max_tokens: int | None) -> tuple[Any, int | None]:
+    raw = {k: body[k] for k in ("n", "temperature", "top_p", "stop", "top_k", "min_p", "stop_token_ids", "ignore_eos")
+           if body.get(k) is not None}
+    if max_tokens is not None:
+        raw["max_new_tokens"] = max_tokens
+    if body.get("seed") is not None:
+        raw["sampling_seed"] = body["seed"]
+    return sampling_params(raw, "request")
+
+
+def _check(body: dict, known: set[str], route: str) -> None:
+    for key, value in body.items():
+        if key in known:
+            continue
+        if key not in NO_OP:
+            raise BadRequest(f"{route}: unknown field {key!r}")
+        if value is not None and value != NO_OP[key]:
+            raise BadRequest(f"{route}: field {key!r} is not supported by the embedded server")
+
+
+def _usage(gens) -> dict:
+    prompt = sum(len(p) for p in {id(g.prompt_ids): g.prompt_ids for g in gens}.values())
+    completion = sum(len(g.output_ids) for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def add_openai_routes(app: FastAPI, backend, client: EngineClient) -> None:
+    model_name = backend.model_path
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "rlflow",
+                                            "root": model_name, "max_model_len": client.engine.max_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_json(request)
+        _check(body, COMPLETION_FIELDS, "/v1/completions")
+        prompts = _completion_prompts(client, body.get("prompt"))
+        params, seed = _params(body, body.get("max_tokens") if body.get("max_tokens") is not None else 16)
+        requests = [r for p in prompts for r in client.requests([p], params, seed)]
+        with_logprobs = body.get("logprobs") is not None and body.get("logprobs") is not False
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.get("stream"):
+            return StreamingResponse(_stream(client, requests, cid, created, model_name, chat=False),
+                                     media_type="text/event-stream")
+        gens = await client.run(requests)
+        choices = []
+        for i, g in enumerate(gens):
+            choice = {"index": i, "text": client.output_text(g.output_ids, g.finish_reason),
+                      "finish_reason": FINISH[g.finish_reason["type"]], "matched_stop": g.finish_reason.get("matched"),
+                      "logprobs": None}
+            if with_logprobs:
+                tokens = [client.decode([t]) for t in g.output_ids]
+                offsets = [sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": [finite(x) for x in g.output_logprobs],
+                                      "top_logprobs": None, "text_offset": offsets}
+            choices.append(choice)
+        return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
+                "choices": choices, "usage": _usage(gens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_json(request)
+        _check(body, CHAT_FIELDS, "/v1/chat/completions")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages: expected a non-empty list of {role, content} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
+                raise BadRequest(f"messages[{i}]: expected {{'role': str, 'content': str}}")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        params, seed = _params(body, max_tokens)
+        requests = client.requests([client.chat_prompt(messages)], params, seed)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.get("stream"):
+            return StreamingResponse(_stream(client, requests, cid, created, model_name, chat=True),
+                                     media_type="text/event-stream")
+        gens = await client.run(requests)
+        choices = []
+        for i, g in enumerate(gens):
+            logprobs = None
+            if body.get("logprobs"):
+                logprobs = {"content": [{"token": client.decode([t]), "logprob": finite(x), "bytes": None,
+                                         "top_logprobs": []} for t, x in zip(g.output_ids, g.output_logprobs,
+                                                                             strict=True)]}
+            choices.append({"index": i, "message": {"role": "assistant",
+                                                     "content": client.output_text(g.output_ids, g.finish_reason)},
+                            "finish_reason": FINISH[g.finish_reason["type"]],
+                            "matched_stop": g.finish_reason.get("matched"), "logprobs": logprobs})
+        return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": choices, "usage": _usage(gens)}
+
+
+def _completion_prompts(client: EngineClient, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [client.encode(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [client.encode(p) for p in prompt]
+        if all(isinstance(t, int) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+            return prompt
+    raise BadRequest("prompt: expected a string, a list of strings, a list of token ids or a list of such lists")
+
+
+async def _stream(client: EngineClient, requests, cid: str, created: int, model: str, chat: bool):
+    """OpenAI's streamed chunks: text deltas per choice, the finish_reason on the choice's last chunk."""
+    sent = [""] * len(requests)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    try:
+        async for ev in client.stream(requests):
+            finish = ev.final.finish_reason if ev.final is not None else None
+            text = client.output_text(ev.output_ids, finish)
+            if finish is None and "\ufffd" in text[len(sent[ev.index]):]:
+                continue  # an incomplete multi-byte character: wait for the next token
+            delta, sent[ev.index] = text[len(sent[ev.index]):], text
+            reason = None if finish is None else FINISH[finish["type"]]
+            if chat:
+                choice = {"index": ev.index, "delta": {"role": "assistant", "content": delta}, "logprobs": None,
+                          "finish_reason": reason}
+            else:
+                choice = {"index": ev.index, "text": delta, "logprobs": None, "finish_reason": reason}
+            yield sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]})
+    except BadRequest as exc:
+        yield sse({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}})
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,157 @@
+"""One HTTP endpoint in front of every rollout worker's server: a least-loaded balancer.
+
+Generation requests (`/generate`, `/v1/completions`, `/v1/chat/completions`) go to the healthy worker
+with the fewest requests in flight through this router (ties: the lowest index), streamed or not. A
+worker that cannot be reached is marked unhealthy and the request is retried on the next one;
+`/health` probes bring it back. Control routes (`/abort_request`, `/flush_cache`, weight and memory
+routes) go to every worker. sglang-router can front the embedded servers for generation too
+(docs/rollout.md), but it does not forward abort or weight routes; this router does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from rlflow.engines.rollout.http_api import BackgroundServer
+
+GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions")
+BROADCAST = ("/abort_request", "/flush_cache", "/update_weights_from_disk", "/update_weights_from_tensor",
+             "/release_memory_occupation", "/resume_memory_occupation")
+
+
+@dataclass
+class Worker:
+    url: str
+    in_flight: int = 0
+    healthy: bool = True
+    served: int = 0
+
+
+class NoWorker(RuntimeError):
+    pass
+
+
+def build_router_app(workers: list[Worker]) -> FastAPI:
+    app = FastAPI(title="rlflow rollout router")
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10))
+    lock = asyncio.Lock()
+
+    async def pick(tried: set[str]) -> Worker:
+        async with lock:  # choose and count in one step, so concurrent requests spread out
+            free = [w for w in workers if w.healthy and w.url not in tried]
+            if not free:
+                raise NoWorker(f"no healthy rollout worker left (tried {sorted(tried)})")
+            worker = min(free, key=lambda w: w.in_flight)
+            worker.in_flight += 1
+            worker.served += 1
+            return worker
+
+    async def forward(path: str, body: bytes, headers: dict) -> Response:
+        tried: set[str] = set()
+        try:
+            parsed = json.loads(body or b"{}")
+        except json.JSONDecodeError:
+            return JSONResponse({"error": {"message": "request body: not JSON", "code": 400}}, status_code=400)
+        stream = isinstance(parsed, dict) and bool(parsed.get("stream"))
+        while True:
+            worker = await pick(tried)
+            tried.add(worker.url)
+            try:
+                req = client.build_request("POST", worker.url + path, content=body, headers=headers)
+                upstream = await client.send(req, stream=True)
+            except httpx.TransportError:
+                worker.in_flight -= 1
+                worker.healthy = False  # retried on another worker; /health probes bring it back
+                continue
+            if stream:
+                async def relay(upstream=upstream, worker=worker):
+                    try:
+                        async for chunk in upstream.aiter_raw():
+                            yield chunk
+                    finally:
+                        await upstream.aclose()
+                        worker.in_flight -= 1
+
+                return StreamingResponse(relay(), status_code=upstream.status_code,
+                                         media_type=upstream.headers.get("content-type"))
+            try:
+                content = await upstream.aread()
+            except httpx.TransportError:  # the worker died mid-request: generate it again elsewhere
+                worker.healthy = False
+                continue
+            finally:
+                await upstream.aclose()
+                worker.in_flight -= 1
+            return Response(content, status_code=upstream.status_code,
+                            media_type=upstream.headers.get("content-type"))
+
+    for path in GENERATION:
+        async def route(request: Request, path: str = path) -> Response:
+            try:
+                return await forward(path, await request.body(), {"content-type": "application/json"})
+            except NoWorker as exc:
+                return JSONResponse({"error": {"message": str(exc), "code": 503}}, status_code=503)
+
+        app.add_api_route(path, route, methods=["POST"])
+
+    for path in BROADCAST:
+        async def broadcast(request: Request, path: str = path) -> Response:
+            body = await request.body()
+            answers = await asyncio.gather(*(client.post(w.url + path, content=body,
+                                                         headers={"content-type": "application/json"})
+                                             for w in workers if w.healthy), return_exceptions=True)
+            failed = [str(a) if isinstance(a, Exception) else f"{a.status_code} {a.text[:200]}"
+                      for a in answers if isinstance(a, Exception) or a.status_code != 200]
+            if failed:
+                return JSONResponse({"success": False, "message": "; ".join(failed)}, status_code=400)
+            return JSONResponse({"success": True, "message": f"{path} on {len(answers)} workers"})
+
+        app.add_api_route(path, broadcast, methods=["POST"])
+
+    @app.get("/health")
+    async def health():
+        async def probe(w: Worker) -> None:
+            try:
+                w.healthy = (await client.get(w.url + "/health", timeout=5)).status_code == 200
+            except httpx.TransportError:
+                w.healthy = False
+
+        await asyncio.gather(*(probe(w) for w in workers))
+        return Response(status_code=200 if any(w.healthy for w in workers) else 503)
+
+    @app.get("/workers")
+    async def list_workers():
+        return {"workers": [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "served": w.served}
+                            for w in workers]}
+
+    @app.get("/get_model_info")
+    async def model_info() -> Response:
+        r = await client.get(workers[0].url + "/get_model_info")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    return app
+
+
+class RolloutRouter:
+    """The router served by uvicorn from a background thread on an ephemeral port."""
+
+    def __init__(self, worker_urls: list[str], host: str = "127.0.0.1", port: int = 0):
+        if not worker_urls:
+            raise ValueError("RolloutRouter: worker_urls is empty")
+        self.workers = [Worker(u.rstrip("/")) for u in worker_urls]
+        self._server = BackgroundServer(build_router_app(self.workers), "rollout router", host, port)
+        self.url = self._server.url
+
+    def replace(self, index: int, url: str) -> None:
+        """A restarted worker's server takes worker `index`'s place (requests in flight to the old one were
+        already retried elsewhere)."""
+        self.workers[index] = Worker(url.rstrip("/"))  # the app shares this list
+
+    def stop(self) -> None:
+        self._server.stop()

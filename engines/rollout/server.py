@@ -1,0 +1,208 @@
+"""The embedded rollout server: SGLang's native HTTP routes (and the OpenAI-compatible ones, in
+engines/rollout/openai_api.py) for one TorchRolloutBackend, on an ephemeral port.
+
+The engine runs in its own background loop; handlers submit requests and await their futures, so
+concurrent HTTP requests share decode steps (continuous batching). Field names and meanings are
+SGLang's; where the embedded server differs it is written in docs/rollout.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from rlflow.engines.core.sampling import SamplingParams
+from rlflow.engines.rollout.http_api import (
+    BackgroundServer,
+    BadRequest,
+    EngineClient,
+    body_error,
+    check_fields,
+    fast_json,
+    finite,
+    read_json,
+    sampling_params,
+    sse,
+)
+from rlflow.engines.rollout.openai_api import add_openai_routes
+from rlflow.engines.rollout.weight_routes import add_weight_routes
+
+# /generate fields the embedded server reads; others it accepts only at their no-op default
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream"}
+# (sglang-router 0.3.2 fills in model, background, no_logs, return_bytes, return_entropy, ... on every request)
+GENERATE_NO_OP = {"logprob_start_len": -1, "top_logprobs_num": 0, "return_text_in_logprobs": False,
+                  "log_metrics": True, "return_hidden_states": False, "image_data": None, "lora_path": None,
+                  "custom_logit_processor": None, "session_params": None, "token_ids_logprob": None, "model": None,
+                  "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
+
+
+def build_app(backend) -> FastAPI:
+    app = FastAPI(title="rlflow embedded rollout server")
+    client = EngineClient(backend)
+    app.state.client = client
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
+        return body_error(exc)
+
+    # ---- generation ------------------------------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await read_json(request)
+        check_fields(body, GENERATE_FIELDS, GENERATE_NO_OP, "/generate")
+        prompts, batched = _prompts(client, body)
+        raw_params = body.get("sampling_params")
+        per_item = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
+        if len(per_item) != len(prompts):
+            raise BadRequest(f"sampling_params: {len(per_item)} items for {len(prompts)} prompts")
+        rids = body.get("rid")
+        if not isinstance(rids, list):
+            rids = [rids if rids is None or not batched else f"{rids}_{i}" for i in range(len(prompts))]
+        if len(rids) != len(prompts):
+            raise BadRequest(f"rid: {len(rids)} ids for {len(prompts)} prompts")
+        return_logprob = body.get("return_logprob") or False
+        if isinstance(return_logprob, list) and len(return_logprob) != len(prompts):
+            raise BadRequest(f"return_logprob: {len(return_logprob)} flags for {len(prompts)} prompts")
+        requests, logprob_of = [], []
+        for i, (prompt, raw, rid) in enumerate(zip(prompts, per_item, rids, strict=True)):
+            params, seed = sampling_params(raw, "sampling_params" + (f"[{i}]" if isinstance(raw_params, list) else ""))
+            new = client.requests([prompt], params, seed, rid)
+            requests += new
+            flag = return_logprob[i] if isinstance(return_logprob, list) else return_logprob
+            logprob_of += [bool(flag)] * len(new)
+        t0 = time.perf_counter()
+        if body.get("stream"):
+            return StreamingResponse(_generate_stream(client, requests, logprob_of, t0), media_type="text/event-stream")
+        gens = await client.run(requests)
+        out = [_generate_item(client, g.prompt_ids, g.output_ids, g.output_logprobs, g.finish_reason, g.rid,
+                              g.weight_version, logprob_of[i], time.perf_counter() - t0) for i, g in enumerate(gens)]
+        return fast_json(out if batched or len(out) > 1 else out[0])
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await read_json(request)
+        check_fields(body, {"rid", "abort_all"}, {}, "/abort_request")
+        if not body.get("abort_all") and not body.get("rid"):
+            raise BadRequest("/abort_request: give a rid or abort_all: true")
+        client.engine.abort(body.get("rid"), bool(body.get("abort_all")))
+        return Response(status_code=200)
+
+    # ---- memory ----------------------------------------------------------------------------------------
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        if await asyncio.to_thread(client.engine.drop_cache):
+            return Response("Cache flushed.\n", status_code=200)
+        return Response("Cache not flushed: requests are running.\n", status_code=400)
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request):
+        _tags(await read_json(request))
+        try:
+            await asyncio.to_thread(backend.release_memory_occupation)
+        except RuntimeError as exc:
+            raise BadRequest(str(exc)) from None
+        return Response(status_code=200)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request):
+        _tags(await read_json(request))
+        await asyncio.to_thread(backend.resume_memory_occupation)
+        return Response(status_code=200)
+
+    # ---- information -----------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        prompt = [client.tokenizer.bos_token_id if client.tokenizer.bos_token_id is not None else 0]
+        await client.run(client.requests([prompt], SamplingParams(max_new_tokens=1), seed=0))
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def get_model_info():
+        cfg = backend.model.config
+        return {"model_path": backend.model_path, "tokenizer_path": backend.model_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": str(backend.weight_version),
+                "model_type": cfg.model_type, "architectures": list(cfg.architectures or []),
+                "has_image_understanding": False, "has_audio_understanding": False}
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def get_server_info():
+        engine = client.engine
+        return {"model_path": backend.model_path, "tokenizer_path": backend.model_path,
+                "served_model_name": backend.model_path, "device": str(backend.device),
+                "dtype": str(backend.model.dtype).removeprefix("torch."), "context_length": engine.max_len,
+                "max_running_requests": engine.max_running, "max_total_num_tokens": engine.max_running * engine.max_len,
+                "weight_version": str(backend.weight_version), "version": "rlflow-embedded",
+                "internal_states": [{"num_requests": engine.num_requests(),
+                                     "memory_released": bool(backend._released)}]}
+
+    add_openai_routes(app, backend, client)
+    add_weight_routes(app, backend, client)  # SGLang's weight-update routes (engines/rollout/weight_routes.py)
+    return app
+
+
+def _prompts(client: EngineClient, body: dict) -> tuple[list[list[int]], bool]:
+    """(token ids per prompt, whether the request was a batch) from `text` or `input_ids`."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("/generate: give exactly one of text or input_ids")
+    if text is not None:
+        if isinstance(text, str):
+            return [client.encode(text)], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [client.encode(t) for t in text], True
+        raise BadRequest("text: expected a string or a non-empty list of strings")
+    if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
+        return [ids], False
+    if isinstance(ids, list) and ids and all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in ids):
+        return ids, True
+    raise BadRequest("input_ids: expected a list of token ids or a non-empty list of such lists")
+
+
+def _generate_item(client: EngineClient, prompt_ids, output_ids, output_logprobs, finish_reason, rid, version,
+                   with_logprobs: bool, latency: float) -> dict:
+    meta = {"id": rid, "finish_reason": finish_reason, "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(output_ids), "cached_tokens": 0, "weight_version": str(version),
+            "e2e_latency": latency}
+    if with_logprobs:
+        meta["output_token_logprobs"] = [[finite(lp), tok, None] for lp, tok in zip(output_logprobs, output_ids,
+                                                                                     strict=True)]
+    return {"text": client.output_text(output_ids, finish_reason), "output_ids": list(output_ids), "meta_info": meta}
+
+
+async def _generate_stream(client: EngineClient, requests, logprob_of: list[bool], t0: float):
+    """SGLang's stream: one `data:` event per new token with the cumulative text, output ids and meta_info
+    (finish_reason null until the last), an `index` per batch item, then `data: [DONE]`."""
+    try:
+        async for ev in client.stream(requests):
+            r = requests[ev.index]
+            finish = ev.final.finish_reason if ev.final is not None else None
+            version = ev.final.weight_version if ev.final is not None else r.weight_version
+            item = _generate_item(client, r.prompt, ev.output_ids, ev.output_logprobs, finish, r.rid, version,
+                                  logprob_of[ev.index], time.perf_counter() - t0)
+            yield sse(item | {"index": ev.index})
+    except BadRequest as exc:
+        yield sse({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}})
+    yield b"data: [DONE]\n\n"
+
+
+def _tags(body: dict) -> None:
+    check_fields(body, {"tags"}, {}, "memory occupation")
+    tags = body.get("tags")
+    if tags is not None and not set(tags) <= {"weights", "kv_cache"}:
+        raise BadRequest(f"tags: the embedded server releases 'weights' and 'kv_cache' together, got {tags!r}")
+
+
+class RolloutServer(BackgroundServer):
+    """`build_app(backend)` served from a background thread, on a port the OS picks."""
+
+    def __init__(self, backend, host: str = "127.0.0.1", port: int = 0):
+        super().__init__(build_app(backend), "rollout server", host, port)

@@ -1,0 +1,384 @@
+"""The SGLang rollout backend: each rollout worker runs `python -m sglang.launch_server` as its child.
+
+`SGLangRolloutBackend` is a plain class, wrapped in Ray actors by engines/cluster/groups.py like
+TorchRolloutBackend. Its constructor launches the server on the GPUs Ray gave the actor (the child inherits
+CUDA_VISIBLE_DEVICES; tensor parallelism is the user's `tp-size`), in its own process group:
+
+    python -m <rollout.sglang.launch_module> --model-path <model> --host 127.0.0.1 --port <free port> <args>
+
+where every option of `rollout.sglang.args` is passed through untouched (`server_args`). It waits until
+`/health` answers 200; a server that exits first, or does not answer within `startup_timeout_s`, fails the
+worker with the end of the server's log in the error. `close()` stops the whole process group, and so does
+a small guard process when the worker dies without closing (a killed Ray actor runs no exit handlers; see
+engines/cluster/process_group.py).
+
+Everything else goes through SGLang's HTTP routes: generation (`/generate`), weights
+(`/update_weights_from_disk`; the `ray` and `store` transports hand tensors to the worker, which writes them
+to a local folder and loads that the same way), colocation (`/release_memory_occupation`,
+`/resume_memory_occupation`), and SGLang's distributed pair (`/init_weights_update_group`,
+`/update_weights_from_distributed`; the trainer's side is in engines/sync/distributed.py). SGLang's
+`/update_weights_from_tensor` is not used: its payload is pickled.
+The tests launch the embedded server (`python -m rlflow.engines.rollout.launch`, same routes and flag names) in
+SGLang's place, since SGLang cannot be installed where they run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from rlflow.engines.cluster.groups import free_port
+from rlflow.engines.cluster.process_group import stop_group
+from rlflow.engines.core.config import SGLangConfig, StorageConfig
+from rlflow.engines.core.sampling import SamplingParams
+from rlflow.engines.rollout.engine import Generation
+from rlflow.engines.rollout.torch_backend import pack_generations
+from rlflow.engines.sync.buckets import get_bucket
+from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
+
+STOP_GRACE_S = 10.0  # SIGTERM first; SIGKILL what is left of the process group after this
+LOG_TAIL_CHARS = 4000
+
+
+def server_args(args: dict[str, Any]) -> list[str]:
+    """launch_server's command-line options from the recipe's `rollout.sglang.args`, untouched: `key: value` ->
+    `--key value`; true -> `--key`; false or null -> nothing; a list -> `--key v1 v2 ...` (an empty one:
+    nothing); a dict -> `--key '<json>'` (SGLang takes JSON strings for such options)."""
+    out: list[str] = []
+    for key, value in args.items():
+        flag = key if key.startswith("-") else f"--{key}"
+        if value is None or value is False or (isinstance(value, list | tuple) and not value):
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, list | tuple):
+            out += [flag, *map(_arg, value)]
+        else:
+            out += [flag, _arg(value)]
+    return out
+
+
+def gpus_per_server(args: dict[str, Any]) -> int:
+    """GPUs one server uses: its tensor x pipeline parallel size (`tp-size` / `tp`, `pp-size` / `pp`)."""
+
+    def size(*keys: str) -> int:
+        given = [args[k] for k in args if k.lstrip("-").replace("_", "-") in keys]
+        return int(given[0]) if given else 1
+
+    return size("tp-size", "tp", "tensor-parallel-size") * size("pp-size", "pp", "pipeline-parallel-size")
+
+
+def _arg(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, dict) else str(value)
+
+
+def safetensors_bytes(folder: str | Path) -> int:
+    """Bytes of the tensors in a folder's *.safetensors files, from their headers (nothing is loaded)."""
+    total = 0
+    for path in Path(folder).glob("*.safetensors"):
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The `sampling_seed` of request `index` of a call seeded with `seed` (nearby seeds and indices differ)."""
+    return int(np.random.SeedSequence([seed & (2**63 - 1), index]).generate_state(1, dtype=np.uint64)[0]) & (2**63 - 1)
+
+
+class SGLangRolloutBackend:
+    def __init__(
+        self,
+        model_path: str,
+        sglang: SGLangConfig | dict | None = None,
+        rank: int = 0,
+        threads: int | None = None,
+        log_dir: str | None = None,
+        python: str | None = None,
+    ):
+        """Launch the server and wait until it answers. `threads` sets the child's OMP_NUM_THREADS (unless the
+        environment has it); its log goes to `<log_dir>/server.log` (default: a new temporary folder)."""
+        self.model_path, self.rank, self.threads = str(model_path), rank, threads
+        self.cfg = sglang if isinstance(sglang, SGLangConfig) else SGLangConfig.model_validate(sglang or {})
+        self.python = python or sys.executable
+        self.weight_version = 0
+        self.last_update_s = 0.0
+        self._released = False
+        self._dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"rlflow-sglang-{rank}-"))
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self._dir / "server.log"
+        self.proc: subprocess.Popen | None = None
+        self._guard: subprocess.Popen | None = None
+        self._log = None
+        self.url: str | None = None
+        self.command: list[str] = []
+        self._http = httpx.Client(timeout=httpx.Timeout(None, connect=10))
+        self._weight_bytes = safetensors_bytes(self.model_path)
+        atexit.register(self.close)
+        self.start_server()
+
+    # ---- the server process ----------------------------------------------------------------------------
+    def start_server(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Launch the server (once; later calls return its URL) and wait for /health."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self.url
+        self.close_server()
+        port = port or free_port()
+        self.command = [
+            self.python,
+            "-m",
+            self.cfg.launch_module,
+            "--model-path",
+            self.model_path,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            *server_args(self.cfg.args),
+        ]
+        env = dict(os.environ)
+        if self.threads and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes it until close()
+        self._log.write(f"$ {' '.join(self.command)}\n".encode())
+        self._log.flush()
+        self.proc = subprocess.Popen(
+            self.command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        self._guard = subprocess.Popen(
+            [sys.executable, "-m", "rlflow.engines.cluster.process_group", str(self.proc.pid), str(STOP_GRACE_S)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.url = f"http://{host}:{port}"
+        self._wait_healthy()
+        return self.url
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                self.close_server()
+                raise RuntimeError(
+                    f"rollout.sglang: the server exited with code {code} before answering /health "
+                    f"({' '.join(self.command)}). The end of its log {self.log_path}:\n"
+                    f"{self.log_tail()}"
+                )
+            try:
+                if self._http.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.close_server()
+                raise TimeoutError(
+                    f"rollout.sglang: the server did not answer {self.url}/health within "
+                    f"{self.cfg.startup_timeout_s:g} s (rollout.sglang.startup_timeout_s). The end of "
+                    f"its log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.2)
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except FileNotFoundError:
+            return ""
+        return data[-chars:].decode(errors="replace")
+
+    def server_url(self) -> str | None:
+        return self.url
+
+    def pid(self) -> int:
+        """This worker's process id (fault-injection drills kill it; the guard then stops the server)."""
+        return os.getpid()
+
+    def server_pid(self) -> int | None:
+        """The server's process id, which is also its process group's."""
+        return None if self.proc is None else self.proc.pid
+
+    def close_server(self) -> None:
+        """Stop the server's process group (SIGTERM, then SIGKILL after STOP_GRACE_S) and its guard."""
+        proc, self.proc, self.url = self.proc, None, None
+        if proc is not None:
+            stop_group(proc.pid, STOP_GRACE_S, leader=proc)
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.stdin.close()  # the server is gone: the guard finds nothing to stop and exits
+            try:
+                guard.wait(timeout=STOP_GRACE_S + 5)
+            except subprocess.TimeoutExpired:
+                guard.kill()
+                guard.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def close(self) -> None:
+        self.close_server()
+        self._http.close()
+        atexit.unregister(self.close)
+
+    # ---- HTTP ------------------------------------------------------------------------------------------
+    def _post(self, route: str, body: dict | None = None) -> httpx.Response:
+        if self.url is None:
+            raise RuntimeError("rollout.sglang: the server is not running (start_server)")
+        r = self._http.post(self.url + route, json=body or {})
+        if r.status_code != 200:
+            raise RuntimeError(f"rollout.sglang: {route} answered {r.status_code}: {r.text[:500]}")
+        return r
+
+    def server_info(self) -> dict:
+        r = self._http.get(self.url + "/get_server_info")
+        r.raise_for_status()
+        return r.json()
+
+    # ---- memory (colocation) ---------------------------------------------------------------------------
+    def release_memory_occupation(self) -> None:
+        """Give the server's GPU memory (weights, KV cache) to the colocated trainer. SGLang does it only when
+        launched with `enable-memory-saver: true`; the weights must be updated after the resume."""
+        if not self._released:
+            self._post("/release_memory_occupation")
+            self._released = True
+
+    def resume_memory_occupation(self) -> None:
+        """Take the memory back; every weight update does this first, so a colocated sync needs no extra call."""
+        if self._released:
+            self._post("/resume_memory_occupation")
+            self._released = False
+
+    # ---- weights ---------------------------------------------------------------------------------------
+    def update_weights_from_disk(self, path: str | Path, version: int) -> int:
+        """The server loads every *.safetensors file of the local folder `path` (HF names; all weights or some)
+        and numbers its weights `version` (SGLang's /update_weights_from_disk)."""
+        t0 = time.perf_counter()
+        self.resume_memory_occupation()
+        r = self._post("/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version)})
+        answer = r.json()
+        if not answer.get("success", False):
+            raise RuntimeError(f"rollout.sglang: /update_weights_from_disk {path}: {answer.get('message')}")
+        self._weight_bytes = safetensors_bytes(path)
+        self.weight_version = version
+        self.last_update_s = time.perf_counter() - t0
+        return version
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
+        """Tensors that reached the worker (the `ray` transport, a checkpoint's weights): written to a folder of
+        this worker's and loaded from there, since SGLang's tensor route would need them pickled."""
+        version = self.weight_version if version is None else version
+        folder = Path(tempfile.mkdtemp(prefix="weights-", dir=self._dir))
+        try:
+            save_file({n: t.detach().cpu().contiguous() for n, t in named_tensors}, str(folder / "model.safetensors"))
+            return self.update_weights_from_disk(folder, version)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def update_weights_from_store(self, storage: StorageConfig, run: str, version: int, index: int) -> int:
+        """Bucket `index` of weight version `version` from the run store (the `store` transport)."""
+        return self.update_weights(get_bucket(storage, run, version, index), version)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = GROUP_NAME,
+        backend: str = "nccl",
+    ) -> None:
+        """Join the trainer's weight-update group as rank `rank_offset` (SGLang's /init_weights_update_group). It
+        returns once all ranks joined: the trainer joins at the same time (join_weights_update_group)."""
+        self._post(
+            "/init_weights_update_group",
+            init_request(master_address, master_port, rank_offset, world_size, group_name, backend),
+        )
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int, group_name: str = GROUP_NAME
+    ) -> int:
+        """Receive these weights from the group's rank 0, one broadcast per name in order, while the trainer sends
+        them (broadcast_weights); SGLang's /update_weights_from_distributed."""
+        t0 = time.perf_counter()
+        self.resume_memory_occupation()
+        self._post("/update_weights_from_distributed", update_request(names, dtypes, shapes, version, group_name))
+        self._weight_bytes = sum(math.prod(s) * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes, strict=True))
+        self.weight_version = version
+        self.last_update_s = time.perf_counter() - t0
+        return version
+
+    def destroy_weights_update_group(self, group_name: str = GROUP_NAME) -> None:
+        self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights the last update loaded (the model's at first), as stored on disk."""
+        return self._weight_bytes
+
+    def last_update_seconds(self) -> float:
+        return self.last_update_s
+
+    def drain_trace(self) -> list[dict]:
+        """The server's per-request events are not collected from SGLang: none."""
+        return []
+
+    # ---- generation ------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:
+        """One batched /generate with `params.n` requests per prompt (prompt-major), each with its own
+        sampling_seed derived from (seed, index); returns when all finished."""
+        if not prompts:
+            return []
+        seed = random.getrandbits(63) if seed is None else seed
+        one = params.model_dump(exclude={"n"})
+        ids = [list(p) for p in prompts for _ in range(params.n)]
+        body = {
+            "input_ids": ids,
+            "return_logprob": True,
+            "sampling_params": [one | {"sampling_seed": request_seed(seed, i)} for i in range(len(ids))],
+        }
+        answers = self._post("/generate", body).json()
+        gens = []
+        for prompt, a in zip(ids, answers, strict=True):
+            meta = a["meta_info"]
+            logprobs = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+            version = meta.get("weight_version")
+            gens.append(
+                Generation(
+                    prompt,
+                    list(a["output_ids"]),
+                    logprobs,
+                    meta["finish_reason"],
+                    int(version) if version is not None else self.weight_version,
+                    rid=str(meta.get("id", "")),
+                    meta=meta,
+                )
+            )
+        return gens
+
+    def generate_packed(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> dict:
+        """`generate`, as the flat arrays the RL loop moves over Ray (torch_backend.pack_generations)."""
+        return pack_generations(self.generate(prompts, params, seed))

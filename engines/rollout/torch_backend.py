@@ -1,0 +1,280 @@
+"""The embedded rollout backend: a continuous-batching engine in plain PyTorch behind SGLang's routes.
+
+It runs anywhere (CPU or GPU). `generate` (what the RL loop calls through Ray) and the HTTP server
+(engines/rollout/server.py) feed the same engine (engines/rollout/engine.py), so there is one generation
+path. It returns token ids and per-token logprobs (of the temperature-scaled distribution the tokens were
+drawn from), so the trainer can use them as behaviour-policy logprobs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterable
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from rlflow.engines.core.config import StorageConfig
+from rlflow.engines.core.sampling import SamplingParams
+from rlflow.engines.core.trace import TraceRecorder
+from rlflow.engines.models.decoder import DecoderLM
+from rlflow.engines.models.hf import load_model, load_tokenizer
+from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Generation, Request, request_generator
+from rlflow.engines.rollout.server import RolloutServer
+from rlflow.engines.sync.buckets import get_bucket
+from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
+from rlflow.engines.sync.gpu import NcclChannel, copy_plan, flatten_, open_ipc_handles
+
+__all__ = ["Generation", "TorchRolloutBackend", "pack_generations", "concat_packed", "split_packed"]
+
+
+class TorchRolloutBackend:
+    def __init__(
+        self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None,
+        batch_size: int = 512, context_len: int = 4096, trace: bool = False, rank: int = 0,
+    ):
+        if threads:
+            torch.set_num_threads(threads)
+        self.model_path, self.device, self.batch_size = model_path, device, batch_size
+        self.model = load_model(model_path, dtype=dtype, device=device).eval()
+        self.tokenizer = load_tokenizer(model_path)
+        self.params = dict(self.model.named_parameters())
+        self.flat = device == "cuda"  # weights in one buffer, HF-name order: GPU syncs fill slices of it
+        if self.flat:
+            flatten_(self.params)
+        self.weight_version = 0
+        self.last_update_s = 0.0  # seconds the last weight update took inside this worker
+        self._released = False  # colocated: the weights' memory was given back (release_memory_occupation)
+        # per-request timeline (engines/core/trace.py): off unless the run traces; the driver drains it
+        self.trace = TraceRecorder(f"rollout-{rank}", enabled=trace)
+        self.trace.name_thread(QUEUE_TID, "queue, weight updates")  # then a lane per KV-cache slot
+        self.engine = ContinuousBatchEngine(
+            DecoderLM(self.model), self.tokenizer, max_running=batch_size, max_len=context_len, trace=self.trace,
+            weight_version=lambda: self.weight_version, weights_ready=lambda: not self._released,
+        )
+        self.server = None  # rlflow.engines.rollout.server.RolloutServer once start_server() ran
+        self._own_client = None  # httpx.Client for the routes this worker drives on its own server
+
+    def pid(self) -> int:
+        """This worker's process id (fault-injection drills kill it)."""
+        return os.getpid()
+
+    def drain_trace(self) -> list[dict]:
+        """Per-request trace events (queued, first token, request span, abort, weight update) since the last
+        drain, as Chrome-trace dicts; the driver merges them into the step's timeline."""
+        return self.trace.drain()
+
+    # ---- weights -------------------------------------------------------------------------------------
+    @contextmanager
+    def _between_steps(self):
+        """Hold the engine between decode steps: weights never change inside a step."""
+        with self.engine.lock:
+            yield
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
+        """Copy HF-named tensors into the model; the version goes with every sample generated after."""
+        with self._between_steps():
+            t0 = time.perf_counter()
+            self.resume_memory_occupation()
+            for name, tensor in named_tensors:
+                if name not in self.params:
+                    raise KeyError(f"update_weights: unknown parameter {name!r}")
+                self.params[name].copy_(tensor.to(self.params[name].dtype))
+            return self._weights_updated(self.weight_version if version is None else version, t0)
+
+    def update_weights_from_store(self, storage: StorageConfig, run: str, version: int, index: int) -> int:
+        """Load bucket `index` of weight version `version` from the run store (the `store` transport)."""
+        return self.update_weights(get_bucket(storage, run, version, index), version)
+
+    def update_weights_from_disk(self, path: str, version: int) -> int:
+        """Load every *.safetensors file of the local folder `path` (the `disk` transport; SGLang's
+        /update_weights_from_disk does the same for an SGLang worker)."""
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"update_weights_from_disk: no *.safetensors files in {path}")
+        return self.update_weights((kv for f in files for kv in load_file(f).items()), version)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights a sync delivers to this worker (in its own dtype)."""
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+    # GPU transports (rlflow.engines.sync.gpu) and colocation
+    def attach_ipc(self, handles: list[tuple[str, tuple]]) -> None:
+        """cuda_ipc: map the colocated train worker's parameters; every later sync copies from them."""
+        self._ipc_sources = open_ipc_handles(handles, torch.device(self.device, torch.cuda.current_device()))
+        self._ipc_copy = None
+
+    def update_weights_from_ipc(self, version: int) -> int:
+        with self._between_steps():
+            t0 = time.perf_counter()
+            self.resume_memory_occupation()
+            if self._ipc_copy is None:  # planned again after the weights were re-allocated
+                self._ipc_copy = copy_plan(self.params, self._ipc_sources)
+            self._ipc_copy()
+            torch.cuda.synchronize()  # the trainer may step again as soon as this returns
+            return self._weights_updated(version, t0)
+
+    def nccl_connect(self, host: str, port: int, rank: int, world_size: int) -> None:
+        self._nccl = NcclChannel(host, port, rank, world_size, torch.device(self.device, torch.cuda.current_device()))
+
+    def update_weights_from_nccl(self, buckets: list[list[str]], version: int) -> int:
+        with self._between_steps():
+            t0 = time.perf_counter()
+            self.resume_memory_occupation()
+            self._nccl.receive(self.params, buckets)
+            return self._weights_updated(version, t0)
+
+    def release_memory_occupation(self) -> None:
+        """Colocated: give the weights' and the KV cache's GPU memory to the trainer. The weights are gone
+        until the next sync refills them, as SGLang's route of that name does; refused while requests run."""
+        with self._between_steps():
+            if not self.engine.drop_cache():
+                raise RuntimeError("release_memory_occupation: requests are running (abort or finish them first)")
+            if self._released:
+                return
+            self._shapes = {n: p.shape for n, p in self.params.items()}
+            for p in self.params.values():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._released = True
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
+
+    def resume_memory_occupation(self) -> None:
+        """Allocate the weights again (contents undefined until the sync that follows writes them). Every
+        weight update does this first, so a colocated sync costs no extra call."""
+        with self._between_steps():
+            if not self._released:
+                return
+            self._ipc_copy = None
+            if self.flat:
+                flatten_(self.params, shapes=self._shapes)
+            else:
+                for n, p in self.params.items():
+                    p.data = torch.empty(self._shapes[n], dtype=p.dtype, device=p.device)
+            self._released = False
+
+    def last_update_seconds(self) -> float:
+        """Time of the last weight update inside this worker: the transfer without the driver's calls."""
+        return self.last_update_s
+
+    def link_bandwidth(self, kind: str, nbytes: int) -> float:
+        """GB/s of the NCCL weight-sync group (the trainer's rank 0 measures at the same time)."""
+        if kind != "nccl":
+            raise ValueError(f"link_bandwidth: the rollout side measures 'nccl' only, not {kind!r}")
+        return self._nccl.measure_bandwidth(nbytes)
+
+    @torch.no_grad()
+    def weights_digest(self) -> float:
+        return float(sum(p.double().sum() for p in self.params.values()))
+
+    def _weights_updated(self, version: int, start_s: float) -> int:
+        self.weight_version = version
+        self.last_update_s = time.perf_counter() - start_s
+        self.trace.instant("weight_update", tid=QUEUE_TID, args={"version": version})
+        return version
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights generation uses now, HF-named (tests compare them across transports)."""
+        return [(n, p.detach().cpu().clone()) for n, p in self.params.items()]
+
+    # ---- generation ----------------------------------------------------------------------------------
+    def requests(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+                 rid: str | None = None) -> list[Request]:
+        """`params.n` requests per prompt, prompt-major. Request i samples from generator (seed, i): its
+        tokens do not depend on what else runs in the batch. No seed: fresh randomness."""
+        if self._released:
+            raise RuntimeError("generate: the weights were released (release_memory_occupation); resume and "
+                               "update them first")
+        seed = random.getrandbits(63) if seed is None else seed
+        one = params.model_copy(update={"n": 1})
+        out = []
+        for i, prompt in enumerate(prompts):
+            for j in range(params.n):
+                index = i * params.n + j
+                kwargs = {} if rid is None else {"rid": rid if len(prompts) * params.n == 1 else f"{rid}_{index}"}
+                out.append(Request(list(prompt), one, request_generator(seed, index), **kwargs))
+        return out
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:
+        """Generate for all prompts on the continuous-batching engine (admitted in order, `batch_size` at a
+        time); blocks until every request finished."""
+        futures = self.engine.submit(self.requests(prompts, params, seed))
+        return [f.result() for f in futures]
+
+    def generate_packed(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> dict:
+        """`generate`, returned as flat arrays (see pack_generations): what the RL loop moves over Ray."""
+        return pack_generations(self.generate(prompts, params, seed))
+
+    # ---- the HTTP server -----------------------------------------------------------------------------
+    def start_server(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve SGLang's routes for this engine on an ephemeral port (engines/rollout/server.py); the URL."""
+        if self.server is None:
+            self.server = RolloutServer(self, host, port)
+        return self.server.url
+
+    def server_url(self) -> str | None:
+        return None if self.server is None else self.server.url
+
+    # the `distributed` transport: SGLang's pair of routes on this engine's own server, as an SGLang worker
+    # drives SGLang's (the route receives the trainer's broadcast and loads it between decode steps)
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = GROUP_NAME, backend: str = "gloo") -> None:
+        self._post_own("/init_weights_update_group",
+                       init_request(master_address, master_port, rank_offset, world_size, group_name, backend))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        version: int, group_name: str = GROUP_NAME) -> int:
+        self._post_own("/update_weights_from_distributed", update_request(names, dtypes, shapes, version, group_name))
+        return version
+
+    def destroy_weights_update_group(self, group_name: str = GROUP_NAME) -> None:
+        self._post_own("/destroy_weights_update_group", {"group_name": group_name})
+
+    def _post_own(self, route: str, body: dict) -> None:
+        """POST to this worker's own server, over one kept-alive client: a new httpx client costs ~25 ms (its
+        TLS context), as much as a whole small weight update."""
+        import httpx
+
+        url = self.start_server()
+        if self._own_client is None:
+            self._own_client = httpx.Client(timeout=httpx.Timeout(None, connect=10))
+        r = self._own_client.post(url + route, json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"rollout worker: {route} answered {r.status_code}: {r.text[:500]}")
+
+    def close(self) -> None:
+        if self._own_client is not None:
+            self._own_client.close()
+            self._own_client = None
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        self.engine.shutdown()
+
+
+def pack_generations(gens: list[Generation]) -> dict[str, np.ndarray]:
+    """Flat numpy arrays for a batch of generations: one zero-copy Ray object instead of N Python objects."""
+    lengths = np.array([len(g.output_ids) for g in gens], dtype=np.int64)
+    return {
+        "output_ids": np.fromiter((t for g in gens for t in g.output_ids), dtype=np.int64, count=int(lengths.sum())),
+        "output_logprobs": np.fromiter((x for g in gens for x in g.output_logprobs), dtype=np.float32,
+                                       count=int(lengths.sum())),
+        "lengths": lengths,
+        "stopped": np.array([g.finish_reason["type"] == "stop" for g in gens], dtype=bool),
+        "weight_version": np.array([g.weight_version for g in gens], dtype=np.int64),
+    }
+
+
+def concat_packed(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def split_packed(packed: dict[str, np.ndarray], key: str) -> list[np.ndarray]:
+    """Per-sample views of a flat field ('output_ids' or 'output_logprobs')."""
+    return np.split(packed[key], np.cumsum(packed["lengths"])[:-1])

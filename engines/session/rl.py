@@ -1,0 +1,880 @@
+"""One RL run's engines and the work of each stage, independent of Prefect.
+
+`RLSession` owns the tokenizer, the data cursor, the train, rollout and (for PPO with GAE) critic worker
+groups, and the step in flight. Each stage method does one stage and returns a small dict of metrics;
+tensors stay here or in the workers. The Prefect flow calls these methods from tasks; the bare loop
+(bench/, tests) calls them directly, with or without Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, free_port, init_ray, make_placement_group
+from rlflow.engines.core import algorithms
+from rlflow.engines.core.batch import TrainBatch, batch_size, pack_samples, select, shard_for_workers
+from rlflow.engines.core.config import RLConfig, StorageConfig
+from rlflow.engines.core.trace import TraceRecorder, chrome_trace, merge, now_us, within
+from rlflow.engines.data.builtin_tasks import write_task_files
+from rlflow.engines.data.prompts import PromptCursor, load_prompts
+from rlflow.engines.data.rewards import compute_rewards, load_reward_fn
+from rlflow.engines.models.hf import DTYPES, build_tiny_model, encode_prompt, load_tokenizer
+from rlflow.engines.rollout.dynamic_sampling import Carry, collect_groups
+from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, load_rollout_fn
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend, split_packed
+from rlflow.engines.session.evaluation import score
+from rlflow.engines.store.run_store import RunStore, replay_source
+from rlflow.engines.sync.buckets import (
+    connect_distributed,
+    connect_ipc,
+    connect_nccl,
+    plan_buckets,
+    send_distributed,
+    version_dir,
+)
+from rlflow.engines.sync.distributed import dtype_name
+from rlflow.engines.train.torch_backend import TorchTrainBackend, with_train_logprobs
+
+
+@dataclass
+class StepState:
+    """What one iteration has produced so far; a stage reads the fields earlier stages filled."""
+
+    step: int
+    rows: list[dict]
+    prompt_ids: list[list[int]]
+    generated: dict  # flat arrays (pack_groups): output_ids, output_logprobs, loss_mask, lengths, ...
+    texts: list[str | None] = field(default_factory=list)  # response text a rollout function gave, per sample
+    responses: list[str] = field(default_factory=list)
+    rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None  # [N], or [N, L] aligned with the packed batch (token-level estimators)
+    train_logprobs: torch.Tensor | None = None  # the train engine's, when the advantages stage already needed them
+    values: torch.Tensor | None = None  # [N, L] the critic's, aligned with the packed batch (with a critic)
+    returns: torch.Tensor | None = None  # [N, L] GAE's value targets for the critic
+    behaviour_logprobs: torch.Tensor | None = None  # the train engine's, for samples that came without logprobs
+
+
+def prepare_data(cfg: RLConfig) -> None:
+    """Write the built-in task files the recipe asks for, if they are not there yet."""
+    gen = cfg.data.generate
+    missing = not Path(cfg.data.train_path).exists() or (cfg.data.eval_path and not Path(cfg.data.eval_path).exists())
+    if gen is not None and missing:
+        write_task_files(gen, cfg.data.train_path, cfg.data.eval_path)
+    sft = cfg.sft
+    if sft.generate is not None and sft.train_path and not Path(sft.train_path).exists():
+        write_task_files(sft.generate, None, None, sft_path=sft.train_path)
+
+
+def prepare_model(cfg: RLConfig, workdir: str | Path) -> str:
+    """The HF directory the engines load: the recipe's model, or a tiny one built from the recipe."""
+    if cfg.model.path:
+        if not (Path(cfg.model.path) / "config.json").is_file():
+            raise FileNotFoundError(f"model.path: no Hugging Face model (config.json) in {cfg.model.path}")
+        return cfg.model.path
+    out = Path(workdir) / "base_model"
+    if not (out / "model.safetensors").is_file():
+        build_tiny_model(cfg.model, out, seed=cfg.seed)
+    return str(out)
+
+
+STAGE_LANES = ("rollout", "reward", "advantages", "train", "sync-weights", "evaluate", "checkpoint")
+
+
+class RLSession:
+    def __init__(self, cfg: RLConfig, model_path: str, train_group, rollout_group, critic_group=None):
+        self.cfg, self.model_path = cfg, model_path
+        self.train_group, self.rollout_group = train_group, rollout_group
+        self.critic_group = critic_group  # the value model's train workers (role "critic"), when the run has one
+        self.tokenizer = load_tokenizer(model_path)
+        self.reward_fn = load_reward_fn(cfg.reward.fn)
+        self.rollout_fn = load_rollout_fn(cfg.rollout.fn)
+        self._fn_tokenizer = load_tokenizer(model_path)  # rollout functions' own: HF tokenizers are not thread-safe
+        self.runner: RolloutRunner | None = None  # runs rollout_fn against the router (set by create)
+        self.train_rows = load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.label_key)
+        self.eval_rows = (
+            load_prompts(cfg.data.eval_path, cfg.data.prompt_key, cfg.data.label_key) if cfg.data.eval_path else []
+        )
+        self.cursor = PromptCursor(len(self.train_rows), cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle)
+        self.weight_version = 0  # of the trainer's weights: the number of syncs so far
+        # megatron shards weights over ranks: exporting them is a collective every train rank joins
+        self.collective_weights = cfg.train.backend == "megatron"
+        self._dp_ranks: list[int] | None = None
+        # steps in flight: with one-step-off async, step k+1's rollout runs (in another thread) while step k
+        # trains, so two steps can be open at once
+        self._states: dict[int, StepState] = {}
+        self._weight_layout: list[tuple[str, int]] | None = None
+        self._buckets: list[list[str]] | None = None  # weight-sync bucket plan (names per bucket), set once
+        self._rollout_weight_bytes: int | None = None
+        self._linked = False  # cuda_ipc / nccl / distributed: connected at the first sync (again after a restart)
+        self._weights_group: str | None = None  # distributed: the weight-update group's name
+        self._weight_shapes: dict[str, list[int]] | None = None
+        self._rows_taken: tuple[int, list[dict]] | None = None
+        self._cursor_after: dict[int, dict] = {}  # data cursor state right after each step took its prompts
+        self._carry: list[Carry] = []  # dynamic sampling: groups the last step's rollout carries into the next
+        self._carry_after: dict[int, list[dict]] = {}  # ... as they were right after each step's rollout
+        self._ds_begin: tuple[int, dict, list[dict]] | None = None  # cursor and carry before a dynamic rollout
+        self._tokenizer_lock = threading.Lock()  # the rollout thread and the main thread share the tokenizer
+        self._heal_lock = threading.Lock()  # one replacement of dead rollout workers at a time
+        self.workers_restarted = 0
+        self.replay = replay_source(cfg)
+        # the driver's side of the timeline: one span per stage, a lane per stage (engines/core/trace.py)
+        self.trace = TraceRecorder("driver", enabled=cfg.debug.trace_every > 0)
+        for lane, stage in enumerate(STAGE_LANES, start=1):
+            self.trace.name_thread(lane, stage)
+        self._step_start_us: dict[int, float] = {}  # when each step's first stage began (traced runs)
+        self._trace_carry: list[list[dict]] = []  # events of the next step that a trace drained early
+        self.server_urls: list[str] = []  # each rollout worker's SGLang-compatible server
+        self.router = None  # ... and one least-loaded endpoint in front of them (engines/rollout/router.py)
+
+    # ---- construction --------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, cfg: RLConfig, model_path: str, use_ray: bool | None = None) -> RLSession:
+        """Start the workers: Ray actors (the default) or objects in this process."""
+        use_ray = cfg.cluster.use_ray if use_ray is None else use_ray
+        train_kwargs = _train_kwargs(cfg, model_path)
+        rollout_kwargs = _rollout_kwargs(cfg, model_path)
+        critic_kwargs = _critic_kwargs(cfg, model_path) if cfg.use_critic else None
+        train_cls, rollout_cls = train_backend_class(cfg), rollout_backend_class(cfg)
+        critic = None
+        n_train = cfg.train.num_workers if cfg.debug.trains else 0  # debug modes start one kind of worker
+        n_rollout = cfg.rollout.num_workers if cfg.debug.generates else 0
+        if not cfg.debug.trains:
+            critic_kwargs = None
+        if not use_ray:
+            if n_train > 1 or (critic_kwargs and cfg.critic.num_workers > 1):
+                raise ValueError("train.num_workers / critic.num_workers > 1 need cluster.use_ray: true")
+            train = LocalWorkerGroup([train_cls(**train_kwargs(r)) for r in range(n_train)])
+            rollout = LocalWorkerGroup([rollout_cls(**rollout_kwargs(r)) for r in range(n_rollout)],
+                                       factory=lambda r: rollout_cls(**rollout_kwargs(r)))
+            if critic_kwargs:
+                critic = LocalWorkerGroup([TorchTrainBackend(**critic_kwargs(0))])
+        else:
+            init_ray(cfg.cluster)
+            train, rollout = _ray_groups(cfg, train_cls, train_kwargs, rollout_kwargs, n_train, n_rollout)
+            if critic_kwargs:  # its own actors and placement group (on GPUs: GPUs of its own, also when colocated)
+                gpus = 1.0 if cfg.train.device == "cuda" else 0.0
+                critic = RayWorkerGroup(TorchTrainBackend, cfg.critic.num_workers, critic_kwargs,
+                                        cfg.cluster.cpus_per_worker, f"{cfg.name}-critic", gpus)
+        session = cls(cfg, model_path, train, rollout, critic)
+        if n_rollout:  # rollout functions talk HTTP to one router in front of every worker's server
+            from rlflow.engines.rollout.router import RolloutRouter
+
+            session.server_urls = rollout.call("start_server")
+            session.router = RolloutRouter(session.server_urls)
+            session.runner = RolloutRunner(session.rollout_fn, session.router.url, n_rollout)
+        return session
+
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+        if self.router is not None:
+            self.router.stop()
+        self.train_group.shutdown()
+        self.rollout_group.shutdown()
+        if self.critic_group is not None:
+            self.critic_group.shutdown()
+        shared = getattr(self.train_group, "placement_group", None)
+        if self.cfg.cluster.colocate and shared is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(shared)
+
+    # ---- stages --------------------------------------------------------------------------------------
+    def rollout(self, step: int) -> dict[str, float]:
+        """Generate samples_per_prompt responses for the next prompts_per_step prompts (or replay them)."""
+        if self.replay is not None:
+            return self.replay_rollout(step)
+        t0 = time.perf_counter()
+        metrics = self.replace_dead_rollout_workers()
+        if self.cfg.rollout.dynamic_sampling.enabled:
+            prompts, groups, metrics = self._dynamic_groups(step)
+            rows = [p.row for p in prompts]
+        else:
+            rows = self._take_rows(step)
+            prompts = self._prompt_samples(rows, self.cfg.rollout.samples_per_prompt, self._seed(step))
+            groups = self.runner.run(prompts, self._sampling(self.cfg.rollout.temperature))
+        st = self._state_from_groups(step, rows, prompts, groups)
+        self._open(st)
+        metrics |= _generation_metrics(st.generated)
+        return metrics | {"rollout/tokens_per_s": metrics["rollout/tokens"] / (time.perf_counter() - t0)}
+
+    def _dynamic_groups(self, step: int) -> tuple[list[PromptSample], list[list[Sample]], dict[str, float]]:
+        """Dynamic sampling (engines/rollout/dynamic_sampling.py): prompts_per_step groups whose rewards differ, taking
+        prompts from the data as needed; what is left over carries into the next step. A retried rollout of
+        the same step starts again from the same cursor and carry."""
+        r, ds = self.cfg.rollout, self.cfg.rollout.dynamic_sampling
+        if self._ds_begin is None or self._ds_begin[0] != step:
+            self._ds_begin = (step, self.cursor.state_dict(), [c.to_json() for c in self._carry])
+        else:
+            self.cursor.load_state_dict(self._ds_begin[1])
+        carry = [Carry.from_json(c, self._fn_tokenizer) for c in self._ds_begin[2]]
+        taken = 0
+
+        def next_prompts(k: int) -> list[PromptSample]:
+            nonlocal taken
+            rows = [self.train_rows[i] for i in self.cursor.next_batch(k)]
+            prompts = self._prompt_samples(rows, r.samples_per_prompt, self._seed(step) + taken * r.samples_per_prompt)
+            for i, p in enumerate(prompts):
+                p.index = taken + i
+            taken += k
+            return prompts
+
+        async def score(prompt: PromptSample, samples: list[Sample]) -> list[float]:
+            texts = await asyncio.to_thread(self._responses, [s.response_ids for s in samples],
+                                            [s.response for s in samples])
+            for s, text in zip(samples, texts, strict=True):
+                s.response = text
+            given = np.array([np.nan if s.reward is None else s.reward for s in samples])
+            return await asyncio.to_thread(self._rewards, [prompt.prompt] * len(samples), texts,
+                                           [prompt.label] * len(samples), given)
+
+        collected = self.runner.submit(collect_groups(
+            self.rollout_fn, self.runner.name, self.runner.router_url, self._sampling(r.temperature),
+            r.prompts_per_step, next_prompts, score, carry, over_sample=ds.over_sample,
+            max_prompts=ds.max_prompts or 4 * r.prompts_per_step, partial=ds.partial_rollout))
+        self._carry = collected.carry
+        self._cursor_after[step] = self.cursor.state_dict()
+        self._carry_after[step] = [c.to_json() for c in self._carry]
+        return ([p for p, _ in collected.groups], [g for _, g in collected.groups], collected.metrics)
+
+    def rollout_table(self, step: int) -> pa.Table:
+        """The step's samples as one table (a row per sample): what the run store persists."""
+        st = self._state(step)
+        group = self.cfg.rollout.samples_per_prompt
+        g = st.generated
+        meta = None
+        if self.cfg.rollout.dynamic_sampling.enabled:  # its prompts do not follow from the cursor: store both
+            meta = {"rlflow.cursor": json.dumps(self._cursor_after[step]),
+                    "rlflow.carry": json.dumps(self._carry_after[step])}
+        return pa.table({
+            "prompt": [r["prompt"] for r in st.rows for _ in range(group)],
+            "label": [json.dumps(r["label"]) for r in st.rows for _ in range(group)],
+            "prompt_ids": st.prompt_ids,
+            "output_ids": split_packed(g, "output_ids"),
+            "output_logprobs": split_packed(g, "output_logprobs"),
+            "loss_mask": split_packed(g, "loss_mask"),
+            "has_logprobs": g["has_logprobs"],
+            "fn_reward": pa.array(g["fn_reward"], type=pa.float64(), from_pandas=True),  # NaN -> null
+            "text": pa.array(st.texts, type=pa.string()),
+            "stopped": g["stopped"],
+            "weight_version": g["weight_version"],
+            "carried": g["carried"],
+        }, metadata=meta)
+
+    def replay_rollout(self, step: int) -> dict[str, float]:
+        """Take step's batch from the replayed run's store, exactly as that run generated it."""
+        table = self.replay.load_rollout(step)
+        if table is None:
+            raise FileNotFoundError(
+                f"debug.replay_run: run {self.replay.run!r} has no committed rollout batch for step {step} "
+                f"({self.replay.uri('steps', step, 'rollout.parquet')}); a run keeps its batches with "
+                "checkpoint.keep_rollouts: true (rollout_only runs always do)")
+        return self.restore_rollout(step, table) | {"rollout/replayed": 1.0}
+
+    def scored_table(self, step: int) -> pa.Table:
+        """rollout_table with each sample's decoded response and reward (after the reward stage)."""
+        st = self._state(step)
+        if st.rewards is None:
+            raise RuntimeError(f"step {step}: no rewards yet (run the reward stage first)")
+        return self.rollout_table(step).append_column("response", pa.array(st.responses)).append_column(
+            "reward", pa.array(st.rewards.tolist(), type=pa.float64()))
+
+    def restore_rollout(self, step: int, table: pa.Table) -> dict[str, float]:
+        """Take a persisted batch as this step's rollout; the data cursor moves exactly as a fresh rollout would."""
+        group = self.cfg.rollout.samples_per_prompt
+        if self.cfg.rollout.dynamic_sampling.enabled:
+            meta = table.schema.metadata or {}
+            if b"rlflow.cursor" not in meta:
+                raise RuntimeError(f"step {step}: the stored rollout batch has no dynamic-sampling cursor")
+            self.cursor.load_state_dict(json.loads(meta[b"rlflow.cursor"]))
+            self._cursor_after[step] = self.cursor.state_dict()
+            self._carry_after[step] = json.loads(meta[b"rlflow.carry"])
+            self._carry = [Carry.from_json(c, self._fn_tokenizer) for c in self._carry_after[step]]
+            prompts, labels = table.column("prompt").to_pylist(), table.column("label").to_pylist()
+            rows = [{"prompt": prompts[i], "label": json.loads(labels[i])} for i in range(0, len(prompts), group)]
+        else:
+            rows = self._take_rows(step)
+        prompts = [r["prompt"] for r in rows for _ in range(group)]
+        if table.column("prompt").to_pylist() != prompts:
+            raise RuntimeError(f"step {step}: the stored rollout batch was made from other prompts (data changed?)")
+        generated, texts = packed_from_table(table)
+        self._open(StepState(step, rows, table.column("prompt_ids").to_pylist(), generated, texts))
+        return _generation_metrics(generated)
+
+    def reward(self, step: int) -> dict[str, float]:
+        st = self._state(step)
+        group = self.cfg.rollout.samples_per_prompt
+        st.responses = self._responses(split_packed(st.generated, "output_ids"), st.texts)
+        prompts = [r["prompt"] for r in st.rows for _ in range(group)]
+        labels = [r["label"] for r in st.rows for _ in range(group)]
+        st.rewards = torch.tensor(self._rewards(prompts, st.responses, labels, st.generated["fn_reward"]),
+                                  dtype=torch.float32)
+        return {
+            "rollout/reward_mean": float(st.rewards.mean()),
+            "rollout/reward_std": float(st.rewards.std()) if len(st.rewards) > 1 else 0.0,
+            "rollout/accuracy": float((st.rewards >= 1.0).float().mean()),
+        }
+
+    def advantages(self, step: int) -> dict[str, float]:
+        """Rewards -> advantages: overlong shaping and KL-in-reward first, then the recipe's estimator.
+
+        KL in the reward needs per-token logprobs of the reference (and, with IS correction, of the train
+        engine): the train workers compute them here, and the train stage reuses the train engine's. With a
+        critic, its workers compute the values of the batch here, and GAE turns them into advantages and into
+        the returns the critic trains on.
+        """
+        st = self._state(step)
+        algo, group = self.cfg.algorithm, self.cfg.rollout.samples_per_prompt
+        rewards, metrics = st.rewards, {}
+        if algo.overlong_buffer and algo.overlong_penalty:
+            lengths = torch.as_tensor(st.generated["lengths"])
+            pen = algorithms.overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, algo.overlong_buffer,
+                                              algo.overlong_penalty)
+            rewards = rewards + pen
+            metrics |= {"adv/overlong_penalty": float(pen.mean()), "adv/overlong_frac": float((pen < 0).float().mean())}
+        kl_in_reward = algo.kl_in == "reward" and algo.kl_coef > 0
+        token_level = algo.advantage in ("reinforce_pp", "gae") or self.critic_group is not None
+        st.train_logprobs, mask, penalty = None, None, None
+        if kl_in_reward or token_level:
+            batch = self._pack(st, torch.zeros(len(rewards)))
+            mask = batch["loss_mask"]
+            penalty = torch.zeros_like(mask)
+            if kl_in_reward:
+                policy = batch["old_logprobs"]  # the behaviour policy: the rollout engine's, or with IS correction
+                if algo.is_correction != "none":  # the train engine's, which PPO's ratio is also taken against
+                    st.train_logprobs = policy = self._train_logprobs(batch)
+                ref = self._train_logprobs(batch, reference=True)
+                penalty = algorithms.kl_reward_penalty(policy, ref, mask, algo.kl_coef, algo.kl_estimator)
+                metrics["adv/kl_penalty"] = float(penalty.sum(-1).mean())
+        if token_level:
+            token_rewards = algorithms.outcome_token_rewards(rewards, mask) - penalty
+        if self.critic_group is not None:
+            st.values = self._critic_values(batch)
+            gae, st.returns = algorithms.gae_advantages(token_rewards, st.values, mask, algo.gamma, algo.lam)
+            metrics |= {
+                "critic/values_mean": float(algorithms.masked_mean(st.values, mask)),
+                "critic/returns_mean": float(algorithms.masked_mean(st.returns, mask)),
+                "critic/vf_explained_var": float(algorithms.explained_variance(st.values, st.returns, mask)),
+            }
+        if algo.advantage in ("reinforce_pp", "gae"):
+            if algo.advantage == "gae":  # whitened over the batch's response tokens, as verl does
+                st.advantages = algorithms.masked_whiten(gae, mask)
+            else:
+                st.advantages = algorithms.reinforce_pp_advantages(token_rewards, mask, algo.gamma)
+            abs_mean = float(algorithms.masked_mean(st.advantages.abs(), mask))
+        else:
+            if kl_in_reward:
+                rewards = rewards - penalty.sum(-1)
+            st.advantages = self._sequence_advantages(rewards)
+            abs_mean = float(st.advantages.abs().mean())
+        if rewards is not st.rewards:
+            metrics["adv/shaped_reward_mean"] = float(rewards.mean())
+        groups = rewards.view(-1, group)
+        return metrics | {
+            "adv/abs_mean": abs_mean,
+            "adv/zero_std_groups": float((groups == groups[:, :1]).all(dim=1).float().mean()),
+        }
+
+    def _sequence_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        algo, group = self.cfg.algorithm, self.cfg.rollout.samples_per_prompt
+        if algo.advantage in ("grpo", "dr_grpo"):
+            normalize = algo.normalize_std if algo.normalize_std is not None else algo.advantage == "grpo"
+            return algorithms.group_advantages(rewards, group, normalize)
+        if algo.advantage == "rloo":
+            return algorithms.rloo_advantages(rewards, group)
+        return algorithms.reinforce_pp_baseline_advantages(rewards, group)
+
+    def train(self, step: int) -> dict[str, float]:
+        st = self._state(step)
+        known = st.generated["weight_version"] >= 0
+        staleness = self.weight_version - np.where(known, st.generated["weight_version"], self.weight_version)
+        # dynamic sampling's carried groups are older by design; samples without logprobs are trained on-policy
+        checked = ~st.generated["carried"] & st.generated["has_logprobs"]
+        fresh = staleness[checked]
+        if fresh.size and fresh.max() > self.cfg.rollout.off_policy_steps:
+            raise RuntimeError(
+                f"step {step}: samples from weight version {st.generated['weight_version'].min()} are "
+                f"{staleness.max()} updates behind the trainer (version {self.weight_version}); "
+                f"rollout.off_policy_steps allows {self.cfg.rollout.off_policy_steps}"
+            )
+        batch = self._pack(st, st.advantages)
+        if st.train_logprobs is not None:
+            batch = with_train_logprobs(batch, st.train_logprobs)
+        t0 = time.perf_counter()
+        critic = self._submit_critic_step(st, batch)  # the critic trains beside the policy (other actors)
+        metrics = {"train/staleness_mean": float(staleness.mean()), "train/staleness_max": float(staleness.max())}
+        if step >= self.cfg.critic.freeze_policy_steps or self.critic_group is None:
+            if self._dp_ranks is None:  # ranks of one tensor/pipeline-parallel group train on the same shard
+                self._dp_ranks = self.train_group.call("data_parallel_rank")
+            shards = shard_for_workers(batch, max(self._dp_ranks) + 1, self.cfg.train.mini_batches)
+            if self.cfg.cluster.colocate:  # the rollout engine's weights give their GPU memory to training
+                self.rollout_group.call("release_memory_occupation")
+            results = self.train_group.call_each("train_step", [(shards[r],) for r in self._dp_ranks])
+            metrics["time/train_worker"] = results[0].pop("worker_s")
+            metrics |= {f"train/{k}": v for k, v in results[0].items()}
+        if critic is not None:
+            result = self.critic_group.wait(critic)[0]
+            result.pop("value_mean")  # the values being trained; critic/values_mean is the ones GAE used
+            metrics["time/critic_worker"] = result.pop("worker_s")
+            metrics |= {f"critic/{k}": v for k, v in result.items()}
+        tokens = float(batch["attention_mask"].sum())
+        return metrics | {"train/tokens_per_s": tokens / (time.perf_counter() - t0)}
+
+    def sync_weights(self, step: int) -> dict[str, float]:
+        """Send the trainer's weights to every rollout worker, bucket by bucket, as version step+1."""
+        if not self.cfg.debug.generates:  # train_only: no rollout workers; the version still counts updates
+            self.weight_version = step + 1
+            return {"sync/weight_version": float(self.weight_version)}
+        self.replace_dead_rollout_workers(probe=True)
+        t0 = time.perf_counter()
+        if self._weight_layout is None:
+            self._weight_layout = self.train_group.call_rank0("weight_layout")
+        layout = self._weight_layout
+        version = step + 1
+        ws = self.cfg.weight_sync
+        if self._buckets is None:  # a released colocated rollout engine re-allocates in its update call
+            self._buckets = list(plan_buckets(layout, int(ws.bucket_mb * 1024 * 1024)))
+        buckets = self._buckets
+        if ws.transport == "cuda_ipc":
+            if not self._linked:
+                self._linked = connect_ipc(self.train_group, self.rollout_group)
+            self.rollout_group.call("update_weights_from_ipc", version)
+        elif ws.transport == "nccl":
+            if not self._linked:
+                self._linked = connect_nccl(self.train_group, self.rollout_group, self.cfg.rollout.precision)
+            send = self.train_group.submit_rank0("nccl_send", buckets)
+            self.rollout_group.call("update_weights_from_nccl", buckets, version)
+            self.train_group.wait([send])
+        elif ws.transport == "distributed":
+            self._sync_distributed(buckets, version)
+        elif ws.transport == "ray":
+            for names in buckets:
+                self._send_weights(names, version)
+        elif ws.transport == "disk":  # rank 0 writes the version's folder; every worker loads it, then it goes
+            disk, run = StorageConfig(uri=ws.disk_dir), self.cfg.name
+            for i, names in enumerate(buckets):
+                self._train_rank0("put_weights_to_store", disk, run, version, i, names)
+            folder = RunStore(disk, run)
+            self.rollout_group.call("update_weights_from_disk", folder.path(*version_dir(version)), version)
+            folder.remove(*version_dir(version))
+        else:
+            storage, run = self.cfg.storage, self.cfg.name
+            for i, names in enumerate(buckets):
+                self._train_rank0("put_weights_to_store", storage, run, version, i, names)
+                self.rollout_group.call("update_weights_from_store", storage, run, version, i)
+            RunStore(storage, run).remove(*version_dir(version))
+        self.weight_version = version
+        if self._rollout_weight_bytes is None:
+            self._rollout_weight_bytes = self.rollout_group.call_rank0("weight_bytes")
+        nbytes = self._rollout_weight_bytes  # what each rollout worker received, in its own dtype
+        dt = time.perf_counter() - t0
+        return {"sync/weight_version": float(version), "sync/bytes": float(nbytes), "sync/gb_per_s": nbytes / dt / 1e9}
+
+    def _sync_distributed(self, buckets: list[list[str]], version: int) -> None:
+        """SGLang's distributed update: the servers join a group with train rank 0 once (again after a worker
+        restart), then receive each bucket's broadcast in the rollout precision."""
+        cfg = self.cfg
+        if not self._linked:
+            from rlflow.engines.rollout.sglang_backend import gpus_per_server
+
+            ranks = gpus_per_server(cfg.rollout.sglang.args) if cfg.rollout.backend == "sglang" else 1
+            backend = "nccl" if cfg.rollout_device == "cuda" else "gloo"
+            self._weights_group = connect_distributed(
+                self.train_group, self.rollout_group, f"rlflow-weights-{cfg.name}-{self.workers_restarted}", backend,
+                ranks, previous=self._weights_group)
+            self._weight_shapes = self.train_group.call_rank0("weight_shapes")
+            self._linked = True
+        dtype = dtype_name(DTYPES[cfg.rollout.precision])
+        send_distributed(lambda names: self._train_rank0("broadcast_weights_update", names, dtype), self.rollout_group,
+                         buckets, self._weight_shapes, dtype, version, self._weights_group)
+
+    def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
+        """Held-out reward with eval.temperature (greedy by default); also returns a few sample rows."""
+        rows = self.eval_rows[: self.cfg.eval.max_prompts]
+        if not rows:
+            return {}, []
+        self.replace_dead_rollout_workers()
+        prompts = self._prompt_samples(rows, 1, 2**62 + self._seed(step))  # seeds apart from training's
+        gen = [g[0] for g in self.runner.run(prompts, self._sampling(self.cfg.eval.temperature))]
+        responses = self._responses([s.response_ids for s in gen], [s.response for s in gen])
+        fn_reward = np.array([np.nan if s.reward is None else s.reward for s in gen])
+        rewards = self._rewards([r["prompt"] for r in rows], responses, [r["label"] for r in rows], fn_reward)
+        samples = [
+            {"step": step, "prompt": r["prompt"], "response": s, "label": str(r["label"]), "reward": w}
+            for r, s, w in zip(rows, responses, rewards, strict=True)
+        ]
+        scored = score(rewards, np.array([len(s.response_ids) for s in gen]), n=1)
+        metrics = {f"eval/{k}": scored[k] for k in ("reward_mean", "accuracy", "response_len_mean")}
+        return metrics, samples
+
+    def sample_rows(self, step: int, k: int) -> list[dict]:
+        """The first sample of each of the step's first k prompts, for the samples table."""
+        st = self._state(step)
+        group = self.cfg.rollout.samples_per_prompt
+        return [
+            {"step": step, "prompt": st.rows[p]["prompt"], "response": st.responses[p * group],
+             "label": str(st.rows[p]["label"]), "reward": float(st.rewards[p * group])}
+            for p in range(min(k, len(st.rows)))
+        ]
+
+    def replace_dead_rollout_workers(self, probe: bool = False) -> dict[str, float]:
+        """Restart every rollout worker that died: the router marked its server unreachable (its requests
+        were retried on the others), or, with `probe`, its actor no longer answers. The new worker gets the
+        current weights and takes the old one's place behind the router."""
+        if self.router is None:
+            return {}
+        with self._heal_lock:
+            alive = self.rollout_group.alive() if probe else [True] * len(self.rollout_group)
+            dead = [i for i, w in enumerate(self.router.workers) if not alive[i] or not w.healthy]
+            dead = [i for i in dead if not alive[i] or not _answers(self.router.workers[i].url)]
+            for i in dead:
+                self.rollout_group.restart(i)
+                self.router.replace(i, self.rollout_group.call_one(i, "start_server"))
+            if dead:
+                self._linked = False  # connected transports connect again, the new worker included
+                self._send_weights(None, self.weight_version)
+                self.workers_restarted += len(dead)
+        return {"rollout/workers_restarted": float(self.workers_restarted)} if self.workers_restarted else {}
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def save(self, path: str | Path, step: int) -> dict:
+        """Every worker saves its state into `path`; returns the controller state to store beside it.
+
+        The cursor is saved as it was after `step` took its prompts: with one-step-off async the next
+        step has already taken its own, and a resumed run reuses that batch from the store."""
+        self.train_group.call("save", str(path))
+        self.tokenizer.save_pretrained(Path(path) / "model")  # so model/ loads with transformers as it is
+        if self.critic_group is not None:
+            self.critic_group.call("save", str(Path(path) / "critic"))
+        return {"cursor": self._cursor_after[step], "weight_version": self.weight_version,
+                "carry": self._carry_after.get(step, [])}
+
+    def load(self, path: str | Path, controller_state: dict) -> None:
+        self.train_group.call("load", str(path))
+        if self.critic_group is not None:
+            self.critic_group.call("load", str(Path(path) / "critic"))
+        self.cursor.load_state_dict(controller_state["cursor"])
+        self._carry = [Carry.from_json(c, self._fn_tokenizer) for c in controller_state.get("carry", [])]
+        self.weight_version = controller_state["weight_version"]
+        if self.cfg.debug.generates:
+            self._send_weights(None, self.weight_version)
+
+    # ---- trace timeline ------------------------------------------------------------------------------
+    @contextmanager
+    def stage_span(self, stage: str, step: int) -> Iterator[None]:
+        """Record the stage as a span on its lane of the driver's timeline (free when tracing is off)."""
+        if not self.trace.enabled:
+            yield
+            return
+        self._step_start_us.setdefault(step, now_us())
+        lane = STAGE_LANES.index(stage) + 1 if stage in STAGE_LANES else len(STAGE_LANES) + 1
+        with self.trace.span(stage, tid=lane, args={"step": step}):
+            yield
+
+    def trace_events(self, step: int) -> dict:
+        """The Chrome trace of `step`, from its first stage until now: the driver's stage spans and what one
+        `drain_trace` call per rollout worker returns (per-request events, weight updates)."""
+        end = now_us()
+        start = self._step_start_us.get(step, end)
+        sources = [self.trace.drain(), *self.rollout_group.call("drain_trace")]
+        carry = self._trace_carry + [[]] * (len(sources) - len(self._trace_carry))
+        sources = [_dedup_meta(c + s) for c, s in zip(carry, sources, strict=True)]
+        # one-step-off: the next step's rollout already ran; its events also belong to the next trace
+        upcoming = self._step_start_us.get(step + 1)
+        self._trace_carry = [within(s, upcoming, end) if upcoming else [] for s in sources]
+        for old in [k for k in self._step_start_us if k <= step]:
+            del self._step_start_us[old]
+        return chrome_trace(within(merge(sources), start, end))
+
+    # ---- helpers -------------------------------------------------------------------------------------
+    def _train_rank0(self, method: str, *args):
+        """Call rank 0's `method`; with sharded weights every rank joins (it gathers collectively)."""
+        if not self.collective_weights:
+            return self.train_group.call_rank0(method, *args)
+        handles = self.train_group.submit(method, *args)
+        self.train_group.wait(handles)
+        return handles
+
+    def _send_weights(self, names: list[str] | None, version: int) -> None:
+        """Train rank 0's HF-named tensors (`names`, or all) to every rollout worker, actor to actor."""
+        if not self.collective_weights:
+            self.rollout_group.call("update_weights", self.train_group.submit_rank0("named_tensors", names), version)
+            return
+        handles = self.train_group.submit("named_tensors", names)  # every rank joins the gather; rank 0 holds it
+        self.rollout_group.call("update_weights", handles[0], version)
+        self.train_group.wait(handles)
+
+    def _take_rows(self, step: int) -> list[dict]:
+        """The step's prompts; asking again for the same step (a retried task) does not move the cursor."""
+        if self._rows_taken is None or self._rows_taken[0] != step:
+            self._rows_taken = (step, [self.train_rows[i] for i in self.cursor.next_batch()])
+            self._cursor_after[step] = self.cursor.state_dict()
+        return self._rows_taken[1]
+
+    def _open(self, st: StepState) -> None:
+        """Make `st` the step's state; steps two or more behind are finished and dropped."""
+        self._states[st.step] = st
+        for old in [k for k in self._states if k < st.step - 1]:
+            del self._states[old]
+        for old in [k for k in self._cursor_after if k < st.step - 1]:
+            del self._cursor_after[old]
+        for old in [k for k in self._carry_after if k < st.step - 1]:
+            del self._carry_after[old]
+
+    def _pack(self, st: StepState, advantages: torch.Tensor) -> TrainBatch:
+        g = st.generated
+        batch = pack_samples(st.prompt_ids, split_packed(g, "output_ids"), split_packed(g, "output_logprobs"),
+                             advantages, self.tokenizer.pad_token_id, split_packed(g, "loss_mask"))
+        if not g["has_logprobs"].all():  # a rollout function gave none: the samples count as on-policy
+            if st.behaviour_logprobs is None:
+                st.behaviour_logprobs = self._train_logprobs(batch)
+            missing = torch.as_tensor(~g["has_logprobs"])
+            batch["old_logprobs"][missing] = (st.behaviour_logprobs * batch["loss_mask"])[missing]
+        return batch
+
+    def _train_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """Per-token logprobs [N, L] of the train engine's policy (or reference), each worker on its slice."""
+        n = len(self.train_group)
+        per = batch_size(batch) // n
+        parts = [(select(batch, slice(w * per, (w + 1) * per)), reference) for w in range(n)]
+        return torch.cat(self.train_group.call_each("forward_logprobs", parts))
+
+    def _critic_values(self, batch: TrainBatch) -> torch.Tensor:
+        """The critic's values [N, L] of the batch, each critic worker on its slice (one call per worker)."""
+        n = len(self.critic_group)
+        per = batch_size(batch) // n
+        return torch.cat(self.critic_group.call_each(
+            "forward_values", [(select(batch, slice(w * per, (w + 1) * per)),) for w in range(n)]))
+
+    def _submit_critic_step(self, st: StepState, batch: TrainBatch):
+        """Start the critic's train step on the step's returns (handles for critic_group.wait), or None."""
+        if self.critic_group is None:
+            return None
+        values = {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
+        values |= {"returns": st.returns, "old_values": st.values}
+        shards = shard_for_workers(values, len(self.critic_group), self.cfg.train.mini_batches)
+        return self.critic_group.submit_each("train_step", [(s,) for s in shards])
+
+    def _state(self, step: int) -> StepState:
+        if step not in self._states:
+            raise RuntimeError(f"step {step}: no rollout in flight (run the rollout stage first)")
+        return self._states[step]
+
+    def _encode(self, prompt: str) -> list[int]:
+        with self._tokenizer_lock:
+            return encode_prompt(self.tokenizer, prompt, self.cfg.data.chat_template)
+
+    def _sampling(self, temperature: float) -> dict:
+        """SGLang sampling_params for a rollout function."""
+        r = self.cfg.rollout
+        return {"max_new_tokens": r.max_new_tokens, "temperature": temperature, "top_p": r.top_p,
+                "top_k": r.top_k or -1, "stop": list(r.stop)}
+
+    def _prompt_samples(self, rows: list[dict], n: int, seed: int) -> list[PromptSample]:
+        return [PromptSample(index=i, prompt=r["prompt"], label=r["label"], prompt_ids=self._encode(r["prompt"]),
+                             n=n, seed=seed + i * n, row=r, tokenizer=self._fn_tokenizer) for i, r in enumerate(rows)]
+
+    def _state_from_groups(self, step: int, rows: list[dict], prompts: list[PromptSample],
+                           groups: list[list[Sample]]) -> StepState:
+        prompt_ids, generated, texts = pack_groups(prompts, groups)
+        return StepState(step, rows, prompt_ids, generated, texts)
+
+    def _responses(self, output_ids: list, texts: list[str | None]) -> list[str]:
+        """The text the reward sees: what the rollout function gave, else the decoded response tokens."""
+        todo = [i for i, t in enumerate(texts) if t is None]
+        if not todo:
+            return list(texts)
+        with self._tokenizer_lock:
+            decoded = self.tokenizer.batch_decode([output_ids[i] for i in todo], skip_special_tokens=True)
+        out = list(texts)
+        for i, text in zip(todo, decoded, strict=True):
+            out[i] = text
+        return out
+
+    def _rewards(self, prompts: list[str], responses: list[str], labels: list, given: np.ndarray) -> list[float]:
+        """The recipe's reward for every sample whose rollout function did not score it (NaN in `given`)."""
+        todo = np.flatnonzero(np.isnan(given)).tolist()
+        out = given.astype(float).tolist()
+        if todo:
+            scored = compute_rewards(self.reward_fn, [prompts[i] for i in todo], [responses[i] for i in todo],
+                                     [labels[i] for i in todo], self.cfg.reward.kwargs)
+            for i, r in zip(todo, scored, strict=True):
+                out[i] = r
+        return out
+
+    def _seed(self, step: int) -> int:
+        return self.cfg.seed * 1_000_003 + step * 7919
+
+
+def pack_groups(prompts: list[PromptSample], groups: list[list[Sample]]) -> tuple[list[list[int]], dict, list]:
+    """Samples as flat arrays (one Ray/parquet-friendly object instead of N Python objects): the prompt ids
+    per sample, the packed responses, and the texts the rollout function gave (None where it gave none)."""
+    pairs = [(p, s) for p, g in zip(prompts, groups, strict=True) for s in g]
+    samples = [s for _, s in pairs]
+    lengths = np.array([len(s.response_ids) for s in samples], dtype=np.int64)
+    total = int(lengths.sum())
+    generated = {
+        "output_ids": np.fromiter((t for s in samples for t in s.response_ids), dtype=np.int64, count=total),
+        "output_logprobs": np.fromiter((x for s in samples for x in (s.logprobs or [0.0] * len(s.response_ids))),
+                                       dtype=np.float32, count=total),
+        "loss_mask": np.fromiter((m for s in samples for m in (s.loss_mask or [1] * len(s.response_ids))),
+                                 dtype=np.float32, count=total),
+        "lengths": lengths,
+        "stopped": np.array([s.finish_reason == "stop" for s in samples], dtype=bool),
+        "weight_version": np.array([-1 if s.weight_version is None else s.weight_version for s in samples],
+                                   dtype=np.int64),  # -1: not known (a rollout function that gives no logprobs)
+        "has_logprobs": np.array([s.logprobs is not None for s in samples], dtype=bool),
+        "fn_reward": np.array([np.nan if s.reward is None else s.reward for s in samples], dtype=np.float64),
+        "carried": np.array([bool(s.metadata.get("carried")) for s in samples], dtype=bool),
+    }
+    prompt_ids = [list(s.prompt_ids if s.prompt_ids is not None else p.prompt_ids) for p, s in pairs]
+    return prompt_ids, generated, [s.response for s in samples]
+
+
+def packed_from_table(table: pa.Table) -> tuple[dict, list[str | None]]:
+    """pack_groups' arrays and texts back from a persisted rollout table (tables written before loss masks,
+    given rewards and texts were stored read as: all tokens trained, rollout logprobs, reward.fn scores)."""
+    ids, lps = table.column("output_ids").to_pylist(), table.column("output_logprobs").to_pylist()
+    n, names = len(ids), set(table.column_names)
+    masks = table.column("loss_mask").to_pylist() if "loss_mask" in names else [[1] * len(x) for x in ids]
+    given = table.column("fn_reward").to_pylist() if "fn_reward" in names else [None] * n
+    generated = {
+        "output_ids": np.array([t for x in ids for t in x], dtype=np.int64),
+        "output_logprobs": np.array([t for x in lps for t in x], dtype=np.float32),
+        "loss_mask": np.array([m for x in masks for m in x], dtype=np.float32),
+        "lengths": np.array([len(x) for x in ids], dtype=np.int64),
+        "stopped": table.column("stopped").to_numpy(zero_copy_only=False),
+        "weight_version": table.column("weight_version").to_numpy(),
+        "has_logprobs": (table.column("has_logprobs").to_numpy(zero_copy_only=False) if "has_logprobs" in names
+                         else np.ones(n, dtype=bool)),
+        "fn_reward": np.array([np.nan if r is None else r for r in given], dtype=np.float64),
+        "carried": (table.column("carried").to_numpy(zero_copy_only=False) if "carried" in names
+                    else np.zeros(n, dtype=bool)),
+    }
+    texts = table.column("text").to_pylist() if "text" in names else [None] * n
+    return generated, texts
+
+
+def _answers(url: str) -> bool:
+    """Whether a rollout server answers /health now (the router may have seen a passing failure)."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _dedup_meta(events: list[dict]) -> list[dict]:
+    """Lane and process names once each (a carried-over batch of events brings its own)."""
+    seen, out = set(), []
+    for e in events:
+        key = (e["name"], e["tid"]) if e["ph"] == "M" else None
+        if key is None or key not in seen:
+            out.append(e)
+            seen.add(key)
+    return out
+
+
+def _generation_metrics(gen: dict) -> dict[str, float]:
+    n_tokens = int(gen["lengths"].sum())
+    return {
+        "rollout/response_len_mean": n_tokens / len(gen["lengths"]),
+        "rollout/tokens": float(n_tokens),
+        "rollout/truncated": float(1 - gen["stopped"].mean()),
+        "rollout/weight_version": float(gen["weight_version"].min()),  # -1: a rollout function did not say
+    }
+
+
+def train_backend_class(cfg: RLConfig) -> type:
+    """The train backend the recipe names (megatron-core is imported only when asked for)."""
+    if cfg.train.backend == "megatron":
+        from rlflow.engines.train.megatron.backend import MegatronTrainBackend
+
+        return MegatronTrainBackend
+    return TorchTrainBackend
+
+
+def rollout_backend_class(cfg: RLConfig) -> type:
+    """The rollout backend the recipe names: the embedded engine, or an SGLang server per worker."""
+    if cfg.rollout.backend != "sglang":
+        return TorchRolloutBackend
+    if cfg.weight_sync.transport in ("cuda_ipc", "nccl"):
+        raise ValueError(f"weight_sync.transport: {cfg.weight_sync.transport} feeds the embedded engine only; "
+                         "rollout.backend sglang takes 'disk' (or 'ray' / 'store', through a folder of the worker's)")
+    from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend
+
+    return SGLangRolloutBackend
+
+
+def _train_kwargs(cfg: RLConfig, model_path: str):
+    dist_url = f"tcp://127.0.0.1:{free_port()}" if cfg.train.num_workers > 1 else None
+    norm_len = cfg.rollout.max_new_tokens
+    extra = {"megatron": cfg.megatron} if cfg.train.backend == "megatron" else {}
+
+    def make(rank: int) -> dict:
+        return dict(model_path=model_path, train=cfg.train, algorithm=cfg.algorithm,
+                    temperature=cfg.rollout.temperature or 1.0, norm_len=norm_len, rank=rank,
+                    world_size=cfg.train.num_workers, dist_url=dist_url, seed=cfg.seed, **extra)
+
+    return make
+
+
+def _critic_kwargs(cfg: RLConfig, model_path: str):
+    """The critic's workers: the torch backend as role "critic", from critic.model_path or the policy's model."""
+    c = cfg.critic
+    if c.model_path and not (Path(c.model_path) / "config.json").is_file():
+        raise FileNotFoundError(f"critic.model_path: no Hugging Face model (config.json) in {c.model_path}")
+    dist_url = f"tcp://127.0.0.1:{free_port()}" if c.num_workers > 1 else None  # its own process group
+
+    def make(rank: int) -> dict:
+        return dict(model_path=c.model_path or model_path, train=c.train_config(cfg.train), algorithm=cfg.algorithm,
+                    rank=rank, world_size=c.num_workers, dist_url=dist_url, seed=cfg.seed, role="critic",
+                    value_clip=c.value_clip)
+
+    return make
+
+
+def _rollout_kwargs(cfg: RLConfig, model_path: str):
+    def make(rank: int) -> dict:
+        if cfg.rollout.backend == "sglang":
+            return dict(model_path=model_path, sglang=cfg.rollout.sglang, rank=rank, threads=cfg.train.threads)
+        return dict(model_path=model_path, device=cfg.rollout_device, dtype=DTYPES[cfg.rollout.precision],
+                    threads=cfg.train.threads, batch_size=cfg.rollout.batch_size,
+                    trace=cfg.debug.trace_every > 0, rank=rank)
+
+    return make
+
+
+def _ray_groups(cfg: RLConfig, train_cls: type, train_kwargs, rollout_kwargs, n_train: int,
+                n_rollout: int) -> tuple[RayWorkerGroup | LocalWorkerGroup, RayWorkerGroup | LocalWorkerGroup]:
+    """Train and rollout actors. On GPUs: one GPU per worker (disaggregated), or with cluster.colocate
+    rollout worker i takes half of train worker i's GPU bundle, so the pair shares one device. A debug
+    mode asks for no workers of one kind: that group is empty."""
+    cpus, name = cfg.cluster.cpus_per_worker, cfg.name
+    train_gpus = 1.0 if cfg.train.device == "cuda" else 0.0
+    rollout_gpus = 1.0 if cfg.rollout_device == "cuda" else 0.0
+    if cfg.rollout.backend == "sglang":  # one server's GPUs: its tensor x pipeline parallel size
+        from rlflow.engines.rollout.sglang_backend import gpus_per_server
+
+        rollout_gpus *= gpus_per_server(cfg.rollout.sglang.args)
+    shared = None
+    if cfg.cluster.colocate:
+        shared = make_placement_group([{"CPU": 2 * cpus, "GPU": 1}] * cfg.train.num_workers, f"{name}-colocated-pg")
+        train_gpus = rollout_gpus = 0.5
+    train = (RayWorkerGroup(train_cls, n_train, train_kwargs, cpus, f"{name}-train", train_gpus, shared)
+             if n_train else LocalWorkerGroup([]))
+    rollout = (RayWorkerGroup(rollout_backend_class(cfg), n_rollout, rollout_kwargs, cpus, f"{name}-rollout",
+                              rollout_gpus, shared) if n_rollout else LocalWorkerGroup([]))
+    return train, rollout

@@ -1,0 +1,199 @@
+"""Supervised fine-tuning on the RL engines: SFT steps, and rejection sampling's generate-verify-keep.
+
+`SFTSession` wraps an `RLSession` (tokenizer, train and rollout workers, weight sync, evaluation, checkpoints)
+and adds a pool of examples (prompt ids, response ids) walked in seeded batches. The loss is
+`algorithms.sft_loss`: the NLL of the response tokens only, the prompt being context. The Prefect stage tasks
+call the same method names as on an RLSession (train, sync_weights, evaluate, save, load), so
+flows/sft.py and flows/rejection_sampling.py reuse tasks/stages.py and the run store as post_train does.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from rlflow.engines.core.batch import pack_samples, shard_for_workers
+from rlflow.engines.core.config import RLConfig, TrainConfig
+from rlflow.engines.data.prompts import PromptCursor, load_pairs
+from rlflow.engines.models.hf import encode_prompt
+from rlflow.engines.session.rl import RLSession
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+def sft_train_config(cfg: RLConfig, rejection: bool) -> TrainConfig:
+    """The train section for SFT: one optimizer step per SFT step, so the LR schedule spans the SFT steps."""
+    lr = cfg.sft.lr if cfg.sft.lr is not None else cfg.train.lr
+    return cfg.train.model_copy(update={"steps": cfg.sft.total_steps(rejection), "mini_batches": 1, "epochs": 1,
+                                        "lr": lr})
+
+
+def accept_samples(
+    rewards: list[float], stopped: list[bool], output_ids: list[list[int]], group_size: int, threshold: float,
+    max_per_prompt: int,
+) -> list[bool]:
+    """Which samples rejection sampling keeps: reward >= threshold, ended on its own (a truncated answer is not
+    a finished one), and among the first max_per_prompt distinct responses of its prompt's group."""
+    keep, seen = [], {}
+    for i, (r, done, ids) in enumerate(zip(rewards, stopped, output_ids, strict=True)):
+        group = seen.setdefault(i // group_size, set())
+        ok = r >= threshold and bool(done) and tuple(ids) not in group and len(group) < max_per_prompt
+        if ok:
+            group.add(tuple(ids))
+        keep.append(ok)
+    return keep
+
+
+def tokenize_pairs(tokenizer, pairs: list[dict], chat_template: bool, add_eos: bool) -> list[Example]:
+    """Prompts tokenized as the rollout engine tokenizes them (models.hf.encode_prompt),
+    responses without special tokens, then EOS so the model learns where an answer ends."""
+    prompts = [p["prompt"] for p in pairs]
+    if chat_template:
+        prompt_ids = [encode_prompt(tokenizer, p, True) for p in prompts]
+    else:
+        prompt_ids = tokenizer(prompts)["input_ids"]
+    eos = [tokenizer.eos_token_id] if add_eos else []
+    responses = tokenizer([p["response"] for p in pairs], add_special_tokens=False)["input_ids"]
+    return [Example(p, ids, r + eos) for p, ids, r in zip(prompts, prompt_ids, responses, strict=True)]
+
+
+class SFTSession:
+    def __init__(self, rl: RLSession, rejection: bool = False):
+        self.rl, self.cfg = rl, rl.cfg
+        self.examples: list[Example] = []
+        self.cursor: PromptCursor | None = None
+        self._dp_ranks = rl.train_group.call("data_parallel_rank")
+        self._last_batch: tuple[int, list[Example]] | None = None
+        self.rounds: dict[int, pa.Table] = {}  # rejection sampling: each round's scored samples
+        if not rejection:
+            if not self.cfg.sft.train_path:
+                raise ValueError("sft.train_path: `rlflow sft` needs a prompt/response file")
+            pairs = load_pairs(self.cfg.sft.train_path, self.cfg.data.prompt_key, self.cfg.sft.response_key)
+            self.set_examples(self.tokenize(pairs), self.cfg.data.seed)
+
+    @classmethod
+    def create(cls, cfg: RLConfig, model_path: str, rejection: bool = False, use_ray: bool | None = None):
+        """Start the engines with the SFT train settings (sft_train_config); the recipe is otherwise unchanged."""
+        sft_cfg = cfg.model_copy(update={"train": sft_train_config(cfg, rejection)})
+        return cls(RLSession.create(sft_cfg, model_path, use_ray=use_ray), rejection)
+
+    @classmethod
+    def factory(cls, rejection: bool):
+        """create() with `rejection` bound: what open_run takes to start this kind of session."""
+        return functools.partial(cls.create, rejection=rejection)
+
+    # ---- data ----------------------------------------------------------------------------------------
+    def tokenize(self, pairs: list[dict]) -> list[Example]:
+        return tokenize_pairs(self.rl.tokenizer, pairs, self.cfg.data.chat_template, self.cfg.sft.add_eos)
+
+    def set_examples(self, examples: list[Example], seed: int) -> None:
+        if not examples:
+            raise ValueError("SFT: no examples to train on")
+        self.examples = examples
+        self.cursor = PromptCursor(len(examples), self.cfg.sft.batch_size, seed, self.cfg.data.shuffle)
+
+    # ---- stages --------------------------------------------------------------------------------------
+    def train(self, step: int) -> dict[str, float]:
+        """One SFT optimizer step on the next sft.batch_size examples, split over the data-parallel workers."""
+        t0 = time.perf_counter()
+        rows = [self.examples[i] for i in self.cursor.next_batch()]
+        self._last_batch = (step, rows)
+        n = len(rows)
+        batch = pack_samples([e.prompt_ids for e in rows], [e.response_ids for e in rows],
+                             [[0.0] * len(e.response_ids) for e in rows], torch.zeros(n),
+                             self.rl.tokenizer.pad_token_id)
+        shards = shard_for_workers(batch, max(self._dp_ranks) + 1, 1)
+        results = self.rl.train_group.call_each("sft_step", [(shards[r],) for r in self._dp_ranks])
+        tokens = float(batch["loss_mask"].sum())
+        worker_s = results[0].pop("worker_s")
+        return {f"train/{k}": v for k, v in results[0].items()} | {
+            "train/response_tokens": tokens, "train/tokens_per_s": tokens / (time.perf_counter() - t0),
+            "time/train_worker": worker_s}
+
+    def sync_weights(self, step: int) -> dict[str, float]:
+        return self.rl.sync_weights(step)
+
+    def stage_span(self, stage: str, step: int):
+        """The stage's span on the run's trace timeline (tasks/stages.py wraps every stage in it)."""
+        return self.rl.stage_span(stage, step)
+
+    def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
+        return self.rl.evaluate(step)
+
+    def sample_rows(self, step: int, k: int) -> list[dict]:
+        """The first k examples of the last SFT batch, as text."""
+        if self._last_batch is None:
+            return []
+        tok = self.rl.tokenizer
+        return [{"step": self._last_batch[0], "prompt": e.prompt,
+                 "response": tok.decode(e.response_ids, skip_special_tokens=True)} for e in self._last_batch[1][:k]]
+
+    # ---- rejection sampling --------------------------------------------------------------------------
+    def generate_round(self, rnd: int) -> tuple[pa.Table, dict[str, float]]:
+        """Sample rollout.samples_per_prompt responses for the next rollout.prompts_per_step prompts, score them
+        with the recipe's reward, and mark which ones rejection sampling keeps (column "accepted")."""
+        metrics = self.rl.rollout(rnd) | self.rl.reward(rnd)
+        table = self.rl.scored_table(rnd)
+        rs = self.cfg.sft.rejection
+        keep = accept_samples(table.column("reward").to_pylist(), table.column("stopped").to_pylist(),
+                              table.column("output_ids").to_pylist(), self.cfg.rollout.samples_per_prompt,
+                              rs.threshold, rs.max_per_prompt)
+        return table.append_column("accepted", pa.array(keep)), metrics
+
+    def restore_round(self, rnd: int, table: pa.Table) -> dict[str, float]:
+        """Take a stored round as this round's samples; the prompt cursor moves as a fresh round would."""
+        rewards = table.column("reward").to_pylist()
+        return self.rl.restore_rollout(rnd, table) | {"rollout/reward_mean": sum(rewards) / len(rewards)}
+
+    def use_rounds(self, rnd: int) -> dict[str, float]:
+        """Train on what rounds <= rnd kept (or only round rnd's, with accumulate: false)."""
+        rs = self.cfg.sft.rejection
+        chosen = [r for r in sorted(self.rounds) if r <= rnd and (rs.accumulate or r == rnd)]
+        examples, seen = [], set()
+        for r in chosen:
+            t = self.rounds[r].filter(self.rounds[r].column("accepted"))
+            for prompt, p_ids, o_ids in zip(t.column("prompt").to_pylist(), t.column("prompt_ids").to_pylist(),
+                                            t.column("output_ids").to_pylist(), strict=True):
+                if (prompt, tuple(o_ids)) not in seen:  # a prompt drawn again in a later round
+                    seen.add((prompt, tuple(o_ids)))
+                    examples.append(Example(prompt, p_ids, o_ids))
+        table = self.rounds[rnd]
+        n = table.num_rows
+        accepted = table.column("accepted").to_pylist()
+        passed = [r >= rs.threshold and s for r, s in zip(table.column("reward").to_pylist(),
+                                                         table.column("stopped").to_pylist(), strict=True)]
+        group = self.cfg.rollout.samples_per_prompt
+        solved = [any(accepted[i : i + group]) for i in range(0, n, group)]
+        if examples:
+            self.set_examples(examples, self.cfg.data.seed * 1_000_003 + rnd)  # one order per round
+        elif not self.examples:
+            raise RuntimeError(f"rejection sampling round {rnd}: the verifier accepted none of {n} samples (reward "
+                               f">= sft.rejection.threshold {rs.threshold}); lower the threshold or sample more")
+        return {"rs/accept_frac": sum(passed) / n, "rs/kept": float(sum(accepted)),
+                "rs/prompts_solved": sum(solved) / len(solved), "rs/pool": float(len(self.examples))}
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def save(self, path, step: int) -> dict:
+        """Worker state into `path`; returns the controller state: both data cursors (nothing is in flight)."""
+        self.rl.train_group.call("save", str(path))
+        self.rl.tokenizer.save_pretrained(f"{path}/model")
+        return {"cursor": self.rl.cursor.state_dict(), "weight_version": self.rl.weight_version,
+                "sft_cursor": self.cursor.state_dict() if self.cursor else None}
+
+    def load(self, path, controller_state: dict) -> None:
+        self.rl.load(path, controller_state)
+        if controller_state.get("sft_cursor") and self.cursor is not None:
+            self.cursor.load_state_dict(controller_state["sft_cursor"])
+
+    def shutdown(self) -> None:
+        self.rl.shutdown()
+

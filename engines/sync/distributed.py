@@ -1,0 +1,165 @@
+"""SGLang's distributed weight update, both ends: the embedded server's routes and the trainer's sender
+(`DistributedWeightSender`, a mixin of the train backends; the `distributed` transport of engines/sync/buckets.py).
+
+SGLang's pair of routes, with its field names and meanings:
+
+- `POST /init_weights_update_group` {master_address, master_port, rank_offset, world_size, group_name,
+  backend}: the server joins a process group of its own (not its tensor-parallel one) as rank
+  `rank_offset` (SGLang: rank_offset + its TP rank); the trainer's sending rank is rank 0 and serves the
+  rendezvous (a TCP store on master_address:master_port). The call returns once every rank has joined, so
+  the trainer joins at the same time (`join_weights_update_group`).
+- `POST /update_weights_from_distributed` {names, dtypes, shapes, group_name, weight_version,
+  abort_all_requests, flush_cache}: the server receives one broadcast from rank 0 per name, in order, of
+  that dtype ("bfloat16", "float32", ...) and shape, and loads them (HF names). The trainer broadcasts at
+  the same time (`broadcast_weights`).
+- `POST /destroy_weights_update_group` {group_name}.
+
+The group is built the way SGLang builds it (a `tcp://` rendezvous, the store prefixed with the group name,
+torch's own process-group constructor), so the trainer's side here also pairs with a real SGLang server of
+the same torch version. Backend "gloo" moves CPU tensors (the embedded server on CPU, and the CPU tests);
+"nccl" GPU tensors. Nothing is pickled: only tensors travel over the group, names and shapes as JSON.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rlflow.engines.cluster.groups import free_port, node_ip
+
+GROUP_NAME = "weight_update_group"  # SGLang's default
+INIT_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
+UPDATE_FIELDS = {
+    "names",
+    "dtypes",
+    "shapes",
+    "group_name",
+    "weight_version",
+    "abort_all_requests",
+    "flush_cache",
+    "load_format",
+}
+
+
+def join_weights_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str = GROUP_NAME,
+    backend: str = "gloo",
+    timeout_s: float = 300,
+) -> dist.ProcessGroup:
+    """Join (rank 0: create and serve the rendezvous of) a weight-update process group, as SGLang does. It is
+    separate from any default process group of this process, which it neither needs nor touches."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    options = (
+        "backend_options"
+        if "backend_options" in inspect.signature(_new_process_group_helper).parameters
+        else "pg_options"
+    )
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+        **{options: None},
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def broadcast_weights(group: dist.ProcessGroup, tensors: Iterable[torch.Tensor]) -> int:
+    """Rank 0 (the trainer): broadcast each tensor in order (what /update_weights_from_distributed receives;
+    each as it is: its dtype and shape are the ones named in that request). Returns the bytes sent."""
+    works, total = [], 0
+    for t in tensors:
+        t = t.detach().contiguous()
+        works.append(dist.broadcast(t, src=0, group=group, async_op=True))
+        total += t.numel() * t.element_size()
+    for w in works:
+        w.wait()
+    return total
+
+
+def destroy_weights_update_group(group: dist.ProcessGroup) -> None:
+    dist.destroy_process_group(group)
+
+
+def init_request(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                 group_name: str = GROUP_NAME, backend: str = "nccl") -> dict:
+    """The body of /init_weights_update_group."""
+    return {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}
+
+
+def update_request(names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
+                   group_name: str = GROUP_NAME) -> dict:
+    """The body of /update_weights_from_distributed (SGLang takes weight_version as a string)."""
+    return {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "weight_version": str(version)}
+
+
+class DistributedWeightSender:
+    """The trainer's side of the `distributed` weight-sync transport, for a train backend with `rank`,
+    `named_tensors(names)` (HF names; collective where weights are sharded, full tensors at rank 0) and
+    `weight_shapes()`. Rank 0 is rank 0 of the weight-update group; the rollout servers join as 1..N through
+    /init_weights_update_group, and receive what it broadcasts through /update_weights_from_distributed."""
+
+    _weights_group: dist.ProcessGroup | None = None
+    _weights_device: torch.device | None = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Host and free port for a weight-sync group's TCP store, which this worker (rank 0) serves."""
+        return node_ip(), free_port()
+
+    def join_weights_update_group(self, master_address: str, master_port: int, world_size: int,
+                                  group_name: str = GROUP_NAME, backend: str = "gloo") -> None:
+        """Rank 0 joins (serving the rendezvous); other ranks have nothing to join."""
+        if self.rank != 0:
+            return
+        if self._weights_group is not None:
+            raise RuntimeError("join_weights_update_group: leave the current group first (all members together)")
+        self._weights_group = join_weights_update_group(master_address, master_port, 0, world_size, group_name,
+                                                        backend)
+        self._weights_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+
+    def leave_weights_update_group(self) -> None:
+        """Destroy this worker's side of the group, while the servers destroy theirs."""
+        if self._weights_group is not None:
+            destroy_weights_update_group(self._weights_group)
+            self._weights_group = None
+
+    def broadcast_weights_update(self, names: list[str], dtype: str) -> int:
+        """Broadcast these weights in order, as `dtype` (what the receivers were told; an LM's weights are all
+        floating point); returns the bytes sent (0 on other ranks, which only join the gather)."""
+        tensors = [t for _, t in self.named_tensors(names)]
+        if self.rank != 0:
+            return 0
+        if self._weights_group is None:
+            raise RuntimeError("broadcast_weights_update: join_weights_update_group first")
+        cast = getattr(torch, dtype)
+        return broadcast_weights(self._weights_group, [t.to(self._weights_device or t.device, cast) for t in tensors])
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the `dtypes` field names it ("float32", "bfloat16", ...)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_names(tensors: Iterable[torch.Tensor]) -> list[str]:
+    """The `dtypes` field for these tensors."""
+    return [dtype_name(t.dtype) for t in tensors]

@@ -1,0 +1,381 @@
+"""The Megatron-core train backend: TP x PP x DP ranks behind the interface of TorchTrainBackend.
+
+One instance per rank of the train worker group. Weights come from and go to Hugging Face names (megatron/weights.py);
+losses come from core/algorithms.py. Every micro-batch's loss is scaled by its share of the mini-batch's
+global token (or sequence) count and megatron sums gradients over data-parallel ranks, so any layout takes the
+optimizer step one worker takes on the whole mini-batch. Weight export and checkpoints are collective: every rank
+of the group calls them (rlflow.engines.session.rl does).
+
+bf16 means bf16 weights and activations (megatron's Float16Module) with fp32 master weights and gradients in
+the optimizer; fp32 means fp32 throughout. CPU runs (tests, debugging) go through rlflow.engines.train.megatron.cpu.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+
+from rlflow.engines.core import algorithms
+from rlflow.engines.core.batch import TrainBatch, batch_size, select
+from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig, StorageConfig, TrainConfig
+from rlflow.engines.models.hf import DTYPES
+from rlflow.engines.sync.buckets import put_bucket
+from rlflow.engines.sync.distributed import DistributedWeightSender
+from rlflow.engines.train.megatron.checkpoint import load_optimizer_state, optimizer_state
+from rlflow.engines.train.megatron.cpu import device_context
+from rlflow.engines.train.megatron.export import WeightExporter
+from rlflow.engines.train.megatron.hf_config import spec_from_hf
+from rlflow.engines.train.megatron.logprobs import token_logprobs
+from rlflow.engines.train.megatron.microbatch import micro_batches, restore_width
+from rlflow.engines.train.megatron.model_build import (
+    build_model,
+    init_parallel,
+    load_hf_weights,
+    stage_params,
+    transformer_config,
+    use_transformer_engine,
+)
+from rlflow.engines.train.torch_backend import lr_lambda, rng_state, set_rng_state, with_train_logprobs
+
+SFT_METRICS = ("entropy", "loss")  # what algorithms.sft_loss reports when given the entropy
+
+
+def _on_device(method):
+    """Run a public method inside the device context (the CPU shim on CPU)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with device_context(self.device):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
+class MegatronTrainBackend(DistributedWeightSender):
+    def __init__(
+        self,
+        model_path: str,
+        train: TrainConfig,
+        algorithm: AlgorithmConfig,
+        megatron: MegatronConfig | None = None,
+        *,
+        temperature: float = 1.0,
+        norm_len: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        dist_url: str | None = None,
+        seed: int = 0,
+    ):
+        torch.set_num_threads(train.threads)
+        self.cfg, self.algo, self.mcfg = train, algorithm, megatron or MegatronConfig()
+        self.temperature, self.norm_len = temperature, norm_len
+        self.rank, self.world_size, self.device = rank, world_size, train.device
+        self.model_path = model_path
+        self._sft = False  # inside sft_step: the loss is algorithms.sft_loss
+        with device_context(self.device):
+            self._build(dist_url, seed)
+
+    def _build(self, dist_url: str | None, seed: int) -> None:
+        """Process groups, model (from the HF weights), DDP wrapper, optimizer, and the reference model."""
+        rank, world_size, train, algorithm = self.rank, self.world_size, self.cfg, self.algo
+        init_parallel(rank, world_size, dist_url, self.mcfg, self.device, seed)
+        torch.manual_seed(seed + rank)
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.spec = spec_from_hf(self.hf_config)
+        self.dtype = DTYPES[train.precision]
+        self.use_te = use_transformer_engine(self.mcfg, self.device)
+        self.tf_config = transformer_config(self.spec, self.mcfg, self.dtype, self.device)
+        self.pp = self.mcfg.pipeline_parallel
+        self.tp = self.mcfg.tensor_parallel
+        self.core = self._load_core()
+        ddp_config = DistributedDataParallelConfig(**({
+            "grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
+            "use_distributed_optimizer": self.mcfg.use_distributed_optimizer} | self.mcfg.ddp))
+        self.model = DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=self._wrap(self.core))
+        self.exporter = WeightExporter(self.spec, stage_params(self.core), fused_norms=self.use_te)
+        self.tf_config.no_sync_func = self.model.no_sync
+        # the losses are already normalised globally: finalize must not divide by a token count
+        self.tf_config.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: finalize_model_grads(
+            chunks, None, **kw)
+        b1, b2 = train.betas
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(**({
+            "optimizer": "adam", "lr": train.lr, "weight_decay": train.weight_decay, "adam_beta1": b1,
+            "adam_beta2": b2, "adam_eps": 1e-8, "clip_grad": train.grad_clip, "bf16": self.dtype == torch.bfloat16,
+            "params_dtype": self.dtype, "use_distributed_optimizer": self.mcfg.use_distributed_optimizer,
+        } | self.mcfg.optimizer)), [self.model])
+        self.schedule = lr_lambda(train)
+        self.updates = 0  # optimizer steps taken: the LR schedule's clock
+        self.ref_model = None
+        if algorithm.kl_coef > 0:  # frozen copy of the starting policy, for the KL penalty
+            self.ref_model = self._wrap(self._load_core()).eval()
+            self.ref_model.requires_grad_(False)
+        # the metric names rl_loss reports for this algorithm (every rank must reduce the same vector)
+        self.metric_keys = sorted(self._rl_loss(*[torch.zeros(1, 1)] * 4, ref=torch.zeros(1, 1),
+                                                entropy=torch.zeros(1, 1),
+                                                rollout=torch.zeros(1, 1) if algorithm.is_correction != "none" else None
+                                                )[1])
+
+    def _load_core(self) -> torch.nn.Module:
+        core = build_model(self.spec, self.tf_config, self.use_te)
+        load_hf_weights(core, self.spec, self.model_path, fused_norms=self.use_te)
+        return core
+
+    def _wrap(self, core: torch.nn.Module) -> torch.nn.Module:
+        return Float16Module(self.tf_config, core) if self.dtype == torch.bfloat16 else core
+
+    # ---- layout --------------------------------------------------------------------------------------
+    def data_parallel_rank(self) -> int:
+        """Which shard of the data this rank trains on (ranks of one TP x PP group share it)."""
+        return parallel_state.get_data_parallel_rank()
+
+    def _dp_size(self) -> int:
+        return parallel_state.get_data_parallel_world_size()
+
+    def _dp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self._dp_size() > 1:
+            dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+        return t
+
+    def _to_last_stage_value(self, t: torch.Tensor) -> torch.Tensor:
+        """Every pipeline stage gets the last stage's value of t (earlier stages pass zeros)."""
+        if self.pp > 1:
+            dist.all_reduce(t, group=parallel_state.get_pipeline_model_parallel_group())
+        return t
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def _dev(self) -> str:
+        return f"cuda:{torch.cuda.current_device()}" if self.device == "cuda" else "cpu"
+
+    def _run(self, model: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
+        """Logits [B, L, V/tp] on the last stage, hidden states on earlier ones (causal mask, right padding)."""
+        ids = mb["input_ids"].to(self._dev())
+        width = ids.shape[1]
+        pos = torch.arange(width, device=ids.device).unsqueeze(0).expand_as(ids)
+        # True = masked out; given explicitly (megatron's default causal mask is built on "cuda")
+        mask = torch.ones(width, width, dtype=torch.bool, device=ids.device).triu(1).view(1, 1, width, width)
+        return model(ids, pos, mask)
+
+    def _micro(self, batch: TrainBatch) -> list[TrainBatch]:
+        multiple = self.tp if self.tf_config.sequence_parallel else 1
+        return micro_batches(batch, self.cfg.micro_batch_size, self.mcfg.micro_batch_tokens, multiple)
+
+    def _on_dev(self, micro: list[TrainBatch]) -> list[TrainBatch]:
+        """All micro-batches to the device at once: a copy per micro-batch would wait for the GPU each time."""
+        return [{k: v.to(self._dev(), non_blocking=True) for k, v in part.items()} for part in micro]
+
+    @_on_device
+    @torch.no_grad()
+    def forward_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """Per-token logprobs [N, L] (aligned with input_ids) of `batch` under the policy or the reference model.
+        Collective over the ranks of a TP x PP group, which must pass the same batch."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise ValueError("forward_logprobs(reference=True) needs algorithm.kl_coef > 0")
+        model.eval()
+        micro, width = self._on_dev(self._micro(batch)), batch["input_ids"].shape[1]
+        if self.pp == 1:
+            parts = [token_logprobs(self._run(model, mb), mb["input_ids"].to(self._dev()), self.temperature)[0]
+                     for mb in micro]
+        else:
+            parts = self._pipeline(model, micro, forward_only=True)
+        n = batch_size(batch)
+        out = (restore_width(parts, width) if parts else torch.zeros(n, width, device=self._dev())).float()
+        return self._to_last_stage_value(out).cpu()
+
+    def _pipeline(self, model: torch.nn.Module, micro: list[TrainBatch], forward_only: bool) -> list:
+        """megatron's pipeline schedule over `micro`; returns what the loss function reported, per micro-batch,
+        on the last stage ([] elsewhere)."""
+
+        def step(data_iterator, chunk):
+            mb = next(data_iterator)
+            return self._run(chunk, mb), functools.partial(self._pipeline_loss, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(micro), model=[model], num_microbatches=len(micro),
+            seq_length=max(mb["input_ids"].shape[1] for mb in micro),
+            micro_batch_size=max(batch_size(mb) for mb in micro),
+            forward_only=forward_only, collect_non_loss_data=forward_only,
+        )
+
+    def _pipeline_loss(self, mb: TrainBatch, output: torch.Tensor, non_loss_data: bool = False):
+        if non_loss_data:  # forward only: the logprobs themselves
+            return token_logprobs(output, mb["input_ids"].to(output.device), self.temperature)[0]
+        loss, vec = self._loss(mb, output)
+        return loss, mb["loss_mask"].sum().int().to(output.device), {"metrics": vec}
+
+    # ---- training ------------------------------------------------------------------------------------
+    def _rl_loss(self, logprobs, old_logprobs, advantages, mask, *, ref, entropy, rollout=None):
+        """The shared objective with exactly the torch backend's arguments (AlgorithmConfig.loss_kwargs)."""
+        return algorithms.rl_loss(
+            logprobs, old_logprobs, advantages, mask, norm_len=self.norm_len, ref_logprobs=ref,
+            rollout_logprobs=rollout, entropy=entropy, **self.algo.loss_kwargs(),
+        )
+
+    def _keys(self) -> list[str]:
+        """The metric names the current loss reports, in the order every rank reduces them."""
+        return list(SFT_METRICS) if self._sft else self.metric_keys
+
+    def _loss(self, mb: TrainBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this micro-batch's loss x its share of the mini-batch, its metrics x share as one float64 vector)."""
+        dev = logits.device
+        mb = {k: v.to(dev) for k, v in mb.items()}
+        if self._sft:  # the model's own distribution (temperature 1); entropy is only logged
+            logprobs, entropy = token_logprobs(logits, mb["input_ids"], 1.0, "metric")
+            loss, metrics = algorithms.sft_loss(logprobs, mb["loss_mask"], "token_mean", entropy=entropy)
+        else:
+            logprobs, entropy = token_logprobs(logits, mb["input_ids"], self.temperature,
+                                               "loss" if self.algo.entropy_coef else "metric")
+            loss, metrics = self._rl_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
+                                          ref=mb.get("ref_logprobs"), entropy=entropy,
+                                          rollout=mb.get("rollout_logprobs"))
+        share = mb["share"]
+        vec = torch.stack([metrics[k].detach().double() for k in self._keys()]) * share
+        return loss * share.float(), vec
+
+    @_on_device
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL iteration on this rank's data-parallel shard: epochs x mini_batches optimizer steps.
+        Returns global metrics (the same on every rank)."""
+        t0 = time.perf_counter()
+        if self.ref_model is not None and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
+            batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
+        if self.algo.is_correction != "none" and "rollout_logprobs" not in batch:
+            batch = with_train_logprobs(batch, self.forward_logprobs(batch))
+        self.model.train()
+        per_mb = batch_size(batch) // self.cfg.mini_batches
+        sums: dict[str, float] = {}
+        updates = self.cfg.epochs * self.cfg.mini_batches
+        for _epoch in range(self.cfg.epochs):
+            for m in range(self.cfg.mini_batches):
+                stats = self._optimizer_step(select(batch, slice(m * per_mb, (m + 1) * per_mb)))
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v / updates
+        return sums | {"worker_s": time.perf_counter() - t0}  # wall time, not a global metric
+
+    @_on_device
+    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One supervised optimizer step on this rank's data-parallel shard: algorithms.sft_loss (NLL of the
+        loss-masked response tokens, token mean), the same as TorchTrainBackend.sft_step."""
+        t0 = time.perf_counter()
+        self.model.train()
+        self._sft = True
+        try:
+            stats = self._optimizer_step(batch)
+        finally:
+            self._sft = False
+        return stats | {"worker_s": time.perf_counter() - t0}
+
+    def _optimizer_step(self, mb: TrainBatch) -> dict[str, float]:
+        mode, dev = "token_mean" if self._sft else self.algo.loss_agg, self._dev()
+        total = self._dp_all_reduce(algorithms.aggregation_weight(mb["loss_mask"], mode).double().to(dev))
+        micro = self._micro(mb)
+        for part in micro:
+            part["share"] = algorithms.aggregation_weight(part["loss_mask"], mode).double() / total.cpu().clamp(min=1)
+        micro = self._on_dev(micro)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        if self.pp == 1:
+            vec = torch.zeros(len(self._keys()), dtype=torch.float64, device=dev)
+            for i, part in enumerate(micro):
+                sync = contextlib.nullcontext() if i == len(micro) - 1 else self.model.no_sync()
+                with sync:
+                    loss, v = self._loss(part, self._run(self.model, part))
+                    loss.backward()
+                vec += v
+            finalize_model_grads([self.model])
+        else:
+            reported = self._pipeline(self.model, micro, forward_only=False)
+            vec = torch.zeros(len(self._keys()), dtype=torch.float64, device=dev)
+            for r in reported:
+                vec += r["metrics"]
+        lr = self.cfg.lr * self.schedule(self.updates)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        _ok, grad_norm, _zeros = self.optimizer.step()
+        self.updates += 1
+        vec = self._to_last_stage_value(self._dp_all_reduce(vec))
+        out = dict(zip(self._keys(), vec.tolist(), strict=True))
+        out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        out["lr"] = lr
+        return out
+
+    # ---- weights and checkpoints ---------------------------------------------------------------------
+    @_on_device
+    def named_tensors(self, names: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """HF-named full weights (all, or the named ones) on CPU at rank 0, [] on other ranks. Collective."""
+        return self.exporter.gather(names or self.exporter.names())
+
+    def put_weights_to_store(
+        self, storage: StorageConfig, run: str, version: int, index: int, names: list[str]
+    ) -> None:
+        """Gather these weights (collective) and write them from rank 0 as bucket `index` of `version`."""
+        tensors = self.named_tensors(names)
+        if self.rank == 0:
+            put_bucket(storage, run, version, index, tensors)
+
+    def weight_layout(self) -> list[tuple[str, int]]:
+        """(HF name, bytes) of every exported weight, in order: lets the sync plan buckets without moving tensors."""
+        return self.exporter.layout()
+
+    def weight_shapes(self) -> dict[str, list[int]]:
+        return {n: list(s) for n, s in self.exporter.shapes.items()}
+
+    def _layout_meta(self) -> dict[str, Any]:
+        import megatron.core
+
+        return {"world_size": self.world_size, "tensor_parallel": self.tp, "pipeline_parallel": self.pp,
+                "distributed_optimizer": self.mcfg.use_distributed_optimizer, "precision": self.cfg.precision,
+                "megatron_core": megatron.core.__version__}
+
+    @_on_device
+    def save(self, path: str | Path) -> None:
+        """HF model (rank 0), this rank's optimizer shard, and schedule/RNG state: safetensors + JSON. Collective."""
+        path = Path(path)
+        (path / "model").mkdir(parents=True, exist_ok=True)
+        weights = self.named_tensors()
+        if self.rank == 0:
+            save_file({n: t.contiguous() for n, t in weights}, str(path / "model" / "model.safetensors"))
+            self.hf_config.save_pretrained(path / "model")
+        del weights
+        tensors, scalars = optimizer_state(self.optimizer)
+        save_file(tensors, str(path / f"optimizer_rank{self.rank}.safetensors"))
+        state = {"layout": self._layout_meta(), "updates": self.updates, "optimizer_scalars": scalars,
+                 "rng": rng_state()}
+        (path / f"trainer_rank{self.rank}.json").write_text(json.dumps(state))
+        dist.barrier()  # the checkpoint is complete only when every rank has written its part
+
+    @_on_device
+    def load(self, path: str | Path) -> None:
+        """Resume from save(): same model and parallel layout (resharding a checkpoint is not supported)."""
+        path = Path(path)
+        state = json.loads((path / f"trainer_rank{self.rank}.json").read_text())
+        if state["layout"] != self._layout_meta():
+            raise ValueError(f"checkpoint layout {state['layout']} differs from this run's {self._layout_meta()}")
+        load_hf_weights(self.core, self.spec, path / "model", fused_norms=self.use_te)
+        load_optimizer_state(self.optimizer, load_file(str(path / f"optimizer_rank{self.rank}.safetensors")),
+                             state["optimizer_scalars"])
+        self.updates = state["updates"]
+        set_rng_state(state["rng"])
+
+    def pid(self) -> int:
+        """This worker's process id (fault-injection drills kill it)."""
+        return os.getpid()
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole model (all stages, all TP shards)."""
+        return sum(torch.Size(s).numel() for s in self.exporter.shapes.values())

@@ -1,0 +1,157 @@
+"""Megatron process groups, and one pipeline stage's GPTModel built from a Hugging Face model directory."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from safetensors import safe_open
+
+from rlflow.engines.cluster.groups import free_port
+from rlflow.engines.core.config import MegatronConfig
+from rlflow.engines.train.megatron.hf_config import ModelSpec
+from rlflow.engines.train.megatron.weights import Rule, check_tensor_parallel, model_rules, to_megatron
+
+# TransformerConfig fields the backend sets itself: the loss scaling and the weight layout depend on them
+RESERVED = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "calculate_per_token_loss",
+            "params_dtype", "bf16", "fp16", "perform_initialization", "use_cpu_initialization")
+
+
+def init_parallel(rank: int, world_size: int, dist_url: str | None, cfg: MegatronConfig, device: str,
+                  seed: int) -> None:
+    """torch.distributed (nccl on CUDA, gloo on CPU) and megatron's TP/PP/DP groups over this worker group."""
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # Ray shows each actor one GPU; torchrun all
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
+                                init_method=dist_url or f"tcp://127.0.0.1:{free_port()}")
+    elif dist.get_world_size() != world_size:
+        raise RuntimeError(f"torch.distributed is already up with {dist.get_world_size()} ranks, not {world_size}")
+    if world_size % cfg.model_parallel:
+        raise ValueError(f"{world_size} ranks do not split into tensor_parallel x pipeline_parallel = "
+                         f"{cfg.model_parallel}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel,
+                                             pipeline_model_parallel_size=cfg.pipeline_parallel)
+    if device == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def use_transformer_engine(cfg: MegatronConfig, device: str) -> bool:
+    if cfg.transformer_engine is not None:
+        return cfg.transformer_engine
+    return device == "cuda" and importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(spec: ModelSpec, cfg: MegatronConfig, dtype: torch.dtype, device: str) -> TransformerConfig:
+    """The derived TransformerConfig, then the recipe's megatron.transformer keys on top (except RESERVED)."""
+    clash = sorted(set(cfg.transformer) & set(RESERVED))
+    if clash:
+        raise ValueError(f"megatron.transformer: {', '.join(clash)} are set by the backend, not the recipe")
+    check_tensor_parallel(spec, cfg.tensor_parallel)
+    if spec.num_layers % cfg.pipeline_parallel and "num_layers_in_first_pipeline_stage" not in cfg.transformer:
+        raise ValueError(f"pipeline_parallel={cfg.pipeline_parallel} does not divide {spec.num_layers} layers")
+    kwargs: dict[str, Any] = spec.transformer_kwargs() | {
+        "tensor_model_parallel_size": cfg.tensor_parallel,
+        "pipeline_model_parallel_size": cfg.pipeline_parallel,
+        # losses arrive already scaled by their share of the global batch: megatron must sum, not average
+        "calculate_per_token_loss": True,
+        "params_dtype": dtype,
+        "bf16": dtype == torch.bfloat16,
+        # initialised, then overwritten from the HF checkpoint: without it, megatron-core (0.16) leaves the
+        # tensor-parallel attributes of the weights unset and the gradient norm misses the other TP ranks' shards
+        "perform_initialization": True,
+        "use_cpu_initialization": device == "cpu",
+    }
+    if cfg.pipeline_parallel > 1:  # micro-batches differ in shape: stages exchange shapes first
+        # (megatron-core 0.16 rejects variable lengths with the default MoE dispatcher even for dense models)
+        kwargs |= {"pipeline_dtype": dtype, "variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
+    return TransformerConfig(**(kwargs | cfg.transformer))
+
+
+def build_model(spec: ModelSpec, config: TransformerConfig, use_te: bool) -> GPTModel:
+    """This pipeline stage's GPTModel with megatron's random init (load_hf_weights overwrites every weight)."""
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    else:
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    return GPTModel(config=config, transformer_layer_spec=layer_spec,
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage(), **spec.gpt_kwargs())
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def stage_params(model: GPTModel) -> dict[str, torch.nn.Parameter]:
+    """This stage's parameters under their global names (decoder.layers.<global index>.*)."""
+    to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    out = {}
+    for name, p in model.named_parameters():
+        m = _LAYER.match(name)
+        out[f"decoder.layers.{to_global[int(m.group(1))]}.{name[m.end():]}" if m else name] = p
+    return out
+
+
+def stage_rules(spec: ModelSpec, params: dict[str, torch.nn.Parameter], fused_norms: bool) -> list[Rule]:
+    """The rules for this stage's parameters. A last stage without the embedding holds its own copy of tied
+    output weights, loaded from embed_tokens."""
+    rules = [r for r in model_rules(spec, fused_norms) if r.megatron in params]
+    if spec.tied_embeddings and "output_layer.weight" in params:
+        rules.append(Rule("output_layer.weight", ("model.embed_tokens.weight",), "column"))
+    unmapped = sorted(set(params) - {r.megatron for r in rules})
+    if unmapped:
+        raise RuntimeError(f"Megatron parameters without an HF mapping: {unmapped[:5]}")
+    return rules
+
+
+class HFWeights:
+    """Tensors of a HF model directory by name, read lazily from one or many safetensors files."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            files = json.loads(index.read_text())["weight_map"]
+            self.file_of = {name: path / f for name, f in files.items()}
+        else:
+            single = path / "model.safetensors"
+            with safe_open(str(single), framework="pt") as f:
+                self.file_of = {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        self._open: dict[Path, Any] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.file_of.get(name)
+        if file is None:
+            raise KeyError(f"{name} is not in the HF checkpoint")
+        if file not in self._open:
+            self._open[file] = safe_open(str(file), framework="pt")
+        return self._open[file].get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_weights(model: GPTModel, spec: ModelSpec, path: str | Path, fused_norms: bool = False) -> int:
+    """Copy this stage's and this TP rank's share of the HF weights into `model`. Returns the tensors loaded."""
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    params = stage_params(model)
+    weights = HFWeights(path)
+    rules = stage_rules(spec, params, fused_norms)
+    for rule in rules:
+        value = to_megatron(rule, [weights.get(n) for n in rule.hf], spec, tp, rank)
+        param = params[rule.megatron]
+        if value.shape != param.shape:
+            raise RuntimeError(f"{rule.megatron}: HF gives {tuple(value.shape)}, Megatron has {tuple(param.shape)}")
+        param.copy_(value)
+    return len(rules)

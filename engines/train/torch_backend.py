@@ -1,0 +1,370 @@
+"""The native PyTorch train engine: data-parallel workers over torch.distributed (gloo on CPU, nccl on GPU).
+
+One instance per worker. The losses come from rlflow.engines.core.algorithms; this file only batches, reduces and
+steps. Every loss is normalised by the *global* token/sequence count of its mini-batch, so W workers
+take the same optimizer steps as one worker on the whole batch.
+
+A worker has one of two roles. "policy" (the default) trains the causal LM with rl_loss. "critic" trains a
+value model (rlflow.engines.models.hf.load_value_model: the same body with a scalar head) with value_loss on the same
+packed batches; micro-batching, normalisation, the gradient all-reduce, the optimizer and checkpoints are
+the same code for both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from rlflow.engines.core import algorithms
+from rlflow.engines.core.batch import TrainBatch, batch_size, select
+from rlflow.engines.core.config import AlgorithmConfig, StorageConfig, TrainConfig
+from rlflow.engines.core.sampling import scaled_logits
+from rlflow.engines.models.hf import DTYPES, load_model, load_value_model
+from rlflow.engines.sync.buckets import put_bucket
+from rlflow.engines.sync.distributed import DistributedWeightSender
+from rlflow.engines.sync.gpu import NcclChannel, device_copy_bandwidth, export_ipc_handles, flatten_
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Multiplier of the base LR at optimizer step s: linear warmup, then constant/cosine/linear decay."""
+    total = max(cfg.steps * cfg.epochs * cfg.mini_batches, 1)
+    warm = cfg.warmup_steps * cfg.epochs * cfg.mini_batches
+
+    def f(s: int) -> float:
+        if warm and s < warm:
+            return (s + 1) / warm
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        frac = min(max((s - warm) / max(total - warm, 1), 0.0), 1.0)
+        decay = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.lr_schedule == "cosine" else 1 - frac
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+    return f
+
+
+class TorchTrainBackend(DistributedWeightSender):
+    def __init__(
+        self,
+        model_path: str,
+        train: TrainConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        temperature: float = 1.0,
+        norm_len: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        dist_url: str | None = None,
+        seed: int = 0,
+        role: Literal["policy", "critic"] = "policy",
+        value_clip: float | None = None,
+    ):
+        """`role` "critic": a value model from `model_path` trained with value_loss (clipped at `value_clip`)."""
+        torch.set_num_threads(train.threads)
+        self.cfg, self.algo, self.role, self.value_clip = train, algorithm, role, value_clip
+        # the critic regresses every response token's value with the same weight, whatever the policy's aggregation
+        self.loss_agg = algorithm.loss_agg if role == "policy" else "token_mean"
+        self.temperature, self.norm_len = temperature, norm_len
+        self.rank, self.world_size = rank, world_size
+        if world_size > 1:
+            backend = "nccl" if train.device == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=dist_url, rank=rank, world_size=world_size)
+        torch.manual_seed(seed + rank)
+        self.device = train.device
+        load = load_value_model if role == "critic" else load_model
+        self.model = load(model_path, dtype=torch.float32, device=self.device)
+        if self.device == "cuda":  # one buffer in HF-name order: GPU weight sync copies whole slices of it
+            flatten_(dict(self.model.named_parameters()))
+        self.ref_model = None
+        if algorithm.kl_coef > 0 and role == "policy":  # frozen copy of the starting policy, for the KL penalty
+            self.ref_model = load_model(model_path, dtype=DTYPES[train.precision], device=self.device).eval()
+            self.ref_model.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train))
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def _autocast(self):
+        return torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
+
+    def _forward(
+        self, model, mb: TrainBatch, with_entropy: bool, temperature: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids, attn = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        with self._autocast():
+            logits = model(ids, attention_mask=attn, position_ids=pos).logits[:, :-1]
+        logits = scaled_logits(logits, self.temperature if temperature is None else temperature)
+        logprobs = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
+        logprobs[:, 1:] = algorithms.token_logprobs(logits, ids[:, 1:])
+        entropy = None
+        if with_entropy:
+            entropy = torch.zeros_like(logprobs)
+            entropy[:, 1:] = algorithms.entropy_from_logits(logits)
+        return logprobs, entropy
+
+    def _values(self, mb: TrainBatch) -> torch.Tensor:
+        """The critic's values [B, L], aligned with input_ids like the logprobs: column t is V of the state before
+        token t (the head's output at position t - 1, which has seen x_<t); column 0 is 0."""
+        ids, attn = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        with self._autocast():
+            out = self.model(ids, attention_mask=attn, position_ids=pos).logits[:, :-1, 0]
+        values = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
+        values[:, 1:] = out.float()
+        return values
+
+    @torch.no_grad()
+    def forward_values(self, batch: TrainBatch) -> torch.Tensor:
+        """The critic's per-token values [N, L] (aligned with input_ids), micro-batch by micro-batch."""
+        if self.role != "critic":
+            raise ValueError("forward_values: this worker is a policy; values come from a role='critic' worker")
+        self.model.eval()
+        n, step = batch_size(batch), self.cfg.micro_batch_size
+        return torch.cat([self._values(select(batch, slice(i, i + step))).cpu() for i in range(0, n, step)])
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """Per-token logprobs [N, L] (aligned with input_ids) under the policy or the reference model."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise ValueError("forward_logprobs(reference=True) needs algorithm.kl_coef > 0")
+        model.eval()
+        n, step = batch_size(batch), self.cfg.micro_batch_size
+        return torch.cat([self._forward(model, select(batch, slice(i, i + step)), False)[0].cpu()
+                          for i in range(0, n, step)])
+
+    # ---- training ------------------------------------------------------------------------------------
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(t)
+        return t
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL iteration on this worker's shard: epochs x mini_batches optimizer steps. Returns global metrics.
+
+        A critic's batch holds input_ids, attention_mask, loss_mask, returns and old_values (the values the
+        advantages were computed with)."""
+        if self.ref_model is not None and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
+            batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
+        if self.role == "policy" and self.algo.is_correction != "none" and "rollout_logprobs" not in batch:
+            batch = with_train_logprobs(batch, self.forward_logprobs(batch))
+        t0 = time.perf_counter()
+        self.model.train()
+        n = batch_size(batch)
+        per_mb = n // self.cfg.mini_batches
+        sums: dict[str, torch.Tensor] = {}
+        updates = self.cfg.epochs * self.cfg.mini_batches
+        for _epoch in range(self.cfg.epochs):
+            for m in range(self.cfg.mini_batches):
+                stats = self._optimizer_step(select(batch, slice(m * per_mb, (m + 1) * per_mb)))
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v / updates
+        # the stage's wall time minus this is what moving the batch and calling the worker cost
+        return {k: float(v) for k, v in sums.items()} | {"worker_s": time.perf_counter() - t0}
+
+    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One supervised optimizer step on this worker's shard: NLL of the loss-masked (response) tokens.
+
+        The logprobs are the model's own (temperature 1), not the rollout's temperature-scaled ones."""
+        t0 = time.perf_counter()
+        self.model.train()
+        stats = self._optimizer_step(batch, sft=True)
+        return {k: float(v) for k, v in stats.items()} | {"worker_s": time.perf_counter() - t0}
+
+    def _optimizer_step(self, mb: TrainBatch, sft: bool = False) -> dict[str, torch.Tensor]:
+        mode = "token_mean" if sft else self.loss_agg
+        total_weight = self._all_reduce(algorithms.aggregation_weight(mb["loss_mask"], mode).double().clone())
+        self.optimizer.zero_grad(set_to_none=False)
+        metric_sums: dict[str, torch.Tensor] = {}
+        for i in range(0, batch_size(mb), self.cfg.micro_batch_size):
+            micro = {k: v.to(self.device) for k, v in select(mb, slice(i, i + self.cfg.micro_batch_size)).items()}
+            loss, metrics = self._loss(micro, sft)
+            share = algorithms.aggregation_weight(micro["loss_mask"], mode).double() / total_weight.clamp(min=1)
+            (loss * share.float()).backward()
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().double().cpu() * share.cpu()
+        grads = [p.grad for p in self.model.parameters()]
+        if self.world_size > 1:  # one flat all-reduce instead of one per parameter
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        keys = sorted(metric_sums)
+        reduced = self._all_reduce(torch.stack([metric_sums[k] for k in keys])) if keys else torch.zeros(0)
+        out = dict(zip(keys, reduced, strict=True))
+        out["grad_norm"] = grad_norm.detach().double().cpu()
+        out["lr"] = torch.tensor(self.scheduler.get_last_lr()[0], dtype=torch.float64)
+        self.scheduler.step()  # the schedule counts optimizer steps
+        return out
+
+    def _loss(self, micro: TrainBatch, sft: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The role's objective on one micro-batch (aggregated over it with self.loss_agg) and its metrics;
+        sft: the NLL of the response tokens under the model's own (temperature 1) distribution."""
+        if sft:
+            logprobs, entropy = self._forward(self.model, micro, True, 1.0)
+            return algorithms.sft_loss(logprobs, micro["loss_mask"], "token_mean", entropy=entropy.detach())
+        if self.role == "critic":
+            loss, metrics = algorithms.value_loss(
+                self._values(micro), micro["old_values"], micro["returns"], micro["loss_mask"],
+                clip_range=self.value_clip, loss_agg=self.loss_agg,
+            )
+            return loss, metrics | {"value_loss": loss.detach()}
+        logprobs, entropy = self._forward(self.model, micro, True)  # entropy is logged even when not in the loss
+        return algorithms.rl_loss(
+            logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], norm_len=self.norm_len,
+            ref_logprobs=micro.get("ref_logprobs"), rollout_logprobs=micro.get("rollout_logprobs"),
+            entropy=entropy if self.algo.entropy_coef else entropy.detach(), **self.algo.loss_kwargs(),
+        )
+
+    # ---- weights and checkpoints ---------------------------------------------------------------------
+    def named_tensors(self, names: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """HF-named weights (all, or the named ones) on CPU: what weight sync sends to rollout engines."""
+        params = dict(self.model.named_parameters())
+        return [(n, params[n].detach().cpu()) for n in (names or list(params))]
+
+    def put_weights_to_store(
+        self, storage: StorageConfig, run: str, version: int, index: int, names: list[str]
+    ) -> None:
+        """Write bucket `index` (these weights) of weight version `version` to the run store."""
+        put_bucket(storage, run, version, index, self.named_tensors(names))
+
+    # GPU transports (rlflow.engines.sync.gpu): IPC handles for a colocated rollout worker, NCCL for others
+    def cuda_ipc_handles(self) -> list[tuple[str, tuple]]:
+        """Handles of this worker's parameters for its colocated rollout worker (shared once, copied each sync)."""
+        torch.cuda.synchronize()
+        return export_ipc_handles([(n, p.data) for n, p in self.model.named_parameters()])
+
+    def nccl_connect(self, host: str, port: int, world_size: int, rollout_precision: str) -> None:
+        self._nccl = NcclChannel(host, port, 0, world_size, torch.device(self.device, torch.cuda.current_device()))
+        self._nccl_dtype = DTYPES[rollout_precision]
+
+    def nccl_send(self, buckets: list[list[str]]) -> int:
+        """Broadcast every bucket (rank 0 of the weight-sync group); returns bytes sent."""
+        return self._nccl.send(dict(self.model.named_parameters()), buckets, self._nccl_dtype)
+
+    def link_bandwidth(self, kind: str, nbytes: int) -> float:
+        """GB/s of the link a GPU transport uses ('copy': bf16 -> bf16 on this GPU; 'cast_copy': fp32 -> bf16
+        on this GPU; 'nccl': the weight-sync group)."""
+        if kind == "nccl":
+            return self._nccl.measure_bandwidth(nbytes)
+        source = {"copy": torch.bfloat16, "cast_copy": torch.float32}[kind]
+        return device_copy_bandwidth(torch.device(self.device, torch.cuda.current_device()), nbytes,
+                                     source_dtype=source)
+
+    @torch.no_grad()
+    def weights_digest(self, dtype: str) -> float:
+        """Sum of every weight cast to `dtype`: benchmarks check a GPU sync delivered the same weights."""
+        return float(sum(p.to(DTYPES[dtype]).double().sum() for p in self.model.parameters()))
+
+    def weight_layout(self) -> list[tuple[str, int]]:
+        """(name, bytes) of every weight, in order: lets the sync plan buckets without moving tensors."""
+        return [(n, p.numel() * p.element_size()) for n, p in self.model.named_parameters()]
+
+    def weight_shapes(self) -> dict[str, list[int]]:
+        return {n: list(p.shape) for n, p in self.model.named_parameters()}
+
+    def save(self, path: str | Path) -> None:
+        """Model, optimizer, scheduler and RNG state in safetensors + JSON (no pickle)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            self.model.save_pretrained(path / "model")
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        tensors, scalars = {}, {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if torch.is_tensor(value) and value.dim() > 0:
+                        tensors[f"{names[id(p)]}.{key}"] = value.detach().cpu().contiguous()
+                    else:
+                        scalars[f"{names[id(p)]}.{key}"] = float(value)
+        if self.rank == 0:
+            save_file(tensors, str(path / "optimizer.safetensors"))
+        state = {
+            "optimizer_scalars": scalars,
+            "scheduler": self.scheduler.state_dict() | {"lr_lambdas": None},
+            "rng": rng_state(),
+        }
+        (path / f"trainer_rank{self.rank}.json").write_text(json.dumps(state))
+
+    def load(self, path: str | Path) -> None:
+        path = Path(path)
+        model_file = path / "model" / "model.safetensors"
+        with torch.no_grad():
+            for name, t in load_file(str(model_file)).items():
+                dict(self.model.named_parameters())[name].copy_(t)
+        state = json.loads((path / f"trainer_rank{self.rank}.json").read_text())
+        tensors = load_file(str(path / "optimizer.safetensors"))
+        for name, p in self.model.named_parameters():
+            st = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                if f"{name}.{key}" in tensors:
+                    st[key] = tensors[f"{name}.{key}"].to(p.device)
+            if f"{name}.step" in state["optimizer_scalars"]:
+                st["step"] = torch.tensor(state["optimizer_scalars"][f"{name}.step"])
+            if st:
+                self.optimizer.state[p] = st
+        sched = state["scheduler"]
+        sched.pop("lr_lambdas", None)
+        self.scheduler.load_state_dict(sched | {"lr_lambdas": [None]})
+        set_rng_state(state["rng"])
+
+    def data_parallel_rank(self) -> int:
+        """Which shard of the data this worker trains on: every worker is a data-parallel copy."""
+        return self.rank
+
+    def pid(self) -> int:
+        """This worker's process id (fault-injection drills kill it)."""
+        return os.getpid()
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def with_train_logprobs(batch: TrainBatch, train_logprobs: torch.Tensor) -> TrainBatch:
+    """The batch for decoupled PPO: the train engine's logprobs become PPO's old policy, the rollout's the IS one.
+
+    Three policies take part in a step with importance-sampling correction (as slime and verl structure it):
+    the rollout engine's policy sampled the tokens (`rollout_logprobs`, from pack_samples' old_logprobs); the
+    train engine's logprobs of the same, not yet updated, weights are the proximal policy PPO's ratio and clip
+    are taken against (`old_logprobs`, recomputed once per step, before the first update); and the policy being
+    trained. Their difference is numerical (kernels, precision, batch shapes), and only the IS weight
+    p_train_old / p_rollout sees it, truncated (TIS) or masked (IcePop), instead of leaking into PPO's clip.
+    Without correction the rollout logprobs stay PPO's old policy and no extra forward pass is made.
+    """
+    return {**batch, "rollout_logprobs": batch["old_logprobs"], "old_logprobs": train_logprobs}
+
+
+def rng_state() -> dict:
+    """Python, numpy and torch RNG state as JSON-friendly values."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state().tolist(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
