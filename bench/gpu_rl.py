@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 
 from rlflow.engines.core.config import RLConfig, load_recipe
+from rlflow.engines.core.protocols import RolloutBackend
+from rlflow.engines.sync.endpoints import GpuLinkProbe
 
 QWEN2 = {  # Qwen2.5-0.5B and -1.5B shapes (tied embeddings)
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -93,23 +95,24 @@ def weight_sync(size: str, mode: str, repeats: int) -> dict:
             if step:  # the first sync also sets the link up
                 times.append(m["sync/bytes"] / m["sync/gb_per_s"] / 1e9)
                 t0 = time.perf_counter()  # a no-op round trip: the control cost inside every sync
-                in_worker.append(rollout.call_rank0("last_update_seconds"))
+                in_worker.append(rollout.call_rank0(RolloutBackend.last_update_seconds))
                 ray_call.append(time.perf_counter() - t0)
         nbytes = m["sync/bytes"]
-        digest_ok = abs(train.call_rank0("weights_digest", "bf16") - rollout.call_rank0("weights_digest")) < 1e-3
+        digest = GpuLinkProbe.weights_digest
+        digest_ok = abs(train.call_rank0(digest, "bf16") - rollout.call_rank0(digest)) < 1e-3
         extra = {}
         if transport == "cuda_ipc":  # what a colocated step really pays: weights released for training, resumed
             for step in range(repeats):
                 t0 = time.perf_counter()
-                rollout.call("release_memory_occupation")
+                rollout.call(RolloutBackend.release_memory_occupation)
                 session.sync_weights(repeats + 1 + step)
                 released.append(time.perf_counter() - t0)
-            link = train.call_rank0("link_bandwidth", "copy", 1 << 30)
+            link = train.call_rank0(GpuLinkProbe.link_bandwidth, "copy", 1 << 30)
             link_name = "device-to-device copy"
-            extra["cast_copy_gb_per_s"] = train.call_rank0("link_bandwidth", "cast_copy", 1 << 30)
+            extra["cast_copy_gb_per_s"] = train.call_rank0(GpuLinkProbe.link_bandwidth, "cast_copy", 1 << 30)
         elif transport == "nccl":
-            probe = train.submit_rank0("link_bandwidth", "nccl", 1 << 30)
-            rollout.call("link_bandwidth", "nccl", 1 << 30)
+            probe = train.submit_rank0(GpuLinkProbe.link_bandwidth, "nccl", 1 << 30)
+            rollout.call(GpuLinkProbe.link_bandwidth, "nccl", 1 << 30)
             link = train.wait([probe])[0]
             link_name = "NCCL broadcast, GPU to GPU"
         else:

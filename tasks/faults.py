@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import signal
 
+from rlflow.engines.core.protocols import RolloutBackend, TrainBackend
+
 ENV = "RLFLOW_FAULT"
 
 
@@ -36,7 +38,9 @@ def maybe_inject(run, stage: str, step: int, when: str) -> None:
         if ctx is None or ctx.flow_run is None or ctx.flow_run.run_count <= 1:
             raise InjectedFault(f"{ENV}={spec}")
         return
-    group = {"train": run.session.train_group, "rollout": run.session.rollout_group,
-             "critic": run.session.critic_group}[target]
-    pid = group.call_rank0("pid")
+    s = run.session
+    if target == "rollout":
+        pid = s.rollout_group.call_rank0(RolloutBackend.pid)
+    else:
+        pid = (s.train_group if target == "train" else s.critic_group).call_rank0(TrainBackend.pid)
     os.kill(pid, signal.SIGKILL)

@@ -19,6 +19,7 @@ from rlflow.engines.core.config import (
     config_from_dict,
     load_recipe,
 )
+from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.models.hf import load_model
 from rlflow.engines.session.preflight import find_problems
 from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
@@ -255,12 +256,13 @@ def test_data_parallel_critic_matches_single_worker(tiny_model_dir, ray_cluster)
     )
     try:
         for _ in range(2):
-            m1 = single.call_each("train_step", [(s,) for s in shard_for_workers(batch, 1, 2)])[0]
-            m2 = pair.wait(pair.submit_each("train_step", [(s,) for s in shard_for_workers(batch, 2, 2)]))
+            m1 = single.call_each(TrainBackend.train_step, [(s,) for s in shard_for_workers(batch, 1, 2)])[0]
+            m2 = pair.wait(pair.submit_each(TrainBackend.train_step, [(s,) for s in shard_for_workers(batch, 2, 2)]))
         assert m1["value_loss"] > 0 and m1["value_loss"] == pytest.approx(m2[0]["value_loss"], abs=1e-6)
         assert m2[0]["value_loss"] == m2[1]["value_loss"]  # every rank reports the global loss
         start = dict(_critic(tiny_model_dir).named_tensors())
-        assert_same_update(start, single.call_rank0("named_tensors"), pair.call_rank0("named_tensors"))
+        weights = TrainBackend.named_tensors
+        assert_same_update(start, single.call_rank0(weights), pair.call_rank0(weights))
     finally:  # its actors hold the module's Ray CPUs
         pair.shutdown()
 

@@ -104,9 +104,9 @@ def test_rollout_only_in_the_bare_loop_leaves_the_weights_unchanged(tmp_path):
     session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
     try:
         assert len(session.train_group) == 0  # no train workers started
-        before = session.rollout_group.call("named_tensors")[0]
+        before = session.rollout_group.call(TorchRolloutBackend.named_tensors)[0]
         hist = run_steps(session, cfg, log=lambda line: None)
-        after = session.rollout_group.call("named_tensors")[0]
+        after = session.rollout_group.call(TorchRolloutBackend.named_tensors)[0]
     finally:
         session.shutdown()
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(before, after, strict=True))

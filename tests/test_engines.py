@@ -10,6 +10,7 @@ import torch
 from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, free_port
 from rlflow.engines.core.batch import pack_samples, shard_for_workers
 from rlflow.engines.core.config import AlgorithmConfig, ClusterConfig, TrainConfig
+from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
@@ -114,14 +115,15 @@ def test_data_parallel_matches_single_worker(tiny_model_dir, ray_cluster):
         num_cpus=0.5, name="dp-test",
     )
     for _ in range(2):
-        m1 = single.call_each("train_step", [(s,) for s in shard_for_workers(batch, 1, 2)])[0]
-        m2 = pair.call_each("train_step", [(s,) for s in shard_for_workers(batch, 2, 2)])
+        m1 = single.call_each(TrainBackend.train_step, [(s,) for s in shard_for_workers(batch, 1, 2)])[0]
+        m2 = pair.call_each(TrainBackend.train_step, [(s,) for s in shard_for_workers(batch, 2, 2)])
     for m in (m1, *m2):
         m.pop("worker_s")  # wall time, differs per rank
     assert m2[0] == pytest.approx(m2[1])  # every rank reports the global metrics
     assert m1["loss"] == pytest.approx(m2[0]["loss"], abs=1e-6)
-    start = dict(LocalWorkerGroup([TorchTrainBackend(tiny_model_dir, train, algo)]).call_rank0("named_tensors"))
-    assert_same_update(start, single.call_rank0("named_tensors"), pair.call_rank0("named_tensors"))
+    weights = TrainBackend.named_tensors
+    start = dict(LocalWorkerGroup([TorchTrainBackend(tiny_model_dir, train, algo)]).call_rank0(weights))
+    assert_same_update(start, single.call_rank0(weights), pair.call_rank0(weights))
     pair.shutdown()
 
 

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralC
 
 from rlflow.engines.core.batch import shard_for_workers
 from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig
+from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.train.megatron.checkpoint import optimizer_state
 from rlflow.engines.train.megatron.hf_config import UnsupportedModel, spec_from_hf
 from rlflow.engines.train.megatron.microbatch import micro_batches, restore_width
@@ -355,9 +356,9 @@ def test_ray_tensor_parallel_group_syncs_gathered_weights(recipe, mcore, tmp_pat
         metrics = session.train(0)
         session.sync_weights(0)
         assert math.isfinite(metrics["train/loss"])
-        ranks = session.train_group.call("data_parallel_rank")
+        ranks = session.train_group.call(TrainBackend.data_parallel_rank)
         assert ranks == [0, 0]  # one TP group: both ranks train on the same data
-        gathered = session.train_group.wait(session.train_group.submit("named_tensors", None))
+        gathered = session.train_group.wait(session.train_group.submit(TrainBackend.named_tensors, None))
         assert gathered[1] == []  # only rank 0 holds the full tensors
         rollout = session.rollout_group.workers[0]
         synced = dict(ray.get(rollout.__ray_call__.remote(lambda w: list(w.model.state_dict().items()))))

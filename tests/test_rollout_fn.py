@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from rlflow.engines.core.config import config_from_dict
+from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.rollout.dynamic_sampling import Carry, collect_groups
 from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, load_rollout_fn, single_turn
 from rlflow.engines.rollout.router import RolloutRouter
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
+from rlflow.engines.sync.endpoints import GpuLinkProbe
 from tests.conftest import small_recipe
 
 PARAMS = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop": []}
@@ -250,7 +252,7 @@ def test_a_dead_rollout_worker_is_routed_around_then_restarted_with_current_weig
             getattr(session, stage)(0)
         old_url = session.server_urls[0]
         if use_ray:
-            os.kill(session.rollout_group.call_one(0, "pid"), signal.SIGKILL)
+            os.kill(session.rollout_group.call_one(0, RolloutBackend.pid), signal.SIGKILL)
         else:
             session.rollout_group.workers[0].close()
         m = session.rollout(1)  # every request lands, on worker 1
@@ -258,7 +260,7 @@ def test_a_dead_rollout_worker_is_routed_around_then_restarted_with_current_weig
         for stage in ("reward", "advantages", "train", "sync_weights"):
             getattr(session, stage)(1)
         assert session.workers_restarted == 1 and session.router.workers[0].url != old_url
-        digests = session.rollout_group.call("weights_digest")
+        digests = session.rollout_group.call(GpuLinkProbe.weights_digest)
         assert digests[0] == pytest.approx(digests[1], rel=1e-6)
         info = httpx.get(f"{session.router.workers[0].url}/get_model_info").json()
         assert info["weight_version"] == str(session.weight_version) == "2"

@@ -28,9 +28,11 @@ from safetensors.torch import load_file, save_file
 
 from rlflow.engines.cluster.groups import free_port
 from rlflow.engines.core.config import ModelConfig
+from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.models.hf import build_tiny_model
 from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend, gpus_per_server, server_args
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.sync.distributed import (
     broadcast_weights,
     destroy_weights_update_group,
@@ -294,7 +296,7 @@ def _session_run(recipe, tmp_path, name: str, transport: str, use_ray: bool = Fa
         for step in range(2):
             for stage in ("rollout", "reward", "advantages", "train", "sync_weights"):
                 metrics.append(getattr(session, stage)(step))
-        trained = dict(session.train_group.call_rank0("named_tensors"))
+        trained = dict(session.train_group.call_rank0(TrainBackend.named_tensors))
         assert not (tmp_path / "weights" / name / "weights" / "v00000002").exists(), "a loaded version is removed"
         if transport == "distributed":  # nothing went through the disk
             assert not (tmp_path / "weights").exists()
@@ -308,7 +310,7 @@ def test_transport_gives_the_embedded_engine_the_trainers_weights(recipe, tmp_pa
     # the embedded engine's server joins the group from its own process: a Ray actor (the config refuses less)
     use_ray = transport == "distributed"
     with _session_run(recipe, tmp_path, f"{transport}-torch", transport, use_ray) as (session, trained, metrics):
-        rollout = dict(session.rollout_group.call_rank0("named_tensors"))
+        rollout = dict(session.rollout_group.call_rank0(TorchRolloutBackend.named_tensors))
         assert trained.keys() == rollout.keys()
         for name in trained:
             assert torch.equal(trained[name], rollout[name]), name
@@ -320,8 +322,6 @@ def test_sglang_backend_runs_rl_steps(recipe, tmp_path, transport):
     """Two RL steps whose rollouts come from the launched server (the worker's /generate) and whose weights
     reach it through /update_weights_from_disk, or a weight-update group and /update_weights_from_distributed;
     the server then generates what the trainer's weights give."""
-    from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
-
     rollout = {"backend": "sglang", "sglang": {"launch_module": EMBEDDED, "args": {"random-seed": 0}}}
     with _session_run(recipe, tmp_path, f"{transport}-sglang", transport, rollout=rollout) as (session, trained,
                                                                                                 metrics):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
 from rlflow.engines.store.run_store import RunStore
 
@@ -16,7 +17,7 @@ def _rollout_weights_after(cfg, tmp_path, steps: int) -> dict[str, torch.Tensor]
         for step in range(steps):
             for stage in ("rollout", "reward", "advantages", "train", "sync_weights"):
                 getattr(session, stage)(step)
-        return dict(session.rollout_group.call_rank0("named_tensors"))
+        return dict(session.rollout_group.call_rank0(TorchRolloutBackend.named_tensors))
     finally:
         session.shutdown()
 

@@ -10,46 +10,54 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 from rlflow.engines.core.config import ClusterConfig
+from rlflow.engines.core.protocols import bound, missing_methods
 
 PLACEMENT_TIMEOUT_S = 300
 
+B = TypeVar("B")
+P = ParamSpec("P")
+R = TypeVar("R")
 
-class LocalWorkerGroup:
+
+class LocalWorkerGroup(Generic[B]):
     """Workers as plain objects in this process (one worker, or sequential calls for tests)."""
 
-    def __init__(self, workers: Sequence[Any], factory: Callable[[int], Any] | None = None):
-        """`factory(rank)` builds a worker again for `restart`."""
+    def __init__(self, workers: Sequence[B], factory: Callable[[int], B] | None = None,
+                 protocols: Sequence[type] = ()):
+        """`factory(rank)` builds a worker again for `restart`; `protocols` as for RayWorkerGroup."""
+        for w in workers:
+            check_implements(type(w), protocols)
         self.workers, self.factory = list(workers), factory
 
     def __len__(self) -> int:
         return len(self.workers)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call(self, method: Callable[Concatenate[B, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Same arguments to every worker; results in rank order."""
-        return [getattr(w, method)(*args, **kwargs) for w in self.workers]
+        return [bound(w, method)(*args, **kwargs) for w in self.workers]
 
-    def call_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+    def call_each(self, method: Callable[..., R], per_worker_args: Sequence[tuple]) -> list[R]:
         """Worker i gets per_worker_args[i] (e.g. its shard of a batch)."""
-        return [getattr(w, method)(*a) for w, a in zip(self.workers, per_worker_args, strict=True)]
+        return [bound(w, method)(*a) for w, a in zip(self.workers, per_worker_args, strict=True)]
 
-    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.workers[0], method)(*args, **kwargs)
+    def call_rank0(self, method: Callable[Concatenate[B, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        return bound(self.workers[0], method)(*args, **kwargs)
 
-    def call_one(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.workers[rank], method)(*args, **kwargs)
+    def call_one(self, rank: int, method: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        return bound(self.workers[rank], method)(*args, **kwargs)
 
-    def submit_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+    def submit_each(self, method: Callable[..., Any], per_worker_args: Sequence[tuple]) -> list[Any]:
         """call_each without waiting (here: it runs now); `wait` gives the results."""
         return self.call_each(method, per_worker_args)
 
-    def submit_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def submit_rank0(self, method: Callable[Concatenate[B, P], Any], *args: P.args, **kwargs: P.kwargs) -> Any:
         """Start a call on rank 0 and return a handle another group's `call` accepts as an argument."""
         return self.call_rank0(method, *args, **kwargs)
 
-    def submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def submit(self, method: Callable[Concatenate[B, P], Any], *args: P.args, **kwargs: P.kwargs) -> list[Any]:
         """Start a call on every worker (a collective); handles in rank order, for another group's `call`."""
         return self.call(method, *args, **kwargs)
 
@@ -77,14 +85,17 @@ class LocalWorkerGroup:
         self.workers.clear()
 
 
-class RayWorkerGroup:
+class RayWorkerGroup(Generic[B]):
     """Workers as Ray actors in one placement group (one bundle per worker, packed onto as few nodes as
     fit); calls fan out concurrently and are gathered once per batch, never per sample."""
 
-    def __init__(self, cls: type, num_workers: int, make_kwargs: Callable[[int], dict], num_cpus: float,
-                 name: str, num_gpus: float = 0, placement_group: Any = None):
+    def __init__(self, cls: type[B], num_workers: int, make_kwargs: Callable[[int], dict], num_cpus: float,
+                 name: str, num_gpus: float = 0, placement_group: Any = None, protocols: Sequence[type] = ()):
         """`placement_group`: share another group's bundles (worker i in bundle i; colocation), which that
-        group's owner removes; by default the group makes its own, one bundle per worker."""
+        group's owner removes; by default the group makes its own, one bundle per worker. `protocols`: what
+        the session will call on these workers; a backend that lacks a method fails here, before any actor
+        starts."""
+        check_implements(cls, protocols)
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -131,35 +142,35 @@ class RayWorkerGroup:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call(self, method: Callable[Concatenate[B, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         import ray
 
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return ray.get([bound(w, method).remote(*args, **kwargs) for w in self.workers])
 
-    def call_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+    def call_each(self, method: Callable[..., R], per_worker_args: Sequence[tuple]) -> list[R]:
         import ray
 
-        return ray.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args, strict=True)])
+        return ray.get([bound(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args, strict=True)])
 
-    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def call_rank0(self, method: Callable[Concatenate[B, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         return self.call_one(0, method, *args, **kwargs)
 
-    def call_one(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+    def call_one(self, rank: int, method: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         import ray
 
-        return ray.get(getattr(self.workers[rank], method).remote(*args, **kwargs))
+        return ray.get(bound(self.workers[rank], method).remote(*args, **kwargs))
 
-    def submit_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+    def submit_each(self, method: Callable[..., Any], per_worker_args: Sequence[tuple]) -> list[Any]:
         """call_each without waiting: one ObjectRef per worker, for `wait` (another group can work meanwhile)."""
-        return [getattr(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args, strict=True)]
+        return [bound(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args, strict=True)]
 
-    def submit_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def submit_rank0(self, method: Callable[Concatenate[B, P], Any], *args: P.args, **kwargs: P.kwargs) -> Any:
         """An ObjectRef: passed to another group's `call`, the data goes actor to actor, not via the driver."""
-        return getattr(self.workers[0], method).remote(*args, **kwargs)
+        return bound(self.workers[0], method).remote(*args, **kwargs)
 
-    def submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def submit(self, method: Callable[Concatenate[B, P], Any], *args: P.args, **kwargs: P.kwargs) -> list[Any]:
         """One ObjectRef per worker (a collective every rank must join), in rank order."""
-        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        return [bound(w, method).remote(*args, **kwargs) for w in self.workers]
 
     def wait(self, handles: Sequence[Any]) -> list[Any]:
         import ray
@@ -175,6 +186,14 @@ class RayWorkerGroup:
         self.workers.clear()
         if self._owns_placement:
             remove_placement_group(self.placement_group)
+
+
+def check_implements(cls: type, protocols: Sequence[type]) -> None:
+    """Fail at a group's start when `cls` lacks a method of a protocol it is used through."""
+    for protocol in protocols:
+        missing = missing_methods(cls, protocol)
+        if missing:
+            raise TypeError(f"{cls.__name__} does not implement {protocol.__name__}: missing {missing}")
 
 
 def make_placement_group(bundles: list[dict], name: str) -> Any:

@@ -47,11 +47,13 @@ from safetensors.torch import save_file
 from rlflow.engines.cluster.groups import free_port
 from rlflow.engines.cluster.process_group import stop_group
 from rlflow.engines.core.config import SGLangConfig, StorageConfig
+from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.rollout.engine import Generation
 from rlflow.engines.rollout.torch_backend import pack_generations
 from rlflow.engines.sync.buckets import get_bucket
 from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
+from rlflow.engines.sync.endpoints import DiskReceiver, DistributedReceiver, StoreReceiver
 
 STOP_GRACE_S = 10.0  # SIGTERM first; SIGKILL what is left of the process group after this
 LOG_TAIL_CHARS = 4000
@@ -105,7 +107,7 @@ def request_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([seed & (2**63 - 1), index]).generate_state(1, dtype=np.uint64)[0]) & (2**63 - 1)
 
 
-class SGLangRolloutBackend:
+class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, DistributedReceiver):
     def __init__(
         self,
         model_path: str,

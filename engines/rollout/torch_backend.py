@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlflow.engines.core.config import StorageConfig
+from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.core.trace import TraceRecorder
 from rlflow.engines.models.decoder import DecoderLM
@@ -28,12 +29,23 @@ from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Gene
 from rlflow.engines.rollout.server import RolloutServer
 from rlflow.engines.sync.buckets import get_bucket
 from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
+from rlflow.engines.sync.endpoints import (
+    DiskReceiver,
+    DistributedReceiver,
+    GpuLinkProbe,
+    IpcReceiver,
+    NcclReceiver,
+    StoreReceiver,
+)
 from rlflow.engines.sync.gpu import NcclChannel, copy_plan, flatten_, open_ipc_handles
 
 __all__ = ["Generation", "TorchRolloutBackend", "pack_generations", "concat_packed", "split_packed"]
 
 
-class TorchRolloutBackend:
+class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiver, NcclReceiver,
+                          DistributedReceiver, GpuLinkProbe):
+    """The embedded engine as a rollout worker: continuous batching behind SGLang's HTTP API."""
+
     def __init__(
         self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None,
         batch_size: int = 512, context_len: int = 4096, trace: bool = False, rank: int = 0,

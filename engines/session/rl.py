@@ -25,6 +25,7 @@ from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, free
 from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import TrainBatch, batch_size, pack_samples, select, shard_for_workers
 from rlflow.engines.core.config import RLConfig, StorageConfig
+from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
 from rlflow.engines.core.trace import TraceRecorder, chrome_trace, merge, now_us, within
 from rlflow.engines.data.builtin_tasks import write_task_files
 from rlflow.engines.data.prompts import PromptCursor, load_prompts
@@ -44,6 +45,15 @@ from rlflow.engines.sync.buckets import (
     version_dir,
 )
 from rlflow.engines.sync.distributed import dtype_name
+from rlflow.engines.sync.endpoints import (
+    DiskReceiver,
+    DistributedSender,
+    IpcReceiver,
+    NcclReceiver,
+    NcclSender,
+    StoreReceiver,
+    StoreSender,
+)
 from rlflow.engines.train.torch_backend import TorchTrainBackend, with_train_logprobs
 
 
@@ -88,11 +98,15 @@ def prepare_model(cfg: RLConfig, workdir: str | Path) -> str:
     return str(out)
 
 
+# what the session calls on each group (the weight transports check their own needs when they connect)
+TRAIN, ROLLOUT, CRITIC = (TrainBackend,), (RolloutBackend,), (CriticBackend,)
+
 STAGE_LANES = ("rollout", "reward", "advantages", "train", "sync-weights", "evaluate", "checkpoint")
 
 
 class RLSession:
-    def __init__(self, cfg: RLConfig, model_path: str, train_group, rollout_group, critic_group=None):
+    def __init__(self, cfg: RLConfig, model_path: str, train_group: WorkerGroup[TrainBackend],
+                 rollout_group: WorkerGroup[RolloutBackend], critic_group: WorkerGroup[CriticBackend] | None = None):
         self.cfg, self.model_path = cfg, model_path
         self.train_group, self.rollout_group = train_group, rollout_group
         self.critic_group = critic_group  # the value model's train workers (role "critic"), when the run has one
@@ -154,23 +168,23 @@ class RLSession:
         if not use_ray:
             if n_train > 1 or (critic_kwargs and cfg.critic.num_workers > 1):
                 raise ValueError("train.num_workers / critic.num_workers > 1 need cluster.use_ray: true")
-            train = LocalWorkerGroup([train_cls(**train_kwargs(r)) for r in range(n_train)])
+            train = LocalWorkerGroup([train_cls(**train_kwargs(r)) for r in range(n_train)], protocols=TRAIN)
             rollout = LocalWorkerGroup([rollout_cls(**rollout_kwargs(r)) for r in range(n_rollout)],
-                                       factory=lambda r: rollout_cls(**rollout_kwargs(r)))
+                                       factory=lambda r: rollout_cls(**rollout_kwargs(r)), protocols=ROLLOUT)
             if critic_kwargs:
-                critic = LocalWorkerGroup([TorchTrainBackend(**critic_kwargs(0))])
+                critic = LocalWorkerGroup([TorchTrainBackend(**critic_kwargs(0))], protocols=CRITIC)
         else:
             init_ray(cfg.cluster)
             train, rollout = _ray_groups(cfg, train_cls, train_kwargs, rollout_kwargs, n_train, n_rollout)
             if critic_kwargs:  # its own actors and placement group (on GPUs: GPUs of its own, also when colocated)
                 gpus = 1.0 if cfg.train.device == "cuda" else 0.0
                 critic = RayWorkerGroup(TorchTrainBackend, cfg.critic.num_workers, critic_kwargs,
-                                        cfg.cluster.cpus_per_worker, f"{cfg.name}-critic", gpus)
+                                        cfg.cluster.cpus_per_worker, f"{cfg.name}-critic", gpus, protocols=CRITIC)
         session = cls(cfg, model_path, train, rollout, critic)
         if n_rollout:  # rollout functions talk HTTP to one router in front of every worker's server
             from rlflow.engines.rollout.router import RolloutRouter
 
-            session.server_urls = rollout.call("start_server")
+            session.server_urls = rollout.call(RolloutBackend.start_server)
             session.router = RolloutRouter(session.server_urls)
             session.runner = RolloutRunner(session.rollout_fn, session.router.url, n_rollout)
         return session
@@ -416,11 +430,11 @@ class RLSession:
         metrics = {"train/staleness_mean": float(staleness.mean()), "train/staleness_max": float(staleness.max())}
         if step >= self.cfg.critic.freeze_policy_steps or self.critic_group is None:
             if self._dp_ranks is None:  # ranks of one tensor/pipeline-parallel group train on the same shard
-                self._dp_ranks = self.train_group.call("data_parallel_rank")
+                self._dp_ranks = self.train_group.call(TrainBackend.data_parallel_rank)
             shards = shard_for_workers(batch, max(self._dp_ranks) + 1, self.cfg.train.mini_batches)
             if self.cfg.cluster.colocate:  # the rollout engine's weights give their GPU memory to training
-                self.rollout_group.call("release_memory_occupation")
-            results = self.train_group.call_each("train_step", [(shards[r],) for r in self._dp_ranks])
+                self.rollout_group.call(RolloutBackend.release_memory_occupation)
+            results = self.train_group.call_each(TrainBackend.train_step, [(shards[r],) for r in self._dp_ranks])
             metrics["time/train_worker"] = results[0].pop("worker_s")
             metrics |= {f"train/{k}": v for k, v in results[0].items()}
         if critic is not None:
@@ -439,7 +453,7 @@ class RLSession:
         self.replace_dead_rollout_workers(probe=True)
         t0 = time.perf_counter()
         if self._weight_layout is None:
-            self._weight_layout = self.train_group.call_rank0("weight_layout")
+            self._weight_layout = self.train_group.call_rank0(TrainBackend.weight_layout)
         layout = self._weight_layout
         version = step + 1
         ws = self.cfg.weight_sync
@@ -449,12 +463,12 @@ class RLSession:
         if ws.transport == "cuda_ipc":
             if not self._linked:
                 self._linked = connect_ipc(self.train_group, self.rollout_group)
-            self.rollout_group.call("update_weights_from_ipc", version)
+            self.rollout_group.call(IpcReceiver.update_weights_from_ipc, version)
         elif ws.transport == "nccl":
             if not self._linked:
                 self._linked = connect_nccl(self.train_group, self.rollout_group, self.cfg.rollout.precision)
-            send = self.train_group.submit_rank0("nccl_send", buckets)
-            self.rollout_group.call("update_weights_from_nccl", buckets, version)
+            send = self.train_group.submit_rank0(NcclSender.nccl_send, buckets)
+            self.rollout_group.call(NcclReceiver.update_weights_from_nccl, buckets, version)
             self.train_group.wait([send])
         elif ws.transport == "distributed":
             self._sync_distributed(buckets, version)
@@ -464,19 +478,19 @@ class RLSession:
         elif ws.transport == "disk":  # rank 0 writes the version's folder; every worker loads it, then it goes
             disk, run = StorageConfig(uri=ws.disk_dir), self.cfg.name
             for i, names in enumerate(buckets):
-                self._train_rank0("put_weights_to_store", disk, run, version, i, names)
+                self._train_rank0(StoreSender.put_weights_to_store, disk, run, version, i, names)
             folder = RunStore(disk, run)
-            self.rollout_group.call("update_weights_from_disk", folder.path(*version_dir(version)), version)
+            self.rollout_group.call(DiskReceiver.update_weights_from_disk, folder.path(*version_dir(version)), version)
             folder.remove(*version_dir(version))
         else:
             storage, run = self.cfg.storage, self.cfg.name
             for i, names in enumerate(buckets):
-                self._train_rank0("put_weights_to_store", storage, run, version, i, names)
-                self.rollout_group.call("update_weights_from_store", storage, run, version, i)
+                self._train_rank0(StoreSender.put_weights_to_store, storage, run, version, i, names)
+                self.rollout_group.call(StoreReceiver.update_weights_from_store, storage, run, version, i)
             RunStore(storage, run).remove(*version_dir(version))
         self.weight_version = version
         if self._rollout_weight_bytes is None:
-            self._rollout_weight_bytes = self.rollout_group.call_rank0("weight_bytes")
+            self._rollout_weight_bytes = self.rollout_group.call_rank0(RolloutBackend.weight_bytes)
         nbytes = self._rollout_weight_bytes  # what each rollout worker received, in its own dtype
         dt = time.perf_counter() - t0
         return {"sync/weight_version": float(version), "sync/bytes": float(nbytes), "sync/gb_per_s": nbytes / dt / 1e9}
@@ -493,10 +507,11 @@ class RLSession:
             self._weights_group = connect_distributed(
                 self.train_group, self.rollout_group, f"rlflow-weights-{cfg.name}-{self.workers_restarted}", backend,
                 ranks, previous=self._weights_group)
-            self._weight_shapes = self.train_group.call_rank0("weight_shapes")
+            self._weight_shapes = self.train_group.call_rank0(TrainBackend.weight_shapes)
             self._linked = True
         dtype = dtype_name(DTYPES[cfg.rollout.precision])
-        send_distributed(lambda names: self._train_rank0("broadcast_weights_update", names, dtype), self.rollout_group,
+        broadcast = DistributedSender.broadcast_weights_update
+        send_distributed(lambda names: self._train_rank0(broadcast, names, dtype), self.rollout_group,
                          buckets, self._weight_shapes, dtype, version, self._weights_group)
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
@@ -540,7 +555,7 @@ class RLSession:
             dead = [i for i in dead if not alive[i] or not _answers(self.router.workers[i].url)]
             for i in dead:
                 self.rollout_group.restart(i)
-                self.router.replace(i, self.rollout_group.call_one(i, "start_server"))
+                self.router.replace(i, self.rollout_group.call_one(i, RolloutBackend.start_server))
             if dead:
                 self._linked = False  # connected transports connect again, the new worker included
                 self._send_weights(None, self.weight_version)
@@ -553,17 +568,17 @@ class RLSession:
 
         The cursor is saved as it was after `step` took its prompts: with one-step-off async the next
         step has already taken its own, and a resumed run reuses that batch from the store."""
-        self.train_group.call("save", str(path))
+        self.train_group.call(TrainBackend.save, str(path))
         self.tokenizer.save_pretrained(Path(path) / "model")  # so model/ loads with transformers as it is
         if self.critic_group is not None:
-            self.critic_group.call("save", str(Path(path) / "critic"))
+            self.critic_group.call(CriticBackend.save, str(Path(path) / "critic"))
         return {"cursor": self._cursor_after[step], "weight_version": self.weight_version,
                 "carry": self._carry_after.get(step, [])}
 
     def load(self, path: str | Path, controller_state: dict) -> None:
-        self.train_group.call("load", str(path))
+        self.train_group.call(TrainBackend.load, str(path))
         if self.critic_group is not None:
-            self.critic_group.call("load", str(Path(path) / "critic"))
+            self.critic_group.call(CriticBackend.load, str(Path(path) / "critic"))
         self.cursor.load_state_dict(controller_state["cursor"])
         self._carry = [Carry.from_json(c, self._fn_tokenizer) for c in controller_state.get("carry", [])]
         self.weight_version = controller_state["weight_version"]
@@ -587,7 +602,7 @@ class RLSession:
         `drain_trace` call per rollout worker returns (per-request events, weight updates)."""
         end = now_us()
         start = self._step_start_us.get(step, end)
-        sources = [self.trace.drain(), *self.rollout_group.call("drain_trace")]
+        sources = [self.trace.drain(), *self.rollout_group.call(RolloutBackend.drain_trace)]
         carry = self._trace_carry + [[]] * (len(sources) - len(self._trace_carry))
         sources = [_dedup_meta(c + s) for c, s in zip(carry, sources, strict=True)]
         # one-step-off: the next step's rollout already ran; its events also belong to the next trace
@@ -598,7 +613,7 @@ class RLSession:
         return chrome_trace(within(merge(sources), start, end))
 
     # ---- helpers -------------------------------------------------------------------------------------
-    def _train_rank0(self, method: str, *args):
+    def _train_rank0(self, method, *args):
         """Call rank 0's `method`; with sharded weights every rank joins (it gathers collectively)."""
         if not self.collective_weights:
             return self.train_group.call_rank0(method, *args)
@@ -609,10 +624,12 @@ class RLSession:
     def _send_weights(self, names: list[str] | None, version: int) -> None:
         """Train rank 0's HF-named tensors (`names`, or all) to every rollout worker, actor to actor."""
         if not self.collective_weights:
-            self.rollout_group.call("update_weights", self.train_group.submit_rank0("named_tensors", names), version)
+            weights = self.train_group.submit_rank0(TrainBackend.named_tensors, names)
+            self.rollout_group.call(RolloutBackend.update_weights, weights, version)
             return
-        handles = self.train_group.submit("named_tensors", names)  # every rank joins the gather; rank 0 holds it
-        self.rollout_group.call("update_weights", handles[0], version)
+        # every rank joins the gather; rank 0 holds it
+        handles = self.train_group.submit(TrainBackend.named_tensors, names)
+        self.rollout_group.call(RolloutBackend.update_weights, handles[0], version)
         self.train_group.wait(handles)
 
     def _take_rows(self, step: int) -> list[dict]:
@@ -648,7 +665,7 @@ class RLSession:
         n = len(self.train_group)
         per = batch_size(batch) // n
         parts = [(select(batch, slice(w * per, (w + 1) * per)), reference) for w in range(n)]
-        return torch.cat(self.train_group.call_each("forward_logprobs", parts))
+        return torch.cat(self.train_group.call_each(TrainBackend.forward_logprobs, parts))
 
     def _critic_values(self, batch: TrainBatch) -> torch.Tensor:
         """The critic's values [N, L] of the batch, each critic worker on its slice (one call per worker)."""
@@ -664,7 +681,7 @@ class RLSession:
         values = {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
         values |= {"returns": st.returns, "old_values": st.values}
         shards = shard_for_workers(values, len(self.critic_group), self.cfg.train.mini_batches)
-        return self.critic_group.submit_each("train_step", [(s,) for s in shards])
+        return self.critic_group.submit_each(CriticBackend.train_step, [(s,) for s in shards])
 
     def _state(self, step: int) -> StepState:
         if step not in self._states:
@@ -873,8 +890,8 @@ def _ray_groups(cfg: RLConfig, train_cls: type, train_kwargs, rollout_kwargs, n_
     if cfg.cluster.colocate:
         shared = make_placement_group([{"CPU": 2 * cpus, "GPU": 1}] * cfg.train.num_workers, f"{name}-colocated-pg")
         train_gpus = rollout_gpus = 0.5
-    train = (RayWorkerGroup(train_cls, n_train, train_kwargs, cpus, f"{name}-train", train_gpus, shared)
-             if n_train else LocalWorkerGroup([]))
+    train = (RayWorkerGroup(train_cls, n_train, train_kwargs, cpus, f"{name}-train", train_gpus, shared,
+                            protocols=TRAIN) if n_train else LocalWorkerGroup([]))
     rollout = (RayWorkerGroup(rollout_backend_class(cfg), n_rollout, rollout_kwargs, cpus, f"{name}-rollout",
-                              rollout_gpus, shared) if n_rollout else LocalWorkerGroup([]))
+                              rollout_gpus, shared, protocols=ROLLOUT) if n_rollout else LocalWorkerGroup([]))
     return train, rollout

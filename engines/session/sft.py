@@ -18,6 +18,7 @@ import torch
 
 from rlflow.engines.core.batch import pack_samples, shard_for_workers
 from rlflow.engines.core.config import RLConfig, TrainConfig
+from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.data.prompts import PromptCursor, load_pairs
 from rlflow.engines.models.hf import encode_prompt
 from rlflow.engines.session.rl import RLSession
@@ -71,7 +72,7 @@ class SFTSession:
         self.rl, self.cfg = rl, rl.cfg
         self.examples: list[Example] = []
         self.cursor: PromptCursor | None = None
-        self._dp_ranks = rl.train_group.call("data_parallel_rank")
+        self._dp_ranks = rl.train_group.call(TrainBackend.data_parallel_rank)
         self._last_batch: tuple[int, list[Example]] | None = None
         self.rounds: dict[int, pa.Table] = {}  # rejection sampling: each round's scored samples
         if not rejection:
@@ -112,7 +113,7 @@ class SFTSession:
                              [[0.0] * len(e.response_ids) for e in rows], torch.zeros(n),
                              self.rl.tokenizer.pad_token_id)
         shards = shard_for_workers(batch, max(self._dp_ranks) + 1, 1)
-        results = self.rl.train_group.call_each("sft_step", [(shards[r],) for r in self._dp_ranks])
+        results = self.rl.train_group.call_each(TrainBackend.sft_step, [(shards[r],) for r in self._dp_ranks])
         tokens = float(batch["loss_mask"].sum())
         worker_s = results[0].pop("worker_s")
         return {f"train/{k}": v for k, v in results[0].items()} | {
@@ -184,7 +185,7 @@ class SFTSession:
     # ---- checkpoints ---------------------------------------------------------------------------------
     def save(self, path, step: int) -> dict:
         """Worker state into `path`; returns the controller state: both data cursors (nothing is in flight)."""
-        self.rl.train_group.call("save", str(path))
+        self.rl.train_group.call(TrainBackend.save, str(path))
         self.rl.tokenizer.save_pretrained(f"{path}/model")
         return {"cursor": self.rl.cursor.state_dict(), "weight_version": self.rl.weight_version,
                 "sft_cursor": self.cursor.state_dict() if self.cursor else None}

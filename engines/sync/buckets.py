@@ -30,6 +30,14 @@ from safetensors.torch import save as save_safetensors
 
 from rlflow.engines.core.config import StorageConfig
 from rlflow.engines.store.run_store import RunStore
+from rlflow.engines.sync.endpoints import (
+    DistributedReceiver,
+    DistributedSender,
+    IpcReceiver,
+    IpcSender,
+    NcclReceiver,
+    NcclSender,
+)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -63,17 +71,17 @@ def get_bucket(storage: StorageConfig, run: str, version: int, index: int) -> Na
 
 def connect_ipc(train_group, rollout_group) -> bool:
     """cuda_ipc: rollout worker i maps train worker i's parameters (the pair shares a GPU), once."""
-    handles = train_group.call("cuda_ipc_handles")
-    rollout_group.call_each("attach_ipc", [(h,) for h in handles])
+    handles = train_group.call(IpcSender.cuda_ipc_handles)
+    rollout_group.call_each(IpcReceiver.attach_ipc, [(h,) for h in handles])
     return True
 
 
 def connect_nccl(train_group, rollout_group, rollout_precision: str) -> bool:
     """nccl: train rank 0 (rank 0 of a private group) and every rollout worker (ranks 1..) rendezvous."""
-    host, port = train_group.call_rank0("rendezvous_address")
+    host, port = train_group.call_rank0(NcclSender.rendezvous_address)
     world = 1 + len(rollout_group)
-    sender = train_group.submit_rank0("nccl_connect", host, port, world, rollout_precision)
-    rollout_group.call_each("nccl_connect", [(host, port, 1 + i, world) for i in range(len(rollout_group))])
+    sender = train_group.submit_rank0(NcclSender.nccl_connect, host, port, world, rollout_precision)
+    rollout_group.call_each(NcclReceiver.nccl_connect, [(host, port, 1 + i, world) for i in range(len(rollout_group))])
     train_group.wait([sender])
     return True
 
@@ -102,11 +110,11 @@ def connect_distributed(train_group, rollout_group, group_name: str, backend: st
 
     def leave(i: int) -> None:
         with contextlib.suppress(Exception):  # a restarted worker's fresh server never joined it
-            rollout_group.call_one(i, "destroy_weights_update_group", previous)
+            rollout_group.call_one(i, DistributedReceiver.destroy_weights_update_group, previous)
 
     if previous is not None:
         together(partial(train_group.call, "leave_weights_update_group"), *[partial(leave, i) for i in range(n)])
-    host, port = train_group.call_rank0("rendezvous_address")
+    host, port = train_group.call_rank0(DistributedSender.rendezvous_address)
     world = 1 + n * ranks_per_worker
     together(partial(train_group.call, "join_weights_update_group", host, port, world, group_name, backend),
              *[partial(rollout_group.call_one, i, "init_weights_update_group", host, port, 1 + i * ranks_per_worker,

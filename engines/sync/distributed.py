@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from rlflow.engines.cluster.groups import free_port, node_ip
+from rlflow.engines.sync.endpoints import DistributedSender
 
 GROUP_NAME = "weight_update_group"  # SGLang's default
 INIT_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
@@ -113,7 +114,7 @@ def update_request(names: list[str], dtypes: list[str], shapes: list[list[int]],
             "weight_version": str(version)}
 
 
-class DistributedWeightSender:
+class DistributedWeightSender(DistributedSender):
     """The trainer's side of the `distributed` weight-sync transport, for a train backend with `rank`,
     `named_tensors(names)` (HF names; collective where weights are sharded, full tensors at rank 0) and
     `weight_shapes()`. Rank 0 is rank 0 of the weight-update group; the rollout servers join as 1..N through

@@ -28,10 +28,12 @@ from safetensors.torch import load_file, save_file
 from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import TrainBatch, batch_size, select
 from rlflow.engines.core.config import AlgorithmConfig, StorageConfig, TrainConfig
+from rlflow.engines.core.protocols import CriticBackend, TrainBackend
 from rlflow.engines.core.sampling import scaled_logits
 from rlflow.engines.models.hf import DTYPES, load_model, load_value_model
 from rlflow.engines.sync.buckets import put_bucket
 from rlflow.engines.sync.distributed import DistributedWeightSender
+from rlflow.engines.sync.endpoints import GpuLinkProbe, IpcSender, NcclSender, StoreSender
 from rlflow.engines.sync.gpu import NcclChannel, device_copy_bandwidth, export_ipc_handles, flatten_
 
 
@@ -52,7 +54,10 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
-class TorchTrainBackend(DistributedWeightSender):
+class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, StoreSender, IpcSender, NcclSender,
+                        GpuLinkProbe):
+    """One data-parallel rank of the policy (or, as role "critic", of the value model)."""
+
     def __init__(
         self,
         model_path: str,

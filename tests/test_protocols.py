@@ -1,0 +1,66 @@
+"""The typed seams: backends implement the protocols they declare, and worker groups call them through the
+protocol's methods (never a method-name string)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlflow.engines.cluster.groups import LocalWorkerGroup, check_implements
+from rlflow.engines.core.protocols import RolloutBackend, TrainBackend, method_name, missing_methods
+from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.train.torch_backend import TorchTrainBackend
+
+BACKENDS = [TorchTrainBackend, TorchRolloutBackend, SGLangRolloutBackend]
+
+
+def declared(cls: type) -> list[type]:
+    return [b for b in cls.__mro__[1:] if getattr(b, "_is_protocol", False) and b.__name__ != "Protocol"]
+
+
+@pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
+def test_backends_implement_what_they_declare(cls: type) -> None:
+    assert declared(cls), f"{cls.__name__} declares no protocol"
+    for protocol in declared(cls):
+        assert missing_methods(cls, protocol) == [], protocol.__name__
+
+
+def test_megatron_backend_implements_what_it_declares() -> None:
+    pytest.importorskip("megatron.core")
+    from rlflow.engines.train.megatron.backend import MegatronTrainBackend
+
+    assert TrainBackend in declared(MegatronTrainBackend)
+    for protocol in declared(MegatronTrainBackend):
+        assert missing_methods(MegatronTrainBackend, protocol) == [], protocol.__name__
+
+
+class HalfTrainer(TrainBackend):
+    """Declares TrainBackend but implements only one of its methods."""
+
+    def __init__(self, value: int = 3):
+        self.value = value
+
+    def pid(self) -> int:
+        return self.value
+
+
+def test_a_missing_method_fails_when_the_group_starts() -> None:
+    assert "train_step" in missing_methods(HalfTrainer, TrainBackend)
+    assert "pid" not in missing_methods(HalfTrainer, TrainBackend)
+    with pytest.raises(TypeError, match=r"HalfTrainer does not implement TrainBackend: missing \[.*'train_step'"):
+        LocalWorkerGroup([HalfTrainer()], protocols=[TrainBackend])
+    with pytest.raises(TypeError, match="does not implement RolloutBackend"):
+        check_implements(TorchTrainBackend, [RolloutBackend])
+
+
+def test_groups_call_the_workers_own_method_through_the_protocol() -> None:
+    group = LocalWorkerGroup([HalfTrainer(1), HalfTrainer(2)])
+    assert group.call(TrainBackend.pid) == [1, 2]  # the workers' pid, not the protocol's empty body
+    assert group.call_one(1, TrainBackend.pid) == 2
+    assert group.wait(group.submit(TrainBackend.pid)) == [1, 2]
+
+
+def test_a_method_name_string_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"calls a backend's method \(e.g. TrainBackend.save\), got 'pid'"):
+        LocalWorkerGroup([HalfTrainer()]).call("pid")
+    assert method_name(TrainBackend.save) == "save"
