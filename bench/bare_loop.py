@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rlflow.engines.core.config import RLConfig, load_recipe
-from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
+from rlflow.engines.session.rl import RLSession
+from rlflow.engines.session.workers import prepare_data, prepare_model
 
 
 def _timed(session: RLSession, stage: str, step: int, label: str) -> dict:

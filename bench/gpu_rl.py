@@ -73,7 +73,8 @@ def _recipe(work: Path, overrides: list[str]) -> RLConfig:
 
 # ---- weight sync -----------------------------------------------------------------------------------------
 def weight_sync(size: str, mode: str, repeats: int) -> dict:
-    from rlflow.engines.session.rl import RLSession, prepare_data
+    from rlflow.engines.session.rl import RLSession
+    from rlflow.engines.session.workers import prepare_data
 
     work = Path(tempfile.mkdtemp(prefix="rlflow-sync-"))
     model = build_random_qwen2(size, work / "model")

@@ -40,8 +40,8 @@ def sft_arm(args, workdir: str) -> dict:
     """SFT for sft_steps (bare: no Prefect, no Ray), evaluate, then GRPO from the SFT weights."""
     from bench.bare_loop import run_bare
     from rlflow.engines.core.config import load_recipe
-    from rlflow.engines.session.rl import prepare_data, prepare_model
     from rlflow.engines.session.sft import SFTSession
+    from rlflow.engines.session.workers import prepare_data, prepare_model
 
     common = [f"seed={args.seed}", *QUIET, *args.set]
     cfg = load_recipe(SFT, [f"sft.steps={args.sft_steps}", f"eval.every={args.eval_every}", *common])
@@ -118,7 +118,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as datadir, ThreadPoolExecutor(args.parallel) as pool:
         # both recipes' relative data paths resolve in datadir: write the task files once, before the arms
         subprocess.run([sys.executable, "-c", "import sys; from rlflow.engines.core.config import load_recipe; "
-                        "from rlflow.engines.session.rl import prepare_data; "
+                        "from rlflow.engines.session.workers import prepare_data; "
                         "prepare_data(load_recipe(sys.argv[1]))", SFT],
                        cwd=datadir, env=os.environ | {"PYTHONPATH": str(ROOT)}, check=True)
         futures = [pool.submit(run_arm, arm, seed, args, datadir) for arm, seed in jobs]

@@ -60,7 +60,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.parallel) as pool:
         # the recipe's relative data paths resolve in each run's cwd: write the data once, before the runs
         subprocess.run([sys.executable, "-c", "import sys; from rlflow.engines.core.config import load_recipe; "
-                        "from rlflow.engines.session.rl import prepare_data; "
+                        "from rlflow.engines.session.workers import prepare_data; "
                         "prepare_data(load_recipe(sys.argv[1]))", recipe],
                        cwd=tmp, env=_env(), check=True)
         futures = [pool.submit(run_variant, recipe, n, o, s, tmp) for n, o, s in jobs]

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from rlflow.engines.core.config import RLConfig
-from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
+from rlflow.engines.session.rl import RLSession
+from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.store.run_store import RunStore
 from rlflow.tasks.artifacts import TrainingArtifacts
 from rlflow.tasks.tracking import Tracker

@@ -22,7 +22,8 @@ from rlflow.engines.core.config import (
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.models.hf import load_model
 from rlflow.engines.session.preflight import find_problems
-from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
+from rlflow.engines.session.rl import RLSession
+from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 from tests.conftest import assert_same_update, small_recipe
 

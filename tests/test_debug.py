@@ -22,7 +22,9 @@ from rlflow.engines.core.config import RecipeError, config_from_dict
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.session.preflight import find_problems
-from rlflow.engines.session.rl import STAGE_LANES, RLSession, prepare_data, prepare_model
+from rlflow.engines.session.rl import RLSession
+from rlflow.engines.session.timeline import STAGE_LANES
+from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.store.run_store import RunStore, replay_source
 from rlflow.flows.cli import main as cli
 from rlflow.flows.post_train import post_train

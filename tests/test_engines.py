@@ -13,7 +13,8 @@ from rlflow.engines.core.config import AlgorithmConfig, ClusterConfig, TrainConf
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
-from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
+from rlflow.engines.session.rl import RLSession
+from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.sync.buckets import plan_buckets
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 from tests.conftest import assert_same_update

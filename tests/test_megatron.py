@@ -316,7 +316,8 @@ def test_parallel_layouts_train_like_one_torch_worker(parallel_runs, hf_models, 
 def test_rl_session_trains_and_syncs_with_megatron(recipe, mcore, tmp_path):
     """train.backend: megatron in the bare RL loop: steps run, the rollout engine gets the trainer's weights, and
     a checkpoint restores them."""
-    from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
+    from rlflow.engines.session.rl import RLSession
+    from rlflow.engines.session.workers import prepare_data, prepare_model
 
     cfg = recipe(train={"steps": 2, "threads": 1, "backend": "megatron", "mini_batches": 2},
                  megatron={"micro_batch_tokens": 64})
@@ -343,7 +344,8 @@ def test_ray_tensor_parallel_group_syncs_gathered_weights(recipe, mcore, tmp_pat
     gather through both actors) hands the rollout engine the full tensors."""
     import ray
 
-    from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
+    from rlflow.engines.session.rl import RLSession
+    from rlflow.engines.session.workers import prepare_data, prepare_model
 
     cfg = recipe(train={"steps": 1, "threads": 1, "backend": "megatron", "num_workers": 2},
                  megatron={"tensor_parallel": 2}, cluster={"num_cpus": 2})

@@ -16,7 +16,8 @@ from rlflow.engines.rollout.dynamic_sampling import Carry, collect_groups
 from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, load_rollout_fn, single_turn
 from rlflow.engines.rollout.router import RolloutRouter
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
-from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
+from rlflow.engines.session.rl import RLSession
+from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.sync.endpoints import GpuLinkProbe
 from tests.conftest import small_recipe
 

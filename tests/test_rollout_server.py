@@ -381,7 +381,8 @@ def test_sglang_router_fronts_embedded_servers(model_dir):
 
 
 def test_session_starts_one_server_per_rollout_worker(recipe, tmp_path):
-    from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
+    from rlflow.engines.session.rl import RLSession
+    from rlflow.engines.session.workers import prepare_data, prepare_model
 
     cfg = recipe(rollout={"num_workers": 2})
     prepare_data(cfg)

@@ -280,7 +280,8 @@ TRANSPORTS = ["disk", "distributed"]
 def _session_run(recipe, tmp_path, name: str, transport: str, use_ray: bool = False, **sections):
     """A session of the small recipe after two RL steps whose weights went by `transport`, in several buckets:
     (session, trainer's weights, every stage's metrics)."""
-    from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
+    from rlflow.engines.session.rl import RLSession
+    from rlflow.engines.session.workers import prepare_data, prepare_model
 
     cfg = recipe(
         name=name,

@@ -15,8 +15,8 @@ from rlflow.engines.core.batch import pack_samples
 from rlflow.engines.core.config import config_from_dict
 from rlflow.engines.data.prompts import load_pairs
 from rlflow.engines.models.hf import build_char_tokenizer, encode_prompt
-from rlflow.engines.session.rl import prepare_data, prepare_model
 from rlflow.engines.session.sft import SFTSession, accept_samples, tokenize_pairs
+from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.store.run_store import RunStore
 from rlflow.flows.cli import main as cli_main
 from rlflow.flows.rejection_sampling import rejection_sampling

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
-from rlflow.engines.session.rl import RLSession, prepare_data, prepare_model
+from rlflow.engines.session.rl import RLSession
+from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.store.run_store import RunStore
 
 

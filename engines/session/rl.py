@@ -12,8 +12,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,20 +20,20 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, free_port, init_ray, make_placement_group
 from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import TrainBatch, batch_size, pack_samples, select, shard_for_workers
 from rlflow.engines.core.config import RLConfig, StorageConfig
 from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
-from rlflow.engines.core.trace import TraceRecorder, chrome_trace, merge, now_us, within
-from rlflow.engines.data.builtin_tasks import write_task_files
 from rlflow.engines.data.prompts import PromptCursor, load_prompts
 from rlflow.engines.data.rewards import compute_rewards, load_reward_fn
-from rlflow.engines.models.hf import DTYPES, build_tiny_model, encode_prompt, load_tokenizer
+from rlflow.engines.models.hf import DTYPES, encode_prompt, load_tokenizer
 from rlflow.engines.rollout.dynamic_sampling import Carry, collect_groups
 from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, load_rollout_fn
-from rlflow.engines.rollout.torch_backend import TorchRolloutBackend, split_packed
+from rlflow.engines.rollout.router import RolloutRouter
+from rlflow.engines.rollout.torch_backend import split_packed
 from rlflow.engines.session.evaluation import score
+from rlflow.engines.session.timeline import StageTimeline
+from rlflow.engines.session.workers import Workers, start_workers
 from rlflow.engines.store.run_store import RunStore, replay_source
 from rlflow.engines.sync.buckets import (
     connect_distributed,
@@ -54,7 +53,7 @@ from rlflow.engines.sync.endpoints import (
     StoreReceiver,
     StoreSender,
 )
-from rlflow.engines.train.torch_backend import TorchTrainBackend, with_train_logprobs
+from rlflow.engines.train.torch_backend import with_train_logprobs
 
 
 @dataclass
@@ -75,33 +74,7 @@ class StepState:
     behaviour_logprobs: torch.Tensor | None = None  # the train engine's, for samples that came without logprobs
 
 
-def prepare_data(cfg: RLConfig) -> None:
-    """Write the built-in task files the recipe asks for, if they are not there yet."""
-    gen = cfg.data.generate
-    missing = not Path(cfg.data.train_path).exists() or (cfg.data.eval_path and not Path(cfg.data.eval_path).exists())
-    if gen is not None and missing:
-        write_task_files(gen, cfg.data.train_path, cfg.data.eval_path)
-    sft = cfg.sft
-    if sft.generate is not None and sft.train_path and not Path(sft.train_path).exists():
-        write_task_files(sft.generate, None, None, sft_path=sft.train_path)
 
-
-def prepare_model(cfg: RLConfig, workdir: str | Path) -> str:
-    """The HF directory the engines load: the recipe's model, or a tiny one built from the recipe."""
-    if cfg.model.path:
-        if not (Path(cfg.model.path) / "config.json").is_file():
-            raise FileNotFoundError(f"model.path: no Hugging Face model (config.json) in {cfg.model.path}")
-        return cfg.model.path
-    out = Path(workdir) / "base_model"
-    if not (out / "model.safetensors").is_file():
-        build_tiny_model(cfg.model, out, seed=cfg.seed)
-    return str(out)
-
-
-# what the session calls on each group (the weight transports check their own needs when they connect)
-TRAIN, ROLLOUT, CRITIC = (TrainBackend,), (RolloutBackend,), (CriticBackend,)
-
-STAGE_LANES = ("rollout", "reward", "advantages", "train", "sync-weights", "evaluate", "checkpoint")
 
 
 class RLSession:
@@ -142,51 +115,21 @@ class RLSession:
         self._heal_lock = threading.Lock()  # one replacement of dead rollout workers at a time
         self.workers_restarted = 0
         self.replay = replay_source(cfg)
-        # the driver's side of the timeline: one span per stage, a lane per stage (engines/core/trace.py)
-        self.trace = TraceRecorder("driver", enabled=cfg.debug.trace_every > 0)
-        for lane, stage in enumerate(STAGE_LANES, start=1):
-            self.trace.name_thread(lane, stage)
-        self._step_start_us: dict[int, float] = {}  # when each step's first stage began (traced runs)
-        self._trace_carry: list[list[dict]] = []  # events of the next step that a trace drained early
+        self.timeline = StageTimeline(enabled=cfg.debug.trace_every > 0)  # the driver's side of a step's trace
         self.server_urls: list[str] = []  # each rollout worker's SGLang-compatible server
         self.router = None  # ... and one least-loaded endpoint in front of them (engines/rollout/router.py)
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
     def create(cls, cfg: RLConfig, model_path: str, use_ray: bool | None = None) -> RLSession:
-        """Start the workers: Ray actors (the default) or objects in this process."""
-        use_ray = cfg.cluster.use_ray if use_ray is None else use_ray
-        train_kwargs = _train_kwargs(cfg, model_path)
-        rollout_kwargs = _rollout_kwargs(cfg, model_path)
-        critic_kwargs = _critic_kwargs(cfg, model_path) if cfg.use_critic else None
-        train_cls, rollout_cls = train_backend_class(cfg), rollout_backend_class(cfg)
-        critic = None
-        n_train = cfg.train.num_workers if cfg.debug.trains else 0  # debug modes start one kind of worker
-        n_rollout = cfg.rollout.num_workers if cfg.debug.generates else 0
-        if not cfg.debug.trains:
-            critic_kwargs = None
-        if not use_ray:
-            if n_train > 1 or (critic_kwargs and cfg.critic.num_workers > 1):
-                raise ValueError("train.num_workers / critic.num_workers > 1 need cluster.use_ray: true")
-            train = LocalWorkerGroup([train_cls(**train_kwargs(r)) for r in range(n_train)], protocols=TRAIN)
-            rollout = LocalWorkerGroup([rollout_cls(**rollout_kwargs(r)) for r in range(n_rollout)],
-                                       factory=lambda r: rollout_cls(**rollout_kwargs(r)), protocols=ROLLOUT)
-            if critic_kwargs:
-                critic = LocalWorkerGroup([TorchTrainBackend(**critic_kwargs(0))], protocols=CRITIC)
-        else:
-            init_ray(cfg.cluster)
-            train, rollout = _ray_groups(cfg, train_cls, train_kwargs, rollout_kwargs, n_train, n_rollout)
-            if critic_kwargs:  # its own actors and placement group (on GPUs: GPUs of its own, also when colocated)
-                gpus = 1.0 if cfg.train.device == "cuda" else 0.0
-                critic = RayWorkerGroup(TorchTrainBackend, cfg.critic.num_workers, critic_kwargs,
-                                        cfg.cluster.cpus_per_worker, f"{cfg.name}-critic", gpus, protocols=CRITIC)
-        session = cls(cfg, model_path, train, rollout, critic)
-        if n_rollout:  # rollout functions talk HTTP to one router in front of every worker's server
-            from rlflow.engines.rollout.router import RolloutRouter
-
-            session.server_urls = rollout.call(RolloutBackend.start_server)
+        """Start the workers (Ray actors by default, or objects in this process) and the router in front of the
+        rollout workers' servers, which rollout functions talk HTTP to."""
+        workers = start_workers(cfg, model_path, cfg.cluster.use_ray if use_ray is None else use_ray)
+        session = cls(cfg, model_path, workers.train, workers.rollout, workers.critic)
+        if len(workers.rollout):
+            session.server_urls = workers.rollout.call(RolloutBackend.start_server)
             session.router = RolloutRouter(session.server_urls)
-            session.runner = RolloutRunner(session.rollout_fn, session.router.url, n_rollout)
+            session.runner = RolloutRunner(session.rollout_fn, session.router.url, len(workers.rollout))
         return session
 
     def shutdown(self) -> None:
@@ -194,15 +137,7 @@ class RLSession:
             self.runner.close()
         if self.router is not None:
             self.router.stop()
-        self.train_group.shutdown()
-        self.rollout_group.shutdown()
-        if self.critic_group is not None:
-            self.critic_group.shutdown()
-        shared = getattr(self.train_group, "placement_group", None)
-        if self.cfg.cluster.colocate and shared is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(shared)
+        Workers(self.train_group, self.rollout_group, self.critic_group).shutdown(self.cfg.cluster.colocate)
 
     # ---- stages --------------------------------------------------------------------------------------
     def rollout(self, step: int) -> dict[str, float]:
@@ -586,31 +521,13 @@ class RLSession:
             self._send_weights(None, self.weight_version)
 
     # ---- trace timeline ------------------------------------------------------------------------------
-    @contextmanager
-    def stage_span(self, stage: str, step: int) -> Iterator[None]:
+    def stage_span(self, stage: str, step: int) -> AbstractContextManager[None]:
         """Record the stage as a span on its lane of the driver's timeline (free when tracing is off)."""
-        if not self.trace.enabled:
-            yield
-            return
-        self._step_start_us.setdefault(step, now_us())
-        lane = STAGE_LANES.index(stage) + 1 if stage in STAGE_LANES else len(STAGE_LANES) + 1
-        with self.trace.span(stage, tid=lane, args={"step": step}):
-            yield
+        return self.timeline.span(stage, step)
 
     def trace_events(self, step: int) -> dict:
-        """The Chrome trace of `step`, from its first stage until now: the driver's stage spans and what one
-        `drain_trace` call per rollout worker returns (per-request events, weight updates)."""
-        end = now_us()
-        start = self._step_start_us.get(step, end)
-        sources = [self.trace.drain(), *self.rollout_group.call(RolloutBackend.drain_trace)]
-        carry = self._trace_carry + [[]] * (len(sources) - len(self._trace_carry))
-        sources = [_dedup_meta(c + s) for c, s in zip(carry, sources, strict=True)]
-        # one-step-off: the next step's rollout already ran; its events also belong to the next trace
-        upcoming = self._step_start_us.get(step + 1)
-        self._trace_carry = [within(s, upcoming, end) if upcoming else [] for s in sources]
-        for old in [k for k in self._step_start_us if k <= step]:
-            del self._step_start_us[old]
-        return chrome_trace(within(merge(sources), start, end))
+        """The Chrome trace of `step`: the driver's stage spans and every rollout worker's events."""
+        return self.timeline.trace(step, self.rollout_group.call(RolloutBackend.drain_trace))
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _train_rank0(self, method, *args):
@@ -793,15 +710,7 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _dedup_meta(events: list[dict]) -> list[dict]:
-    """Lane and process names once each (a carried-over batch of events brings its own)."""
-    seen, out = set(), []
-    for e in events:
-        key = (e["name"], e["tid"]) if e["ph"] == "M" else None
-        if key is None or key not in seen:
-            out.append(e)
-            seen.add(key)
-    return out
+
 
 
 def _generation_metrics(gen: dict) -> dict[str, float]:
@@ -814,84 +723,3 @@ def _generation_metrics(gen: dict) -> dict[str, float]:
     }
 
 
-def train_backend_class(cfg: RLConfig) -> type:
-    """The train backend the recipe names (megatron-core is imported only when asked for)."""
-    if cfg.train.backend == "megatron":
-        from rlflow.engines.train.megatron.backend import MegatronTrainBackend
-
-        return MegatronTrainBackend
-    return TorchTrainBackend
-
-
-def rollout_backend_class(cfg: RLConfig) -> type:
-    """The rollout backend the recipe names: the embedded engine, or an SGLang server per worker."""
-    if cfg.rollout.backend != "sglang":
-        return TorchRolloutBackend
-    if cfg.weight_sync.transport in ("cuda_ipc", "nccl"):
-        raise ValueError(f"weight_sync.transport: {cfg.weight_sync.transport} feeds the embedded engine only; "
-                         "rollout.backend sglang takes 'disk' (or 'ray' / 'store', through a folder of the worker's)")
-    from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend
-
-    return SGLangRolloutBackend
-
-
-def _train_kwargs(cfg: RLConfig, model_path: str):
-    dist_url = f"tcp://127.0.0.1:{free_port()}" if cfg.train.num_workers > 1 else None
-    norm_len = cfg.rollout.max_new_tokens
-    extra = {"megatron": cfg.megatron} if cfg.train.backend == "megatron" else {}
-
-    def make(rank: int) -> dict:
-        return dict(model_path=model_path, train=cfg.train, algorithm=cfg.algorithm,
-                    temperature=cfg.rollout.temperature or 1.0, norm_len=norm_len, rank=rank,
-                    world_size=cfg.train.num_workers, dist_url=dist_url, seed=cfg.seed, **extra)
-
-    return make
-
-
-def _critic_kwargs(cfg: RLConfig, model_path: str):
-    """The critic's workers: the torch backend as role "critic", from critic.model_path or the policy's model."""
-    c = cfg.critic
-    if c.model_path and not (Path(c.model_path) / "config.json").is_file():
-        raise FileNotFoundError(f"critic.model_path: no Hugging Face model (config.json) in {c.model_path}")
-    dist_url = f"tcp://127.0.0.1:{free_port()}" if c.num_workers > 1 else None  # its own process group
-
-    def make(rank: int) -> dict:
-        return dict(model_path=c.model_path or model_path, train=c.train_config(cfg.train), algorithm=cfg.algorithm,
-                    rank=rank, world_size=c.num_workers, dist_url=dist_url, seed=cfg.seed, role="critic",
-                    value_clip=c.value_clip)
-
-    return make
-
-
-def _rollout_kwargs(cfg: RLConfig, model_path: str):
-    def make(rank: int) -> dict:
-        if cfg.rollout.backend == "sglang":
-            return dict(model_path=model_path, sglang=cfg.rollout.sglang, rank=rank, threads=cfg.train.threads)
-        return dict(model_path=model_path, device=cfg.rollout_device, dtype=DTYPES[cfg.rollout.precision],
-                    threads=cfg.train.threads, batch_size=cfg.rollout.batch_size,
-                    trace=cfg.debug.trace_every > 0, rank=rank)
-
-    return make
-
-
-def _ray_groups(cfg: RLConfig, train_cls: type, train_kwargs, rollout_kwargs, n_train: int,
-                n_rollout: int) -> tuple[RayWorkerGroup | LocalWorkerGroup, RayWorkerGroup | LocalWorkerGroup]:
-    """Train and rollout actors. On GPUs: one GPU per worker (disaggregated), or with cluster.colocate
-    rollout worker i takes half of train worker i's GPU bundle, so the pair shares one device. A debug
-    mode asks for no workers of one kind: that group is empty."""
-    cpus, name = cfg.cluster.cpus_per_worker, cfg.name
-    train_gpus = 1.0 if cfg.train.device == "cuda" else 0.0
-    rollout_gpus = 1.0 if cfg.rollout_device == "cuda" else 0.0
-    if cfg.rollout.backend == "sglang":  # one server's GPUs: its tensor x pipeline parallel size
-        from rlflow.engines.rollout.sglang_backend import gpus_per_server
-
-        rollout_gpus *= gpus_per_server(cfg.rollout.sglang.args)
-    shared = None
-    if cfg.cluster.colocate:
-        shared = make_placement_group([{"CPU": 2 * cpus, "GPU": 1}] * cfg.train.num_workers, f"{name}-colocated-pg")
-        train_gpus = rollout_gpus = 0.5
-    train = (RayWorkerGroup(train_cls, n_train, train_kwargs, cpus, f"{name}-train", train_gpus, shared,
-                            protocols=TRAIN) if n_train else LocalWorkerGroup([]))
-    rollout = (RayWorkerGroup(rollout_backend_class(cfg), n_rollout, rollout_kwargs, cpus, f"{name}-rollout",
-                              rollout_gpus, shared, protocols=ROLLOUT) if n_rollout else LocalWorkerGroup([]))
-    return train, rollout
