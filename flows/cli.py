@@ -37,6 +37,7 @@ def _debug_overrides(args) -> list[str]:
 
 
 def _load(args) -> object:
+    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
     from rlflow.engines.session.preflight import check
 
     cfg = load_recipe(args.recipe, [*args.overrides, *_debug_overrides(args)])
@@ -57,6 +58,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_sft(args) -> int:
+    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
     from rlflow.flows.sft import sft
 
     cfg = _load(args)
@@ -64,6 +66,7 @@ def cmd_sft(args) -> int:
 
 
 def cmd_rejection_sample(args) -> int:
+    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
     from rlflow.flows.rejection_sampling import rejection_sampling
 
     cfg = _load(args)
@@ -71,6 +74,7 @@ def cmd_rejection_sample(args) -> int:
 
 
 def _store_config(args):
+    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
     from rlflow.engines.core.config import StorageConfig
 
     opts = {"uri": args.store}
@@ -83,6 +87,7 @@ def _store_config(args):
 
 def cmd_resume(args) -> int:
     """Continue a run from its store: the stored recipe, with --set overrides on top."""
+    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
     from rlflow.engines.core.config import apply_overrides, config_from_dict
     from rlflow.engines.session.preflight import check
     from rlflow.engines.store.run_store import RunStore
@@ -98,6 +103,7 @@ def cmd_resume(args) -> int:
 
 
 def cmd_runs(args) -> int:
+    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
     from rlflow.engines.store.run_store import list_runs
 
     runs = list_runs(_store_config(args))
@@ -111,6 +117,7 @@ def cmd_runs(args) -> int:
 
 def cmd_export(args) -> int:
     """Copy a committed checkpoint's model/ (HF safetensors + config + tokenizer) to a local directory."""
+    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
     from pathlib import Path
 
     from rlflow.engines.store.run_store import RunStore
@@ -128,6 +135,7 @@ def cmd_export(args) -> int:
 
 def cmd_trace_render(args) -> int:
     """A PNG timeline of a trace file, or of a run's trace logged to MLflow (the newest, or --step)."""
+    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
     import tempfile
     from pathlib import Path
 
@@ -152,6 +160,7 @@ def cmd_trace_render(args) -> int:
 
 def _download_trace(args, tmp: str):
     """The run's traces/step_<N>.json from its MLflow run (found through the run store), or None."""
+    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
     from pathlib import Path
 
     from mlflow.tracking import MlflowClient
@@ -183,10 +192,12 @@ def _download_trace(args, tmp: str):
 def _run(cfg, flow_fn=None, total: int | None = None) -> int:
     """Run a flow (post_train by default) with a progress bar over its `total` steps."""
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the progress bar says what the task logs would
+    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
     from rlflow.flows.serve import use_prefect_server_defaults
 
     use_prefect_server_defaults()  # for the temporary server, when no PREFECT_API_URL is set
     logging.getLogger("rlflow").setLevel(logging.INFO)
+    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from rlflow.flows.post_train import post_train
@@ -234,6 +245,7 @@ def _run(cfg, flow_fn=None, total: int | None = None) -> int:
 
 
 def cmd_data_make(args) -> int:
+    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
     from rlflow.engines.data.builtin_tasks import write_task_files
 
     cfg = BuiltinTaskConfig(task=args.task, num_digits=args.num_digits, num_train=args.num_train,
@@ -247,6 +259,7 @@ def cmd_data_make(args) -> int:
 
 
 def cmd_data_gsm8k(args) -> int:
+    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
     from rlflow.engines.data.math_reward import convert_gsm8k
 
     n = convert_gsm8k(args.input, args.out, args.instruction)
@@ -265,6 +278,7 @@ def _debug_flags(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args) -> int:
     """Prefect server + MLflow server + a process worker (and the deployments of prefect.yaml), until Ctrl-C."""
+    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
     from rlflow.flows.serve import serve
 
     return serve(args.prefect_port, args.mlflow_port, deploy=not args.no_deploy)

@@ -15,6 +15,7 @@ import sys
 
 
 def _patch_worker_query() -> None:
+    # only `rlflow.flows.deploy` patches these clients, not every importer of this module
     from prefect.client.orchestration._work_pools.client import WorkPoolAsyncClient, WorkPoolClient
 
     for cls in (WorkPoolAsyncClient, WorkPoolClient):
@@ -30,7 +31,7 @@ def _patch_worker_query() -> None:
 
 def main(argv: list[str]) -> None:
     _patch_worker_query()
-    from prefect.cli import app
+    from prefect.cli import app  # after the patch: the CLI's commands bind the clients when imported
 
     sys.argv = ["prefect", "--no-prompt", "deploy", *argv]
     app()

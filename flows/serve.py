@@ -116,6 +116,7 @@ def start_mlflow_server(svc: Services, port: int, backend_uri: str, artifacts: P
 
 def ensure_work_pool(api_url: str, name: str = WORK_POOL) -> None:
     """Create the process work pool the deployments name, if it is not there yet."""
+    # prefect reads its settings when imported: this module sets their defaults first (use_prefect_server_defaults)
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists

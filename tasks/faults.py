@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import signal
 
+from prefect.context import FlowRunContext
+
 from rlflow.engines.core.protocols import RolloutBackend, TrainBackend
 
 ENV = "RLFLOW_FAULT"
@@ -32,8 +34,6 @@ def maybe_inject(run, stage: str, step: int, when: str) -> None:
     if target == "flow":
         os.kill(os.getpid(), signal.SIGKILL)
     if target == "raise":
-        from prefect.context import FlowRunContext
-
         ctx = FlowRunContext.get()
         if ctx is None or ctx.flow_run is None or ctx.flow_run.run_count <= 1:
             raise InjectedFault(f"{ENV}={spec}")

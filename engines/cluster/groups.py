@@ -12,6 +12,11 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from rlflow.engines.core.config import ClusterConfig
 from rlflow.engines.core.protocols import bound, missing_methods
 
@@ -96,9 +101,6 @@ class RayWorkerGroup(Generic[B]):
         the session will call on these workers; a backend that lacks a method fails here, before any actor
         starts."""
         check_implements(cls, protocols)
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         self._owns_placement = placement_group is None
         if placement_group is None:
             bundle = {"CPU": num_cpus} | ({"GPU": num_gpus} if num_gpus else {})
@@ -118,9 +120,6 @@ class RayWorkerGroup(Generic[B]):
 
     def alive(self, timeout_s: float = 10.0) -> list[bool]:
         """Whether each actor still answers (a killed worker process raises at once)."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
         out = []
         for ref in [w.__ray_ready__.remote() for w in self.workers]:
             try:
@@ -132,8 +131,6 @@ class RayWorkerGroup(Generic[B]):
 
     def restart(self, rank: int) -> None:
         """Replace actor `rank` by a fresh one in the same placement bundle (the old one is killed if alive)."""
-        import ray
-
         ray.kill(self.workers[rank], no_restart=True)
         self._restarts += 1
         self.workers[rank] = self._start(rank, f"{self._name}-{rank}-restart{self._restarts}")
@@ -143,21 +140,15 @@ class RayWorkerGroup(Generic[B]):
         return len(self.workers)
 
     def call(self, method: Callable[Concatenate[B, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
-        import ray
-
         return ray.get([bound(w, method).remote(*args, **kwargs) for w in self.workers])
 
     def call_each(self, method: Callable[..., R], per_worker_args: Sequence[tuple]) -> list[R]:
-        import ray
-
         return ray.get([bound(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args, strict=True)])
 
     def call_rank0(self, method: Callable[Concatenate[B, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         return self.call_one(0, method, *args, **kwargs)
 
     def call_one(self, rank: int, method: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-        import ray
-
         return ray.get(bound(self.workers[rank], method).remote(*args, **kwargs))
 
     def submit_each(self, method: Callable[..., Any], per_worker_args: Sequence[tuple]) -> list[Any]:
@@ -173,14 +164,9 @@ class RayWorkerGroup(Generic[B]):
         return [bound(w, method).remote(*args, **kwargs) for w in self.workers]
 
     def wait(self, handles: Sequence[Any]) -> list[Any]:
-        import ray
-
         return ray.get(list(handles))
 
     def shutdown(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
         for w in self.workers:
             ray.kill(w)
         self.workers.clear()
@@ -198,9 +184,6 @@ def check_implements(cls: type, protocols: Sequence[type]) -> None:
 
 def make_placement_group(bundles: list[dict], name: str) -> Any:
     """A PACK placement group, waited for (a cluster that cannot fit it fails here, with its size)."""
-    import ray
-    from ray.util.placement_group import placement_group
-
     pg = placement_group(bundles, strategy="PACK", name=name)
     try:
         ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -212,8 +195,6 @@ def make_placement_group(bundles: list[dict], name: str) -> Any:
 
 def init_ray(cfg: ClusterConfig) -> None:
     """Join `cfg.address`, or start a small local Ray (no dashboard: it costs seconds and memory)."""
-    import ray
-
     if ray.is_initialized():
         return
     # the driver's modules (engines, user rewards) must import inside actors: ship the working directory
@@ -244,8 +225,6 @@ def omp_env() -> dict[str, str]:
 
 def node_ip() -> str:
     """This node's address as Ray knows it (other nodes reach it there); loopback outside Ray."""
-    import ray
-
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 

@@ -61,7 +61,7 @@ def _layout(lanes: list[tuple[int, Any, str, str]]) -> tuple[list[float], list[f
 
 def render(trace: dict[str, Any], out: str | Path, title: str = "") -> Path:
     """Draw `trace` to a PNG at `out`; returns its path."""
-    import matplotlib
+    import matplotlib  # optional: only `rlflow trace render` draws; it comes with mlflow
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

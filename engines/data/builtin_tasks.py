@@ -12,6 +12,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from rlflow.engines.core.config import BuiltinTaskConfig
 
 TASKS = ("sort", "reverse", "add")
@@ -79,9 +82,6 @@ def split_examples(cfg: BuiltinTaskConfig) -> tuple[list[dict], list[dict]]:
 
 def _write_rows(rows: list[dict], path: Path) -> None:
     if path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         pq.write_table(pa.Table.from_pylist(rows), str(path))
     else:
         with open(path, "w", encoding="utf-8") as f:

@@ -19,6 +19,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from rlflow.engines.data.builtin_tasks import write_rows_atomic
+from rlflow.engines.data.prompts import load_prompts
+
 try:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 except ImportError as e:  # an optional extra: the reward names the install command when the recipe is validated
@@ -79,9 +82,6 @@ def gsm8k_reward(
 def convert_gsm8k(input_path: str, out_path: str, instruction: str | None = None) -> int:
     """GSM8K rows (question, answer: a worked solution ending '#### N') -> rlflow rows: prompt (the question and
     the instruction), label (N), response (the solution without calculator annotations, for SFT)."""
-    from rlflow.engines.data.builtin_tasks import write_rows_atomic
-    from rlflow.engines.data.prompts import load_prompts
-
     instruction = DEFAULT_INSTRUCTION if instruction is None else instruction
     rows = []
     for row in load_prompts(input_path, "question", "answer"):

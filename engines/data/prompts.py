@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 
 class DataError(ValueError):
@@ -27,9 +29,6 @@ def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
 
 
 def _read_parquet(path: Path) -> list[tuple[int, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     try:
         table = pq.read_table(str(path))
     except (pa.ArrowException, OSError) as e:

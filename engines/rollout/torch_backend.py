@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import numpy as np
 import torch
 from safetensors.torch import load_file
@@ -251,8 +252,6 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
     def _post_own(self, route: str, body: dict) -> None:
         """POST to this worker's own server, over one kept-alive client: a new httpx client costs ~25 ms (its
         TLS context), as much as a whole small weight update."""
-        import httpx
-
         url = self.start_server()
         if self._own_client is None:
             self._own_client = httpx.Client(timeout=httpx.Timeout(None, connect=10))

@@ -8,10 +8,15 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from rlflow.engines.core.config import RecipeError, RLConfig
 from rlflow.engines.data.prompts import DataError, load_pairs, load_prompts
 from rlflow.engines.data.rewards import RewardError, load_reward_fn
 from rlflow.engines.rollout.functions import load_rollout_fn
+from rlflow.engines.store.run_store import StorageError, replay_source
+from rlflow.engines.train.megatron.hf_config import UnsupportedModel, spec_from_hf
+from rlflow.engines.train.megatron.weights import check_tensor_parallel
 
 
 def find_problems(cfg: RLConfig) -> list[str]:
@@ -45,8 +50,6 @@ def find_problems(cfg: RLConfig) -> list[str]:
     if cfg.train.backend == "megatron":
         problems += _megatron_problems(cfg)
     if cfg.debug.replay_run:
-        from rlflow.engines.store.run_store import StorageError, replay_source
-
         try:
             replay_source(cfg)
         except (FileNotFoundError, StorageError) as e:
@@ -60,11 +63,6 @@ def _megatron_problems(cfg: RLConfig) -> list[str]:
         return ["train.backend: megatron needs megatron-core (pip install '.[megatron]')"]
     if not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
         return []  # a model built from the recipe is a Llama or Qwen2; a missing path is reported above
-    from transformers import AutoConfig
-
-    from rlflow.engines.train.megatron.hf_config import UnsupportedModel, spec_from_hf
-    from rlflow.engines.train.megatron.weights import check_tensor_parallel
-
     try:
         check_tensor_parallel(spec_from_hf(AutoConfig.from_pretrained(cfg.model.path)), cfg.megatron.tensor_parallel)
     except (UnsupportedModel, ValueError) as e:

@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pyarrow as pa
 import torch
@@ -702,8 +703,6 @@ def packed_from_table(table: pa.Table) -> tuple[dict, list[str | None]]:
 
 def _answers(url: str) -> bool:
     """Whether a rollout server answers /health now (the router may have seen a passing failure)."""
-    import httpx
-
     try:
         return httpx.get(f"{url}/health", timeout=5).status_code == 200
     except httpx.TransportError:

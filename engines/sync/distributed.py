@@ -28,6 +28,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
 from rlflow.engines.cluster.groups import free_port, node_ip
 from rlflow.engines.sync.endpoints import DistributedSender
@@ -57,8 +58,6 @@ def join_weights_update_group(
 ) -> dist.ProcessGroup:
     """Join (rank 0: create and serve the rendezvous of) a weight-update process group, as SGLang does. It is
     separate from any default process group of this process, which it neither needs nor touches."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
     timeout = timedelta(seconds=timeout_s)
     store, rank, world_size = next(
         rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)

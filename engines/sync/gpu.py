@@ -28,6 +28,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -75,8 +76,6 @@ def flat_span(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 # ---- CUDA IPC ------------------------------------------------------------------------------------------
 def export_ipc_handles(named: NamedTensors) -> list[tuple[str, tuple]]:
     """(name, handle) per CUDA tensor: the arguments torch's CUDA-IPC reducer rebuilds a shared view from."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
     out = []
     for name, t in named:
         if not t.is_cuda:
@@ -89,8 +88,6 @@ def export_ipc_handles(named: NamedTensors) -> list[tuple[str, tuple]]:
 def open_ipc_handles(handles: list[tuple[str, tuple]], device: torch.device) -> NamedTensors:
     """Map another process's CUDA tensors into this one (same physical GPU). The mapping lives as long as
     the returned tensors do; the exporter must keep its tensors alive (a model's parameters are)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
     out = []
     for name, args in handles:
         args = list(args)

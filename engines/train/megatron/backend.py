@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import megatron.core
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -338,8 +339,6 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         return {n: list(s) for n, s in self.exporter.shapes.items()}
 
     def _layout_meta(self) -> dict[str, Any]:
-        import megatron.core
-
         return {"world_size": self.world_size, "tensor_parallel": self.tp, "pipeline_parallel": self.pp,
                 "distributed_optimizer": self.mcfg.use_distributed_optimizer, "precision": self.cfg.precision,
                 "megatron_core": megatron.core.__version__}

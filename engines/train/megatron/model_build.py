@@ -82,6 +82,7 @@ def transformer_config(spec: ModelSpec, cfg: MegatronConfig, dtype: torch.dtype,
 def build_model(spec: ModelSpec, config: TransformerConfig, use_te: bool) -> GPTModel:
     """This pipeline stage's GPTModel with megatron's random init (load_hf_weights overwrites every weight)."""
     if use_te:
+        # needs Transformer Engine, which only use_te runs have
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
