@@ -199,7 +199,8 @@ def test_critic_beside_grpo_keeps_grpo_advantages(recipe, tmp_path):
     session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
     m = _run_steps(session, range(1))[0]
     st = session._state(0)
-    assert torch.equal(st.advantages, algorithms.group_advantages(st.rewards, cfg.rollout.samples_per_prompt, True))
+    assert torch.equal(st.advantages, algorithms.group_advantages(torch.tensor(st.batch.reward, dtype=torch.float32),
+                                                              cfg.rollout.samples_per_prompt, True))
     assert m["critic/value_loss"] > 0 and "adv/shaped_reward_mean" not in m
     session.shutdown()
 

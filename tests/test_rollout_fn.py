@@ -157,8 +157,8 @@ def test_calculator_example_masks_the_tool_out_of_the_loss_and_learns(tmp_path):
             rewards.append(session.reward(step)["rollout/reward_mean"])
             if step == 0:
                 st = session._state(0)
-                batch = session._pack(st, torch.zeros(len(st.prompt_ids)))
-                for i, (p, row_mask) in enumerate(zip(st.prompt_ids, batch["loss_mask"], strict=True)):
+                batch = session._pack(st, torch.zeros(len(st.batch)))
+                for i, (p, row_mask) in enumerate(zip(st.batch.prompt_ids, batch["loss_mask"], strict=True)):
                     ids = batch["input_ids"][i, : int(batch["attention_mask"][i].sum())].tolist()
                     text = tok.decode(ids[len(p):], skip_special_tokens=False)
                     tool = [t for t, m in zip(ids[len(p):], row_mask[len(p):].tolist(), strict=False) if m == 0]
@@ -185,9 +185,9 @@ def test_openai_agent_example_trains_with_logprobs_the_trainer_computes(tmp_path
         session.rollout(0)
         session.reward(0)
         st = session._state(0)
-        assert not st.generated["has_logprobs"].any() and (st.generated["weight_version"] == -1).all()
+        assert not st.batch.has_logprobs.any() and (st.batch.weight_version == -1).all()
         session.advantages(0)
-        batch = session._pack(st, torch.zeros(len(st.prompt_ids)))
+        batch = session._pack(st, torch.zeros(len(st.batch)))
         trained = batch["loss_mask"] > 0
         assert trained.any() and (batch["old_logprobs"][trained] < 0).all()
         metrics = session.train(0)

@@ -1,17 +1,150 @@
-"""The train batch: rollout samples packed into right-padded tensors.
+"""The two batches of an iteration.
 
-Logprob tensors are aligned with tokens: column t holds log p(x_t | x_<t) (column 0 is 0), so a loss
-mask over response tokens selects exactly the logprobs the policy is trained on.
+`RolloutBatch`: a step's samples as the rollout stage made them, in flat numpy arrays (one Ray/parquet-friendly
+object instead of N Python objects). It flows from rollout through reward, advantages and training, and
+`ROLLOUT_SCHEMA` is the one Arrow schema it is persisted and replayed with (`<run>/steps/<step>/rollout.parquet`,
+rejection sampling's rounds).
+
+`TrainBatch`: the samples packed into right-padded tensors for the train workers. Logprob tensors are aligned
+with tokens: column t holds log p(x_t | x_<t) (column 0 is 0), so a loss mask over response tokens selects
+exactly the logprobs the policy is trained on.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 TrainBatch = dict[str, torch.Tensor]
+
+# one row per sample; `response` and `reward` are null until the reward stage has run
+ROLLOUT_SCHEMA = pa.schema([
+    ("prompt", pa.string()),
+    ("label", pa.string()),  # JSON of the data row's label
+    ("group", pa.int64()),  # index of the sample's prompt in the step: samples of one group share a prompt
+    ("prompt_ids", pa.list_(pa.int64())),
+    ("output_ids", pa.list_(pa.int64())),  # the response: model tokens and, multi-turn, tool tokens
+    ("output_logprobs", pa.list_(pa.float32())),  # behaviour policy's, per response token
+    ("loss_mask", pa.list_(pa.float32())),  # 1: trained on; 0: a tool/environment token
+    ("has_logprobs", pa.bool_()),  # false: the rollout function gave none (the trainer computes them)
+    ("fn_reward", pa.float64()),  # a reward the rollout function gave; null: reward.fn scores the sample
+    ("text", pa.string()),  # the response text the rollout function gave; null: decoded from output_ids
+    ("stopped", pa.bool_()),  # finished by a stop condition, not by length or abort
+    ("weight_version", pa.int64()),  # weights that generated it; -1: not known
+    ("carried", pa.bool_()),  # dynamic sampling: the group was carried over from an earlier step
+    ("response", pa.string()),  # the text the reward saw
+    ("reward", pa.float64()),
+])
+
+
+@dataclass
+class RolloutBatch:
+    """A step's samples: per-sample fields, and the response tokens of all samples in flat arrays (`lengths`
+    cut them per sample)."""
+
+    prompt: list[str]
+    label: list[Any]
+    group: np.ndarray  # int64 [N]
+    prompt_ids: list[list[int]]
+    output_ids: np.ndarray  # int64 [sum(lengths)]
+    output_logprobs: np.ndarray  # float32 [sum(lengths)]
+    loss_mask: np.ndarray  # float32 [sum(lengths)]
+    lengths: np.ndarray  # int64 [N]
+    has_logprobs: np.ndarray  # bool [N]
+    fn_reward: np.ndarray  # float64 [N], NaN where the rollout function gave none
+    text: list[str | None]
+    stopped: np.ndarray  # bool [N]
+    weight_version: np.ndarray  # int64 [N], -1 where not known
+    carried: np.ndarray  # bool [N]
+    response: list[str] | None = None  # set by the reward stage
+    reward: np.ndarray | None = None  # float64 [N], set by the reward stage
+    metadata: dict[str, str] = field(default_factory=dict)  # persisted in the table's schema metadata
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def split(self, name: str) -> list[np.ndarray]:
+        """Per-sample views of a flat field: 'output_ids', 'output_logprobs' or 'loss_mask'."""
+        return np.split(getattr(self, name), np.cumsum(self.lengths)[:-1])
+
+    def with_rewards(self, response: list[str], reward: Sequence[float]) -> RolloutBatch:
+        return replace(self, response=list(response), reward=np.asarray(reward, dtype=np.float64))
+
+    def to_train_batch(self, advantages: torch.Tensor, pad_id: int) -> TrainBatch:
+        """The samples packed for the train workers (the one place a RolloutBatch becomes a TrainBatch)."""
+        return pack_samples(self.prompt_ids, self.split("output_ids"), self.split("output_logprobs"), advantages,
+                            pad_id, self.split("loss_mask"))
+
+    def metrics(self) -> dict[str, float]:
+        n_tokens = int(self.lengths.sum())
+        return {
+            "rollout/response_len_mean": n_tokens / len(self),
+            "rollout/tokens": float(n_tokens),
+            "rollout/truncated": float(1 - self.stopped.mean()),
+            "rollout/weight_version": float(self.weight_version.min()),  # -1: a rollout function did not say
+        }
+
+    def to_arrow(self) -> pa.Table:
+        scored = self.reward is not None
+        return pa.table({
+            "prompt": self.prompt,
+            "label": [json.dumps(x) for x in self.label],
+            "group": self.group,
+            "prompt_ids": self.prompt_ids,
+            "output_ids": self.split("output_ids"),
+            "output_logprobs": self.split("output_logprobs"),
+            "loss_mask": self.split("loss_mask"),
+            "has_logprobs": self.has_logprobs,
+            "fn_reward": pa.array(self.fn_reward, type=pa.float64(), from_pandas=True),  # NaN -> null
+            "text": pa.array(self.text, type=pa.string()),
+            "stopped": self.stopped,
+            "weight_version": self.weight_version,
+            "carried": self.carried,
+            "response": pa.array(self.response if scored else [None] * len(self), type=pa.string()),
+            "reward": pa.array(self.reward if scored else [None] * len(self), type=pa.float64()),
+        }, schema=ROLLOUT_SCHEMA.with_metadata(self.metadata or None))
+
+    @classmethod
+    def from_arrow(cls, table: pa.Table, samples_per_prompt: int = 1) -> RolloutBatch:
+        """A persisted batch. Tables written before some columns existed read as: every token trained on,
+        rollout logprobs, reward.fn scores, decoded texts, consecutive groups of `samples_per_prompt`, not
+        scored yet."""
+        cols, n = set(table.column_names), table.num_rows
+
+        def column(name: str, default: Any) -> list:
+            return table.column(name).to_pylist() if name in cols else default
+
+        ids, lps = table.column("output_ids").to_pylist(), table.column("output_logprobs").to_pylist()
+        masks = column("loss_mask", [[1] * len(x) for x in ids])
+        reward = column("reward", None)
+        scored = reward is not None and all(r is not None for r in reward)
+        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()
+                if not k.startswith(b"ARROW:")}
+        return cls(
+            prompt=table.column("prompt").to_pylist(),
+            label=[json.loads(x) for x in table.column("label").to_pylist()],
+            group=np.array(column("group", [i // samples_per_prompt for i in range(n)]), dtype=np.int64),
+            prompt_ids=table.column("prompt_ids").to_pylist(),
+            output_ids=_flat(ids, np.int64),
+            output_logprobs=_flat(lps, np.float32),
+            loss_mask=_flat(masks, np.float32),
+            lengths=np.array([len(x) for x in ids], dtype=np.int64),
+            has_logprobs=np.array(column("has_logprobs", [True] * n), dtype=bool),
+            fn_reward=np.array([np.nan if r is None else r for r in column("fn_reward", [None] * n)], dtype=np.float64),
+            text=column("text", [None] * n),
+            stopped=np.array(table.column("stopped").to_pylist(), dtype=bool),
+            weight_version=np.array(table.column("weight_version").to_pylist(), dtype=np.int64),
+            carried=np.array(column("carried", [False] * n), dtype=bool),
+            response=column("response", None) if scored else None,
+            reward=np.array(reward, dtype=np.float64) if scored else None,
+            metadata=meta,
+        )
 
 
 def pack_samples(

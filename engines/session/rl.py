@@ -13,7 +13,7 @@ import json
 import threading
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,16 +22,15 @@ import pyarrow as pa
 import torch
 
 from rlflow.engines.core import algorithms
-from rlflow.engines.core.batch import TrainBatch, batch_size, pack_samples, select, shard_for_workers
+from rlflow.engines.core.batch import RolloutBatch, TrainBatch, batch_size, select, shard_for_workers
 from rlflow.engines.core.config import RLConfig, StorageConfig
 from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
 from rlflow.engines.data.prompts import PromptCursor, load_prompts
 from rlflow.engines.data.rewards import compute_rewards, load_reward_fn
 from rlflow.engines.models.hf import DTYPES, encode_prompt, load_tokenizer
 from rlflow.engines.rollout.dynamic_sampling import Carry, collect_groups
-from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, load_rollout_fn
+from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, batch_from_groups, load_rollout_fn
 from rlflow.engines.rollout.router import RolloutRouter
-from rlflow.engines.rollout.torch_backend import split_packed
 from rlflow.engines.session.evaluation import score
 from rlflow.engines.session.timeline import StageTimeline
 from rlflow.engines.session.workers import Workers, start_workers
@@ -62,12 +61,8 @@ class StepState:
     """What one iteration has produced so far; a stage reads the fields earlier stages filled."""
 
     step: int
-    rows: list[dict]
-    prompt_ids: list[list[int]]
-    generated: dict  # flat arrays (pack_groups): output_ids, output_logprobs, loss_mask, lengths, ...
-    texts: list[str | None] = field(default_factory=list)  # response text a rollout function gave, per sample
-    responses: list[str] = field(default_factory=list)
-    rewards: torch.Tensor | None = None
+    rows: list[dict]  # the step's prompts (data rows)
+    batch: RolloutBatch  # its samples; the reward stage adds responses and rewards
     advantages: torch.Tensor | None = None  # [N], or [N, L] aligned with the packed batch (token-level estimators)
     train_logprobs: torch.Tensor | None = None  # the train engine's, when the advantages stage already needed them
     values: torch.Tensor | None = None  # [N, L] the critic's, aligned with the packed batch (with a critic)
@@ -154,9 +149,12 @@ class RLSession:
             rows = self._take_rows(step)
             prompts = self._prompt_samples(rows, self.cfg.rollout.samples_per_prompt, self._seed(step))
             groups = self.runner.run(prompts, self._sampling(self.cfg.rollout.temperature))
-        st = self._state_from_groups(step, rows, prompts, groups)
-        self._open(st)
-        metrics |= _generation_metrics(st.generated)
+        batch = batch_from_groups(prompts, groups)
+        if self.cfg.rollout.dynamic_sampling.enabled:  # its prompts do not follow from the cursor: store both
+            batch.metadata = {"rlflow.cursor": json.dumps(self._cursor_after[step]),
+                              "rlflow.carry": json.dumps(self._carry_after[step])}
+        self._open(StepState(step, rows, batch))
+        metrics |= batch.metrics()
         return metrics | {"rollout/tokens_per_s": metrics["rollout/tokens"] / (time.perf_counter() - t0)}
 
     def _dynamic_groups(self, step: int) -> tuple[list[PromptSample], list[list[Sample]], dict[str, float]]:
@@ -199,28 +197,8 @@ class RLSession:
         return ([p for p, _ in collected.groups], [g for _, g in collected.groups], collected.metrics)
 
     def rollout_table(self, step: int) -> pa.Table:
-        """The step's samples as one table (a row per sample): what the run store persists."""
-        st = self._state(step)
-        group = self.cfg.rollout.samples_per_prompt
-        g = st.generated
-        meta = None
-        if self.cfg.rollout.dynamic_sampling.enabled:  # its prompts do not follow from the cursor: store both
-            meta = {"rlflow.cursor": json.dumps(self._cursor_after[step]),
-                    "rlflow.carry": json.dumps(self._carry_after[step])}
-        return pa.table({
-            "prompt": [r["prompt"] for r in st.rows for _ in range(group)],
-            "label": [json.dumps(r["label"]) for r in st.rows for _ in range(group)],
-            "prompt_ids": st.prompt_ids,
-            "output_ids": split_packed(g, "output_ids"),
-            "output_logprobs": split_packed(g, "output_logprobs"),
-            "loss_mask": split_packed(g, "loss_mask"),
-            "has_logprobs": g["has_logprobs"],
-            "fn_reward": pa.array(g["fn_reward"], type=pa.float64(), from_pandas=True),  # NaN -> null
-            "text": pa.array(st.texts, type=pa.string()),
-            "stopped": g["stopped"],
-            "weight_version": g["weight_version"],
-            "carried": g["carried"],
-        }, metadata=meta)
+        """The step's samples as one table (a row per sample, ROLLOUT_SCHEMA): what the run store persists."""
+        return self._state(step).batch.to_arrow()
 
     def replay_rollout(self, step: int) -> dict[str, float]:
         """Take step's batch from the replayed run's store, exactly as that run generated it."""
@@ -233,47 +211,41 @@ class RLSession:
         return self.restore_rollout(step, table) | {"rollout/replayed": 1.0}
 
     def scored_table(self, step: int) -> pa.Table:
-        """rollout_table with each sample's decoded response and reward (after the reward stage)."""
+        """rollout_table with each sample's response and reward filled in (after the reward stage)."""
         st = self._state(step)
-        if st.rewards is None:
+        if st.batch.reward is None:
             raise RuntimeError(f"step {step}: no rewards yet (run the reward stage first)")
-        return self.rollout_table(step).append_column("response", pa.array(st.responses)).append_column(
-            "reward", pa.array(st.rewards.tolist(), type=pa.float64()))
+        return st.batch.to_arrow()
 
     def restore_rollout(self, step: int, table: pa.Table) -> dict[str, float]:
         """Take a persisted batch as this step's rollout; the data cursor moves exactly as a fresh rollout would."""
         group = self.cfg.rollout.samples_per_prompt
+        batch = RolloutBatch.from_arrow(table, group)
         if self.cfg.rollout.dynamic_sampling.enabled:
-            meta = table.schema.metadata or {}
-            if b"rlflow.cursor" not in meta:
+            if "rlflow.cursor" not in batch.metadata:
                 raise RuntimeError(f"step {step}: the stored rollout batch has no dynamic-sampling cursor")
-            self.cursor.load_state_dict(json.loads(meta[b"rlflow.cursor"]))
+            self.cursor.load_state_dict(json.loads(batch.metadata["rlflow.cursor"]))
             self._cursor_after[step] = self.cursor.state_dict()
-            self._carry_after[step] = json.loads(meta[b"rlflow.carry"])
+            self._carry_after[step] = json.loads(batch.metadata["rlflow.carry"])
             self._carry = [Carry.from_json(c, self._fn_tokenizer) for c in self._carry_after[step]]
-            prompts, labels = table.column("prompt").to_pylist(), table.column("label").to_pylist()
-            rows = [{"prompt": prompts[i], "label": json.loads(labels[i])} for i in range(0, len(prompts), group)]
+            rows = [{"prompt": batch.prompt[i], "label": batch.label[i]} for i in range(0, len(batch), group)]
         else:
             rows = self._take_rows(step)
-        prompts = [r["prompt"] for r in rows for _ in range(group)]
-        if table.column("prompt").to_pylist() != prompts:
+        if batch.prompt != [r["prompt"] for r in rows for _ in range(group)]:
             raise RuntimeError(f"step {step}: the stored rollout batch was made from other prompts (data changed?)")
-        generated, texts = packed_from_table(table)
-        self._open(StepState(step, rows, table.column("prompt_ids").to_pylist(), generated, texts))
-        return _generation_metrics(generated)
+        self._open(StepState(step, rows, batch))
+        return batch.metrics()
 
     def reward(self, step: int) -> dict[str, float]:
         st = self._state(step)
-        group = self.cfg.rollout.samples_per_prompt
-        st.responses = self._responses(split_packed(st.generated, "output_ids"), st.texts)
-        prompts = [r["prompt"] for r in st.rows for _ in range(group)]
-        labels = [r["label"] for r in st.rows for _ in range(group)]
-        st.rewards = torch.tensor(self._rewards(prompts, st.responses, labels, st.generated["fn_reward"]),
-                                  dtype=torch.float32)
+        b = st.batch
+        responses = self._responses(b.split("output_ids"), b.text)
+        st.batch = b.with_rewards(responses, self._rewards(b.prompt, responses, b.label, b.fn_reward))
+        rewards = torch.tensor(st.batch.reward, dtype=torch.float32)
         return {
-            "rollout/reward_mean": float(st.rewards.mean()),
-            "rollout/reward_std": float(st.rewards.std()) if len(st.rewards) > 1 else 0.0,
-            "rollout/accuracy": float((st.rewards >= 1.0).float().mean()),
+            "rollout/reward_mean": float(rewards.mean()),
+            "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "rollout/accuracy": float((rewards >= 1.0).float().mean()),
         }
 
     def advantages(self, step: int) -> dict[str, float]:
@@ -286,9 +258,10 @@ class RLSession:
         """
         st = self._state(step)
         algo, group = self.cfg.algorithm, self.cfg.rollout.samples_per_prompt
-        rewards, metrics = st.rewards, {}
+        rewards = scored = torch.tensor(st.batch.reward, dtype=torch.float32)
+        metrics = {}
         if algo.overlong_buffer and algo.overlong_penalty:
-            lengths = torch.as_tensor(st.generated["lengths"])
+            lengths = torch.as_tensor(st.batch.lengths)
             pen = algorithms.overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, algo.overlong_buffer,
                                               algo.overlong_penalty)
             rewards = rewards + pen
@@ -328,7 +301,7 @@ class RLSession:
                 rewards = rewards - penalty.sum(-1)
             st.advantages = self._sequence_advantages(rewards)
             abs_mean = float(st.advantages.abs().mean())
-        if rewards is not st.rewards:
+        if rewards is not scored:
             metrics["adv/shaped_reward_mean"] = float(rewards.mean())
         groups = rewards.view(-1, group)
         return metrics | {
@@ -347,14 +320,15 @@ class RLSession:
 
     def train(self, step: int) -> dict[str, float]:
         st = self._state(step)
-        known = st.generated["weight_version"] >= 0
-        staleness = self.weight_version - np.where(known, st.generated["weight_version"], self.weight_version)
+        b = st.batch
+        known = b.weight_version >= 0
+        staleness = self.weight_version - np.where(known, b.weight_version, self.weight_version)
         # dynamic sampling's carried groups are older by design; samples without logprobs are trained on-policy
-        checked = ~st.generated["carried"] & st.generated["has_logprobs"]
+        checked = ~b.carried & b.has_logprobs
         fresh = staleness[checked]
         if fresh.size and fresh.max() > self.cfg.rollout.off_policy_steps:
             raise RuntimeError(
-                f"step {step}: samples from weight version {st.generated['weight_version'].min()} are "
+                f"step {step}: samples from weight version {b.weight_version.min()} are "
                 f"{staleness.max()} updates behind the trainer (version {self.weight_version}); "
                 f"rollout.off_policy_steps allows {self.cfg.rollout.off_policy_steps}"
             )
@@ -457,15 +431,15 @@ class RLSession:
             return {}, []
         self.replace_dead_rollout_workers()
         prompts = self._prompt_samples(rows, 1, 2**62 + self._seed(step))  # seeds apart from training's
-        gen = [g[0] for g in self.runner.run(prompts, self._sampling(self.cfg.eval.temperature))]
-        responses = self._responses([s.response_ids for s in gen], [s.response for s in gen])
-        fn_reward = np.array([np.nan if s.reward is None else s.reward for s in gen])
-        rewards = self._rewards([r["prompt"] for r in rows], responses, [r["label"] for r in rows], fn_reward)
+        groups = self.runner.run(prompts, self._sampling(self.cfg.eval.temperature))
+        b = batch_from_groups(prompts, [g[:1] for g in groups])
+        responses = self._responses(b.split("output_ids"), b.text)
+        rewards = self._rewards(b.prompt, responses, b.label, b.fn_reward)
         samples = [
             {"step": step, "prompt": r["prompt"], "response": s, "label": str(r["label"]), "reward": w}
             for r, s, w in zip(rows, responses, rewards, strict=True)
         ]
-        scored = score(rewards, np.array([len(s.response_ids) for s in gen]), n=1)
+        scored = score(rewards, b.lengths, n=1)
         metrics = {f"eval/{k}": scored[k] for k in ("reward_mean", "accuracy", "response_len_mean")}
         return metrics, samples
 
@@ -474,8 +448,8 @@ class RLSession:
         st = self._state(step)
         group = self.cfg.rollout.samples_per_prompt
         return [
-            {"step": step, "prompt": st.rows[p]["prompt"], "response": st.responses[p * group],
-             "label": str(st.rows[p]["label"]), "reward": float(st.rewards[p * group])}
+            {"step": step, "prompt": st.rows[p]["prompt"], "response": st.batch.response[p * group],
+             "label": str(st.rows[p]["label"]), "reward": float(st.batch.reward[p * group])}
             for p in range(min(k, len(st.rows)))
         ]
 
@@ -568,13 +542,12 @@ class RLSession:
             del self._carry_after[old]
 
     def _pack(self, st: StepState, advantages: torch.Tensor) -> TrainBatch:
-        g = st.generated
-        batch = pack_samples(st.prompt_ids, split_packed(g, "output_ids"), split_packed(g, "output_logprobs"),
-                             advantages, self.tokenizer.pad_token_id, split_packed(g, "loss_mask"))
-        if not g["has_logprobs"].all():  # a rollout function gave none: the samples count as on-policy
+        has_logprobs = st.batch.has_logprobs
+        batch = st.batch.to_train_batch(advantages, self.tokenizer.pad_token_id)
+        if not has_logprobs.all():  # a rollout function gave none: the samples count as on-policy
             if st.behaviour_logprobs is None:
                 st.behaviour_logprobs = self._train_logprobs(batch)
-            missing = torch.as_tensor(~g["has_logprobs"])
+            missing = torch.as_tensor(~has_logprobs)
             batch["old_logprobs"][missing] = (st.behaviour_logprobs * batch["loss_mask"])[missing]
         return batch
 
@@ -590,7 +563,7 @@ class RLSession:
         n = len(self.critic_group)
         per = batch_size(batch) // n
         return torch.cat(self.critic_group.call_each(
-            "forward_values", [(select(batch, slice(w * per, (w + 1) * per)),) for w in range(n)]))
+            CriticBackend.forward_values, [(select(batch, slice(w * per, (w + 1) * per)),) for w in range(n)]))
 
     def _submit_critic_step(self, st: StepState, batch: TrainBatch):
         """Start the critic's train step on the step's returns (handles for critic_group.wait), or None."""
@@ -620,11 +593,6 @@ class RLSession:
         return [PromptSample(index=i, prompt=r["prompt"], label=r["label"], prompt_ids=self._encode(r["prompt"]),
                              n=n, seed=seed + i * n, row=r, tokenizer=self._fn_tokenizer) for i, r in enumerate(rows)]
 
-    def _state_from_groups(self, step: int, rows: list[dict], prompts: list[PromptSample],
-                           groups: list[list[Sample]]) -> StepState:
-        prompt_ids, generated, texts = pack_groups(prompts, groups)
-        return StepState(step, rows, prompt_ids, generated, texts)
-
     def _responses(self, output_ids: list, texts: list[str | None]) -> list[str]:
         """The text the reward sees: what the rollout function gave, else the decoded response tokens."""
         todo = [i for i, t in enumerate(texts) if t is None]
@@ -652,55 +620,6 @@ class RLSession:
         return self.cfg.seed * 1_000_003 + step * 7919
 
 
-def pack_groups(prompts: list[PromptSample], groups: list[list[Sample]]) -> tuple[list[list[int]], dict, list]:
-    """Samples as flat arrays (one Ray/parquet-friendly object instead of N Python objects): the prompt ids
-    per sample, the packed responses, and the texts the rollout function gave (None where it gave none)."""
-    pairs = [(p, s) for p, g in zip(prompts, groups, strict=True) for s in g]
-    samples = [s for _, s in pairs]
-    lengths = np.array([len(s.response_ids) for s in samples], dtype=np.int64)
-    total = int(lengths.sum())
-    generated = {
-        "output_ids": np.fromiter((t for s in samples for t in s.response_ids), dtype=np.int64, count=total),
-        "output_logprobs": np.fromiter((x for s in samples for x in (s.logprobs or [0.0] * len(s.response_ids))),
-                                       dtype=np.float32, count=total),
-        "loss_mask": np.fromiter((m for s in samples for m in (s.loss_mask or [1] * len(s.response_ids))),
-                                 dtype=np.float32, count=total),
-        "lengths": lengths,
-        "stopped": np.array([s.finish_reason == "stop" for s in samples], dtype=bool),
-        "weight_version": np.array([-1 if s.weight_version is None else s.weight_version for s in samples],
-                                   dtype=np.int64),  # -1: not known (a rollout function that gives no logprobs)
-        "has_logprobs": np.array([s.logprobs is not None for s in samples], dtype=bool),
-        "fn_reward": np.array([np.nan if s.reward is None else s.reward for s in samples], dtype=np.float64),
-        "carried": np.array([bool(s.metadata.get("carried")) for s in samples], dtype=bool),
-    }
-    prompt_ids = [list(s.prompt_ids if s.prompt_ids is not None else p.prompt_ids) for p, s in pairs]
-    return prompt_ids, generated, [s.response for s in samples]
-
-
-def packed_from_table(table: pa.Table) -> tuple[dict, list[str | None]]:
-    """pack_groups' arrays and texts back from a persisted rollout table (tables written before loss masks,
-    given rewards and texts were stored read as: all tokens trained, rollout logprobs, reward.fn scores)."""
-    ids, lps = table.column("output_ids").to_pylist(), table.column("output_logprobs").to_pylist()
-    n, names = len(ids), set(table.column_names)
-    masks = table.column("loss_mask").to_pylist() if "loss_mask" in names else [[1] * len(x) for x in ids]
-    given = table.column("fn_reward").to_pylist() if "fn_reward" in names else [None] * n
-    generated = {
-        "output_ids": np.array([t for x in ids for t in x], dtype=np.int64),
-        "output_logprobs": np.array([t for x in lps for t in x], dtype=np.float32),
-        "loss_mask": np.array([m for x in masks for m in x], dtype=np.float32),
-        "lengths": np.array([len(x) for x in ids], dtype=np.int64),
-        "stopped": table.column("stopped").to_numpy(zero_copy_only=False),
-        "weight_version": table.column("weight_version").to_numpy(),
-        "has_logprobs": (table.column("has_logprobs").to_numpy(zero_copy_only=False) if "has_logprobs" in names
-                         else np.ones(n, dtype=bool)),
-        "fn_reward": np.array([np.nan if r is None else r for r in given], dtype=np.float64),
-        "carried": (table.column("carried").to_numpy(zero_copy_only=False) if "carried" in names
-                    else np.zeros(n, dtype=bool)),
-    }
-    texts = table.column("text").to_pylist() if "text" in names else [None] * n
-    return generated, texts
-
-
 def _answers(url: str) -> bool:
     """Whether a rollout server answers /health now (the router may have seen a passing failure)."""
     try:
@@ -710,15 +629,5 @@ def _answers(url: str) -> bool:
 
 
 
-
-
-def _generation_metrics(gen: dict) -> dict[str, float]:
-    n_tokens = int(gen["lengths"].sum())
-    return {
-        "rollout/response_len_mean": n_tokens / len(gen["lengths"]),
-        "rollout/tokens": float(n_tokens),
-        "rollout/truncated": float(1 - gen["stopped"].mean()),
-        "rollout/weight_version": float(gen["weight_version"].min()),  # -1: a rollout function did not say
-    }
 
 

@@ -113,12 +113,14 @@ def connect_distributed(train_group, rollout_group, group_name: str, backend: st
             rollout_group.call_one(i, DistributedReceiver.destroy_weights_update_group, previous)
 
     if previous is not None:
-        together(partial(train_group.call, "leave_weights_update_group"), *[partial(leave, i) for i in range(n)])
+        together(partial(train_group.call, DistributedSender.leave_weights_update_group),
+                 *[partial(leave, i) for i in range(n)])
     host, port = train_group.call_rank0(DistributedSender.rendezvous_address)
     world = 1 + n * ranks_per_worker
-    together(partial(train_group.call, "join_weights_update_group", host, port, world, group_name, backend),
-             *[partial(rollout_group.call_one, i, "init_weights_update_group", host, port, 1 + i * ranks_per_worker,
-                       world, group_name, backend) for i in range(n)])
+    join, init = DistributedSender.join_weights_update_group, DistributedReceiver.init_weights_update_group
+    together(partial(train_group.call, join, host, port, world, group_name, backend),
+             *[partial(rollout_group.call_one, i, init, host, port, 1 + i * ranks_per_worker, world, group_name,
+                       backend) for i in range(n)])
     return group_name
 
 
@@ -128,5 +130,6 @@ def send_distributed(send: Callable[[list[str]], Any], rollout_group, buckets: l
     /update_weights_from_distributed run together; every weight travels as `dtype`."""
     for names in buckets:
         meta = (names, [dtype] * len(names), [shapes[n] for n in names], version, group_name)
-        together(partial(send, names), *[partial(rollout_group.call_one, i, "update_weights_from_distributed", *meta)
+        receive = DistributedReceiver.update_weights_from_distributed
+        together(partial(send, names), *[partial(rollout_group.call_one, i, receive, *meta)
                                          for i in range(len(rollout_group))])
