@@ -3,6 +3,9 @@ protocol's methods (never a method-name string)."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from rlflow.engines.cluster.groups import LocalWorkerGroup, check_implements
@@ -64,3 +67,26 @@ def test_a_method_name_string_is_refused() -> None:
     with pytest.raises(TypeError, match=r"calls a backend's method \(e.g. TrainBackend.save\), got 'pid'"):
         LocalWorkerGroup([HalfTrainer()]).call("pid")
     assert method_name(TrainBackend.save) == "save"
+
+
+def test_no_worker_call_in_the_code_names_a_method_by_string() -> None:
+    """Every group.call / call_each / call_one / submit* (also through functools.partial) in the installed packages
+    and bench/ passes a method, not its name."""
+    verbs = {"call", "call_each", "call_rank0", "call_one", "submit", "submit_each", "submit_rank0"}
+    repo = Path(__file__).resolve().parents[1]
+    found = []
+    for path in [p for d in ("engines", "tasks", "flows", "examples", "bench") for p in (repo / d).rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            fn, args = node.func, node.args
+            if isinstance(fn, ast.Attribute) and fn.attr in verbs:
+                handle = args[1:2] if fn.attr == "call_one" else args[:1]
+            elif (isinstance(fn, ast.Name) and fn.id == "partial" and args and isinstance(args[0], ast.Attribute)
+                  and args[0].attr in verbs):
+                handle = args[2:3] if args[0].attr == "call_one" else args[1:2]
+            else:
+                continue
+            found += [f"{path.relative_to(repo)}:{node.lineno}" for a in handle
+                      if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    assert found == []
