@@ -43,7 +43,8 @@ def test_flat_weights_copy_as_one_slice():
     """GPU transports lay weights out flat (flatten_) so a whole run of them is one slice (flat_span); the
     copy through that slice must give the same weights as the per-tensor path. Checked here on CPU tensors;
     the CUDA IPC and NCCL paths that use it run on the device machine (bench/gpu_rl.py)."""
-    from rlflow.engines.sync.gpu import copy_plan, flat_span, flatten_
+    from rlflow.engines.sync.cuda_ipc import copy_plan
+    from rlflow.engines.sync.gpu import flat_span, flatten_
 
     gen = torch.Generator().manual_seed(0)
     shapes = {"a": (3, 4), "b": (5,), "c": (2, 2, 2)}
