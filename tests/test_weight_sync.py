@@ -8,14 +8,17 @@ import typing
 import pytest
 import torch
 
+from rlflow.engines.cluster.groups import check_implements
 from rlflow.engines.core.config import WeightSyncConfig
 from rlflow.engines.core.protocols import RolloutBackend, TrainBackend
+from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.base import WeightTransport
 from rlflow.engines.sync.transports import TRANSPORTS
+from rlflow.engines.train.torch_backend import TorchTrainBackend
 
 
 def test_registry_names_exactly_the_configs_transports():
@@ -23,6 +26,17 @@ def test_registry_names_exactly_the_configs_transports():
     allowed = set(typing.get_args(WeightSyncConfig.model_fields["transport"].annotation))
     assert set(TRANSPORTS) == allowed
     assert all(cls.name == name for name, cls in TRANSPORTS.items())
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPORTS))
+def test_the_backends_serve_what_each_transport_needs(name):
+    """A transport names the endpoint protocols it calls on each side; the backends that take it implement them
+    (the SGLang backend takes every transport but the embedded engine's GPU ones)."""
+    transport = TRANSPORTS[name]
+    check_implements(TorchTrainBackend, transport.sender)
+    check_implements(TorchRolloutBackend, transport.receiver)
+    if name not in ("cuda_ipc", "nccl"):
+        check_implements(SGLangRolloutBackend, transport.receiver)
 
 
 class ToyTransport(WeightTransport):
