@@ -34,7 +34,7 @@ import torch
 
 from bench.gpu_rollout import build_model
 from rlflow.engines.cluster.groups import free_port
-from rlflow.engines.sync.buckets import plan_buckets
+from rlflow.engines.sync.base import plan_buckets
 from rlflow.engines.sync.distributed import (
     broadcast_weights,
     destroy_weights_update_group,
@@ -43,6 +43,7 @@ from rlflow.engines.sync.distributed import (
     join_weights_update_group,
     update_request,
 )
+from rlflow.engines.sync.nccl import NcclChannel
 
 GROUP = "bench-weight-update"
 
@@ -127,8 +128,6 @@ def update(url: str, group, params: dict[str, torch.Tensor], buckets: list[list[
 
 def link_gb_per_s(nbytes: int, repeats: int) -> float:
     """A plain NCCL broadcast of `nbytes` from GPU 0 to a helper process on GPU 1."""
-    from rlflow.engines.sync.gpu import NcclChannel
-
     port = free_port()
     helper = subprocess.Popen([sys.executable, "-m", "bench.gpu_weight_update", "--link-receiver", str(port),
                                str(nbytes), str(repeats)], env=os.environ | {"CUDA_VISIBLE_DEVICES": "1"})
@@ -140,8 +139,6 @@ def link_gb_per_s(nbytes: int, repeats: int) -> float:
 
 def link_receiver(port: int, nbytes: int, repeats: int) -> None:
     """The helper's side of link_gb_per_s: as many broadcasts, received on its GPU."""
-    from rlflow.engines.sync.gpu import NcclChannel
-
     channel = NcclChannel("127.0.0.1", port, 1, 2, torch.device("cuda", 0))
     buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     for _ in range(1 + repeats):
@@ -232,7 +229,8 @@ def main() -> None:
                     m["share_of_link"] = m["gb_per_s"] / result["link_gb_per_s"]
                 report(result, args.out)
             # both ends leave the group together and join a new one, as a reconnect after a worker restart does
-            # (rlflow.engines.sync.buckets.connect_distributed); the new group brings back the server's first weights
+            # (DistributedTransport.connect, engines/sync/distributed.py); the new group brings back the server's
+            # first weights
             with ThreadPoolExecutor(1) as pool:
                 left = pool.submit(post, url, "/destroy_weights_update_group", {"group_name": GROUP})
                 destroy_weights_update_group(group)

@@ -15,7 +15,7 @@ from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
-from rlflow.engines.sync.buckets import plan_buckets
+from rlflow.engines.sync.base import plan_buckets
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 from tests.conftest import assert_same_update
 

@@ -1,14 +1,94 @@
-"""Weight-sync transports: the store fallback and the in-memory path give the rollout workers the same bits."""
+"""Weight-sync transports: the registry matches the config, a transport added from outside the package runs a
+real session's sync, and the store fallback and the in-memory path give the rollout workers the same bits."""
 
 from __future__ import annotations
+
+import typing
 
 import pytest
 import torch
 
+from rlflow.engines.cluster.groups import check_implements
+from rlflow.engines.core.config import WeightSyncConfig
+from rlflow.engines.core.protocols import RolloutBackend, TrainBackend
+from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.store.run_store import RunStore
+from rlflow.engines.sync.base import WeightTransport
+from rlflow.engines.sync.transports import TRANSPORTS
+from rlflow.engines.train.torch_backend import TorchTrainBackend
+
+
+def test_registry_names_exactly_the_configs_transports():
+    """The config (engines/core, below sync) keeps its own Literal of transport names: the two must agree."""
+    allowed = set(typing.get_args(WeightSyncConfig.model_fields["transport"].annotation))
+    assert set(TRANSPORTS) == allowed
+    assert all(cls.name == name for name, cls in TRANSPORTS.items())
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPORTS))
+def test_the_backends_serve_what_each_transport_needs(name):
+    """A transport names the endpoint protocols it calls on each side; the backends that take it implement them
+    (the SGLang backend takes every transport but the embedded engine's GPU ones)."""
+    transport = TRANSPORTS[name]
+    check_implements(TorchTrainBackend, transport.sender)
+    check_implements(TorchRolloutBackend, transport.receiver)
+    if name not in ("cuda_ipc", "nccl"):
+        check_implements(SGLangRolloutBackend, transport.receiver)
+
+
+class ToyTransport(WeightTransport):
+    """A transport defined outside the package: rank 0's whole model, through the driver, in one call per
+    worker. It counts what the driver asked of it."""
+
+    name = "toy"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple] = []
+
+    def connect(self) -> None:
+        self.calls.append(("connect",))
+
+    def push(self, version: int) -> None:
+        weights = self.source.call(TrainBackend.named_tensors, None)
+        self.rollout.call(RolloutBackend.update_weights, weights, version)
+        self.calls.append(("push", version))
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+        super().close()
+
+
+def test_a_transport_added_from_outside_runs_a_sessions_sync(recipe, tmp_path, monkeypatch):
+    monkeypatch.setitem(TRANSPORTS, "toy", ToyTransport)  # the registry entry: all a new transport needs here
+    cfg = recipe(name="toy", train={"steps": 2, "threads": 1})
+    object.__setattr__(cfg.weight_sync, "transport", "toy")  # the config's Literal names the built-in ones only
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, tmp_path / cfg.name), use_ray=False)
+    toy = session.weight_transport
+    assert isinstance(toy, ToyTransport)
+    try:
+        for step in range(2):
+            for stage in ("rollout", "reward", "advantages", "train"):
+                getattr(session, stage)(step)
+            metrics = session.sync_weights(step)
+            trained = dict(session.train_group.call_rank0(TrainBackend.named_tensors, None))
+            served = dict(session.rollout_group.call_rank0(TorchRolloutBackend.named_tensors))
+            assert trained.keys() == served.keys()
+            for name, t in trained.items():
+                assert torch.equal(served[name], t.to(served[name].dtype)), name
+            assert session.rollout_group.workers[0].weight_version == step + 1 == session.weight_version
+            assert metrics["sync/weight_version"] == step + 1
+            assert metrics["sync/bytes"] == session.rollout_group.call_rank0(RolloutBackend.weight_bytes) > 0
+        toy.reconnect()  # what replacing a dead rollout worker does: the next update connects again
+        session.sync_weights(2)
+        assert toy.calls == [("connect",), ("push", 1), ("push", 2), ("connect",), ("push", 3)]
+    finally:
+        session.shutdown()
+    assert toy.calls[-1] == ("close",)
 
 
 def _rollout_weights_after(cfg, tmp_path, steps: int) -> dict[str, torch.Tensor]:
@@ -43,7 +123,8 @@ def test_flat_weights_copy_as_one_slice():
     """GPU transports lay weights out flat (flatten_) so a whole run of them is one slice (flat_span); the
     copy through that slice must give the same weights as the per-tensor path. Checked here on CPU tensors;
     the CUDA IPC and NCCL paths that use it run on the device machine (bench/gpu_rl.py)."""
-    from rlflow.engines.sync.gpu import copy_plan, flat_span, flatten_
+    from rlflow.engines.sync.cuda_ipc import copy_plan
+    from rlflow.engines.sync.gpu import flat_span, flatten_
 
     gen = torch.Generator().manual_seed(0)
     shapes = {"a": (3, 4), "b": (5,), "c": (2, 2, 2)}

@@ -51,9 +51,9 @@ from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.rollout.engine import Generation
 from rlflow.engines.rollout.torch_backend import pack_generations
-from rlflow.engines.sync.buckets import get_bucket
 from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
 from rlflow.engines.sync.endpoints import DiskReceiver, DistributedReceiver, StoreReceiver
+from rlflow.engines.sync.store import get_bucket
 
 STOP_GRACE_S = 10.0  # SIGTERM first; SIGKILL what is left of the process group after this
 LOG_TAIL_CHARS = 4000
@@ -336,6 +336,10 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
 
     def destroy_weights_update_group(self, group_name: str = GROUP_NAME) -> None:
         self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    def weight_update_ranks(self) -> int:
+        """One rank per GPU of the server: SGLang joins each of its tensor-parallel ranks."""
+        return gpus_per_server(self.cfg.args)
 
     def weight_bytes(self) -> int:
         """Bytes of the weights the last update loaded (the model's at first), as stored on disk."""

@@ -28,7 +28,7 @@ from rlflow.engines.models.decoder import DecoderLM
 from rlflow.engines.models.hf import load_model, load_tokenizer
 from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Generation, Request, request_generator
 from rlflow.engines.rollout.server import RolloutServer
-from rlflow.engines.sync.buckets import get_bucket
+from rlflow.engines.sync.cuda_ipc import copy_plan, open_ipc_handles
 from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
 from rlflow.engines.sync.endpoints import (
     DiskReceiver,
@@ -38,7 +38,9 @@ from rlflow.engines.sync.endpoints import (
     NcclReceiver,
     StoreReceiver,
 )
-from rlflow.engines.sync.gpu import NcclChannel, copy_plan, flatten_, open_ipc_handles
+from rlflow.engines.sync.gpu import flatten_
+from rlflow.engines.sync.nccl import NcclChannel
+from rlflow.engines.sync.store import get_bucket
 
 __all__ = ["Generation", "TorchRolloutBackend", "pack_generations", "concat_packed", "split_packed"]
 
@@ -248,6 +250,9 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
 
     def destroy_weights_update_group(self, group_name: str = GROUP_NAME) -> None:
         self._post_own("/destroy_weights_update_group", {"group_name": group_name})
+
+    def weight_update_ranks(self) -> int:
+        return 1  # the embedded engine is one process
 
     def _post_own(self, route: str, body: dict) -> None:
         """POST to this worker's own server, over one kept-alive client: a new httpx client costs ~25 ms (its

@@ -23,36 +23,20 @@ import torch
 
 from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import RolloutBatch, TrainBatch, batch_size, select, shard_for_workers
-from rlflow.engines.core.config import RLConfig, StorageConfig
+from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
 from rlflow.engines.data.prompts import PromptCursor, load_prompts
 from rlflow.engines.data.rewards import compute_rewards, load_reward_fn
-from rlflow.engines.models.hf import DTYPES, encode_prompt, load_tokenizer
+from rlflow.engines.models.hf import encode_prompt, load_tokenizer
 from rlflow.engines.rollout.dynamic_sampling import Carry, collect_groups
 from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, batch_from_groups, load_rollout_fn
 from rlflow.engines.rollout.router import RolloutRouter
 from rlflow.engines.session.evaluation import score
 from rlflow.engines.session.timeline import StageTimeline
 from rlflow.engines.session.workers import Workers, start_workers
-from rlflow.engines.store.run_store import RunStore, replay_source
-from rlflow.engines.sync.buckets import (
-    connect_distributed,
-    connect_ipc,
-    connect_nccl,
-    plan_buckets,
-    send_distributed,
-    version_dir,
-)
-from rlflow.engines.sync.distributed import dtype_name
-from rlflow.engines.sync.endpoints import (
-    DiskReceiver,
-    DistributedSender,
-    IpcReceiver,
-    NcclReceiver,
-    NcclSender,
-    StoreReceiver,
-    StoreSender,
-)
+from rlflow.engines.store.run_store import replay_source
+from rlflow.engines.sync.base import WeightTransport
+from rlflow.engines.sync.transports import make_transport
 from rlflow.engines.train.torch_backend import with_train_logprobs
 
 
@@ -90,18 +74,13 @@ class RLSession:
         )
         self.cursor = PromptCursor(len(self.train_rows), cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle)
         self.weight_version = 0  # of the trainer's weights: the number of syncs so far
-        # megatron shards weights over ranks: exporting them is a collective every train rank joins
-        self.collective_weights = cfg.train.backend == "megatron"
         self._dp_ranks: list[int] | None = None
         # steps in flight: with one-step-off async, step k+1's rollout runs (in another thread) while step k
         # trains, so two steps can be open at once
         self._states: dict[int, StepState] = {}
-        self._weight_layout: list[tuple[str, int]] | None = None
-        self._buckets: list[list[str]] | None = None  # weight-sync bucket plan (names per bucket), set once
-        self._rollout_weight_bytes: int | None = None
-        self._linked = False  # cuda_ipc / nccl / distributed: connected at the first sync (again after a restart)
-        self._weights_group: str | None = None  # distributed: the weight-update group's name
-        self._weight_shapes: dict[str, list[int]] | None = None
+        # train -> rollout weights, by the recipe's transport (engines/sync/); none without rollout workers
+        self.weight_transport: WeightTransport | None = (
+            make_transport(cfg, train_group, rollout_group) if cfg.debug.generates else None)
         self._rows_taken: tuple[int, list[dict]] | None = None
         self._cursor_after: dict[int, dict] = {}  # data cursor state right after each step took its prompts
         self._carry: list[Carry] = []  # dynamic sampling: groups the last step's rollout carries into the next
@@ -133,6 +112,8 @@ class RLSession:
             self.runner.close()
         if self.router is not None:
             self.router.stop()
+        if self.weight_transport is not None:
+            self.weight_transport.close()
         Workers(self.train_group, self.rollout_group, self.critic_group).shutdown(self.cfg.cluster.colocate)
 
     # ---- stages --------------------------------------------------------------------------------------
@@ -356,73 +337,17 @@ class RLSession:
         return metrics | {"train/tokens_per_s": tokens / (time.perf_counter() - t0)}
 
     def sync_weights(self, step: int) -> dict[str, float]:
-        """Send the trainer's weights to every rollout worker, bucket by bucket, as version step+1."""
-        if not self.cfg.debug.generates:  # train_only: no rollout workers; the version still counts updates
+        """Send the trainer's weights to every rollout worker as version step+1, by the recipe's transport."""
+        if self.weight_transport is None:  # train_only: no rollout workers; the version still counts updates
             self.weight_version = step + 1
             return {"sync/weight_version": float(self.weight_version)}
         self.replace_dead_rollout_workers(probe=True)
         t0 = time.perf_counter()
-        if self._weight_layout is None:
-            self._weight_layout = self.train_group.call_rank0(TrainBackend.weight_layout)
-        layout = self._weight_layout
         version = step + 1
-        ws = self.cfg.weight_sync
-        if self._buckets is None:  # a released colocated rollout engine re-allocates in its update call
-            self._buckets = list(plan_buckets(layout, int(ws.bucket_mb * 1024 * 1024)))
-        buckets = self._buckets
-        if ws.transport == "cuda_ipc":
-            if not self._linked:
-                self._linked = connect_ipc(self.train_group, self.rollout_group)
-            self.rollout_group.call(IpcReceiver.update_weights_from_ipc, version)
-        elif ws.transport == "nccl":
-            if not self._linked:
-                self._linked = connect_nccl(self.train_group, self.rollout_group, self.cfg.rollout.precision)
-            send = self.train_group.submit_rank0(NcclSender.nccl_send, buckets)
-            self.rollout_group.call(NcclReceiver.update_weights_from_nccl, buckets, version)
-            self.train_group.wait([send])
-        elif ws.transport == "distributed":
-            self._sync_distributed(buckets, version)
-        elif ws.transport == "ray":
-            for names in buckets:
-                self._send_weights(names, version)
-        elif ws.transport == "disk":  # rank 0 writes the version's folder; every worker loads it, then it goes
-            disk, run = StorageConfig(uri=ws.disk_dir), self.cfg.name
-            for i, names in enumerate(buckets):
-                self._train_rank0(StoreSender.put_weights_to_store, disk, run, version, i, names)
-            folder = RunStore(disk, run)
-            self.rollout_group.call(DiskReceiver.update_weights_from_disk, folder.path(*version_dir(version)), version)
-            folder.remove(*version_dir(version))
-        else:
-            storage, run = self.cfg.storage, self.cfg.name
-            for i, names in enumerate(buckets):
-                self._train_rank0(StoreSender.put_weights_to_store, storage, run, version, i, names)
-                self.rollout_group.call(StoreReceiver.update_weights_from_store, storage, run, version, i)
-            RunStore(storage, run).remove(*version_dir(version))
+        nbytes = self.weight_transport.update(version)  # what each rollout worker received, in its own dtype
         self.weight_version = version
-        if self._rollout_weight_bytes is None:
-            self._rollout_weight_bytes = self.rollout_group.call_rank0(RolloutBackend.weight_bytes)
-        nbytes = self._rollout_weight_bytes  # what each rollout worker received, in its own dtype
         dt = time.perf_counter() - t0
         return {"sync/weight_version": float(version), "sync/bytes": float(nbytes), "sync/gb_per_s": nbytes / dt / 1e9}
-
-    def _sync_distributed(self, buckets: list[list[str]], version: int) -> None:
-        """SGLang's distributed update: the servers join a group with train rank 0 once (again after a worker
-        restart), then receive each bucket's broadcast in the rollout precision."""
-        cfg = self.cfg
-        if not self._linked:
-            from rlflow.engines.rollout.sglang_backend import gpus_per_server
-
-            ranks = gpus_per_server(cfg.rollout.sglang.args) if cfg.rollout.backend == "sglang" else 1
-            backend = "nccl" if cfg.rollout_device == "cuda" else "gloo"
-            self._weights_group = connect_distributed(
-                self.train_group, self.rollout_group, f"rlflow-weights-{cfg.name}-{self.workers_restarted}", backend,
-                ranks, previous=self._weights_group)
-            self._weight_shapes = self.train_group.call_rank0(TrainBackend.weight_shapes)
-            self._linked = True
-        dtype = dtype_name(DTYPES[cfg.rollout.precision])
-        broadcast = DistributedSender.broadcast_weights_update
-        send_distributed(lambda names: self._train_rank0(broadcast, names, dtype), self.rollout_group,
-                         buckets, self._weight_shapes, dtype, version, self._weights_group)
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
         """Held-out reward with eval.temperature (greedy by default); also returns a few sample rows."""
@@ -467,8 +392,8 @@ class RLSession:
                 self.rollout_group.restart(i)
                 self.router.replace(i, self.rollout_group.call_one(i, RolloutBackend.start_server))
             if dead:
-                self._linked = False  # connected transports connect again, the new worker included
-                self._send_weights(None, self.weight_version)
+                self.weight_transport.reconnect()  # a connected transport connects again, the new worker included
+                self.weight_transport.resend(self.weight_version)
                 self.workers_restarted += len(dead)
         return {"rollout/workers_restarted": float(self.workers_restarted)} if self.workers_restarted else {}
 
@@ -492,8 +417,8 @@ class RLSession:
         self.cursor.load_state_dict(controller_state["cursor"])
         self._carry = [Carry.from_json(c, self._fn_tokenizer) for c in controller_state.get("carry", [])]
         self.weight_version = controller_state["weight_version"]
-        if self.cfg.debug.generates:
-            self._send_weights(None, self.weight_version)
+        if self.weight_transport is not None:
+            self.weight_transport.resend(self.weight_version)
 
     # ---- trace timeline ------------------------------------------------------------------------------
     def stage_span(self, stage: str, step: int) -> AbstractContextManager[None]:
@@ -505,25 +430,6 @@ class RLSession:
         return self.timeline.trace(step, self.rollout_group.call(RolloutBackend.drain_trace))
 
     # ---- helpers -------------------------------------------------------------------------------------
-    def _train_rank0(self, method, *args):
-        """Call rank 0's `method`; with sharded weights every rank joins (it gathers collectively)."""
-        if not self.collective_weights:
-            return self.train_group.call_rank0(method, *args)
-        handles = self.train_group.submit(method, *args)
-        self.train_group.wait(handles)
-        return handles
-
-    def _send_weights(self, names: list[str] | None, version: int) -> None:
-        """Train rank 0's HF-named tensors (`names`, or all) to every rollout worker, actor to actor."""
-        if not self.collective_weights:
-            weights = self.train_group.submit_rank0(TrainBackend.named_tensors, names)
-            self.rollout_group.call(RolloutBackend.update_weights, weights, version)
-            return
-        # every rank joins the gather; rank 0 holds it
-        handles = self.train_group.submit(TrainBackend.named_tensors, names)
-        self.rollout_group.call(RolloutBackend.update_weights, handles[0], version)
-        self.train_group.wait(handles)
-
     def _take_rows(self, step: int) -> list[dict]:
         """The step's prompts; asking again for the same step (a retried task) does not move the cursor."""
         if self._rows_taken is None or self._rows_taken[0] != step:

@@ -1,5 +1,7 @@
-"""SGLang's distributed weight update, both ends: the embedded server's routes and the trainer's sender
-(`DistributedWeightSender`, a mixin of the train backends; the `distributed` transport of engines/sync/buckets.py).
+"""SGLang's distributed weight update, in one place: the group (joined as SGLang joins it), the request bodies
+the embedded server's routes and the SGLang backend share, the trainer's sender (`DistributedWeightSender`, a
+mixin of the train backends) and the driver's `distributed` transport (`DistributedTransport`). It is how real
+SGLang servers take weights without a disk hop and without pickle; the embedded engine's server speaks it too.
 
 SGLang's pair of routes, with its field names and meanings:
 
@@ -22,16 +24,20 @@ the same torch version. Backend "gloo" moves CPU tensors (the embedded server on
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Iterable
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
 from rlflow.engines.cluster.groups import free_port, node_ip
-from rlflow.engines.sync.endpoints import DistributedSender
+from rlflow.engines.models.hf import DTYPES
+from rlflow.engines.sync.base import WeightTransport, together
+from rlflow.engines.sync.endpoints import DistributedReceiver, DistributedSender
 
 GROUP_NAME = "weight_update_group"  # SGLang's default
 INIT_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
@@ -163,3 +169,61 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_names(tensors: Iterable[torch.Tensor]) -> list[str]:
     """The `dtypes` field for these tensors."""
     return [dtype_name(t.dtype) for t in tensors]
+
+
+class DistributedTransport(WeightTransport):
+    """The driver's side: every rollout server (ranks from 1; a server of several tensor-parallel ranks takes
+    that many) joins a weight-update group with train rank 0 (rank 0, serving the rendezvous) once, again after
+    a worker restart; each bucket's broadcast and every server's /update_weights_from_distributed then run
+    together, every weight as the rollout precision's dtype (gloo for CPU engines, NCCL on GPUs)."""
+
+    name = "distributed"
+    sender, receiver = (DistributedSender,), (DistributedReceiver,)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group: str | None = None  # the weight-update group's name, while joined
+        self._joins = 0
+        self.backend = "nccl" if self.cfg.rollout_device == "cuda" else "gloo"
+        self.dtype = dtype_name(DTYPES[self.cfg.rollout.precision])
+
+    def connect(self) -> None:
+        """Join a new group, leaving the previous one first (after a worker restart)."""
+        self._leave()
+        ranks = self.rollout.call(DistributedReceiver.weight_update_ranks)
+        offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        world = 1 + sum(ranks)
+        host, port = self.train.call_rank0(DistributedSender.rendezvous_address)
+        name = f"rlflow-weights-{self.cfg.name}-{self._joins}"
+        together(partial(self.train.call, DistributedSender.join_weights_update_group, host, port, world, name,
+                         self.backend),
+                 *[partial(self.rollout.call_one, i, DistributedReceiver.init_weights_update_group, host, port,
+                           offsets[i], world, name, self.backend) for i in range(len(self.rollout))])
+        self.group, self._joins = name, self._joins + 1
+
+    def push(self, version: int) -> None:
+        shapes, dtype, broadcast = self.source.shapes(), self.dtype, DistributedSender.broadcast_weights_update
+        receive = DistributedReceiver.update_weights_from_distributed
+        for names in self.source.buckets():
+            meta = (names, [dtype] * len(names), [shapes[n] for n in names], version, self.group)
+            together(partial(self.source.call, broadcast, names, dtype),
+                     *[partial(self.rollout.call_one, i, receive, *meta) for i in range(len(self.rollout))])
+
+    def close(self) -> None:
+        self._leave()
+        super().close()
+
+    def _leave(self) -> None:
+        """The trainer and the servers that still have the group leave it at the same time (with NCCL, a member
+        that destroys the group alone waits for the others: measured on 2 GPUs, docs/benchmarks.md)."""
+        if self.group is None:
+            return
+        previous = self.group
+
+        def leave(i: int) -> None:
+            with contextlib.suppress(Exception):  # a restarted worker's fresh server never joined it
+                self.rollout.call_one(i, DistributedReceiver.destroy_weights_update_group, previous)
+
+        together(partial(self.train.call, DistributedSender.leave_weights_update_group),
+                 *[partial(leave, i) for i in range(len(self.rollout))])
+        self.group = None

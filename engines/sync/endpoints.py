@@ -74,6 +74,10 @@ class DistributedReceiver(Protocol):
 
     def destroy_weights_update_group(self, group_name: str = ...) -> None: ...
 
+    def weight_update_ranks(self) -> int:
+        """Ranks this server joins a weight-update group with (SGLang: one per GPU of the server)."""
+        ...
+
 
 class GpuLinkProbe(Protocol):
     """What the GPU benchmarks ask of both sides: the link's bandwidth and a checksum of the weights."""

@@ -1,18 +1,5 @@
-"""GPU weight-sync transports: CUDA IPC for colocated workers, an NCCL broadcast for disaggregated ones.
-
-Both keep weights on the GPU from the trainer's parameters to the rollout engine's, with no host copy:
-
-- cuda_ipc: train and rollout workers share a GPU. Each train worker exports CUDA IPC handles of its
-  parameters once; its colocated rollout worker maps them once and, at every sync, copies them into its
-  own weights with one multi-tensor copy (casting to its dtype on the way). Nothing travels per sync
-  but the call itself. Handles hold device pointers and offsets only (no code): a receiver rebuilds them
-  with torch's own CUDA-IPC reducer.
-- nccl: train rank 0 and every rollout worker form a private NCCL group (its own TCP store, so it never
-  touches the trainer's data-parallel group). Weights go in buckets: rank 0 packs a bucket into a flat
-  buffer in the rollout dtype and broadcasts it; receivers unpack it into their weights. Two buffers
-  alternate, so packing bucket i+1 overlaps the broadcast of bucket i.
-
-The bucket plan (names per bucket) comes from the driver, so both ends agree on it.
+"""Flat weights, what both GPU transports (cuda_ipc.py, nccl.py) build on, and the copy-bandwidth probe
+their benchmarks compare against.
 
 On GPU both engines keep their weights in one flat buffer (`flatten_`), in HF-name order. A run of
 consecutive weights is then one slice of memory (`flat_span`), so a colocated sync is a single cast-copy
@@ -23,14 +10,8 @@ with nothing to unpack. Weights that are not laid out that way take the per-tens
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
-from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
-
-NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 # ---- flat weights --------------------------------------------------------------------------------------
@@ -71,136 +52,6 @@ def flat_span(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     if first.storage_offset() + numel > first.untyped_storage().nbytes() // size:
         return None  # adjacent by chance, but not one allocation
     return first.detach().as_strided((numel,), (1,), first.storage_offset())
-
-
-# ---- CUDA IPC ------------------------------------------------------------------------------------------
-def export_ipc_handles(named: NamedTensors) -> list[tuple[str, tuple]]:
-    """(name, handle) per CUDA tensor: the arguments torch's CUDA-IPC reducer rebuilds a shared view from."""
-    out = []
-    for name, t in named:
-        if not t.is_cuda:
-            raise ValueError(f"cuda_ipc: weight {name!r} is on {t.device}, not on a GPU")
-        _rebuild, args = reduce_tensor(t.detach())
-        out.append((name, args))
-    return out
-
-
-def open_ipc_handles(handles: list[tuple[str, tuple]], device: torch.device) -> NamedTensors:
-    """Map another process's CUDA tensors into this one (same physical GPU). The mapping lives as long as
-    the returned tensors do; the exporter must keep its tensors alive (a model's parameters are)."""
-    out = []
-    for name, args in handles:
-        args = list(args)
-        args[6] = device.index if device.index is not None else torch.cuda.current_device()  # storage_device
-        out.append((name, rebuild_cuda_tensor(*args)))
-    return out
-
-
-def copy_plan(dst: dict[str, torch.Tensor], src: NamedTensors) -> Callable[[], None]:
-    """A function that copies src tensors into the same-named dst tensors (cast to dst's dtype). Planned
-    once (the colocated pair maps each other's weights once): when both sides are flat in the same order
-    it is one copy kernel for the whole model, otherwise one multi-tensor copy."""
-    missing = [n for n, _ in src if n not in dst]
-    if missing:
-        raise KeyError(f"weight sync: unknown parameter(s) {missing[:3]}")
-    targets = [dst[n] for n, _ in src]
-    sources = [t for _, t in src]
-    dst_span, src_span = flat_span(targets), flat_span(sources)
-    if dst_span is not None and src_span is not None and dst_span.numel() == src_span.numel():
-        return torch.no_grad()(lambda: dst_span.copy_(src_span))
-    return torch.no_grad()(lambda: torch._foreach_copy_(targets, sources))
-
-
-# ---- NCCL broadcast ------------------------------------------------------------------------------------
-class NcclChannel:
-    """A private NCCL group: rank 0 is the train worker that sends, ranks 1.. are rollout workers."""
-
-    def __init__(self, host: str, port: int, rank: int, world_size: int, device: torch.device, timeout_s: float = 300):
-        torch.cuda.set_device(device)
-        self.rank, self.world_size, self.device = rank, world_size, device
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
-        self.group = dist.ProcessGroupNCCL(dist.PrefixStore("rlflow-weight-sync", store), rank, world_size)
-        self._buffers: list[torch.Tensor] = []
-        self.broadcast(torch.zeros(1, device=device))  # connect now, not inside the first timed sync
-        torch.cuda.synchronize(device)
-
-    def broadcast(self, tensor: torch.Tensor):
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        return self.group.broadcast([tensor], opts)
-
-    def _buffer(self, i: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        while len(self._buffers) <= i:
-            self._buffers.append(torch.empty(0, dtype=dtype, device=self.device))
-        if self._buffers[i].numel() < numel or self._buffers[i].dtype != dtype:
-            self._buffers[i] = torch.empty(numel, dtype=dtype, device=self.device)
-        return self._buffers[i][:numel]
-
-    @torch.no_grad()
-    def send(self, params: dict[str, torch.Tensor], buckets: list[list[str]], dtype: torch.dtype) -> int:
-        """Rank 0: broadcast `params` bucket by bucket as `dtype`; returns bytes sent."""
-        return self._run(params, buckets, dtype, sending=True)
-
-    @torch.no_grad()
-    def receive(self, params: dict[str, torch.Tensor], buckets: list[list[str]]) -> int:
-        """Ranks 1..: receive every bucket into `params` (same names and shapes as the sender's)."""
-        dtypes = {p.dtype for p in params.values()}
-        if len(dtypes) != 1:
-            raise ValueError(f"nccl weight sync: rollout weights must share one dtype, found {dtypes}")
-        return self._run(params, buckets, dtypes.pop(), sending=False)
-
-    def _run(self, params: dict[str, torch.Tensor], buckets: list[list[str]], dtype: torch.dtype, sending: bool) -> int:
-        pending: list = [None, None]  # per buffer: (work, views to unpack) of the broadcast using it
-        total = 0
-        for i, names in enumerate(buckets):
-            slot = i % 2
-            if pending[slot] is not None:  # this buffer's previous broadcast must finish before reuse
-                self._finish(*pending[slot])
-            tensors = [params[n] for n in names]
-            span = flat_span(tensors)
-            if span is not None and span.dtype == dtype:  # the bucket is one slice already: send or fill it
-                work = self.broadcast(span)
-                pending[slot] = (work, None)
-                total += span.numel() * span.element_size()
-                continue
-            flat = self._buffer(slot, sum(t.numel() for t in tensors), dtype)
-            views = None
-            if sending and span is not None:
-                flat.copy_(span)  # one cast kernel for the bucket
-            else:
-                views = list(torch.split(flat, [t.numel() for t in tensors]))
-                views = [v.view(t.shape) for v, t in zip(views, tensors, strict=True)]
-                if sending:
-                    torch._foreach_copy_(views, tensors)
-            work = self.broadcast(flat)
-            pending[slot] = (work, None if sending else (tensors, views))
-            total += flat.numel() * flat.element_size()
-        for p in pending:
-            if p is not None:
-                self._finish(*p)
-        torch.cuda.synchronize(self.device)
-        return total
-
-    @staticmethod
-    def _finish(work, unpack) -> None:
-        work.wait()  # the current stream waits for the broadcast (the host does not)
-        if unpack is not None:
-            torch._foreach_copy_(*unpack)
-
-    @torch.no_grad()
-    def measure_bandwidth(self, nbytes: int, repeats: int = 5) -> float:
-        """GB/s of a plain broadcast of `nbytes` over this group: the link speed a bucketed sync compares to."""
-        buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=self.device)
-        self.broadcast(buf).wait()
-        torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            self.broadcast(buf).wait()
-        torch.cuda.synchronize(self.device)
-        return nbytes * repeats / (time.perf_counter() - t0) / 1e9
-
-    def close(self) -> None:
-        self._buffers.clear()
 
 
 @torch.no_grad()

@@ -31,10 +31,12 @@ from rlflow.engines.core.config import AlgorithmConfig, StorageConfig, TrainConf
 from rlflow.engines.core.protocols import CriticBackend, TrainBackend
 from rlflow.engines.core.sampling import scaled_logits
 from rlflow.engines.models.hf import DTYPES, load_model, load_value_model
-from rlflow.engines.sync.buckets import put_bucket
+from rlflow.engines.sync.cuda_ipc import export_ipc_handles
 from rlflow.engines.sync.distributed import DistributedWeightSender
 from rlflow.engines.sync.endpoints import GpuLinkProbe, IpcSender, NcclSender, StoreSender
-from rlflow.engines.sync.gpu import NcclChannel, device_copy_bandwidth, export_ipc_handles, flatten_
+from rlflow.engines.sync.gpu import device_copy_bandwidth, flatten_
+from rlflow.engines.sync.nccl import NcclChannel
+from rlflow.engines.sync.store import put_bucket
 
 
 def lr_lambda(cfg: TrainConfig):

@@ -36,9 +36,9 @@ from rlflow.engines.core.batch import TrainBatch, batch_size, select
 from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig, StorageConfig, TrainConfig
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.models.hf import DTYPES
-from rlflow.engines.sync.buckets import put_bucket
 from rlflow.engines.sync.distributed import DistributedWeightSender
 from rlflow.engines.sync.endpoints import StoreSender
+from rlflow.engines.sync.store import put_bucket
 from rlflow.engines.train.megatron.checkpoint import load_optimizer_state, optimizer_state
 from rlflow.engines.train.megatron.cpu import device_context
 from rlflow.engines.train.megatron.export import WeightExporter

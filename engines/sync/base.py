@@ -1,0 +1,154 @@
+"""What every weight transport shares: the trainer's side as a `WeightSource` (its weight layout, the bucket
+plan, the rank-0-or-collective call), the `WeightTransport` base class a transport subclasses, and `together`
+for collectives driven from one thread. Transports live one per module beside this one; the registry that
+names them by `weight_sync.transport` is engines/sync/transports.py.
+
+A weight update sends HF-named tensors, bucket by bucket, stamped with a weight version so each generated
+sample records which policy produced it. Buckets bound the memory a transfer holds at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Any, ClassVar
+
+import torch
+
+from rlflow.engines.core.config import RLConfig
+from rlflow.engines.core.protocols import RolloutBackend, TrainBackend, WorkerGroup
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+def plan_buckets(layout: list[tuple[str, int]], bucket_bytes: int) -> Iterator[list[str]]:
+    """Group weight names into buckets of at most `bucket_bytes` (a single larger tensor gets its own)."""
+    bucket, size = [], 0
+    for name, nbytes in layout:
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(name)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def together(*calls: Callable[[], Any]) -> list[Any]:
+    """Run blocking calls at the same time and return their results in order: the members of a collective each
+    return only once all have joined, so they need threads, with in-process workers as with Ray actors. The
+    first error is raised at once (the others end with the group's timeout)."""
+    pool = ThreadPoolExecutor(len(calls), thread_name_prefix="weight-sync")
+    futures = [pool.submit(c) for c in calls]
+    wait(futures, return_when=FIRST_EXCEPTION)
+    pool.shutdown(wait=False)
+    for f in futures:
+        if f.done() and f.exception() is not None:
+            raise f.exception()
+    return [f.result() for f in futures]
+
+
+class WeightSource:
+    """The train side of a sync as every transport sees it. Rank 0 sends: it holds full weights (data
+    parallel), or, with sharded weights (Megatron, `collective`), every rank joins the gather and rank 0 holds
+    the result. The weight layout and the bucket plan are asked for once and kept (a released colocated
+    rollout engine re-allocates its weights inside the update call, so the plan must not change)."""
+
+    def __init__(self, train: WorkerGroup[TrainBackend], bucket_bytes: int, collective: bool = False):
+        self.train, self.bucket_bytes, self.collective = train, bucket_bytes, collective
+        self._layout: list[tuple[str, int]] | None = None
+        self._buckets: list[list[str]] | None = None
+        self._shapes: dict[str, list[int]] | None = None
+
+    @classmethod
+    def from_config(cls, cfg: RLConfig, train: WorkerGroup[TrainBackend]) -> WeightSource:
+        # megatron shards weights over ranks: exporting them is a collective every train rank joins
+        return cls(train, int(cfg.weight_sync.bucket_mb * 1024 * 1024), collective=cfg.train.backend == "megatron")
+
+    def layout(self) -> list[tuple[str, int]]:
+        """(HF name, bytes) of every weight, in the trainer's order."""
+        if self._layout is None:
+            self._layout = self.train.call_rank0(TrainBackend.weight_layout)
+        return self._layout
+
+    def buckets(self) -> list[list[str]]:
+        """Names per bucket, planned once per run."""
+        if self._buckets is None:
+            self._buckets = list(plan_buckets(self.layout(), self.bucket_bytes))
+        return self._buckets
+
+    def shapes(self) -> dict[str, list[int]]:
+        if self._shapes is None:
+            self._shapes = self.train.call_rank0(TrainBackend.weight_shapes)
+        return self._shapes
+
+    def call(self, method: Callable[..., Any], *args: Any) -> Any:
+        """Rank 0's `method(*args)`; with sharded weights every rank joins (it gathers collectively)."""
+        if not self.collective:
+            return self.train.call_rank0(method, *args)
+        return self.train.wait(self.train.submit(method, *args))[0]
+
+    def send_objects(self, rollout: WorkerGroup[RolloutBackend], names: list[str] | None, version: int) -> None:
+        """Rank 0's HF-named tensors (`names`, or all) to every rollout worker's `update_weights`, actor to actor
+        as one Ray object (in-process groups hand the list over)."""
+        if not self.collective:
+            weights = self.train.submit_rank0(TrainBackend.named_tensors, names)
+            rollout.call(RolloutBackend.update_weights, weights, version)
+            return
+        handles = self.train.submit(TrainBackend.named_tensors, names)  # every rank joins the gather
+        rollout.call(RolloutBackend.update_weights, handles[0], version)
+        self.train.wait(handles)
+
+
+class WeightTransport:
+    """One way of moving the trainer's weights to the rollout workers, named by `weight_sync.transport`.
+
+    The driver (RLSession) calls `update(version)` at every sync, `reconnect()` after it replaced dead rollout
+    workers (followed by `resend`), `resend(version)` after loading a checkpoint, and `close()` at shutdown. A
+    transport implements `push(version)` and, when it keeps a link between the two sides, `connect()` (run
+    before the first push, and again after a reconnect) and `close()`. `sender` and `receiver` name the
+    protocols (engines/sync/endpoints.py) it needs of the train and the rollout backends."""
+
+    name: ClassVar[str]
+    sender: ClassVar[tuple[type, ...]] = ()
+    receiver: ClassVar[tuple[type, ...]] = ()
+
+    def __init__(self, cfg: RLConfig, source: WeightSource, rollout: WorkerGroup[RolloutBackend]):
+        self.cfg, self.source, self.rollout = cfg, source, rollout
+        self.train = source.train
+        self.connected = False
+        self._received_bytes: int | None = None
+
+    def connect(self) -> None:
+        """Set up the link between the two sides (nothing for a transport without one)."""
+
+    def push(self, version: int) -> None:
+        """Send the trainer's current weights to every rollout worker as `version`."""
+        raise NotImplementedError
+
+    def update(self, version: int) -> int:
+        """Deliver weight version `version` to every rollout worker (connecting first if needed); returns the
+        bytes each worker received, in its own dtype."""
+        if not self.connected:
+            self.connect()
+            self.connected = True
+        self.push(version)
+        return self.received_bytes()
+
+    def reconnect(self) -> None:
+        """Rollout workers were replaced: the next update connects again, the new workers included."""
+        self.connected = False
+
+    def resend(self, version: int) -> None:
+        """All weights to every rollout worker through Ray, whatever the transport (after a checkpoint load or a
+        worker restart: one full update that needs no link)."""
+        self.source.send_objects(self.rollout, None, version)
+
+    def close(self) -> None:
+        """Release what the link holds (the workers release theirs when they stop)."""
+        self.connected = False
+
+    def received_bytes(self) -> int:
+        if self._received_bytes is None:
+            self._received_bytes = self.rollout.call_rank0(RolloutBackend.weight_bytes)
+        return self._received_bytes

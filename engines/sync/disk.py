@@ -1,0 +1,24 @@
+"""The `disk` transport: rank 0 writes a version's buckets as safetensors into a local folder
+(`weight_sync.disk_dir`, seen by every worker: one node or a shared file system) and every rollout worker loads
+the whole folder at once (SGLang's /update_weights_from_disk); the folder goes once loaded."""
+
+from __future__ import annotations
+
+from rlflow.engines.core.config import StorageConfig
+from rlflow.engines.store.run_store import RunStore
+from rlflow.engines.sync.base import WeightTransport
+from rlflow.engines.sync.endpoints import DiskReceiver, StoreSender
+from rlflow.engines.sync.store import version_dir
+
+
+class DiskTransport(WeightTransport):
+    name = "disk"
+    sender, receiver = (StoreSender,), (DiskReceiver,)
+
+    def push(self, version: int) -> None:
+        disk, run = StorageConfig(uri=self.cfg.weight_sync.disk_dir), self.cfg.name
+        for i, names in enumerate(self.source.buckets()):
+            self.source.call(StoreSender.put_weights_to_store, disk, run, version, i, names)
+        folder = RunStore(disk, run)
+        self.rollout.call(DiskReceiver.update_weights_from_disk, folder.path(*version_dir(version)), version)
+        folder.remove(*version_dir(version))
