@@ -16,10 +16,17 @@ from rlflow.engines.data.builtin_tasks import write_task_files
 from rlflow.engines.models.hf import DTYPES, build_tiny_model
 from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend, gpus_per_server
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.sync.transports import TRANSPORTS
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 
-# what the session calls on each group (the weight transports check their own needs when they connect)
+# what the session calls on each group; the recipe's weight transport adds what it needs of either side
 TRAIN, ROLLOUT, CRITIC = (TrainBackend,), (RolloutBackend,), (CriticBackend,)
+
+
+def group_protocols(cfg: RLConfig) -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """The protocols the train and the rollout workers are used through in this run."""
+    transport = TRANSPORTS[cfg.weight_sync.transport]
+    return TRAIN + transport.sender, ROLLOUT + transport.receiver
 
 
 def prepare_data(cfg: RLConfig) -> None:
@@ -72,12 +79,14 @@ def start_workers(cfg: RLConfig, model_path: str, use_ray: bool) -> Workers:
     n_train = cfg.train.num_workers if cfg.debug.trains else 0  # debug modes start one kind of worker
     n_rollout = cfg.rollout.num_workers if cfg.debug.generates else 0
     critic = None
+    train_protocols, rollout_protocols = group_protocols(cfg)
     if not use_ray:
         if n_train > 1 or (make_critic and cfg.critic.num_workers > 1):
             raise ValueError("train.num_workers / critic.num_workers > 1 need cluster.use_ray: true")
-        train = LocalWorkerGroup([train_cls(**make_train(r)) for r in range(n_train)], protocols=TRAIN)
+        train = LocalWorkerGroup([train_cls(**make_train(r)) for r in range(n_train)], protocols=train_protocols)
         rollout = LocalWorkerGroup([rollout_cls(**make_rollout(r)) for r in range(n_rollout)],
-                                   factory=lambda r: rollout_cls(**make_rollout(r)), protocols=ROLLOUT)
+                                   factory=lambda r: rollout_cls(**make_rollout(r)),
+                                   protocols=rollout_protocols)
         if make_critic:
             critic = LocalWorkerGroup([TorchTrainBackend(**make_critic(0))], protocols=CRITIC)
         return Workers(train, rollout, critic)
@@ -162,8 +171,9 @@ def ray_groups(cfg: RLConfig, train_cls: type, train_kwargs, rollout_kwargs, n_t
     if cfg.cluster.colocate:
         shared = make_placement_group([{"CPU": 2 * cpus, "GPU": 1}] * cfg.train.num_workers, f"{name}-colocated-pg")
         train_gpus = rollout_gpus = 0.5
+    train_protocols, rollout_protocols = group_protocols(cfg)
     train = (RayWorkerGroup(train_cls, n_train, train_kwargs, cpus, f"{name}-train", train_gpus, shared,
-                            protocols=TRAIN) if n_train else LocalWorkerGroup([]))
+                            protocols=train_protocols) if n_train else LocalWorkerGroup([]))
     rollout = (RayWorkerGroup(rollout_backend_class(cfg), n_rollout, rollout_kwargs, cpus, f"{name}-rollout",
-                              rollout_gpus, shared, protocols=ROLLOUT) if n_rollout else LocalWorkerGroup([]))
+                              rollout_gpus, shared, protocols=rollout_protocols) if n_rollout else LocalWorkerGroup([]))
     return train, rollout
