@@ -22,8 +22,22 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
+from pathlib import Path
 
-from rlflow.engines.core.config import BuiltinTaskConfig, RecipeError, load_recipe
+from rlflow.engines.core.config import (
+    BuiltinTaskConfig,
+    RecipeError,
+    StorageConfig,
+    apply_overrides,
+    config_from_dict,
+    load_recipe,
+)
+from rlflow.engines.core.trace_render import load_trace, render
+
+# The subcommands import what only they need when they run, so `rlflow --help` and light commands start in
+# a fraction of a second: torch, transformers, Ray, Prefect and MLflow take seconds to import, the run store
+# (pyarrow, fsspec) and the data writers a tenth or more.
 
 
 def _debug_overrides(args) -> list[str]:
@@ -37,8 +51,7 @@ def _debug_overrides(args) -> list[str]:
 
 
 def _load(args) -> object:
-    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
-    from rlflow.engines.session.preflight import check
+    from rlflow.engines.session.preflight import check  # deferred: torch and transformers (seconds)
 
     cfg = load_recipe(args.recipe, [*args.overrides, *_debug_overrides(args)])
     return check(cfg, args.recipe)
@@ -58,25 +71,20 @@ def cmd_run(args) -> int:
 
 
 def cmd_sft(args) -> int:
-    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
-    from rlflow.flows.sft import sft
+    from rlflow.flows.sft import sft  # deferred: Prefect, Ray, torch (seconds)
 
     cfg = _load(args)
     return _run(cfg, sft, cfg.sft.steps)
 
 
 def cmd_rejection_sample(args) -> int:
-    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
-    from rlflow.flows.rejection_sampling import rejection_sampling
+    from rlflow.flows.rejection_sampling import rejection_sampling  # deferred: Prefect, Ray, torch (seconds)
 
     cfg = _load(args)
     return _run(cfg, rejection_sampling, cfg.sft.total_steps(rejection=True))
 
 
 def _store_config(args):
-    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
-    from rlflow.engines.core.config import StorageConfig
-
     opts = {"uri": args.store}
     for text in args.overrides:
         if text.startswith("storage."):
@@ -87,8 +95,7 @@ def _store_config(args):
 
 def cmd_resume(args) -> int:
     """Continue a run from its store: the stored recipe, with --set overrides on top."""
-    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
-    from rlflow.engines.core.config import apply_overrides, config_from_dict
+    # deferred: torch and transformers (preflight), pyarrow and fsspec (the run store)
     from rlflow.engines.session.preflight import check
     from rlflow.engines.store.run_store import RunStore
 
@@ -103,8 +110,7 @@ def cmd_resume(args) -> int:
 
 
 def cmd_runs(args) -> int:
-    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
-    from rlflow.engines.store.run_store import list_runs
+    from rlflow.engines.store.run_store import list_runs  # deferred: pyarrow and fsspec
 
     runs = list_runs(_store_config(args))
     if not runs:
@@ -117,10 +123,7 @@ def cmd_runs(args) -> int:
 
 def cmd_export(args) -> int:
     """Copy a committed checkpoint's model/ (HF safetensors + config + tokenizer) to a local directory."""
-    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
-    from pathlib import Path
-
-    from rlflow.engines.store.run_store import RunStore
+    from rlflow.engines.store.run_store import RunStore  # deferred: pyarrow and fsspec
 
     store = RunStore(_store_config(args), args.run)
     step = args.step if args.step is not None else store.latest_step()
@@ -135,12 +138,6 @@ def cmd_export(args) -> int:
 
 def cmd_trace_render(args) -> int:
     """A PNG timeline of a trace file, or of a run's trace logged to MLflow (the newest, or --step)."""
-    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
-    import tempfile
-    from pathlib import Path
-
-    from rlflow.engines.core.trace_render import load_trace, render
-
     with tempfile.TemporaryDirectory() as tmp:
         if Path(args.source).is_file():
             path, title = Path(args.source), Path(args.source).name
@@ -160,9 +157,7 @@ def cmd_trace_render(args) -> int:
 
 def _download_trace(args, tmp: str):
     """The run's traces/step_<N>.json from its MLflow run (found through the run store), or None."""
-    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
-    from pathlib import Path
-
+    # deferred: MLflow and, through tasks.stages, Prefect and torch (seconds)
     from mlflow.tracking import MlflowClient
 
     from rlflow.engines.store.run_store import RunStore
@@ -192,12 +187,11 @@ def _download_trace(args, tmp: str):
 def _run(cfg, flow_fn=None, total: int | None = None) -> int:
     """Run a flow (post_train by default) with a progress bar over its `total` steps."""
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the progress bar says what the task logs would
-    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
-    from rlflow.flows.serve import use_prefect_server_defaults
+    from rlflow.flows.serve import use_prefect_server_defaults  # deferred: httpx; before Prefect is imported
 
     use_prefect_server_defaults()  # for the temporary server, when no PREFECT_API_URL is set
     logging.getLogger("rlflow").setLevel(logging.INFO)
-    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
+    # deferred: Prefect, Ray, torch (seconds), after the defaults above; rich.progress ~50 ms, 1/6 of `--help`
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from rlflow.flows.post_train import post_train
@@ -245,8 +239,7 @@ def _run(cfg, flow_fn=None, total: int | None = None) -> int:
 
 
 def cmd_data_make(args) -> int:
-    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
-    from rlflow.engines.data.builtin_tasks import write_task_files
+    from rlflow.engines.data.builtin_tasks import write_task_files  # deferred: numpy and pyarrow
 
     cfg = BuiltinTaskConfig(task=args.task, num_digits=args.num_digits, num_train=args.num_train,
                             num_eval=args.num_eval, seed=args.seed)
@@ -259,8 +252,7 @@ def cmd_data_make(args) -> int:
 
 
 def cmd_data_gsm8k(args) -> int:
-    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
-    from rlflow.engines.data.math_reward import convert_gsm8k
+    from rlflow.engines.data.math_reward import convert_gsm8k  # deferred: pyarrow and the math verifier
 
     n = convert_gsm8k(args.input, args.out, args.instruction)
     print(f"wrote {n} rows to {args.out} (prompt, label: the final answer, response: the worked solution)")
@@ -278,8 +270,7 @@ def _debug_flags(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args) -> int:
     """Prefect server + MLflow server + a process worker (and the deployments of prefect.yaml), until Ctrl-C."""
-    # imported when this subcommand runs, so `rlflow --help` and light commands start fast
-    from rlflow.flows.serve import serve
+    from rlflow.flows.serve import serve  # deferred: httpx, and Prefect must not be imported before its defaults
 
     return serve(args.prefect_port, args.mlflow_port, deploy=not args.no_deploy)
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 import functools
 import sys
 
+from prefect.client.orchestration._work_pools.client import WorkPoolAsyncClient, WorkPoolClient
+
 
 def _patch_worker_query() -> None:
-    # only `rlflow.flows.deploy` patches these clients, not every importer of this module
-    from prefect.client.orchestration._work_pools.client import WorkPoolAsyncClient, WorkPoolClient
-
     for cls in (WorkPoolAsyncClient, WorkPoolClient):
         original = cls.read_workers_for_work_pool
 
@@ -31,7 +30,7 @@ def _patch_worker_query() -> None:
 
 def main(argv: list[str]) -> None:
     _patch_worker_query()
-    from prefect.cli import app  # after the patch: the CLI's commands bind the clients when imported
+    from prefect.cli import app  # deferred until after the patch: the CLI's commands bind the clients when imported
 
     sys.argv = ["prefect", "--no-prompt", "deploy", *argv]
     app()

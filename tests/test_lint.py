@@ -1,8 +1,10 @@
 """The lint step CI runs: ruff, and the import-linter contracts of pyproject.toml that keep the layers one way
-(docs/architecture.md). The contracts are also shown to fail on an upward import and on an import circle."""
+(docs/architecture.md). The contracts are also shown to fail on an upward import and on an import circle, and every
+import inside a function of the installed packages says why it is not at the top of its module."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -51,3 +53,42 @@ def test_layer_contracts_catch_an_upward_import_and_a_circle(tmp_path: Path) -> 
     assert "rlflow.engines.core.batch -> rlflow.engines.session.rl" in out, out
     assert "No cycles are allowed in rlflow.engines.data." in out, out
     assert "- .prompts -> .builtin_tasks" in out or "- .builtin_tasks -> .prompts" in out, out
+
+
+def _deferred_import_groups(tree: ast.AST) -> list[list[ast.stmt]]:
+    """Runs of consecutive import statements inside functions (one run: the imports of one block, in a row)."""
+    groups, seen = [], set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(node, field, None)
+                if not isinstance(block, list):  # absent, or an expression (lambda, if-expression)
+                    continue
+                run: list[ast.stmt] = []
+                for stmt in [*block, None]:
+                    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                        run.append(stmt)
+                    elif run:
+                        if run[0].lineno not in seen:
+                            seen.add(run[0].lineno)
+                            groups.append(run)
+                        run = []
+    return groups
+
+
+def test_function_level_imports_say_why() -> None:
+    """An import inside a function is the exception (an optional dependency such as megatron-core, math-verify or
+    matplotlib; the CLI's start time; an import that must follow a patch or a setting): each run of them carries a
+    comment on one of its lines or on the line just above. A normal dependency belongs at the top of the module."""
+    bare = []
+    for folder in ("flows", "tasks", "engines", "examples"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            lines = path.read_text().splitlines()
+            for run in _deferred_import_groups(ast.parse("\n".join(lines), str(path))):
+                first, last = run[0].lineno, run[-1].end_lineno or run[-1].lineno
+                said = any("#" in line for line in lines[first - 1:last]) or lines[first - 2].strip().startswith("#")
+                if not said:
+                    bare.append(f"{path.relative_to(REPO)}:{first}: {lines[first - 1].strip()}")
+    assert not bare, "function-level imports without a reason comment (move them up, or say why):\n" + "\n".join(bare)

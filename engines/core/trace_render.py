@@ -64,6 +64,7 @@ def render(trace: dict[str, Any], out: str | Path, title: str = "") -> Path:
     import matplotlib  # optional: only `rlflow trace render` draws; it comes with mlflow
 
     matplotlib.use("Agg")
+    # after use("Agg"): pyplot picks its backend when first imported
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 

@@ -69,7 +69,8 @@ _STREAM = _NoStream()
 
 @contextlib.contextmanager
 def cpu_shim() -> Iterator[None]:
-    from megatron.core import tensor_parallel  # optional dependency: only when the shim is entered
+    # megatron-core is an optional dependency (the `megatron` extra): imported only when the shim is entered
+    from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import random as tp_random
 
     saved = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream,
