@@ -15,8 +15,14 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+# lint-imports through this interpreter, not the script's shebang: a copied virtualenv's scripts name the
+# interpreter they were installed with, which would analyse that environment's rlflow instead of this one
+LINT_IMPORTS = [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"]
+
+
 def run(tool: str, *args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / tool), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [*LINT_IMPORTS, *args] if tool == "lint-imports" else [str(BIN / tool), *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_ruff() -> None:
@@ -25,14 +31,16 @@ def test_ruff() -> None:
 
 
 def test_layer_contracts_hold() -> None:
-    done = run("lint-imports")
+    done = run("lint-imports", "--no-cache")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 broken" in done.stdout
+    assert "Analyzed" in done.stdout and "KEPT" in done.stdout, done.stdout
 
 
 def test_layer_contracts_catch_an_upward_import_and_a_circle(tmp_path: Path) -> None:
-    """A copy of the package tree with two deliberate faults: core importing session (upward), and two data
-    modules importing each other (a circle). The copy comes first on the path, so it is what gets analysed."""
+    """A copy of the package tree with deliberate faults: core importing session (upward), two data modules
+    importing each other (a circle), a store module importing Prefect, and a package under engines/ that no layer
+    names. The copy comes first on the path, so it is what gets analysed."""
     for folder in ("flows", "tasks", "engines", "examples"):
         shutil.copytree(REPO / folder, tmp_path / "rlflow" / folder, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
@@ -43,16 +51,22 @@ def test_layer_contracts_catch_an_upward_import_and_a_circle(tmp_path: Path) -> 
         f.write("\nimport rlflow.engines.data.builtin_tasks  # one half of a deliberate circle\n")
     with (engines / "data" / "builtin_tasks.py").open("a") as f:
         f.write("\nimport rlflow.engines.data.prompts  # the other half\n")
+    with (engines / "store" / "run_store.py").open("a") as f:
+        f.write("\nimport prefect  # Prefect below tasks\n")
+    (engines / "extras").mkdir()
+    (engines / "extras" / "__init__.py").write_text("import rlflow.engines.core.batch\n")  # a package with no layer
     env = os.environ | {"PYTHONPATH": str(tmp_path)}
     probe = subprocess.run([sys.executable, "-c", "import rlflow.engines.core as m; print(m.__file__)"], cwd=tmp_path,
                            env=env, capture_output=True, text=True)
     assert probe.stdout.startswith(str(tmp_path)), probe.stdout + probe.stderr  # the copy is what is analysed
-    done = run("lint-imports", cwd=tmp_path, env=env)
+    done = run("lint-imports", "--no-cache", cwd=tmp_path, env=env)
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
     assert "rlflow.engines.core.batch -> rlflow.engines.session.rl" in out, out
     assert "No cycles are allowed in rlflow.engines.data." in out, out
     assert "- .prompts -> .builtin_tasks" in out or "- .builtin_tasks -> .prompts" in out, out
+    assert "rlflow.engines.store.run_store -> prefect" in out, out
+    assert "- rlflow.engines.extras" in out, out  # the exhaustive layers contract inside engines/
 
 
 def _deferred_import_groups(tree: ast.AST) -> list[list[ast.stmt]]:
