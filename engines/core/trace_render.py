@@ -61,7 +61,7 @@ def _layout(lanes: list[tuple[int, Any, str, str]]) -> tuple[list[float], list[f
 
 def render(trace: dict[str, Any], out: str | Path, title: str = "") -> Path:
     """Draw `trace` to a PNG at `out`; returns its path."""
-    import matplotlib  # optional: only `rlflow trace render` draws; it comes with mlflow
+    import matplotlib  # deferred: ~1 s to import, only drawing needs it (the CLI imports this module); via mlflow
 
     matplotlib.use("Agg")
     # after use("Agg"): pyplot picks its backend when first imported
