@@ -13,6 +13,7 @@ import torch
 from rlflow.engines.core.batch import ROLLOUT_SCHEMA, RolloutBatch, pack_samples
 from rlflow.engines.rollout.functions import PromptSample, Sample
 from rlflow.engines.session.sft import ROUND_SCHEMA, read_round, round_table
+from rlflow.engines.store.run_store import RunStore
 
 
 def make_batch() -> RolloutBatch:
@@ -74,6 +75,8 @@ def test_tables_written_before_the_later_columns_read_with_their_defaults() -> N
                     "output_logprobs": [[-1.0, -2.0], [-3.0], [-4.0], [-5.0, -6.0, -7.0]],
                     "stopped": [True, False, True, True], "weight_version": [4, 4, 4, 4]})
     b = RolloutBatch.from_arrow(old, samples_per_prompt=2)
+    assert b.output_logprobs.dtype == np.float32 and b.output_logprobs.tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0,
+                                                                                     -6.0, -7.0]
     assert b.group.tolist() == [0, 0, 1, 1] and b.label == [1, 1, 2, 2]
     assert b.loss_mask.tolist() == [1.0] * 7 and b.has_logprobs.all() and not b.carried.any()
     assert np.isnan(b.fn_reward).all() and b.text == [None] * 4 and b.reward is None and b.response is None
@@ -137,3 +140,11 @@ def test_a_rejection_sampling_round_is_a_scored_rollout_table_and_its_accepted_m
     back, accepted = read_round(table, 2)
     assert_same(back, scored)
     assert accepted.tolist() == [True, False, True, False]
+
+
+def test_parquet_round_trip_through_the_run_store(tmp_path) -> None:
+    store = RunStore(str(tmp_path / "store"), "run")
+    b = make_batch().with_rewards(["a", "b", "c", "d"], [1.0, 0.0, 0.5, 0.25])
+    b.metadata = {"rlflow.carry": "[]"}
+    store.save_rollout(3, b.to_arrow())
+    assert_same(RolloutBatch.from_arrow(store.load_rollout(3)), b)
