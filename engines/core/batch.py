@@ -13,9 +13,9 @@ exactly the logprobs the policy is trained on.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +41,29 @@ ROLLOUT_SCHEMA = pa.schema([
     ("response", pa.string()),  # the text the reward saw
     ("reward", pa.float64()),
 ])
+_TOKEN_FIELDS = ("output_ids", "output_logprobs", "loss_mask")  # flat over all samples, cut by `lengths`
+
+
+class PromptLike(Protocol):
+    """What `RolloutBatch.from_samples` reads of a prompt (rollout.functions.PromptSample is one)."""
+
+    prompt: str
+    label: Any
+    prompt_ids: list[int]
+
+
+class SampleLike(Protocol):
+    """What `RolloutBatch.from_samples` reads of a generated sample (rollout.functions.Sample is one)."""
+
+    response_ids: list[int]
+    logprobs: list[float] | None
+    loss_mask: list[int] | None
+    reward: float | None
+    response: str | None
+    finish_reason: str
+    weight_version: int | None
+    prompt_ids: list[int] | None
+    metadata: dict
 
 
 @dataclass
@@ -50,7 +73,7 @@ class RolloutBatch:
 
     prompt: list[str]
     label: list[Any]
-    group: np.ndarray  # int64 [N]
+    group: np.ndarray  # int64 [N]: index of the sample's prompt in the step
     prompt_ids: list[list[int]]
     output_ids: np.ndarray  # int64 [sum(lengths)]
     output_logprobs: np.ndarray  # float32 [sum(lengths)]
@@ -66,17 +89,98 @@ class RolloutBatch:
     reward: np.ndarray | None = None  # float64 [N], set by the reward stage
     metadata: dict[str, str] = field(default_factory=dict)  # persisted in the table's schema metadata
 
-    def __len__(self) -> int:
+    @classmethod
+    def from_samples(cls, prompts: Sequence[PromptLike], groups: Sequence[Sequence[SampleLike]]) -> RolloutBatch:
+        """What the rollout functions returned, one group of samples per prompt (group g belongs to prompts[g])."""
+        pairs = [(g, p, s) for g, (p, samples) in enumerate(zip(prompts, groups, strict=True)) for s in samples]
+        samples = [s for _, _, s in pairs]
+        lengths = np.array([len(s.response_ids) for s in samples], dtype=np.int64)
+        total = int(lengths.sum())
+        return cls(
+            prompt=[p.prompt for _, p, _ in pairs],
+            label=[p.label for _, p, _ in pairs],
+            group=np.array([g for g, _, _ in pairs], dtype=np.int64),
+            prompt_ids=[list(s.prompt_ids if s.prompt_ids is not None else p.prompt_ids) for _, p, s in pairs],
+            output_ids=np.fromiter((t for s in samples for t in s.response_ids), dtype=np.int64, count=total),
+            output_logprobs=np.fromiter((x for s in samples for x in (s.logprobs or [0.0] * len(s.response_ids))),
+                                        dtype=np.float32, count=total),
+            loss_mask=np.fromiter((m for s in samples for m in (s.loss_mask or [1] * len(s.response_ids))),
+                                  dtype=np.float32, count=total),
+            lengths=lengths,
+            has_logprobs=np.array([s.logprobs is not None for s in samples], dtype=bool),
+            fn_reward=np.array([np.nan if s.reward is None else s.reward for s in samples], dtype=np.float64),
+            text=[s.response for s in samples],
+            stopped=np.array([s.finish_reason == "stop" for s in samples], dtype=bool),
+            weight_version=np.array([-1 if s.weight_version is None else s.weight_version for s in samples],
+                                    dtype=np.int64),  # -1: not known (a rollout function that gives no logprobs)
+            carried=np.array([bool(s.metadata.get("carried")) for s in samples], dtype=bool),
+        )
+
+    # ---- views -------------------------------------------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
         return len(self.lengths)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """int64 [N + 1]: sample i's response tokens are [offsets[i], offsets[i + 1]) of the flat fields."""
+        return np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+
+    def responses(self, i: int, name: str = "output_ids") -> np.ndarray:
+        """Sample i's part of a flat field ('output_ids', 'output_logprobs' or 'loss_mask'): a view."""
+        lo = int(self.lengths[:i].sum())
+        return getattr(self, name)[lo : lo + int(self.lengths[i])]
 
     def split(self, name: str) -> list[np.ndarray]:
         """Per-sample views of a flat field: 'output_ids', 'output_logprobs' or 'loss_mask'."""
         return np.split(getattr(self, name), np.cumsum(self.lengths)[:-1])
 
+    def group_starts(self) -> np.ndarray:
+        """Index of each group's first sample, in batch order."""
+        return np.flatnonzero(np.r_[True, self.group[1:] != self.group[:-1]]) if len(self) else np.zeros(0, int)
+
+    def group_size(self) -> int:
+        """The samples per group, checked to be the layout group-wise algorithms assume: groups 0, 1, 2, ... of
+        one size each, their samples consecutive."""
+        n, g = len(self), len(self.group_starts())
+        size = n // g if g else 0
+        if not g or n % g or not np.array_equal(self.group, np.arange(n) // size):
+            raise ValueError(f"RolloutBatch: groups {self.group.tolist()} are not consecutive groups of one size")
+        return size
+
+    def select(self, idx: Sequence[int] | np.ndarray) -> RolloutBatch:
+        """The samples at `idx` (indices or a boolean mask), in that order; group ids and metadata kept."""
+        idx = np.asarray(idx)
+        idx = np.flatnonzero(idx) if idx.dtype == bool else idx.astype(np.int64)
+        starts = self.offsets[idx]
+        tokens = np.repeat(starts - np.cumsum(self.lengths[idx]) + self.lengths[idx], self.lengths[idx])
+        tokens = tokens + np.arange(len(tokens))  # the flat positions of the chosen samples' tokens, in order
+        pick = [int(i) for i in idx]
+        return replace(
+            self,
+            prompt=[self.prompt[i] for i in pick], label=[self.label[i] for i in pick], group=self.group[idx],
+            prompt_ids=[self.prompt_ids[i] for i in pick],
+            **{name: getattr(self, name)[tokens] for name in _TOKEN_FIELDS},
+            lengths=self.lengths[idx], has_logprobs=self.has_logprobs[idx], fn_reward=self.fn_reward[idx],
+            text=[self.text[i] for i in pick], stopped=self.stopped[idx], weight_version=self.weight_version[idx],
+            carried=self.carried[idx],
+            response=None if self.response is None else [self.response[i] for i in pick],
+            reward=None if self.reward is None else self.reward[idx],
+            metadata=dict(self.metadata),
+        )
+
+    # ---- stages ------------------------------------------------------------------------------------------
     def with_rewards(self, response: list[str], reward: Sequence[float]) -> RolloutBatch:
+        """The batch scored: the text the reward saw and the reward of every sample (the reward stage's output)."""
+        if len(response) != len(self) or len(reward) != len(self):
+            raise ValueError(f"with_rewards: {len(response)} responses and {len(reward)} rewards for "
+                             f"{len(self)} samples")
         return replace(self, response=list(response), reward=np.asarray(reward, dtype=np.float64))
 
-    def to_train_batch(self, advantages: torch.Tensor, pad_id: int) -> TrainBatch:
+    def to_train_batch(self, pad_id: int, advantages: torch.Tensor) -> TrainBatch:
         """The samples packed for the train workers (the one place a RolloutBatch becomes a TrainBatch)."""
         return pack_samples(self.prompt_ids, self.split("output_ids"), self.split("output_logprobs"), advantages,
                             pad_id, self.split("loss_mask"))
@@ -90,16 +194,21 @@ class RolloutBatch:
             "rollout/weight_version": float(self.weight_version.min()),  # -1: a rollout function did not say
         }
 
-    def to_arrow(self) -> pa.Table:
+    # ---- persistence -------------------------------------------------------------------------------------
+    def to_arrow(self, metadata: Mapping[str, str] | None = None) -> pa.Table:
+        """The batch as a table of ROLLOUT_SCHEMA (a row per sample); `metadata` is added to the batch's own
+        in the schema metadata. Token lists are built from the flat arrays without copying them to Python."""
         scored = self.reward is not None
+        offsets = pa.array(self.offsets.astype(np.int32))
+        meta = dict(self.metadata) | dict(metadata or {})
         return pa.table({
-            "prompt": self.prompt,
-            "label": [json.dumps(x) for x in self.label],
+            "prompt": pa.array(self.prompt, type=pa.string()),
+            "label": pa.array([json.dumps(x) for x in self.label], type=pa.string()),
             "group": self.group,
-            "prompt_ids": self.prompt_ids,
-            "output_ids": self.split("output_ids"),
-            "output_logprobs": self.split("output_logprobs"),
-            "loss_mask": self.split("loss_mask"),
+            "prompt_ids": pa.array(self.prompt_ids, type=pa.list_(pa.int64())),
+            "output_ids": pa.ListArray.from_arrays(offsets, pa.array(self.output_ids, type=pa.int64())),
+            "output_logprobs": pa.ListArray.from_arrays(offsets, pa.array(self.output_logprobs, type=pa.float32())),
+            "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(self.loss_mask, type=pa.float32())),
             "has_logprobs": self.has_logprobs,
             "fn_reward": pa.array(self.fn_reward, type=pa.float64(), from_pandas=True),  # NaN -> null
             "text": pa.array(self.text, type=pa.string()),
@@ -108,20 +217,22 @@ class RolloutBatch:
             "carried": self.carried,
             "response": pa.array(self.response if scored else [None] * len(self), type=pa.string()),
             "reward": pa.array(self.reward if scored else [None] * len(self), type=pa.float64()),
-        }, schema=ROLLOUT_SCHEMA.with_metadata(self.metadata or None))
+        }, schema=ROLLOUT_SCHEMA.with_metadata(meta or None))
 
     @classmethod
     def from_arrow(cls, table: pa.Table, samples_per_prompt: int = 1) -> RolloutBatch:
-        """A persisted batch. Tables written before some columns existed read as: every token trained on,
-        rollout logprobs, reward.fn scores, decoded texts, consecutive groups of `samples_per_prompt`, not
-        scored yet."""
+        """A persisted batch (columns beyond ROLLOUT_SCHEMA's are ignored). Tables written before some columns
+        existed read as: every token trained on, rollout logprobs, reward.fn scores, decoded texts, consecutive
+        groups of `samples_per_prompt`, not scored yet."""
         cols, n = set(table.column_names), table.num_rows
 
         def column(name: str, default: Any) -> list:
             return table.column(name).to_pylist() if name in cols else default
 
-        ids, lps = table.column("output_ids").to_pylist(), table.column("output_logprobs").to_pylist()
-        masks = column("loss_mask", [[1] * len(x) for x in ids])
+        lengths, output_ids = _list_column(table, "output_ids", np.int64)
+        _, output_logprobs = _list_column(table, "output_logprobs", np.float32)
+        loss_mask = _list_column(table, "loss_mask", np.float32)[1] if "loss_mask" in cols else np.ones(
+            len(output_ids), dtype=np.float32)
         reward = column("reward", None)
         scored = reward is not None and all(r is not None for r in reward)
         meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()
@@ -131,10 +242,10 @@ class RolloutBatch:
             label=[json.loads(x) for x in table.column("label").to_pylist()],
             group=np.array(column("group", [i // samples_per_prompt for i in range(n)]), dtype=np.int64),
             prompt_ids=table.column("prompt_ids").to_pylist(),
-            output_ids=_flat(ids, np.int64),
-            output_logprobs=_flat(lps, np.float32),
-            loss_mask=_flat(masks, np.float32),
-            lengths=np.array([len(x) for x in ids], dtype=np.int64),
+            output_ids=output_ids,
+            output_logprobs=output_logprobs,
+            loss_mask=loss_mask,
+            lengths=lengths,
             has_logprobs=np.array(column("has_logprobs", [True] * n), dtype=bool),
             fn_reward=np.array([np.nan if r is None else r for r in column("fn_reward", [None] * n)], dtype=np.float64),
             text=column("text", [None] * n),
@@ -146,6 +257,13 @@ class RolloutBatch:
             metadata=meta,
         )
 
+
+def _list_column(table: pa.Table, name: str, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as (lengths [N], flat values), without going through Python lists."""
+    arr = table.column(name).combine_chunks()
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    return np.diff(offsets), values
 
 def pack_samples(
     prompt_ids: Sequence[Sequence[int]],

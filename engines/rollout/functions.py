@@ -28,9 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import numpy as np
 
-from rlflow.engines.core.batch import RolloutBatch
 from rlflow.engines.data.rewards import load_callable
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -75,33 +73,6 @@ class Sample:
 
 
 RolloutFn = Callable[[PromptSample, str, dict], Awaitable[list[Sample]]]
-
-
-def batch_from_groups(prompts: list[PromptSample], groups: list[list[Sample]]) -> RolloutBatch:
-    """What the rollout functions returned, one group of samples per prompt, as the step's RolloutBatch."""
-    pairs = [(g, p, s) for g, (p, samples) in enumerate(zip(prompts, groups, strict=True)) for s in samples]
-    samples = [s for _, _, s in pairs]
-    lengths = np.array([len(s.response_ids) for s in samples], dtype=np.int64)
-    total = int(lengths.sum())
-    return RolloutBatch(
-        prompt=[p.prompt for _, p, _ in pairs],
-        label=[p.label for _, p, _ in pairs],
-        group=np.array([g for g, _, _ in pairs], dtype=np.int64),
-        prompt_ids=[list(s.prompt_ids if s.prompt_ids is not None else p.prompt_ids) for _, p, s in pairs],
-        output_ids=np.fromiter((t for s in samples for t in s.response_ids), dtype=np.int64, count=total),
-        output_logprobs=np.fromiter((x for s in samples for x in (s.logprobs or [0.0] * len(s.response_ids))),
-                                    dtype=np.float32, count=total),
-        loss_mask=np.fromiter((m for s in samples for m in (s.loss_mask or [1] * len(s.response_ids))),
-                              dtype=np.float32, count=total),
-        lengths=lengths,
-        has_logprobs=np.array([s.logprobs is not None for s in samples], dtype=bool),
-        fn_reward=np.array([np.nan if s.reward is None else s.reward for s in samples], dtype=np.float64),
-        text=[s.response for s in samples],
-        stopped=np.array([s.finish_reason == "stop" for s in samples], dtype=bool),
-        weight_version=np.array([-1 if s.weight_version is None else s.weight_version for s in samples],
-                                dtype=np.int64),  # -1: not known (a rollout function that gives no logprobs)
-        carried=np.array([bool(s.metadata.get("carried")) for s in samples], dtype=bool),
-    )
 
 
 def load_rollout_fn(path: str) -> RolloutFn:

@@ -29,7 +29,7 @@ from rlflow.engines.data.prompts import PromptCursor, load_prompts
 from rlflow.engines.data.rewards import compute_rewards, load_reward_fn
 from rlflow.engines.models.hf import encode_prompt, load_tokenizer
 from rlflow.engines.rollout.dynamic_sampling import Carry, collect_groups
-from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, batch_from_groups, load_rollout_fn
+from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, load_rollout_fn
 from rlflow.engines.rollout.router import RolloutRouter
 from rlflow.engines.session.evaluation import score
 from rlflow.engines.session.timeline import StageTimeline
@@ -130,7 +130,7 @@ class RLSession:
             rows = self._take_rows(step)
             prompts = self._prompt_samples(rows, self.cfg.rollout.samples_per_prompt, self._seed(step))
             groups = self.runner.run(prompts, self._sampling(self.cfg.rollout.temperature))
-        batch = batch_from_groups(prompts, groups)
+        batch = RolloutBatch.from_samples(prompts, groups)
         if self.cfg.rollout.dynamic_sampling.enabled:  # its prompts do not follow from the cursor: store both
             batch.metadata = {"rlflow.cursor": json.dumps(self._cursor_after[step]),
                               "rlflow.carry": json.dumps(self._carry_after[step])}
@@ -177,6 +177,10 @@ class RLSession:
         self._carry_after[step] = [c.to_json() for c in self._carry]
         return ([p for p, _ in collected.groups], [g for _, g in collected.groups], collected.metrics)
 
+    def rollout_batch(self, step: int) -> RolloutBatch:
+        """The step's samples (scored once the reward stage has run)."""
+        return self._state(step).batch
+
     def rollout_table(self, step: int) -> pa.Table:
         """The step's samples as one table (a row per sample, ROLLOUT_SCHEMA): what the run store persists."""
         return self._state(step).batch.to_arrow()
@@ -191,13 +195,6 @@ class RLSession:
                 "checkpoint.keep_rollouts: true (rollout_only runs always do)")
         return self.restore_rollout(step, table) | {"rollout/replayed": 1.0}
 
-    def scored_table(self, step: int) -> pa.Table:
-        """rollout_table with each sample's response and reward filled in (after the reward stage)."""
-        st = self._state(step)
-        if st.batch.reward is None:
-            raise RuntimeError(f"step {step}: no rewards yet (run the reward stage first)")
-        return st.batch.to_arrow()
-
     def restore_rollout(self, step: int, table: pa.Table) -> dict[str, float]:
         """Take a persisted batch as this step's rollout; the data cursor moves exactly as a fresh rollout would."""
         group = self.cfg.rollout.samples_per_prompt
@@ -209,10 +206,12 @@ class RLSession:
             self._cursor_after[step] = self.cursor.state_dict()
             self._carry_after[step] = json.loads(batch.metadata["rlflow.carry"])
             self._carry = [Carry.from_json(c, self._fn_tokenizer) for c in self._carry_after[step]]
-            rows = [{"prompt": batch.prompt[i], "label": batch.label[i]} for i in range(0, len(batch), group)]
+            rows = [{"prompt": batch.prompt[i], "label": batch.label[i]} for i in batch.group_starts()]
         else:
             rows = self._take_rows(step)
-        if batch.prompt != [r["prompt"] for r in rows for _ in range(group)]:
+        expected = [r["prompt"] for r in rows]
+        if len(batch.group_starts()) != len(rows) or batch.prompt != [
+                expected[g] if g < len(expected) else None for g in batch.group]:
             raise RuntimeError(f"step {step}: the stored rollout batch was made from other prompts (data changed?)")
         self._open(StepState(step, rows, batch))
         return batch.metrics()
@@ -238,7 +237,7 @@ class RLSession:
         the returns the critic trains on.
         """
         st = self._state(step)
-        algo, group = self.cfg.algorithm, self.cfg.rollout.samples_per_prompt
+        algo, group = self.cfg.algorithm, st.batch.group_size()
         rewards = scored = torch.tensor(st.batch.reward, dtype=torch.float32)
         metrics = {}
         if algo.overlong_buffer and algo.overlong_penalty:
@@ -280,7 +279,7 @@ class RLSession:
         else:
             if kl_in_reward:
                 rewards = rewards - penalty.sum(-1)
-            st.advantages = self._sequence_advantages(rewards)
+            st.advantages = self._sequence_advantages(rewards, group)
             abs_mean = float(st.advantages.abs().mean())
         if rewards is not scored:
             metrics["adv/shaped_reward_mean"] = float(rewards.mean())
@@ -290,8 +289,8 @@ class RLSession:
             "adv/zero_std_groups": float((groups == groups[:, :1]).all(dim=1).float().mean()),
         }
 
-    def _sequence_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        algo, group = self.cfg.algorithm, self.cfg.rollout.samples_per_prompt
+    def _sequence_advantages(self, rewards: torch.Tensor, group: int) -> torch.Tensor:
+        algo = self.cfg.algorithm
         if algo.advantage in ("grpo", "dr_grpo"):
             normalize = algo.normalize_std if algo.normalize_std is not None else algo.advantage == "grpo"
             return algorithms.group_advantages(rewards, group, normalize)
@@ -357,7 +356,7 @@ class RLSession:
         self.replace_dead_rollout_workers()
         prompts = self._prompt_samples(rows, 1, 2**62 + self._seed(step))  # seeds apart from training's
         groups = self.runner.run(prompts, self._sampling(self.cfg.eval.temperature))
-        b = batch_from_groups(prompts, [g[:1] for g in groups])
+        b = RolloutBatch.from_samples(prompts, [g[:1] for g in groups])
         responses = self._responses(b.split("output_ids"), b.text)
         rewards = self._rewards(b.prompt, responses, b.label, b.fn_reward)
         samples = [
@@ -371,11 +370,11 @@ class RLSession:
     def sample_rows(self, step: int, k: int) -> list[dict]:
         """The first sample of each of the step's first k prompts, for the samples table."""
         st = self._state(step)
-        group = self.cfg.rollout.samples_per_prompt
+        b = st.batch
         return [
-            {"step": step, "prompt": st.rows[p]["prompt"], "response": st.batch.response[p * group],
-             "label": str(st.rows[p]["label"]), "reward": float(st.batch.reward[p * group])}
-            for p in range(min(k, len(st.rows)))
+            {"step": step, "prompt": st.rows[g]["prompt"], "response": b.response[i],
+             "label": str(st.rows[g]["label"]), "reward": float(b.reward[i])}
+            for i, g in ((int(i), int(b.group[i])) for i in b.group_starts()[:k])
         ]
 
     def replace_dead_rollout_workers(self, probe: bool = False) -> dict[str, float]:
@@ -449,7 +448,7 @@ class RLSession:
 
     def _pack(self, st: StepState, advantages: torch.Tensor) -> TrainBatch:
         has_logprobs = st.batch.has_logprobs
-        batch = st.batch.to_train_batch(advantages, self.tokenizer.pad_token_id)
+        batch = st.batch.to_train_batch(self.tokenizer.pad_token_id, advantages)
         if not has_logprobs.all():  # a rollout function gave none: the samples count as on-policy
             if st.behaviour_logprobs is None:
                 st.behaviour_logprobs = self._train_logprobs(batch)

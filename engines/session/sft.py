@@ -13,15 +13,20 @@ import functools
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import torch
 
-from rlflow.engines.core.batch import pack_samples, shard_for_workers
+from rlflow.engines.core.batch import ROLLOUT_SCHEMA, RolloutBatch, pack_samples, shard_for_workers
 from rlflow.engines.core.config import RLConfig, TrainConfig
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.data.prompts import PromptCursor, load_pairs
 from rlflow.engines.models.hf import encode_prompt
 from rlflow.engines.session.rl import RLSession
+
+# rejection sampling's round table (<run>/rounds/<round>/samples.parquet): a scored rollout batch and which
+# samples the verifier kept
+ROUND_SCHEMA = ROLLOUT_SCHEMA.append(pa.field("accepted", pa.bool_()))
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,20 @@ def accept_samples(
     return keep
 
 
+def round_table(batch: RolloutBatch, accepted: list[bool]) -> pa.Table:
+    """A round's scored samples and which ones were kept, as a table of ROUND_SCHEMA."""
+    if batch.reward is None:
+        raise ValueError("round_table: the batch has no rewards yet (run the reward stage first)")
+    table = batch.to_arrow()
+    return table.append_column(ROUND_SCHEMA.field("accepted"), pa.array(accepted, type=pa.bool_()))
+
+
+def read_round(table: pa.Table, samples_per_prompt: int) -> tuple[RolloutBatch, np.ndarray]:
+    """A stored round: its scored batch and the accepted mask."""
+    return (RolloutBatch.from_arrow(table, samples_per_prompt),
+            np.asarray(table.column("accepted").to_numpy(zero_copy_only=False), dtype=bool))
+
+
 def tokenize_pairs(tokenizer, pairs: list[dict], chat_template: bool, add_eos: bool) -> list[Example]:
     """Prompts tokenized as the rollout engine tokenizes them (models.hf.encode_prompt),
     responses without special tokens, then EOS so the model learns where an answer ends."""
@@ -74,7 +93,7 @@ class SFTSession:
         self.cursor: PromptCursor | None = None
         self._dp_ranks = rl.train_group.call(TrainBackend.data_parallel_rank)
         self._last_batch: tuple[int, list[Example]] | None = None
-        self.rounds: dict[int, pa.Table] = {}  # rejection sampling: each round's scored samples
+        self.rounds: dict[int, pa.Table] = {}  # rejection sampling: each round's table (ROUND_SCHEMA)
         if not rejection:
             if not self.cfg.sft.train_path:
                 raise ValueError("sft.train_path: `rlflow sft` needs a prompt/response file")
@@ -143,17 +162,18 @@ class SFTSession:
         """Sample rollout.samples_per_prompt responses for the next rollout.prompts_per_step prompts, score them
         with the recipe's reward, and mark which ones rejection sampling keeps (column "accepted")."""
         metrics = self.rl.rollout(rnd) | self.rl.reward(rnd)
-        table = self.rl.scored_table(rnd)
+        batch = self.rl.rollout_batch(rnd)
         rs = self.cfg.sft.rejection
-        keep = accept_samples(table.column("reward").to_pylist(), table.column("stopped").to_pylist(),
-                              table.column("output_ids").to_pylist(), self.cfg.rollout.samples_per_prompt,
-                              rs.threshold, rs.max_per_prompt)
-        return table.append_column("accepted", pa.array(keep)), metrics
+        keep = accept_samples(batch.reward.tolist(), batch.stopped.tolist(),
+                              [x.tolist() for x in batch.split("output_ids")], batch.group_size(), rs.threshold,
+                              rs.max_per_prompt)
+        return round_table(batch, keep), metrics
 
     def restore_round(self, rnd: int, table: pa.Table) -> dict[str, float]:
         """Take a stored round as this round's samples; the prompt cursor moves as a fresh round would."""
-        rewards = table.column("reward").to_pylist()
-        return self.rl.restore_rollout(rnd, table) | {"rollout/reward_mean": sum(rewards) / len(rewards)}
+        metrics = self.rl.restore_rollout(rnd, table)
+        rewards = self.rl.rollout_batch(rnd).reward.tolist()  # a round's table is scored
+        return metrics | {"rollout/reward_mean": sum(rewards) / len(rewards)}
 
     def use_rounds(self, rnd: int) -> dict[str, float]:
         """Train on what rounds <= rnd kept (or only round rnd's, with accumulate: false)."""
@@ -161,26 +181,26 @@ class SFTSession:
         chosen = [r for r in sorted(self.rounds) if r <= rnd and (rs.accumulate or r == rnd)]
         examples, seen = [], set()
         for r in chosen:
-            t = self.rounds[r].filter(self.rounds[r].column("accepted"))
-            for prompt, p_ids, o_ids in zip(t.column("prompt").to_pylist(), t.column("prompt_ids").to_pylist(),
-                                            t.column("output_ids").to_pylist(), strict=True):
-                if (prompt, tuple(o_ids)) not in seen:  # a prompt drawn again in a later round
-                    seen.add((prompt, tuple(o_ids)))
-                    examples.append(Example(prompt, p_ids, o_ids))
-        table = self.rounds[rnd]
-        n = table.num_rows
-        accepted = table.column("accepted").to_pylist()
-        passed = [r >= rs.threshold and s for r, s in zip(table.column("reward").to_pylist(),
-                                                         table.column("stopped").to_pylist(), strict=True)]
-        group = self.cfg.rollout.samples_per_prompt
-        solved = [any(accepted[i : i + group]) for i in range(0, n, group)]
+            batch, accepted = self._round(r)
+            kept = batch.select(accepted)
+            for prompt, p_ids, o_ids in zip(kept.prompt, kept.prompt_ids, kept.split("output_ids"), strict=True):
+                if (prompt, tuple(o_ids.tolist())) not in seen:  # a prompt drawn again in a later round
+                    seen.add((prompt, tuple(o_ids.tolist())))
+                    examples.append(Example(prompt, p_ids, o_ids.tolist()))
+        batch, accepted = self._round(rnd)
+        n = len(batch)
+        passed = [r >= rs.threshold and s for r, s in zip(batch.reward.tolist(), batch.stopped.tolist(), strict=True)]
+        solved = np.logical_or.reduceat(accepted, batch.group_starts()).tolist()
         if examples:
             self.set_examples(examples, self.cfg.data.seed * 1_000_003 + rnd)  # one order per round
         elif not self.examples:
             raise RuntimeError(f"rejection sampling round {rnd}: the verifier accepted none of {n} samples (reward "
                                f">= sft.rejection.threshold {rs.threshold}); lower the threshold or sample more")
-        return {"rs/accept_frac": sum(passed) / n, "rs/kept": float(sum(accepted)),
+        return {"rs/accept_frac": sum(passed) / n, "rs/kept": float(accepted.sum()),
                 "rs/prompts_solved": sum(solved) / len(solved), "rs/pool": float(len(self.examples))}
+
+    def _round(self, rnd: int) -> tuple[RolloutBatch, np.ndarray]:
+        return read_round(self.rounds[rnd], self.cfg.rollout.samples_per_prompt)
 
     # ---- checkpoints ---------------------------------------------------------------------------------
     def save(self, path, step: int) -> dict:
