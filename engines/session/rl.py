@@ -1,15 +1,14 @@
 """One RL run's engines and the work of each stage, independent of Prefect.
 
-`RLSession` owns the tokenizer, the data cursor, the train, rollout and (for PPO with GAE) critic worker
-groups, and the step in flight. Each stage method does one stage and returns a small dict of metrics;
-tensors stay here or in the workers. The Prefect flow calls these methods from tasks; the bare loop
-(bench/, tests) calls them directly, with or without Ray.
+`RLSession` owns the tokenizer, the prompt source (engines/session/prompt_source.py), the train, rollout and
+(for PPO with GAE) critic worker groups, and the step in flight. Each stage method does one stage and
+returns a small dict of metrics; tensors stay here or in the workers. The Prefect flow calls these methods
+from tasks; the bare loop (bench/, tests) calls them directly, with or without Ray.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from contextlib import AbstractContextManager
@@ -25,13 +24,14 @@ from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import RolloutBatch, TrainBatch, batch_size, select, shard_for_workers
 from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
-from rlflow.engines.data.prompts import PromptCursor, load_prompts
+from rlflow.engines.data.prompts import load_prompts
 from rlflow.engines.data.rewards import compute_rewards, load_reward_fn
 from rlflow.engines.models.hf import encode_prompt, load_tokenizer
-from rlflow.engines.rollout.dynamic_sampling import Carry, collect_groups
+from rlflow.engines.rollout.dynamic_sampling import collect_groups
 from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, load_rollout_fn
 from rlflow.engines.rollout.router import RolloutRouter
 from rlflow.engines.session.evaluation import score
+from rlflow.engines.session.prompt_source import PromptSource
 from rlflow.engines.session.timeline import StageTimeline
 from rlflow.engines.session.workers import Workers, start_workers
 from rlflow.engines.store.run_store import replay_source
@@ -68,11 +68,11 @@ class RLSession:
         self.rollout_fn = load_rollout_fn(cfg.rollout.fn)
         self._fn_tokenizer = load_tokenizer(model_path)  # rollout functions' own: HF tokenizers are not thread-safe
         self.runner: RolloutRunner | None = None  # runs rollout_fn against the router (set by create)
-        self.train_rows = load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.label_key)
+        self.prompts = PromptSource(load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.label_key),
+                                    cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle, self._fn_tokenizer)
         self.eval_rows = (
             load_prompts(cfg.data.eval_path, cfg.data.prompt_key, cfg.data.label_key) if cfg.data.eval_path else []
         )
-        self.cursor = PromptCursor(len(self.train_rows), cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle)
         self.weight_version = 0  # of the trainer's weights: the number of syncs so far
         self._dp_ranks: list[int] | None = None
         # steps in flight: with one-step-off async, step k+1's rollout runs (in another thread) while step k
@@ -81,11 +81,6 @@ class RLSession:
         # train -> rollout weights, by the recipe's transport (engines/sync/); none without rollout workers
         self.weight_transport: WeightTransport | None = (
             make_transport(cfg, train_group, rollout_group) if cfg.debug.generates else None)
-        self._rows_taken: tuple[int, list[dict]] | None = None
-        self._cursor_after: dict[int, dict] = {}  # data cursor state right after each step took its prompts
-        self._carry: list[Carry] = []  # dynamic sampling: groups the last step's rollout carries into the next
-        self._carry_after: dict[int, list[dict]] = {}  # ... as they were right after each step's rollout
-        self._ds_begin: tuple[int, dict, list[dict]] | None = None  # cursor and carry before a dynamic rollout
         self._tokenizer_lock = threading.Lock()  # the rollout thread and the main thread share the tokenizer
         self._heal_lock = threading.Lock()  # one replacement of dead rollout workers at a time
         self.workers_restarted = 0
@@ -127,13 +122,12 @@ class RLSession:
             prompts, groups, metrics = self._dynamic_groups(step)
             rows = [p.row for p in prompts]
         else:
-            rows = self._take_rows(step)
+            rows = self.prompts.take(step)
             prompts = self._prompt_samples(rows, self.cfg.rollout.samples_per_prompt, self._seed(step))
             groups = self.runner.run(prompts, self._sampling(self.cfg.rollout.temperature))
         batch = RolloutBatch.from_samples(prompts, groups)
         if self.cfg.rollout.dynamic_sampling.enabled:  # its prompts do not follow from the cursor: store both
-            batch.metadata = {"rlflow.cursor": json.dumps(self._cursor_after[step]),
-                              "rlflow.carry": json.dumps(self._carry_after[step])}
+            batch.metadata = self.prompts.batch_metadata(step)
         self._open(StepState(step, rows, batch))
         metrics |= batch.metrics()
         return metrics | {"rollout/tokens_per_s": metrics["rollout/tokens"] / (time.perf_counter() - t0)}
@@ -143,16 +137,12 @@ class RLSession:
         prompts from the data as needed; what is left over carries into the next step. A retried rollout of
         the same step starts again from the same cursor and carry."""
         r, ds = self.cfg.rollout, self.cfg.rollout.dynamic_sampling
-        if self._ds_begin is None or self._ds_begin[0] != step:
-            self._ds_begin = (step, self.cursor.state_dict(), [c.to_json() for c in self._carry])
-        else:
-            self.cursor.load_state_dict(self._ds_begin[1])
-        carry = [Carry.from_json(c, self._fn_tokenizer) for c in self._ds_begin[2]]
+        carry = self.prompts.begin_dynamic(step)
         taken = 0
 
         def next_prompts(k: int) -> list[PromptSample]:
             nonlocal taken
-            rows = [self.train_rows[i] for i in self.cursor.next_batch(k)]
+            rows = self.prompts.next_rows(k)
             prompts = self._prompt_samples(rows, r.samples_per_prompt, self._seed(step) + taken * r.samples_per_prompt)
             for i, p in enumerate(prompts):
                 p.index = taken + i
@@ -172,9 +162,7 @@ class RLSession:
             self.rollout_fn, self.runner.name, self.runner.router_url, self._sampling(r.temperature),
             r.prompts_per_step, next_prompts, score, carry, over_sample=ds.over_sample,
             max_prompts=ds.max_prompts or 4 * r.prompts_per_step, partial=ds.partial_rollout))
-        self._carry = collected.carry
-        self._cursor_after[step] = self.cursor.state_dict()
-        self._carry_after[step] = [c.to_json() for c in self._carry]
+        self.prompts.end_dynamic(step, collected.carry)
         return ([p for p, _ in collected.groups], [g for _, g in collected.groups], collected.metrics)
 
     def rollout_batch(self, step: int) -> RolloutBatch:
@@ -200,15 +188,10 @@ class RLSession:
         group = self.cfg.rollout.samples_per_prompt
         batch = RolloutBatch.from_arrow(table, group)
         if self.cfg.rollout.dynamic_sampling.enabled:
-            if "rlflow.cursor" not in batch.metadata:
-                raise RuntimeError(f"step {step}: the stored rollout batch has no dynamic-sampling cursor")
-            self.cursor.load_state_dict(json.loads(batch.metadata["rlflow.cursor"]))
-            self._cursor_after[step] = self.cursor.state_dict()
-            self._carry_after[step] = json.loads(batch.metadata["rlflow.carry"])
-            self._carry = [Carry.from_json(c, self._fn_tokenizer) for c in self._carry_after[step]]
+            self.prompts.restore_dynamic(step, batch.metadata)
             rows = [{"prompt": batch.prompt[i], "label": batch.label[i]} for i in batch.group_starts()]
         else:
-            rows = self._take_rows(step)
+            rows = self.prompts.take(step)
         expected = [r["prompt"] for r in rows]
         if len(batch.group_starts()) != len(rows) or batch.prompt != [
                 expected[g] if g < len(expected) else None for g in batch.group]:
@@ -406,15 +389,13 @@ class RLSession:
         self.tokenizer.save_pretrained(Path(path) / "model")  # so model/ loads with transformers as it is
         if self.critic_group is not None:
             self.critic_group.call(CriticBackend.save, str(Path(path) / "critic"))
-        return {"cursor": self._cursor_after[step], "weight_version": self.weight_version,
-                "carry": self._carry_after.get(step, [])}
+        return self.prompts.state_after(step) | {"weight_version": self.weight_version}
 
     def load(self, path: str | Path, controller_state: dict) -> None:
         self.train_group.call(TrainBackend.load, str(path))
         if self.critic_group is not None:
             self.critic_group.call(CriticBackend.load, str(Path(path) / "critic"))
-        self.cursor.load_state_dict(controller_state["cursor"])
-        self._carry = [Carry.from_json(c, self._fn_tokenizer) for c in controller_state.get("carry", [])]
+        self.prompts.load_state(controller_state)
         self.weight_version = controller_state["weight_version"]
         if self.weight_transport is not None:
             self.weight_transport.resend(self.weight_version)
@@ -429,22 +410,12 @@ class RLSession:
         return self.timeline.trace(step, self.rollout_group.call(RolloutBackend.drain_trace))
 
     # ---- helpers -------------------------------------------------------------------------------------
-    def _take_rows(self, step: int) -> list[dict]:
-        """The step's prompts; asking again for the same step (a retried task) does not move the cursor."""
-        if self._rows_taken is None or self._rows_taken[0] != step:
-            self._rows_taken = (step, [self.train_rows[i] for i in self.cursor.next_batch()])
-            self._cursor_after[step] = self.cursor.state_dict()
-        return self._rows_taken[1]
-
     def _open(self, st: StepState) -> None:
         """Make `st` the step's state; steps two or more behind are finished and dropped."""
         self._states[st.step] = st
         for old in [k for k in self._states if k < st.step - 1]:
             del self._states[old]
-        for old in [k for k in self._cursor_after if k < st.step - 1]:
-            del self._cursor_after[old]
-        for old in [k for k in self._carry_after if k < st.step - 1]:
-            del self._carry_after[old]
+        self.prompts.forget_before(st.step - 1)
 
     def _pack(self, st: StepState, advantages: torch.Tensor) -> TrainBatch:
         has_logprobs = st.batch.has_logprobs

@@ -207,7 +207,7 @@ class SFTSession:
         """Worker state into `path`; returns the controller state: both data cursors (nothing is in flight)."""
         self.rl.train_group.call(TrainBackend.save, str(path))
         self.rl.tokenizer.save_pretrained(f"{path}/model")
-        return {"cursor": self.rl.cursor.state_dict(), "weight_version": self.rl.weight_version,
+        return {"cursor": self.rl.prompts.cursor.state_dict(), "weight_version": self.rl.weight_version,
                 "sft_cursor": self.cursor.state_dict() if self.cursor else None}
 
     def load(self, path, controller_state: dict) -> None:

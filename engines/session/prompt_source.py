@@ -1,0 +1,88 @@
+"""Which prompts each step trains on, and the state a checkpoint needs to take the same ones again.
+
+A step takes its prompts from the data cursor (a seeded permutation per epoch). With dynamic sampling it
+also takes the groups the last step's rollout carried over, and takes as many more prompts as it needs;
+its prompts then no longer follow from the cursor alone. The source remembers, for each step still in
+flight, the cursor and carry right after that step took its prompts: with one-step-off async the next step
+has already taken its own when a step is checkpointed, and the resumed run must start after the
+checkpointed step, not after the one in flight.
+"""
+
+from __future__ import annotations
+
+import json
+
+from rlflow.engines.data.prompts import PromptCursor
+from rlflow.engines.rollout.dynamic_sampling import Carry
+
+
+class PromptSource:
+    def __init__(self, rows: list[dict], prompts_per_step: int, seed: int, shuffle: bool, tokenizer):
+        self.rows = rows
+        self.cursor = PromptCursor(len(rows), prompts_per_step, seed, shuffle)
+        self._tokenizer = tokenizer  # rollout functions' tokenizer, which carried samples hold
+        self._carry: list[Carry] = []  # groups the last step's rollout carries into the next
+        self._taken: tuple[int, list[dict]] | None = None  # the last fixed-size step and its rows
+        self._dynamic_begin: tuple[int, dict, list[dict]] | None = None  # cursor and carry before a dynamic rollout
+        self._cursor_after: dict[int, dict] = {}
+        self._carry_after: dict[int, list[dict]] = {}
+
+    # ---- fixed-size steps ----------------------------------------------------------------------------
+    def take(self, step: int) -> list[dict]:
+        """The step's prompts_per_step rows; asking again for the same step (a retried task) does not move
+        the cursor."""
+        if self._taken is None or self._taken[0] != step:
+            self._taken = (step, [self.rows[i] for i in self.cursor.next_batch()])
+            self._cursor_after[step] = self.cursor.state_dict()
+        return self._taken[1]
+
+    # ---- dynamic sampling ----------------------------------------------------------------------------
+    def begin_dynamic(self, step: int) -> list[Carry]:
+        """Start (or restart, for a retried task) the step's dynamic rollout: the carry it starts from.
+        A retry starts again from the same cursor and carry."""
+        if self._dynamic_begin is None or self._dynamic_begin[0] != step:
+            self._dynamic_begin = (step, self.cursor.state_dict(), [c.to_json() for c in self._carry])
+        else:
+            self.cursor.load_state_dict(self._dynamic_begin[1])
+        return [Carry.from_json(c, self._tokenizer) for c in self._dynamic_begin[2]]
+
+    def next_rows(self, k: int) -> list[dict]:
+        """k more rows for a dynamic rollout in progress."""
+        return [self.rows[i] for i in self.cursor.next_batch(k)]
+
+    def end_dynamic(self, step: int, carry: list[Carry]) -> dict[str, str]:
+        """The dynamic rollout of `step` is done and leaves `carry` for the next step; returns the state
+        stored with its batch (its prompts do not follow from the cursor, so a replay needs both)."""
+        self._carry = carry
+        self._cursor_after[step] = self.cursor.state_dict()
+        self._carry_after[step] = [c.to_json() for c in carry]
+        return self.batch_metadata(step)
+
+    def batch_metadata(self, step: int) -> dict[str, str]:
+        return {"rlflow.cursor": json.dumps(self._cursor_after[step]),
+                "rlflow.carry": json.dumps(self._carry_after[step])}
+
+    def restore_dynamic(self, step: int, metadata: dict[str, str]) -> None:
+        """Take a stored dynamic batch as the step's: the cursor and carry move to where it left them."""
+        if "rlflow.cursor" not in metadata:
+            raise RuntimeError(f"step {step}: the stored rollout batch has no dynamic-sampling cursor")
+        self.cursor.load_state_dict(json.loads(metadata["rlflow.cursor"]))
+        self._cursor_after[step] = self.cursor.state_dict()
+        self._carry_after[step] = json.loads(metadata["rlflow.carry"])
+        self._carry = [Carry.from_json(c, self._tokenizer) for c in self._carry_after[step]]
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def state_after(self, step: int) -> dict:
+        """What a checkpoint of `step` saves: the cursor and carry right after that step took its prompts."""
+        return {"cursor": self._cursor_after[step], "carry": self._carry_after.get(step, [])}
+
+    def load_state(self, state: dict) -> None:
+        self.cursor.load_state_dict(state["cursor"])
+        self._carry = [Carry.from_json(c, self._tokenizer) for c in state.get("carry", [])]
+
+    def forget_before(self, step: int) -> None:
+        """Steps before `step` are finished: their state is no longer needed."""
+        for old in [k for k in self._cursor_after if k < step]:
+            del self._cursor_after[old]
+        for old in [k for k in self._carry_after if k < step]:
+            del self._carry_after[old]
