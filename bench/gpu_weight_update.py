@@ -33,7 +33,7 @@ import httpx
 import torch
 
 from bench.gpu_rollout import build_model
-from rlflow.engines.cluster.groups import free_port
+from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.sync.base import plan_buckets
 from rlflow.engines.sync.distributed import (
     broadcast_weights,

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from bench import megatron_checks as checks
-from rlflow.engines.cluster.groups import free_port
+from rlflow.engines.cluster.addresses import free_port
 
 # ~0.47B parameters, like the 470M GPT of the throughput anchor (131 TFLOP/s bare, one H100, no TE)
 MODEL_05B = dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,

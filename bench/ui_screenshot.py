@@ -17,7 +17,7 @@ import tempfile
 import urllib.parse
 from pathlib import Path
 
-from rlflow.engines.cluster.groups import free_port
+from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.core.config import EvaluationConfig, PipelineConfig, RLConfig, load_recipe
 from rlflow.flows.serve import REPO, Services, deploy_all, ensure_work_pool, start_prefect_server
 

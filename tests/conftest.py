@@ -68,7 +68,7 @@ def s3_server():
     """An S3-compatible server on loopback (moto's server mode, as s3fs's own tests use)."""
     from moto.server import ThreadedMotoServer
 
-    from rlflow.engines.cluster.groups import free_port
+    from rlflow.engines.cluster.addresses import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)

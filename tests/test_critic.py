@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForTokenClassification
 
-from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, free_port
+from rlflow.engines.cluster.addresses import free_port
+from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup
 from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import pack_samples, shard_for_workers
 from rlflow.engines.core.config import (

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlflow.engines.cluster.groups import free_port
+from rlflow.engines.cluster.addresses import free_port
 from rlflow.flows.serve import (
     REPO,
     Services,

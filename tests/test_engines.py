@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, free_port
+from rlflow.engines.cluster.addresses import free_port
+from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup
 from rlflow.engines.core.batch import pack_samples, shard_for_workers
 from rlflow.engines.core.config import AlgorithmConfig, ClusterConfig, TrainConfig
 from rlflow.engines.core.protocols import TrainBackend

@@ -272,7 +272,7 @@ def parallel_runs(hf_models, tmp_path_factory, mcore):
     """Each 2-rank layout run once: (tp, pp) -> (results JSON, final weights)."""
     import torch.multiprocessing as mp
 
-    from rlflow.engines.cluster.groups import free_port
+    from rlflow.engines.cluster.addresses import free_port
 
     dirs = {f: p for f, (p, _) in hf_models.items()}
     out = {}

@@ -29,3 +29,12 @@ def test_the_installed_names_outside_the_repo(tmp_path: Path) -> None:
             "print([n for n in ('engines', 'flows', 'tasks', 'examples') if u.find_spec(n) is not None])")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_backends_import_without_ray_prefect_or_mlflow(tmp_path: Path) -> None:
+    """The GPU machines that run bench/ drive the backend classes directly and have no Ray (nor Prefect or
+    MLflow): the train and rollout backends must import without them."""
+    code = ("import sys; sys.modules.update(ray=None, prefect=None, mlflow=None); "
+            "import rlflow.engines.train.torch_backend, rlflow.engines.rollout.torch_backend")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]

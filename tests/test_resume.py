@@ -35,7 +35,7 @@ TIMING = ("time/", "_per_s", "gb_per_s")
 @pytest.fixture(scope="module")
 def prefect_api(tmp_path_factory):
     """A Prefect server (SQLite) shared by the trials' flow processes."""
-    from rlflow.engines.cluster.groups import free_port
+    from rlflow.engines.cluster.addresses import free_port
 
     home = tmp_path_factory.mktemp("prefect")
     port = free_port()
@@ -67,7 +67,7 @@ def ray_head(tmp_path_factory):
 
     Started with --block in its own process group and stopped by signalling that group: `ray stop` would
     also kill every other Ray on the machine (another test session's, a user's)."""
-    from rlflow.engines.cluster.groups import free_port
+    from rlflow.engines.cluster.addresses import free_port
 
     port = free_port()
     env = os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}

@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlflow.engines.cluster.groups import free_port
+from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.core.config import ModelConfig
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.core.sampling import SamplingParams

@@ -8,7 +8,6 @@ process. Both have the same three verbs, so the RL loop is written once and runs
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
@@ -223,12 +222,3 @@ def omp_env() -> dict[str, str]:
     return env
 
 
-def node_ip() -> str:
-    """This node's address as Ray knows it (other nodes reach it there); loopback outside Ray."""
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

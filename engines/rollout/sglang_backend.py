@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from rlflow.engines.cluster.groups import free_port
+from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.cluster.process_group import stop_group
 from rlflow.engines.core.config import SGLangConfig, StorageConfig
 from rlflow.engines.core.protocols import RolloutBackend

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ray.util.placement_group import remove_placement_group
 
-from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, free_port, init_ray, make_placement_group
+from rlflow.engines.cluster.addresses import free_port
+from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, init_ray, make_placement_group
 from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
 from rlflow.engines.data.builtin_tasks import write_task_files

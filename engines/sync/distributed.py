@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
-from rlflow.engines.cluster.groups import free_port, node_ip
+from rlflow.engines.cluster.addresses import free_port, node_ip
 from rlflow.engines.models.hf import DTYPES
 from rlflow.engines.sync.base import WeightTransport, together
 from rlflow.engines.sync.endpoints import DistributedReceiver, DistributedSender

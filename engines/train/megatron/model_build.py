@@ -16,7 +16,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from safetensors import safe_open
 
-from rlflow.engines.cluster.groups import free_port
+from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.core.config import MegatronConfig
 from rlflow.engines.train.megatron.hf_config import ModelSpec
 from rlflow.engines.train.megatron.weights import Rule, check_tensor_parallel, model_rules, to_megatron
