@@ -338,16 +338,27 @@ def batch_size(batch: TrainBatch) -> int:
 
 
 def shard_for_workers(batch: TrainBatch, num_workers: int, mini_batches: int) -> list[TrainBatch]:
-    """Split a global batch so that worker w's shard holds its slice of every mini-batch, in order.
+    """Split a global batch so that worker w's shard holds its part of every mini-batch, in order.
 
     With this layout, W workers that each split their shard into `mini_batches` chunks take the same
-    optimizer steps on the same samples as one worker on the whole batch.
+    optimizer steps on the same samples as one worker on the whole batch. Within a mini-batch every worker
+    gets the same number of samples and about the same number of tokens (longest first, each to the
+    worker with the fewest tokens so far), so no worker waits long for the others at the gradient
+    reduction.
     """
     n = batch_size(batch)
     mb = n // mini_batches
     per = mb // num_workers
-    shards = []
-    for w in range(num_workers):
-        idx = torch.cat([torch.arange(m * mb + w * per, m * mb + (w + 1) * per) for m in range(mini_batches)])
-        shards.append(select(batch, idx))
-    return shards
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    parts: list[list[int]] = [[] for _ in range(num_workers)]
+    for m in range(mini_batches):
+        rows = sorted(range(m * mb, m * mb + per * num_workers), key=lambda i: (-lengths[i], i))
+        shards: list[list[int]] = [[] for _ in range(num_workers)]
+        tokens = [0] * num_workers
+        for i in rows:
+            w = min((w for w in range(num_workers) if len(shards[w]) < per), key=lambda w: (tokens[w], w))
+            shards[w].append(i)
+            tokens[w] += lengths[i]
+        for w in range(num_workers):
+            parts[w] += sorted(shards[w])
+    return [select(batch, torch.tensor(p, dtype=torch.long)) for p in parts]

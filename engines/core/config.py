@@ -285,7 +285,18 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0.0)
     mini_batches: int = Field(1, gt=0, description="Optimizer steps per pass over the batch (PPO mini-batches).")
     epochs: int = Field(1, gt=0, description="Passes over each rollout batch (PPO epochs).")
-    micro_batch_size: int = Field(512, gt=0, description="Sequences per forward/backward on one worker.")
+    micro_batch_size: int = Field(512, gt=0, description="Sequences per forward/backward on one worker (at most).")
+    micro_batch_tokens: int = Field(
+        0, ge=0, description="torch backend: token budget of one micro-batch, the summed length of its samples "
+        "(they are packed, no padding); 0: micro_batch_size samples. The megatron backend has its own.",
+    )
+    logprob_chunk_tokens: int = Field(
+        4096, gt=0, description="torch backend: tokens per chunk of the LM head + log-softmax (recomputed in the "
+        "backward), so at most chunk x vocab logits exist at once.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="torch backend: recompute each decoder layer's activations in the backward pass.")
+    compile: bool = Field(False, description="torch backend: torch.compile each decoder layer (dynamic shapes).")
     precision: Literal["fp32", "bf16"] = "fp32"
     threads: int = Field(2, gt=0, description="torch threads per worker.")
     device: Literal["cpu", "cuda"] = "cpu"

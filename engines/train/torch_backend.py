@@ -1,8 +1,11 @@
 """The native PyTorch train engine: data-parallel workers over torch.distributed (gloo on CPU, nccl on GPU).
 
 One instance per worker. The losses come from rlflow.engines.core.algorithms; this file only batches, reduces and
-steps. Every loss is normalised by the *global* token/sequence count of its mini-batch, so W workers
-take the same optimizer steps as one worker on the whole batch.
+steps. Micro-batches are filled up to a token budget (engines/train/microbatch.py) and run packed, without
+padding, through engines/models/packed.py; the losses still see the padded [rows, width] layout, so every
+loss_agg mode is computed exactly as on the unpacked batch. Every loss is normalised by the *global*
+token/sequence count of its mini-batch, so W workers take the same optimizer steps as one worker on the whole
+batch.
 
 A worker has one of two roles. "policy" (the default) trains the causal LM with rl_loss. "critic" trains a
 value model (rlflow.engines.models.hf.load_value_model: the same body with a scalar head) with value_loss on the same
@@ -29,14 +32,15 @@ from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import TrainBatch, batch_size, select
 from rlflow.engines.core.config import AlgorithmConfig, StorageConfig, TrainConfig
 from rlflow.engines.core.protocols import CriticBackend, TrainBackend
-from rlflow.engines.core.sampling import scaled_logits
 from rlflow.engines.models.hf import DTYPES, load_model, load_value_model
+from rlflow.engines.models.packed import PackedLM, PackedRows
 from rlflow.engines.sync.cuda_ipc import export_ipc_handles
 from rlflow.engines.sync.distributed import DistributedWeightSender
 from rlflow.engines.sync.endpoints import GpuLinkProbe, IpcSender, NcclSender, StoreSender
 from rlflow.engines.sync.gpu import device_copy_bandwidth, flatten_
 from rlflow.engines.sync.nccl import NcclChannel
 from rlflow.engines.sync.store import put_bucket
+from rlflow.engines.train.microbatch import token_budget_groups
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -91,10 +95,12 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         self.model = load(model_path, dtype=torch.float32, device=self.device)
         if self.device == "cuda":  # one buffer in HF-name order: GPU weight sync copies whole slices of it
             flatten_(dict(self.model.named_parameters()))
-        self.ref_model = None
+        self.lm = PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing, train.compile)
+        self.ref_model = self.ref_lm = None
         if algorithm.kl_coef > 0 and role == "policy":  # frozen copy of the starting policy, for the KL penalty
             self.ref_model = load_model(model_path, dtype=DTYPES[train.precision], device=self.device).eval()
             self.ref_model.requires_grad_(False)
+            self.ref_lm = PackedLM(self.ref_model, train.logprob_chunk_tokens)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay
         )
@@ -104,52 +110,49 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
     def _autocast(self):
         return torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
 
-    def _forward(
-        self, model, mb: TrainBatch, with_entropy: bool, temperature: float | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ids, attn = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    def _forward(self, lm: PackedLM, mb: TrainBatch, with_entropy: bool, temperature: float | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token logprobs [rows, width] (aligned with input_ids: column t is log p(x_t | x_<t), column 0
+        is 0) and, if asked, entropy; for a critic, its values in the logprobs' place."""
+        packed = PackedRows.from_padded(mb["input_ids"], mb["attention_mask"]).to(self.device)
         with self._autocast():
-            logits = model(ids, attention_mask=attn, position_ids=pos).logits[:, :-1]
-        logits = scaled_logits(logits, self.temperature if temperature is None else temperature)
-        logprobs = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
-        logprobs[:, 1:] = algorithms.token_logprobs(logits, ids[:, 1:])
-        entropy = None
-        if with_entropy:
-            entropy = torch.zeros_like(logprobs)
-            entropy[:, 1:] = algorithms.entropy_from_logits(logits)
-        return logprobs, entropy
+            out, entropy = lm(packed, self.temperature if temperature is None else temperature, with_entropy)
+        return packed.unpack(out), None if entropy is None else packed.unpack(entropy)
 
-    def _values(self, mb: TrainBatch) -> torch.Tensor:
-        """The critic's values [B, L], aligned with input_ids like the logprobs: column t is V of the state before
-        token t (the head's output at position t - 1, which has seen x_<t); column 0 is 0."""
-        ids, attn = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        with self._autocast():
-            out = self.model(ids, attention_mask=attn, position_ids=pos).logits[:, :-1, 0]
-        values = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
-        values[:, 1:] = out.float()
-        return values
+    def micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
+        """The batch's rows in micro-batches of at most train.micro_batch_tokens tokens (summed: they run
+        packed) and train.micro_batch_size samples: (row indices, the rows cut to their longest one's width)."""
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        out = []
+        for idx in token_budget_groups(lengths, self.cfg.micro_batch_tokens, self.cfg.micro_batch_size):
+            width = max(lengths[i] for i in idx)
+            out.append((idx, {k: v[idx][:, :width] if v.dim() == 2 else v[idx] for k, v in batch.items()}))
+        return out
+
+    def _per_token(self, batch: TrainBatch, run) -> torch.Tensor:
+        """`run(micro)` [rows, w] over every micro-batch, back into the batch's [N, width] layout on CPU."""
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        for idx, micro in self.micro_batches(batch):
+            out[torch.tensor(idx)[:, None], torch.arange(micro["input_ids"].shape[1])] = run(micro).float().cpu()
+        return out
 
     @torch.no_grad()
     def forward_values(self, batch: TrainBatch) -> torch.Tensor:
-        """The critic's per-token values [N, L] (aligned with input_ids), micro-batch by micro-batch."""
+        """The critic's per-token values [N, L] (aligned with input_ids: column t is the value of the state
+        before token t, column 0 is 0)."""
         if self.role != "critic":
             raise ValueError("forward_values: this worker is a policy; values come from a role='critic' worker")
         self.model.eval()
-        n, step = batch_size(batch), self.cfg.micro_batch_size
-        return torch.cat([self._values(select(batch, slice(i, i + step))).cpu() for i in range(0, n, step)])
+        return self._per_token(batch, lambda micro: self._forward(self.lm, micro, False)[0])
 
     @torch.no_grad()
     def forward_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Per-token logprobs [N, L] (aligned with input_ids) under the policy or the reference model."""
-        model = self.ref_model if reference else self.model
-        if model is None:
+        lm = self.ref_lm if reference else self.lm
+        if lm is None:
             raise ValueError("forward_logprobs(reference=True) needs algorithm.kl_coef > 0")
-        model.eval()
-        n, step = batch_size(batch), self.cfg.micro_batch_size
-        return torch.cat([self._forward(model, select(batch, slice(i, i + step)), False)[0].cpu()
-                          for i in range(0, n, step)])
+        lm.eval()
+        return self._per_token(batch, lambda micro: self._forward(lm, micro, False)[0])
 
     # ---- training ------------------------------------------------------------------------------------
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -194,8 +197,8 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         total_weight = self._all_reduce(algorithms.aggregation_weight(mb["loss_mask"], mode).double().clone())
         self.optimizer.zero_grad(set_to_none=False)
         metric_sums: dict[str, torch.Tensor] = {}
-        for i in range(0, batch_size(mb), self.cfg.micro_batch_size):
-            micro = {k: v.to(self.device) for k, v in select(mb, slice(i, i + self.cfg.micro_batch_size)).items()}
+        for _, micro in self.micro_batches(mb):
+            micro = {k: v.to(self.device) for k, v in micro.items()}
             loss, metrics = self._loss(micro, sft)
             share = algorithms.aggregation_weight(micro["loss_mask"], mode).double() / total_weight.clamp(min=1)
             (loss * share.float()).backward()
@@ -223,15 +226,15 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         """The role's objective on one micro-batch (aggregated over it with self.loss_agg) and its metrics;
         sft: the NLL of the response tokens under the model's own (temperature 1) distribution."""
         if sft:
-            logprobs, entropy = self._forward(self.model, micro, True, 1.0)
+            logprobs, entropy = self._forward(self.lm, micro, True, 1.0)
             return algorithms.sft_loss(logprobs, micro["loss_mask"], "token_mean", entropy=entropy.detach())
         if self.role == "critic":
             loss, metrics = algorithms.value_loss(
-                self._values(micro), micro["old_values"], micro["returns"], micro["loss_mask"],
+                self._forward(self.lm, micro, False)[0], micro["old_values"], micro["returns"], micro["loss_mask"],
                 clip_range=self.value_clip, loss_agg=self.loss_agg,
             )
             return loss, metrics | {"value_loss": loss.detach()}
-        logprobs, entropy = self._forward(self.model, micro, True)  # entropy is logged even when not in the loss
+        logprobs, entropy = self._forward(self.lm, micro, True)  # entropy is logged even when not in the loss
         return algorithms.rl_loss(
             logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], norm_len=self.norm_len,
             ref_logprobs=micro.get("ref_logprobs"), rollout_logprobs=micro.get("rollout_logprobs"),

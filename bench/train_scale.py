@@ -1,0 +1,249 @@
+"""The native train backend on one GPU against a plain bf16 loop, on an RL-shaped batch. One command:
+
+    PYTHONUNBUFFERED=1 python -m bench.train_scale --out bench/results/train_scale.json
+
+Workload (issue 25; same seeds every run): a Qwen2-1.5B-shaped model (vocab 151,936, hidden 1,536, 28 layers,
+12 query / 2 KV heads, tied embeddings) with random weights, and one GRPO batch of 64 samples, each a
+256-token prompt and a response of uniform(64, 1,792) tokens; random token ids, advantages ~ N(0, 1), the
+loss on response tokens only. `--response-max` raises the longest response (the no-OOM check at 8,192).
+
+Each variant runs in a fresh process (its own peak memory), one warm-up step, then `--steps` timed steps:
+- `baseline`: the plain loop anyone would write: HF forward with SDPA under bf16 autocast, fp32 weights, fused
+  AdamW, samples sorted by length into padded micro-batches of at most 8,192 tokens (rows x width), full fp32
+  logits and log-softmax, a policy-gradient loss;
+- `rlflow-*`: TorchTrainBackend.train_step with precision bf16 and the named options (packing and chunked
+  log-probs always; token budget, activation checkpointing).
+Figures: useful (non-padding) tokens per second, MFU = (6 x matmul params x tokens + 6 x layers x hidden x
+sum(len^2)) / time / peak, with the GPU's dense bf16 peak (H100 989 TFLOP/s), and peak memory.
+`--smoke` runs a toy shape on CPU to check the script; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+QWEN2_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=16384,
+                  tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6)
+SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
+
+VARIANTS = {
+    "baseline": {},
+    "rlflow-8k": {"micro_batch_tokens": 8192},
+    "rlflow-16k": {"micro_batch_tokens": 16384},
+    "rlflow-16k-ckpt": {"micro_batch_tokens": 16384, "activation_checkpointing": True},
+    "rlflow-32k-ckpt": {"micro_batch_tokens": 32768, "activation_checkpointing": True},
+    "rlflow-8k-compile": {"micro_batch_tokens": 8192, "compile": True},
+    "rlflow-16k-ckpt-compile": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "compile": True},
+}
+
+
+def workload(vocab: int, n: int, prompt: int, response_min: int, response_max: int, seed: int = 0
+             ) -> dict[str, torch.Tensor]:
+    """The batch as the train workers get it: right-padded [n, width] (see the module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    responses = torch.randint(response_min, response_max + 1, (n,), generator=g)
+    lengths = prompt + responses
+    width = int(lengths.max())
+    cols = torch.arange(width)[None]
+    attn = (cols < lengths[:, None]).long()
+    ids = torch.randint(0, vocab, (n, width), generator=g) * attn
+    loss_mask = ((cols >= prompt) & attn.bool()).float()
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask,
+            "old_logprobs": torch.zeros(n, width), "advantages": torch.randn(n, generator=g)}
+
+
+def flops_per_step(cfg: dict, lengths: torch.Tensor) -> float:
+    """Training FLOPs of one pass over the samples (forward + backward) on useful tokens only."""
+    d, layers, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = d // heads
+    per_layer = d * heads * head_dim + 2 * d * kv * head_dim + heads * head_dim * d + 3 * d * cfg["intermediate_size"]
+    matmul_params = layers * per_layer + v * d  # + the LM head (the embedding lookup is no matmul)
+    tokens = float(lengths.sum())
+    attention = 6.0 * layers * d * float((lengths.double() ** 2).sum())  # causal: QK^T and AV over half of s^2
+    return 6.0 * matmul_params * tokens + attention
+
+
+def build_model(cfg: dict, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**cfg), dtype=torch.bfloat16)
+    model.save_pretrained(out)
+
+
+# ---- the variants (each in its own process) ------------------------------------------------------------
+def run_baseline(model_path: str, batch: dict, steps: int, device: str, budget: int = 8192) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
+    lengths = batch["attention_mask"].sum(-1)
+    order = torch.argsort(lengths, descending=True).tolist()
+    micro, current = [], []
+    for i in order:  # sorted by length: rows x (the first row's length) <= budget
+        if current and (len(current) + 1) * int(lengths[current[0]]) > budget:
+            micro.append(current)
+            current = []
+        current.append(i)
+    micro.append(current)
+    total = batch["loss_mask"].sum()
+    times = []
+    for _ in range(steps + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        for idx in micro:
+            w = int(lengths[idx].max())
+            mb = {k: v[idx][:, :w].to(device) if v.dim() == 2 else v[idx].to(device) for k, v in batch.items()}
+            with torch.autocast(device, dtype=torch.bfloat16):
+                logits = model(mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1]
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, mb["input_ids"][:, 1:, None])[..., 0]
+            loss = -(logp * mb["advantages"][:, None] * mb["loss_mask"][:, 1:]).sum() / total
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def run_rlflow(model_path: str, batch: dict, steps: int, device: str, options: dict) -> list[float]:
+    from rlflow.engines.core.config import AlgorithmConfig, TrainConfig
+    from rlflow.engines.train.torch_backend import TorchTrainBackend
+
+    train = TrainConfig(device=device, precision="bf16", lr=1e-6, micro_batch_size=4096, threads=8, **options)
+    backend = TorchTrainBackend(model_path, train, AlgorithmConfig(kl_coef=0.0))
+    times = []
+    for _ in range(steps + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        backend.train_step(batch)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    if os.environ.get("RLFLOW_BENCH_PROFILE"):  # where one step's GPU time goes, by kernel
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            backend.train_step(batch)
+            _sync(device)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25), file=sys.stderr)
+    t0 = time.perf_counter()
+    backend.forward_logprobs(batch)
+    _sync(device)
+    logprob_s = time.perf_counter() - t0
+    return times[1:] + [-logprob_s]  # the logprob pass rides along, marked negative
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def child(args) -> None:
+    """One variant, in this process; prints one JSON line."""
+    cfg = json.loads(args.model_cfg)
+    batch = workload(cfg["vocab_size"], args.samples, args.prompt, args.response_min, args.response_max)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        if args.variant == "baseline":
+            times, logprob_s = run_baseline(args.model_path, batch, args.steps, device), None
+        else:
+            out = run_rlflow(args.model_path, batch, args.steps, device, VARIANTS[args.variant])
+            times, logprob_s = out[:-1], -out[-1]
+        error = None
+    except torch.OutOfMemoryError as e:
+        times, logprob_s, error = [], None, f"out of memory: {str(e).splitlines()[0]}"
+    lengths = batch["attention_mask"].sum(-1)
+    result = {"variant": args.variant, "step_s": times, "error": error,
+              "useful_tokens": int(lengths.sum()), "padded_tokens": int(lengths.numel() * lengths.max()),
+              "flops_per_step": flops_per_step(cfg, lengths)}
+    if times:
+        best = sorted(times)[len(times) // 2]
+        result |= {"step_s_median": best, "tokens_per_s": result["useful_tokens"] / best,
+                   "tflops": result["flops_per_step"] / best / 1e12}
+    if logprob_s:
+        result["logprob_tokens_per_s"] = result["useful_tokens"] / logprob_s
+    if device == "cuda":
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--response-min", type=int, default=64)
+    p.add_argument("--response-max", type=int, default=1792)
+    p.add_argument("--timeout", type=int, default=240, help="seconds per variant")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", type=Path)
+    # internal: run one variant in this process
+    p.add_argument("--variant")
+    p.add_argument("--model-path")
+    p.add_argument("--model-cfg")
+    args = p.parse_args()
+    if args.variant:
+        return child(args)
+
+    cfg = SMOKE if args.smoke else QWEN2_1_5B
+    if args.smoke:
+        args.samples, args.prompt, args.response_min, args.response_max = 8, 16, 4, 48
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
+    report = {"date": dt.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
+              "peak_tflops": peak, "model": cfg, "samples": args.samples, "prompt": args.prompt,
+              "response": [args.response_min, args.response_max], "steps": args.steps, "variants": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(cfg, Path(tmp))
+        for name in args.variants.split(","):
+            cmd = [sys.executable, "-m", "bench.train_scale", "--variant", name, "--model-path", tmp,
+                   "--model-cfg", json.dumps(cfg), "--steps", str(args.steps), "--samples", str(args.samples),
+                   "--prompt", str(args.prompt), "--response-min", str(args.response_min),
+                   "--response-max", str(args.response_max)]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=os.environ | {
+                    "PYTHONUNBUFFERED": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                result = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-3000:]}
+                if os.environ.get("RLFLOW_BENCH_PROFILE"):
+                    print(proc.stderr[-12000:], file=sys.stderr)
+            except subprocess.TimeoutExpired:
+                result = {"error": f"timed out after {args.timeout} s"}
+            if peak and "tflops" in result:
+                result["mfu"] = result["tflops"] / peak
+            report["variants"][name] = result
+            print(name, json.dumps({k: v for k, v in result.items() if k != "step_s"}), flush=True)
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(report, indent=1))
+    base = report["variants"].get("baseline", {}).get("tokens_per_s")
+    for r in report["variants"].values():
+        if base and "tokens_per_s" in r:
+            r["vs_baseline"] = r["tokens_per_s"] / base
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps({n: {k: r.get(k) for k in ("tokens_per_s", "mfu", "vs_baseline", "peak_gib", "error")}
+                      for n, r in report["variants"].items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

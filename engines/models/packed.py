@@ -1,0 +1,216 @@
+"""Padding-free training forward: a micro-batch's samples as one token stream, log-probs without full logits.
+
+Why: an RL batch mixes responses of a few tokens with responses of thousands. Right-padded to the longest,
+a micro-batch spends most of its attention and MLP work on padding, and the LM head materialises
+[rows, width, vocab] fp32 logits (4 x 2048 x 151,936 x 4 bytes = 5 GB). Here every micro-batch is packed into
+one sequence with positions restarting per sample and an attention that cannot see across samples; the LM
+head and log-softmax run over chunks of tokens, each recomputed in the backward pass, so at most
+`chunk x vocab` logits exist at a time.
+
+Attention is the HF model's own modules with one attention function registered under transformers'
+`AttentionInterface`: on CUDA torch's variable-length flash attention (`torch.nn.attention.varlen`), elsewhere
+SDPA per sample (exact, and CPU runs are small). Calling the HF modules themselves, not our own copy of their
+math, keeps every architecture detail transformers implements (Qwen3's q/k norms, rope scaling, biases) and
+keeps the decoder layers the modules FSDP2 wraps.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+
+ATTENTION = "rlflow_packed"
+
+try:  # torch >= 2.9 on CUDA: flash attention over cumulative sequence lengths, no padding, no mask
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # older torch: SDPA per sample everywhere
+    varlen_attn = None
+
+_VARLEN_PARAMS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
+
+
+@dataclass
+class PackedRows:
+    """Where the tokens of a right-padded [rows, width] micro-batch sit in its packed stream of T tokens."""
+
+    input_ids: torch.Tensor  # [T]
+    position_ids: torch.Tensor  # [T], restarting at 0 for every sample
+    cu_seqlens: torch.Tensor  # [rows + 1] int32: sample i is tokens cu_seqlens[i]:cu_seqlens[i+1]
+    max_len: int
+    rows: torch.Tensor  # [T] row of each token in the padded batch
+    cols: torch.Tensor  # [T] its column
+    shape: tuple[int, int]
+
+    @classmethod
+    def from_padded(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows:
+        """Pack a right-padded batch (each row's tokens first, then padding)."""
+        lengths = attention_mask.sum(-1)
+        rows, cols = attention_mask.nonzero(as_tuple=True)
+        cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        return cls(input_ids[rows, cols], cols, cu, int(lengths.max()) if len(lengths) else 0, rows, cols,
+                   tuple(input_ids.shape))
+
+    def unpack(self, flat: torch.Tensor) -> torch.Tensor:
+        """Per-token values [T] back into the padded [rows, width] layout (0 at padding)."""
+        out = flat.new_zeros(self.shape)
+        out[self.rows, self.cols] = flat
+        return out
+
+    def to(self, device: torch.device | str) -> PackedRows:
+        move = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in self.__dict__.items()}
+        return PackedRows(**move)
+
+
+def _packed_attention(module, query, key, value, attention_mask, scaling=None, cu_seqlens=None, max_len=None,
+                      **_kwargs):
+    """transformers' attention call for one packed sequence: query [1, H, T, D], key/value [1, KV, T, D];
+    returns [1, T, H, D]. Each sample attends causally to itself only."""
+    if cu_seqlens is None:
+        raise RuntimeError(f"attn_implementation {ATTENTION!r} needs cu_seqlens (call it through PackedLM)")
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, heads, D]
+    half = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else (
+        torch.get_autocast_dtype("cuda") if q.is_cuda and torch.is_autocast_enabled("cuda") else None)
+    if q.is_cuda and varlen_attn is not None and half is not None:  # flash kernels take 16-bit inputs only
+        out = _varlen(q.to(half), k.to(half), v.to(half), cu_seqlens, max_len, scaling)
+    else:
+        out = torch.empty_like(q)
+        bounds = cu_seqlens.tolist()
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            out[a:b] = F.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True,
+                scale=scaling, enable_gqa=True).transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def _varlen(q, k, v, cu_seqlens, max_len, scale):
+    """torch's varlen flash attention, causal; grouped-query heads are repeated where this torch's API lacks
+    enable_gqa."""
+    if "enable_gqa" not in _VARLEN_PARAMS and k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    kwargs = {"scale": scale}
+    if "is_causal" in _VARLEN_PARAMS:
+        kwargs["is_causal"] = True
+    else:
+        kwargs["window_size"] = (-1, 0)  # causal: no key to the right of the query
+    if "enable_gqa" in _VARLEN_PARAMS:
+        kwargs["enable_gqa"] = True
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+
+
+AttentionInterface.register(ATTENTION, _packed_attention)
+AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)  # samples are split by cu_seqlens
+
+
+class PackedLM(torch.nn.Module):
+    """A HF causal LM (or a *ForTokenClassification critic) run on packed samples.
+
+    `forward` returns per-token results in the packed order: log p(token | prefix) and entropy of the
+    policy, or the critic's values. It is an nn.Module of its own so that FSDP2 can shard it at the root
+    (embeddings, final norm and head) with the decoder layers sharded one by one.
+    """
+
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int = 4096, checkpoint_layers: bool = False,
+                 compile_layers: bool = False):
+        super().__init__()
+        self.model, self.chunk_tokens = model, chunk_tokens
+        model.config._attn_implementation = ATTENTION
+        self.body = model.model
+        self.critic = hasattr(model, "score")
+        if checkpoint_layers:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if compile_layers:  # each layer alone: the packed length changes every micro-batch
+            for layer in self.body.layers:
+                layer.compile(dynamic=True)
+
+    def forward(self, packed: PackedRows, temperature: float = 1.0, with_entropy: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Policy: (logprobs [T], entropy [T] or None), aligned with the tokens: entry t is about token t given
+        the tokens before it in its sample (0 at each sample's first token). Critic: (values [T], None), entry t
+        the value of the state before token t."""
+        hidden = self.body(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None],
+                           cu_seqlens=packed.cu_seqlens, max_len=packed.max_len).last_hidden_state[0]
+        first = torch.zeros_like(packed.input_ids, dtype=torch.bool)
+        first[packed.cu_seqlens[:-1].long()] = True
+        if self.critic:  # the head's output at t - 1 has seen x_<t
+            values = self.model.score(hidden)[:, 0].float()
+            return _shift_right(values, first), None
+        head = self.model.lm_head
+        targets = torch.roll(packed.input_ids, -1)  # token t+1, read from hidden t (wrapped ends are masked)
+        scale = 1.0 / temperature if temperature > 0 else 1.0  # greedy reports the T=1 distribution
+        if head.bias is not None:
+            raise ValueError("PackedLM: an LM head with a bias is not supported (Llama/Qwen heads have none)")
+        device = hidden.device.type  # under autocast, the head's matmuls run in its dtype, backward included
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        logprobs, entropy = ChunkedHeadLogprobs.apply(hidden.to(dtype), head.weight.to(dtype), targets, scale,
+                                                      self.chunk_tokens, with_entropy)
+        return _shift_right(logprobs, first), _shift_right(entropy, first) if with_entropy else None
+
+
+class ChunkedHeadLogprobs(torch.autograd.Function):
+    """log p(target) and entropy of softmax(scale * hidden @ weight.T), chunk by chunk of tokens.
+
+    The [tokens, vocab] logits of one chunk exist at a time, in fp32: once in the forward pass, once again in
+    the backward pass, where the gradient of the logits is formed in place and multiplied out at once. One
+    log-softmax serves both outputs. The math is algorithms.token_logprobs / entropy_from_logits (the
+    rollout engine's), fused: d logp/d z = onehot - p and d H/d z = -p (log p + H).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, scale, chunk, with_entropy):
+        n = hidden.shape[0]
+        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros_like(logprobs)
+        for a in range(0, n, chunk):
+            logp = _chunk_logp(hidden[a:a + chunk], weight, scale)
+            logprobs[a:a + chunk] = logp.gather(-1, targets[a:a + chunk, None])[:, 0]
+            if with_entropy:
+                entropy[a:a + chunk] = _entropy(logp)
+        ctx.save_for_backward(hidden, weight, targets, entropy)
+        ctx.scale, ctx.chunk, ctx.with_entropy = scale, chunk, with_entropy
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, targets, entropy = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        entropy_grad = ctx.with_entropy and grad_entropy is not None and bool(grad_entropy.any())
+        for a in range(0, hidden.shape[0], ctx.chunk):
+            b = min(a + ctx.chunk, hidden.shape[0])
+            logp = _chunk_logp(hidden[a:b], weight, ctx.scale)
+            p = logp.exp()
+            g = grad_logprobs[a:b, None]
+            if entropy_grad:  # -p (log p + H) * dH, with 0 * -inf read as 0 where p = 0
+                finite = torch.where(logp.isfinite(), logp, 0.0)
+                dz = p * (finite + entropy[a:b, None]) * -grad_entropy[a:b, None]
+                dz -= p * g
+            else:
+                dz = p.mul_(-g)
+            dz.scatter_add_(-1, targets[a:b, None], g)
+            dz = (dz * ctx.scale).to(hidden.dtype)
+            grad_hidden[a:b] = dz @ weight
+            grad_weight += (dz.T @ hidden[a:b]).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def _chunk_logp(hidden: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+    logits = (hidden @ weight.T).float()
+    if scale != 1.0:
+        logits *= scale
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """As algorithms.entropy_from_logits: a -inf logit (p = 0) adds 0."""
+    return -(logp.exp() * torch.where(logp.isfinite(), logp, 0.0)).sum(-1)
+
+
+def _shift_right(x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """Entry t of the result is entry t-1 of x, and 0 at each sample's first token."""
+    out = torch.roll(x, 1)
+    return torch.where(first, torch.zeros_like(out), out)

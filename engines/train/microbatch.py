@@ -1,0 +1,55 @@
+"""Micro-batches by token budget for packed training: groups of samples whose lengths sum to at most a budget.
+
+Packed, a micro-batch costs what its tokens cost, not rows x its longest row, so samples are grouped by
+their summed length. Longest first into the least-filled group (LPT) keeps the groups even, so a budget is
+met with few micro-batches and no one of them is much longer than the rest. Losses are scaled by each
+micro-batch's share of the mini-batch (engines/core/algorithms.aggregation_weight), so the grouping does not
+change the update.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+
+def token_budget_groups(lengths: list[int], max_tokens: int = 0, max_rows: int = 0) -> list[list[int]]:
+    """Indices of `lengths` in groups of at most `max_tokens` summed tokens (0: no token cap) and at most
+    `max_rows` samples (0: no row cap). A sample longer than the budget gets a group of its own. Each group
+    lists its indices in ascending order; groups come longest first."""
+    n = len(lengths)
+    if n == 0:
+        return []
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    packed = _first_fit(order, lengths, max_tokens, max_rows or n)  # as few groups as the caps allow
+    even = _lpt(order, lengths, len(packed), max_rows or n)  # ... and as many, with the tokens spread evenly
+    if max_tokens and any(len(g) > 1 and sum(lengths[i] for i in g) > max_tokens for g in even):
+        even = packed
+    return [sorted(g) for g in even if g]
+
+
+def _first_fit(order: list[int], lengths: list[int], max_tokens: int, max_rows: int) -> list[list[int]]:
+    """Each sample, longest first, into the first group it fits in (first-fit decreasing)."""
+    groups: list[list[int]] = []
+    tokens: list[int] = []
+    for i in order:
+        for g, group in enumerate(groups):
+            if len(group) < max_rows and (not max_tokens or tokens[g] + lengths[i] <= max_tokens):
+                group.append(i)
+                tokens[g] += lengths[i]
+                break
+        else:
+            groups.append([i])
+            tokens.append(lengths[i])
+    return groups
+
+
+def _lpt(order: list[int], lengths: list[int], k: int, max_rows: int) -> list[list[int]]:
+    """Each sample, longest first, into the group with the fewest tokens that has room for another row."""
+    groups: list[list[int]] = [[] for _ in range(k)]
+    heap = [(0, g) for g in range(k)]  # (tokens, group) of the groups with room
+    for i in order:
+        tokens, g = heapq.heappop(heap)  # never empty: k >= n / max_rows
+        groups[g].append(i)
+        if len(groups[g]) < max_rows:
+            heapq.heappush(heap, (tokens + lengths[i], g))
+    return groups
