@@ -9,9 +9,9 @@ head and log-softmax run over chunks of tokens, each recomputed in the backward 
 
 Attention is the HF model's own modules with one attention function registered under transformers'
 `AttentionInterface`: on CUDA torch's variable-length flash attention (`torch.nn.attention.varlen`), elsewhere
-SDPA per sample (exact, and CPU runs are small). Calling the HF modules themselves, not our own copy of their
-math, keeps every architecture detail transformers implements (Qwen3's q/k norms, rope scaling, biases) and
-keeps the decoder layers the modules FSDP2 wraps.
+one SDPA call over the samples re-padded (exact; CPU runs are small). Calling the HF modules themselves, not
+our own copy of their math, keeps every architecture detail transformers implements (Qwen3's q/k norms, rope
+scaling, biases) and keeps the decoder layers the modules FSDP2 wraps.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ ATTENTION = "rlflow_packed"
 
 try:  # torch >= 2.9 on CUDA: flash attention over cumulative sequence lengths, no padding, no mask
     from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # older torch: SDPA per sample everywhere
+except ImportError:  # older torch: the padded SDPA fallback everywhere
     varlen_attn = None
 
 _VARLEN_PARAMS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
@@ -77,13 +77,25 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, c
     if q.is_cuda and varlen_attn is not None and half is not None:  # flash kernels take 16-bit inputs only
         out = _varlen(q.to(half), k.to(half), v.to(half), cu_seqlens, max_len, scaling)
     else:
-        out = torch.empty_like(q)
-        bounds = cu_seqlens.tolist()
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            out[a:b] = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True,
-                scale=scaling, enable_gqa=True).transpose(0, 1)
+        out = _padded_sdpa(q, k, v, cu_seqlens, max_len, scaling)
     return out.unsqueeze(0), None
+
+
+def _padded_sdpa(q, k, v, cu_seqlens, max_len, scale):
+    """The exact fallback: the samples right-padded into [samples, heads, max_len, D] for one causal SDPA call
+    (padding sits after each sample's tokens, so the causal mask alone keeps every real query off it)."""
+    lengths = cu_seqlens.diff().long()
+    rows = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths)
+    cols = torch.arange(q.shape[0], device=q.device) - torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
+
+    def padded(x):
+        out = x.new_zeros(len(lengths), max_len, *x.shape[1:])
+        out[rows, cols] = x
+        return out.transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(1, 2)[rows, cols]
 
 
 def _varlen(q, k, v, cu_seqlens, max_len, scale):
