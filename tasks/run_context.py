@@ -20,6 +20,7 @@ from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.store.run_store import RunStore
 from rlflow.tasks.artifacts import TrainingArtifacts
+from rlflow.tasks.run_logs import send_to_prefect, step_summary
 from rlflow.tasks.tracking import Tracker
 
 log = logging.getLogger("rlflow")
@@ -49,8 +50,11 @@ class RunContext:
     workdir: Path
     start_step: int = 0
     artifacts: TrainingArtifacts | None = None  # Prefect artifacts, when running as a flow
+    stop_logs: Callable[[], None] = lambda: None  # ends the rlflow logger's link to the Prefect run's logs
 
     def notify(self, step: int, metrics: dict) -> None:
+        """A step is done: its summary line to the log (and the Prefect run's logs), then the listeners."""
+        log.info(step_summary(step, self.cfg.train.steps, metrics))
         for listener in STEP_LISTENERS:
             listener(step, metrics)
 
@@ -82,6 +86,7 @@ class RunContext:
         self.tracker.finish(status)
         self.session.shutdown()
         shutil.rmtree(self.workdir, ignore_errors=True)
+        self.stop_logs()
 
 
 def stored_config(cfg: RLConfig) -> dict:
@@ -92,6 +97,16 @@ def stored_config(cfg: RLConfig) -> dict:
 def open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any] = RLSession.create) -> RunContext:
     """Open (or resume) the run `cfg.name`. make_session starts the engines: an RLSession for post_train, an
     SFTSession (engines/session/sft.py) for the SFT and rejection-sampling flows; both save and load the same way."""
+    stop_logs = send_to_prefect()  # from here on, what the run logs shows in the Prefect UI too
+    try:
+        return _open_run(cfg, make_session, stop_logs)
+    except BaseException:
+        stop_logs()
+        raise
+
+
+def _open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_logs: Callable[[], None]
+              ) -> RunContext:
     store = RunStore(cfg.storage, cfg.name)
     torn = store.clean_torn()
     if torn:
@@ -109,7 +124,7 @@ def open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any] = RLSes
     tracker = Tracker.for_training(cfg, run_id=meta["mlflow_run_id"] if meta else earlier.get("mlflow_run_id"))
     session = make_session(cfg, model_path)
     store.write_json({"status": "running", "mlflow_run_id": tracker.run_id}, "status.json")
-    ctx = RunContext(cfg, session, store, tracker, workdir)
+    ctx = RunContext(cfg, session, store, tracker, workdir, stop_logs=stop_logs)
     _OPEN[cfg.name] = ctx
     if meta is not None:
         local = store.download_checkpoint(latest, workdir / f"resume-{latest}")

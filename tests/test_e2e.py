@@ -8,6 +8,7 @@ midway, and its Prefect flow retry resumes from the S3 checkpoint.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import mlflow
@@ -29,10 +30,32 @@ def _run_demo(tmp_path: Path, *overrides: str, flow_retries: int = 0):
     by_step: dict[int, dict] = {}  # a retried attempt's steps replace the failed attempt's
     STEP_LISTENERS.append(lambda step, m: by_step.__setitem__(step, m))
     try:
-        final = post_train.with_options(retries=flow_retries, retry_delay_seconds=0)(cfg)
+        state = post_train.with_options(retries=flow_retries, retry_delay_seconds=0)(cfg, return_state=True)
     finally:
         STEP_LISTENERS.clear()
-    return cfg, [by_step[k] for k in sorted(by_step)], final
+    _run_demo.flow_run_id = state.state_details.flow_run_id
+    return cfg, [by_step[k] for k in sorted(by_step)], state.result()
+
+
+def _prefect_logs(flow_run_id, expect: str, timeout_s: float = 30.0) -> list[str]:
+    """The messages of a flow run's logs as the Prefect UI's Logs tab shows them, once one starts with `expect`
+    (the API log handler sends in batches, every two seconds)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            messages: list[str] = []
+            while True:  # page through them all
+                page = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200,
+                                        offset=len(messages))
+                messages += [entry.message for entry in page]
+                if len(page) < 200:
+                    break
+            if any(m.startswith(expect) for m in messages) or time.monotonic() > deadline:
+                return messages
+            time.sleep(1)
 
 
 def test_demo_learns_and_is_tracked(tmp_path):
@@ -58,6 +81,12 @@ def test_demo_learns_and_is_tracked(tmp_path):
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"recipe.json", "samples"} <= artifacts
     mlflow.set_tracking_uri(None)
+
+    # the run's progress is in its Prefect logs (the UI's Logs tab): a summary line per step, the checkpoints
+    messages = _prefect_logs(_run_demo.flow_run_id, expect="step 100/100")
+    assert any(m.startswith("step 1/100: reward ") for m in messages), messages[:20]
+    assert any(m.startswith("step 100/100: reward ") and "eval reward" in m for m in messages)
+    assert any(m.startswith("checkpoint step 99 committed") for m in messages)
 
 
 def test_demo_learns_one_step_off_async_on_s3_through_a_failure(tmp_path, s3_bucket, monkeypatch):
