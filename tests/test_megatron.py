@@ -195,8 +195,9 @@ def test_backend_matches_torch_backend(hf_models, mcore, algo, budget):
         step = {**batch, "old_logprobs": lp_t + 0.05 * torch.randn_like(lp_t)}
         m_t, m_m = global_metrics(torch_be.train_step(step)), global_metrics(mega.train_step(step))
         assert set(m_t) == set(m_m)
-        for k in m_t:
-            assert m_m[k] == pytest.approx(m_t[k], rel=1e-4, abs=1e-6), k
+        for k in m_t:  # a loss near 0 sums per-token terms of ~0.1-1 that nearly cancel: its fp32 rounding in
+            # two different kernels (packed vs Megatron's padded) is ~1e-6 absolute, whatever the loss's size
+            assert m_m[k] == pytest.approx(m_t[k], rel=1e-4, abs=5e-6), k
     assert_same_weights(dict(torch_be.named_tensors()), dict(mega.named_tensors()))
 
 

@@ -13,12 +13,17 @@ import heapq
 
 
 def token_budget_groups(lengths: list[int], max_tokens: int = 0, max_rows: int = 0) -> list[list[int]]:
-    """Indices of `lengths` in groups of at most `max_tokens` summed tokens (0: no token cap) and at most
-    `max_rows` samples (0: no row cap). A sample longer than the budget gets a group of its own. Each group
-    lists its indices in ascending order; groups come longest first."""
+    """Indices of `lengths` in groups of at most `max_tokens` summed tokens and at most `max_rows` samples
+    (0: no cap). A sample longer than the budget gets a group of its own. Each group lists its indices in
+    ascending order. Without a token cap the groups are consecutive runs of max_rows samples (what a
+    row-count micro-batch always meant, so per-micro-batch metrics stay comparable with the Megatron
+    backend's)."""
     n = len(lengths)
     if n == 0:
         return []
+    if not max_tokens:  # a row cap alone: consecutive rows, as a padded backend groups them
+        rows = max_rows or n
+        return [list(range(a, min(a + rows, n))) for a in range(0, n, rows)]
     order = sorted(range(n), key=lambda i: (-lengths[i], i))
     packed = _first_fit(order, lengths, max_tokens, max_rows or n)  # as few groups as the caps allow
     even = _lpt(order, lengths, len(packed), max_rows or n)  # ... and as many, with the tokens spread evenly
