@@ -20,7 +20,7 @@ from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.store.run_store import RunStore
 from rlflow.tasks.artifacts import TrainingArtifacts
-from rlflow.tasks.run_logs import send_to_prefect, step_summary
+from rlflow.tasks.run_logs import send_to_prefect, step_log, step_summary
 from rlflow.tasks.tracking import Tracker
 
 log = logging.getLogger("rlflow")
@@ -53,8 +53,8 @@ class RunContext:
     stop_logs: Callable[[], None] = lambda: None  # ends the rlflow logger's link to the Prefect run's logs
 
     def notify(self, step: int, metrics: dict) -> None:
-        """A step is done: its summary line to the log (and the Prefect run's logs), then the listeners."""
-        log.info(step_summary(step, self.cfg.train.steps, metrics))
+        """A step is done: its summary line to the Prefect run's logs, then the listeners."""
+        step_log.info(step_summary(step, self.cfg.train.steps, metrics))
         for listener in STEP_LISTENERS:
             listener(step, metrics)
 

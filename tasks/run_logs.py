@@ -17,6 +17,10 @@ from prefect.exceptions import MissingContextError
 from prefect.logging.handlers import APILogHandler
 
 log = logging.getLogger("rlflow")
+# the per-step summary lines: to the Prefect run's logs only, not the console (where `rlflow run` shows a
+# progress bar and a worker's terminal would scroll a line per step)
+step_log = logging.getLogger("rlflow.steps")
+step_log.propagate = False
 
 # per step, these metrics (when the step has them) make the summary line, in this order
 SUMMARY = (("rollout/reward_mean", "reward"), ("rollout/accuracy", "accuracy"), ("train/loss", "loss"),
@@ -32,14 +36,16 @@ def send_to_prefect() -> Callable[[], None]:
     handler = APILogHandler()
     handler.setLevel(logging.INFO)
     handler.addFilter(_LinkToFlowRun(str(flow.flow_run.id)))
-    level = log.level
-    if log.getEffectiveLevel() > logging.INFO:
-        log.setLevel(logging.INFO)
-    log.addHandler(handler)
+    levels = {logger: logger.level for logger in (log, step_log)}
+    for logger in levels:
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
 
     def undo() -> None:
-        log.removeHandler(handler)
-        log.setLevel(level)
+        for logger, level in levels.items():
+            logger.removeHandler(handler)
+            logger.setLevel(level)
 
     return undo
 
