@@ -33,9 +33,12 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
     A -inf logit (a masked-out vocabulary entry) has p = 0 and adds 0, not 0 * -inf = NaN, in value and gradient.
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    finite_logp = torch.where(logp.isfinite(), logp, 0.0)
-    return -(logp.exp() * finite_logp).sum(-1)
+    return entropy_from_logprobs(torch.log_softmax(logits.float(), dim=-1))
+
+
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """The same from log-probabilities already computed (a -inf entry adds 0)."""
+    return -(logp.exp() * torch.where(logp.isfinite(), logp, 0.0)).sum(-1)
 
 
 # ----------------------------------------------------------------------------- advantages

@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 
+from rlflow.engines.core.algorithms import entropy_from_logprobs
+from rlflow.engines.core.sampling import scaled_logits
+
 ATTENTION = "rlflow_packed"
 
 try:  # torch >= 2.9 on CUDA: flash attention over cumulative sequence lengths, no padding, no mask
@@ -65,31 +68,30 @@ class PackedRows:
         return PackedRows(**move)
 
 
-def _packed_attention(module, query, key, value, attention_mask, scaling=None, cu_seqlens=None, max_len=None,
+def _packed_attention(module, query, key, value, attention_mask, scaling=None, packed: PackedRows | None = None,
                       **_kwargs):
     """transformers' attention call for one packed sequence: query [1, H, T, D], key/value [1, KV, T, D];
     returns [1, T, H, D]. Each sample attends causally to itself only."""
-    if cu_seqlens is None:
-        raise RuntimeError(f"attn_implementation {ATTENTION!r} needs cu_seqlens (call it through PackedLM)")
+    if packed is None:
+        raise RuntimeError(f"attn_implementation {ATTENTION!r} needs the packed layout (call it through PackedLM)")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, heads, D]
     half = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else (
         torch.get_autocast_dtype("cuda") if q.is_cuda and torch.is_autocast_enabled("cuda") else None)
     if q.is_cuda and varlen_attn is not None and half is not None:  # flash kernels take 16-bit inputs only
-        out = _varlen(q.to(half), k.to(half), v.to(half), cu_seqlens, max_len, scaling)
+        out = _varlen(q.to(half), k.to(half), v.to(half), packed.cu_seqlens, packed.max_len, scaling)
     else:
-        out = _padded_sdpa(q, k, v, cu_seqlens, max_len, scaling)
+        out = _padded_sdpa(q, k, v, packed, scaling)
     return out.unsqueeze(0), None
 
 
-def _padded_sdpa(q, k, v, cu_seqlens, max_len, scale):
-    """The exact fallback: the samples right-padded into [samples, heads, max_len, D] for one causal SDPA call
-    (padding sits after each sample's tokens, so the causal mask alone keeps every real query off it)."""
-    lengths = cu_seqlens.diff().long()
-    rows = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths)
-    cols = torch.arange(q.shape[0], device=q.device) - torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
+def _padded_sdpa(q, k, v, packed: PackedRows, scale):
+    """The exact fallback: the samples back in their right-padded rows, [samples, heads, max_len, D], for one
+    causal SDPA call (padding sits after each sample's tokens, so the causal mask alone keeps every real query
+    off it)."""
+    rows, cols = packed.rows, packed.cols
 
     def padded(x):
-        out = x.new_zeros(len(lengths), max_len, *x.shape[1:])
+        out = x.new_zeros(len(packed.cu_seqlens) - 1, packed.max_len, *x.shape[1:])
         out[rows, cols] = x
         return out.transpose(1, 2)
 
@@ -133,6 +135,8 @@ class PackedLM(torch.nn.Module):
         model.config._attn_implementation = ATTENTION
         self.body = model.model
         self.critic = hasattr(model, "score")
+        if not self.critic and model.lm_head.bias is not None:
+            raise ValueError("PackedLM: an LM head with a bias is not supported (Llama/Qwen heads have none)")
         if checkpoint_layers:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if compile_layers:  # each layer alone: the packed length changes every micro-batch
@@ -145,7 +149,7 @@ class PackedLM(torch.nn.Module):
         the tokens before it in its sample (0 at each sample's first token). Critic: (values [T], None), entry t
         the value of the state before token t."""
         hidden = self.body(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None],
-                           cu_seqlens=packed.cu_seqlens, max_len=packed.max_len).last_hidden_state[0]
+                           packed=packed).last_hidden_state[0]
         first = torch.zeros_like(packed.input_ids, dtype=torch.bool)
         first[packed.cu_seqlens[:-1].long()] = True
         if self.critic:  # the head's output at t - 1 has seen x_<t
@@ -153,37 +157,36 @@ class PackedLM(torch.nn.Module):
             return _shift_right(values, first), None
         head = self.model.lm_head
         targets = torch.roll(packed.input_ids, -1)  # token t+1, read from hidden t (wrapped ends are masked)
-        scale = 1.0 / temperature if temperature > 0 else 1.0  # greedy reports the T=1 distribution
-        if head.bias is not None:
-            raise ValueError("PackedLM: an LM head with a bias is not supported (Llama/Qwen heads have none)")
         device = hidden.device.type  # under autocast, the head's matmuls run in its dtype, backward included
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-        logprobs, entropy = ChunkedHeadLogprobs.apply(hidden.to(dtype), head.weight.to(dtype), targets, scale,
-                                                      self.chunk_tokens, with_entropy)
+        logprobs, entropy = ChunkedHeadLogprobs.apply(hidden.to(dtype), head.weight.to(dtype), targets,
+                                                      temperature, self.chunk_tokens, with_entropy)
         return _shift_right(logprobs, first), _shift_right(entropy, first) if with_entropy else None
 
 
 class ChunkedHeadLogprobs(torch.autograd.Function):
-    """log p(target) and entropy of softmax(scale * hidden @ weight.T), chunk by chunk of tokens.
+    """log p(target) and entropy of softmax(scaled_logits(hidden @ weight.T, temperature)), chunk by chunk.
 
     The [tokens, vocab] logits of one chunk exist at a time, in fp32: once in the forward pass, once again in
     the backward pass, where the gradient of the logits is formed in place and multiplied out at once. One
     log-softmax serves both outputs. The math is algorithms.token_logprobs / entropy_from_logits (the
-    rollout engine's), fused: d logp/d z = onehot - p and d H/d z = -p (log p + H).
+    rollout engine's), fused: d logp/d z = onehot - p and d H/d z = -p (log p + H). An output no loss uses
+    gets no gradient (None, not zeros), so the backward pass needs no device sync to find out.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, scale, chunk, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):
+        ctx.set_materialize_grads(False)
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros_like(logprobs)
         for a in range(0, n, chunk):
-            logp = _chunk_logp(hidden[a:a + chunk], weight, scale)
+            logp = _chunk_logp(hidden[a:a + chunk], weight, temperature)
             logprobs[a:a + chunk] = logp.gather(-1, targets[a:a + chunk, None])[:, 0]
             if with_entropy:
-                entropy[a:a + chunk] = _entropy(logp)
+                entropy[a:a + chunk] = entropy_from_logprobs(logp)
         ctx.save_for_backward(hidden, weight, targets, entropy)
-        ctx.scale, ctx.chunk, ctx.with_entropy = scale, chunk, with_entropy
+        ctx.temperature, ctx.chunk = temperature, chunk
         return logprobs, entropy
 
     @staticmethod
@@ -191,35 +194,29 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         hidden, weight, targets, entropy = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        entropy_grad = ctx.with_entropy and grad_entropy is not None and bool(grad_entropy.any())
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(entropy)
+        scale = 1.0 / ctx.temperature if ctx.temperature > 0 else 1.0  # d(scaled logits) / d(logits)
         for a in range(0, hidden.shape[0], ctx.chunk):
             b = min(a + ctx.chunk, hidden.shape[0])
-            logp = _chunk_logp(hidden[a:b], weight, ctx.scale)
+            logp = _chunk_logp(hidden[a:b], weight, ctx.temperature)
             p = logp.exp()
             g = grad_logprobs[a:b, None]
-            if entropy_grad:  # -p (log p + H) * dH, with 0 * -inf read as 0 where p = 0
+            if grad_entropy is not None:  # -p (log p + H) * dH, with 0 * -inf read as 0 where p = 0
                 finite = torch.where(logp.isfinite(), logp, 0.0)
                 dz = p * (finite + entropy[a:b, None]) * -grad_entropy[a:b, None]
                 dz -= p * g
             else:
                 dz = p.mul_(-g)
             dz.scatter_add_(-1, targets[a:b, None], g)
-            dz = (dz * ctx.scale).to(hidden.dtype)
+            dz = (dz * scale).to(hidden.dtype)
             grad_hidden[a:b] = dz @ weight
             grad_weight += (dz.T @ hidden[a:b]).float()
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
-def _chunk_logp(hidden: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
-    logits = (hidden @ weight.T).float()
-    if scale != 1.0:
-        logits *= scale
-    return torch.log_softmax(logits, dim=-1)
-
-
-def _entropy(logp: torch.Tensor) -> torch.Tensor:
-    """As algorithms.entropy_from_logits: a -inf logit (p = 0) adds 0."""
-    return -(logp.exp() * torch.where(logp.isfinite(), logp, 0.0)).sum(-1)
+def _chunk_logp(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.log_softmax(scaled_logits(hidden @ weight.T, temperature), dim=-1)
 
 
 def _shift_right(x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:

@@ -50,15 +50,15 @@ class PromptSource:
         """k more rows for a dynamic rollout in progress."""
         return [self.rows[i] for i in self.cursor.next_batch(k)]
 
-    def end_dynamic(self, step: int, carry: list[Carry]) -> dict[str, str]:
-        """The dynamic rollout of `step` is done and leaves `carry` for the next step; returns the state
-        stored with its batch (its prompts do not follow from the cursor, so a replay needs both)."""
+    def end_dynamic(self, step: int, carry: list[Carry]) -> None:
+        """The dynamic rollout of `step` is done and leaves `carry` for the next step."""
         self._carry = carry
         self._cursor_after[step] = self.cursor.state_dict()
         self._carry_after[step] = [c.to_json() for c in carry]
-        return self.batch_metadata(step)
 
     def batch_metadata(self, step: int) -> dict[str, str]:
+        """The state stored with a dynamic step's batch: its prompts do not follow from the cursor, so a replay
+        needs both."""
         return {"rlflow.cursor": json.dumps(self._cursor_after[step]),
                 "rlflow.carry": json.dumps(self._carry_after[step])}
 
