@@ -11,8 +11,10 @@ Each variant runs in a fresh process (its own peak memory), one warm-up step, th
 - `baseline`: the plain loop anyone would write: HF forward with SDPA under bf16 autocast, fp32 weights, fused
   AdamW, samples sorted by length into padded micro-batches of at most 8,192 tokens (rows x width), full fp32
   logits and log-softmax, a policy-gradient loss;
-- `rlflow-*`: TorchTrainBackend.train_step with precision bf16 and the named options (packing and chunked
-  log-probs always; token budget, activation checkpointing).
+- `rlflow-*`: TorchTrainBackend.train_step with precision bf16 (FSDP2 on one rank: fp32 master weights, bf16
+  compute copies made per layer gather) and the named options (packing and chunked log-probs always; token
+  budget, activation checkpointing, torch.compile per layer, FSDP2 CPU offload).
+`--shape 7b` takes Qwen2.5-7B's dims (vocab 152,064, hidden 3,584, 28 layers, 28 query / 4 KV heads, untied).
 Figures: useful (non-padding) tokens per second, MFU = (6 x matmul params x tokens + 6 x layers x hidden x
 sum(len^2)) / time / peak, with the GPU's dense bf16 peak (H100 989 TFLOP/s), and peak memory.
 `--smoke` runs a toy shape on CPU to check the script; its numbers mean nothing.
@@ -35,18 +37,27 @@ import torch
 QWEN2_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=16384,
                   tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6)
+QWEN2_5_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                  tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6)
 SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
 
+SHAPES = {"1.5b": QWEN2_1_5B, "7b": QWEN2_5_7B, "smoke": SMOKE}
 VARIANTS = {
     "baseline": {},
     "rlflow-8k": {"micro_batch_tokens": 8192},
     "rlflow-16k": {"micro_batch_tokens": 16384},
+    "rlflow-8k-ckpt": {"micro_batch_tokens": 8192, "activation_checkpointing": True},
     "rlflow-16k-ckpt": {"micro_batch_tokens": 16384, "activation_checkpointing": True},
     "rlflow-32k-ckpt": {"micro_batch_tokens": 32768, "activation_checkpointing": True},
     "rlflow-8k-compile": {"micro_batch_tokens": 8192, "compile": True},
+    "rlflow-16k-compile": {"micro_batch_tokens": 16384, "compile": True},
     "rlflow-16k-ckpt-compile": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "compile": True},
+    "rlflow-4k-ckpt-c1k": {"micro_batch_tokens": 4096, "activation_checkpointing": True, "logprob_chunk_tokens": 1024},
+    "rlflow-8k-ckpt-offload": {"micro_batch_tokens": 8192, "activation_checkpointing": True, "cpu_offload": True},
+    "rlflow-16k-ckpt-offload": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "cpu_offload": True},
 }
 
 
@@ -78,11 +89,17 @@ def flops_per_step(cfg: dict, lengths: torch.Tensor) -> float:
 
 
 def build_model(cfg: dict, out: Path) -> None:
+    """Random weights of the shape, saved in bf16 (initialised on the GPU when there is one: a 7B shape takes
+    minutes on a CPU)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**cfg), dtype=torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**cfg), dtype=torch.bfloat16)
     model.save_pretrained(out)
+    del model
+    if torch.cuda.is_available():  # the variants' processes get the whole GPU
+        torch.cuda.empty_cache()
 
 
 # ---- the variants (each in its own process) ------------------------------------------------------------
@@ -194,7 +211,8 @@ def main() -> None:
     p.add_argument("--response-min", type=int, default=64)
     p.add_argument("--response-max", type=int, default=1792)
     p.add_argument("--timeout", type=int, default=240, help="seconds per variant")
-    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1.5b", help="model dims (smoke: a toy on CPU)")
+    p.add_argument("--smoke", action="store_true", help="same as --shape smoke")
     p.add_argument("--out", type=Path)
     # internal: run one variant in this process
     p.add_argument("--variant")
@@ -204,13 +222,15 @@ def main() -> None:
     if args.variant:
         return child(args)
 
-    cfg = SMOKE if args.smoke else QWEN2_1_5B
     if args.smoke:
+        args.shape = "smoke"
+    cfg = SHAPES[args.shape]
+    if args.shape == "smoke":
         args.samples, args.prompt, args.response_min, args.response_max = 8, 16, 4, 48
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
     report = {"date": dt.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
-              "peak_tflops": peak, "model": cfg, "samples": args.samples, "prompt": args.prompt,
+              "peak_tflops": peak, "shape": args.shape, "model": cfg, "samples": args.samples, "prompt": args.prompt,
               "response": [args.response_min, args.response_max], "steps": args.steps, "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
         build_model(cfg, Path(tmp))

@@ -105,7 +105,7 @@ def ray_cluster():
 
 
 def test_data_parallel_matches_single_worker(tiny_model_dir, ray_cluster):
-    """2 gloo workers on half the batch each take the same steps as 1 worker on the whole batch."""
+    """2 FSDP2 ranks (gloo) on half the batch each take the same steps as 1 rank on the whole batch."""
     batch = _toy_batch(tiny_model_dir)
     train = TrainConfig(threads=1, mini_batches=2, steps=2)
     algo = AlgorithmConfig()
@@ -125,7 +125,7 @@ def test_data_parallel_matches_single_worker(tiny_model_dir, ray_cluster):
     assert m1["loss"] == pytest.approx(m2[0]["loss"], abs=1e-6)
     weights = TrainBackend.named_tensors
     start = dict(LocalWorkerGroup([TorchTrainBackend(tiny_model_dir, train, algo)]).call_rank0(weights))
-    assert_same_update(start, single.call_rank0(weights), pair.call_rank0(weights))
+    assert_same_update(start, single.call_rank0(weights), pair.wait(pair.submit(weights))[0])  # a gather: all join
     pair.shutdown()
 
 

@@ -272,8 +272,8 @@ class TrainConfig(Section):
         "torch", description="Train engine: the native PyTorch backend, or Megatron-core (see the megatron section)."
     )
     num_workers: int = Field(
-        1, gt=0, description="Train workers (gloo on CPU, nccl on GPU): data-parallel copies for torch; "
-        "tensor x pipeline x data-parallel ranks for megatron."
+        1, gt=0, description="Train workers (gloo on CPU, nccl on GPU): FSDP2 ranks for torch (parameters, "
+        "gradients and optimizer state sharded over them); tensor x pipeline x data-parallel ranks for megatron."
     )
     steps: int = Field(100, gt=0, description="RL iterations.")
     lr: float = Field(3e-3, gt=0.0)
@@ -297,7 +297,15 @@ class TrainConfig(Section):
     activation_checkpointing: bool = Field(
         False, description="torch backend: recompute each decoder layer's activations in the backward pass.")
     compile: bool = Field(False, description="torch backend: torch.compile each decoder layer (dynamic shapes).")
-    precision: Literal["fp32", "bf16"] = "fp32"
+    cpu_offload: bool = Field(
+        False, description="torch backend: FSDP2 CPU offload: parameters, gradients and optimizer state live on "
+        "the host (the optimizer steps there) and each layer is copied to the GPU when it runs; trains models "
+        "whose state does not fit on the GPUs, at the cost of host-device copies.",
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Compute dtype of training; master weights, gradient reduction and optimizer state "
+        "stay fp32 (torch backend: FSDP2's mixed-precision policy).",
+    )
     threads: int = Field(2, gt=0, description="torch threads per worker.")
     device: Literal["cpu", "cuda"] = "cpu"
 
@@ -582,6 +590,9 @@ class RLConfig(Section):
 
     def _check_placement(self) -> None:
         transport, on_gpu = self.weight_sync.transport, self.train.device == "cuda" and self.rollout_device == "cuda"
+        if self.train.cpu_offload and (self.train.device != "cuda" or self.train.backend != "torch"):
+            raise ValueError("train.cpu_offload: moves the torch backend's state from the GPU to the host; it needs "
+                             "train.device 'cuda' and train.backend 'torch'")
         if transport in ("cuda_ipc", "nccl"):
             if not on_gpu or not self.cluster.use_ray:
                 raise ValueError(f"weight_sync.transport: {transport} needs train.device and rollout.device 'cuda' "
@@ -589,6 +600,10 @@ class RLConfig(Section):
             if self.train.backend != "torch":
                 raise ValueError(f"weight_sync.transport: {transport} works with train.backend 'torch'; "
                                  "use 'ray' or 'store' with megatron")
+            if self.train.num_workers > 1 or self.train.cpu_offload:
+                raise ValueError(f"weight_sync.transport: {transport} reads train rank 0's whole parameters on its "
+                                 "GPU; with train.num_workers > 1 (FSDP2 shards them) or train.cpu_offload use "
+                                 "'distributed' (NCCL broadcast of gathered buckets) instead")
         if transport == "distributed":
             if self.rollout_device == "cuda" and self.train.device != "cuda":
                 raise ValueError("weight_sync.transport: distributed with rollout.device 'cuda' broadcasts over "

@@ -139,9 +139,9 @@ class PackedLM(torch.nn.Module):
             raise ValueError("PackedLM: an LM head with a bias is not supported (Llama/Qwen heads have none)")
         if checkpoint_layers:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if compile_layers:  # each layer alone: the packed length changes every micro-batch
-            for layer in self.body.layers:
-                layer.compile(dynamic=True)
+        if compile_layers:  # each layer's forward alone (dynamic: the packed length changes every micro-batch);
+            for layer in self.body.layers:  # FSDP2's gather hooks stay outside the compiled code
+                layer.forward = torch.compile(layer.forward, dynamic=True)
 
     def forward(self, packed: PackedRows, temperature: float = 1.0, with_entropy: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -49,10 +49,11 @@ def together(*calls: Callable[[], Any]) -> list[Any]:
 
 
 class WeightSource:
-    """The train side of a sync as every transport sees it. Rank 0 sends: it holds full weights (data
-    parallel), or, with sharded weights (Megatron, `collective`), every rank joins the gather and rank 0 holds
-    the result. The weight layout and the bucket plan are asked for once and kept (a released colocated
-    rollout engine re-allocates its weights inside the update call, so the plan must not change)."""
+    """The train side of a sync as every transport sees it. Rank 0 sends: with one train rank it holds the full
+    weights; with sharded weights (Megatron, FSDP2 over several ranks: `collective`) every rank joins the
+    gather and rank 0 holds the result. The weight layout and the bucket plan are asked for once and kept (a
+    released colocated rollout engine re-allocates its weights inside the update call, so the plan must not
+    change)."""
 
     def __init__(self, train: WorkerGroup[TrainBackend], bucket_bytes: int, collective: bool = False):
         self.train, self.bucket_bytes, self.collective = train, bucket_bytes, collective
@@ -62,8 +63,9 @@ class WeightSource:
 
     @classmethod
     def from_config(cls, cfg: RLConfig, train: WorkerGroup[TrainBackend]) -> WeightSource:
-        # megatron shards weights over ranks: exporting them is a collective every train rank joins
-        return cls(train, int(cfg.weight_sync.bucket_mb * 1024 * 1024), collective=cfg.train.backend == "megatron")
+        # megatron and FSDP2 shard weights over ranks: exporting them is a collective every train rank joins
+        collective = cfg.train.backend == "megatron" or cfg.train.num_workers > 1
+        return cls(train, int(cfg.weight_sync.bucket_mb * 1024 * 1024), collective=collective)
 
     def layout(self) -> list[tuple[str, int]]:
         """(HF name, bytes) of every weight, in the trainer's order."""

@@ -1,16 +1,17 @@
-"""The native PyTorch train engine: data-parallel workers over torch.distributed (gloo on CPU, nccl on GPU).
+"""The native PyTorch train engine: FSDP2 ranks over torch.distributed (gloo on CPU, nccl on GPU).
 
-One instance per worker. The losses come from rlflow.engines.core.algorithms; this file only batches, reduces and
-steps. Micro-batches are filled up to a token budget (engines/train/microbatch.py) and run packed, without
-padding, through engines/models/packed.py; the losses still see the padded [rows, width] layout, so every
-loss_agg mode is computed exactly as on the unpacked batch. Every loss is normalised by the *global*
-token/sequence count of its mini-batch, so W workers take the same optimizer steps as one worker on the whole
-batch.
+One instance per worker. The model is sharded with FSDP2 (engines/train/fsdp.py: bf16 compute over fp32 master
+weights, optional CPU offload, sharded checkpoints); each rank trains on its own shard of the batch. The losses
+come from rlflow.engines.core.algorithms; this file only batches and steps. Micro-batches are filled up to a
+token budget (engines/train/microbatch.py) and run packed, without padding, through engines/models/packed.py;
+the losses still see the padded [rows, width] layout, so every loss_agg mode is computed exactly as on the
+unpacked batch. Every loss is normalised by the *global* token/sequence count of its mini-batch and FSDP2 sums
+the gradients, so W ranks take the same optimizer steps as one rank on the whole batch.
 
 A worker has one of two roles. "policy" (the default) trains the causal LM with rl_loss. "critic" trains a
 value model (rlflow.engines.models.hf.load_value_model: the same body with a scalar head) with value_loss on the same
-packed batches; micro-batching, normalisation, the gradient all-reduce, the optimizer and checkpoints are
-the same code for both.
+packed batches; micro-batching, normalisation, sharding, the optimizer and checkpoints are the same code for
+both.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
 from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import TrainBatch, batch_size, select
@@ -37,9 +37,10 @@ from rlflow.engines.models.packed import PackedLM, PackedRows
 from rlflow.engines.sync.cuda_ipc import export_ipc_handles
 from rlflow.engines.sync.distributed import DistributedWeightSender
 from rlflow.engines.sync.endpoints import GpuLinkProbe, IpcSender, NcclSender, StoreSender
-from rlflow.engines.sync.gpu import device_copy_bandwidth, flatten_
+from rlflow.engines.sync.gpu import device_copy_bandwidth
 from rlflow.engines.sync.nccl import NcclChannel
 from rlflow.engines.sync.store import put_bucket
+from rlflow.engines.train import fsdp
 from rlflow.engines.train.microbatch import token_budget_groups
 
 
@@ -62,7 +63,7 @@ def lr_lambda(cfg: TrainConfig):
 
 class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, StoreSender, IpcSender, NcclSender,
                         GpuLinkProbe):
-    """One data-parallel rank of the policy (or, as role "critic", of the value model)."""
+    """One FSDP2 rank of the policy (or, as role "critic", of the value model)."""
 
     def __init__(
         self,
@@ -86,37 +87,35 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         self.loss_agg = algorithm.loss_agg if role == "policy" else "token_mean"
         self.temperature, self.norm_len = temperature, norm_len
         self.rank, self.world_size = rank, world_size
-        if world_size > 1:
-            backend = "nccl" if train.device == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=dist_url, rank=rank, world_size=world_size)
+        fsdp.init_process_group(train.device, rank, world_size, dist_url)
         torch.manual_seed(seed + rank)
         self.device = train.device
         load = load_value_model if role == "critic" else load_model
-        self.model = load(model_path, dtype=torch.float32, device=self.device)
-        if self.device == "cuda":  # one buffer in HF-name order: GPU weight sync copies whole slices of it
-            flatten_(dict(self.model.named_parameters()))
-        self.lm = PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing, train.compile)
+        # fp32 master weights; offloaded ones go straight to the host, where FSDP2 keeps them
+        self.model = load(model_path, dtype=torch.float32, device="cpu" if train.cpu_offload else self.device)
+        compute = DTYPES[train.precision] if train.precision != "fp32" else None
+        self.lm = fsdp.shard(
+            PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing, train.compile),
+            compute, train.cpu_offload)
         self.ref_model = self.ref_lm = None
         if algorithm.kl_coef > 0 and role == "policy":  # frozen copy of the starting policy, for the KL penalty
-            self.ref_model = load_model(model_path, dtype=DTYPES[train.precision], device=self.device).eval()
+            self.ref_model = load_model(model_path, dtype=DTYPES[train.precision],
+                                        device="cpu" if train.cpu_offload else self.device).eval()
             self.ref_model.requires_grad_(False)
-            self.ref_lm = PackedLM(self.ref_model, train.logprob_chunk_tokens)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay
-        )
+            self.ref_lm = fsdp.shard(PackedLM(self.ref_model, train.logprob_chunk_tokens), None, train.cpu_offload)
+        # fused on the GPU: one kernel per step and no temporaries the size of the model (foreach's are)
+        fused = self.device == "cuda" and not train.cpu_offload
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=train.betas,
+                                           weight_decay=train.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train))
 
     # ---- forward -------------------------------------------------------------------------------------
-    def _autocast(self):
-        return torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
-
     def _forward(self, lm: PackedLM, mb: TrainBatch, with_entropy: bool, temperature: float | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token logprobs [rows, width] (aligned with input_ids: column t is log p(x_t | x_<t), column 0
         is 0) and, if asked, entropy; for a critic, its values in the logprobs' place."""
         packed = PackedRows.from_padded(mb["input_ids"], mb["attention_mask"]).to(self.device)
-        with self._autocast():
-            out, entropy = lm(packed, self.temperature if temperature is None else temperature, with_entropy)
+        out, entropy = lm(packed, self.temperature if temperature is None else temperature, with_entropy)
         return packed.unpack(out), None if entropy is None else packed.unpack(entropy)
 
     def micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
@@ -129,11 +128,24 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
             out.append((idx, {k: v[idx][:, :width] if v.dim() == 2 else v[idx] for k, v in batch.items()}))
         return out
 
+    def _agreed_micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
+        """This rank's micro-batches, padded with empty ones ([] rows: a repeat of the shortest, whose result
+        is dropped) to the most any rank has: every forward and backward gathers parameters collectively,
+        so all ranks must run the same number."""
+        micros = self.micro_batches(batch)
+        count = torch.tensor(len(micros))
+        if self.world_size > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        shortest = min(micros, key=lambda m: m[1]["attention_mask"].sum())[1]
+        return micros + [([], shortest)] * (int(count) - len(micros))
+
     def _per_token(self, batch: TrainBatch, run) -> torch.Tensor:
         """`run(micro)` [rows, w] over every micro-batch, back into the batch's [N, width] layout on CPU."""
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-        for idx, micro in self.micro_batches(batch):
-            out[torch.tensor(idx)[:, None], torch.arange(micro["input_ids"].shape[1])] = run(micro).float().cpu()
+        for idx, micro in self._agreed_micro_batches(batch):
+            result = run(micro)
+            if idx:
+                out[torch.tensor(idx)[:, None], torch.arange(micro["input_ids"].shape[1])] = result.float().cpu()
         return out
 
     @torch.no_grad()
@@ -195,24 +207,18 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
     def _optimizer_step(self, mb: TrainBatch, sft: bool = False) -> dict[str, torch.Tensor]:
         mode = "token_mean" if sft else self.loss_agg
         total_weight = self._all_reduce(algorithms.aggregation_weight(mb["loss_mask"], mode).double().clone())
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad()
         metric_sums: dict[str, torch.Tensor] = {}
-        for _, micro in self.micro_batches(mb):
+        for idx, micro in self._agreed_micro_batches(mb):
             micro = {k: v.to(self.device) for k, v in micro.items()}
             loss, metrics = self._loss(micro, sft)
             share = algorithms.aggregation_weight(micro["loss_mask"], mode).double() / total_weight.clamp(min=1)
-            (loss * share.float()).backward()
+            if not idx:  # a padding micro-batch: it joins the collectives, adds nothing
+                share = share * 0
+            (loss * share.float()).backward()  # FSDP2 reduce-scatters (sums) the gradients over ranks
             for k, v in metrics.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().double().cpu() * share.cpu()
-        grads = [p.grad for p in self.model.parameters()]
-        if self.world_size > 1:  # one flat all-reduce instead of one per parameter
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        grad_norm = fsdp.grad_norm(list(self.model.parameters()), self.cfg.grad_clip)
         self.optimizer.step()
         keys = sorted(metric_sums)
         reduced = self._all_reduce(torch.stack([metric_sums[k] for k in keys])) if keys else torch.zeros(0)
@@ -243,21 +249,32 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
 
     # ---- weights and checkpoints ---------------------------------------------------------------------
     def named_tensors(self, names: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
-        """HF-named weights (all, or the named ones) on CPU: what weight sync sends to rollout engines."""
+        """HF-named full weights (all, or the named ones) on CPU at rank 0, [] on other ranks: what weight sync
+        sends to rollout engines. Collective (each weight is gathered from its shards in turn)."""
         params = dict(self.model.named_parameters())
-        return [(n, params[n].detach().cpu()) for n in (names or list(params))]
+        return fsdp.gather(params, names or list(params), keep=self.rank == 0)
 
     def put_weights_to_store(
         self, storage: StorageConfig, run: str, version: int, index: int, names: list[str]
     ) -> None:
-        """Write bucket `index` (these weights) of weight version `version` to the run store."""
-        put_bucket(storage, run, version, index, self.named_tensors(names))
+        """Gather these weights (collective) and write them from rank 0 as bucket `index` of `version`."""
+        tensors = self.named_tensors(names)
+        if self.rank == 0:
+            put_bucket(storage, run, version, index, tensors)
+
+    def _whole_parameters(self, transport: str) -> dict[str, torch.Tensor]:
+        """The parameters themselves, for the GPU transports that read them in place: one unsharded rank."""
+        if self.world_size > 1 or self.cfg.cpu_offload:
+            raise ValueError(f"weight_sync.transport {transport}: reads whole parameters on the GPU; with "
+                             "train.num_workers > 1 or train.cpu_offload they are sharded or on the host "
+                             "(use 'distributed')")
+        return {n: fsdp.local(p) for n, p in self.model.named_parameters()}
 
     # GPU transports (rlflow.engines.sync.gpu): IPC handles for a colocated rollout worker, NCCL for others
     def cuda_ipc_handles(self) -> list[tuple[str, tuple]]:
         """Handles of this worker's parameters for its colocated rollout worker (shared once, copied each sync)."""
         torch.cuda.synchronize()
-        return export_ipc_handles([(n, p.data) for n, p in self.model.named_parameters()])
+        return export_ipc_handles(list(self._whole_parameters("cuda_ipc").items()))
 
     def nccl_connect(self, host: str, port: int, world_size: int, rollout_precision: str) -> None:
         self._nccl = NcclChannel(host, port, 0, world_size, torch.device(self.device, torch.cuda.current_device()))
@@ -265,7 +282,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
 
     def nccl_send(self, buckets: list[list[str]]) -> int:
         """Broadcast every bucket (rank 0 of the weight-sync group); returns bytes sent."""
-        return self._nccl.send(dict(self.model.named_parameters()), buckets, self._nccl_dtype)
+        return self._nccl.send(self._whole_parameters("nccl"), buckets, self._nccl_dtype)
 
     def link_bandwidth(self, kind: str, nbytes: int) -> float:
         """GB/s of the link a GPU transport uses ('copy': bf16 -> bf16 on this GPU; 'cast_copy': fp32 -> bf16
@@ -278,8 +295,10 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
 
     @torch.no_grad()
     def weights_digest(self, dtype: str) -> float:
-        """Sum of every weight cast to `dtype`: benchmarks check a GPU sync delivered the same weights."""
-        return float(sum(p.to(DTYPES[dtype]).double().sum() for p in self.model.parameters()))
+        """Sum of every weight cast to `dtype`: benchmarks check a GPU sync delivered the same weights.
+        Collective."""
+        params = dict(self.model.named_parameters())
+        return float(sum(t.to(DTYPES[dtype]).double().sum() for _, t in fsdp.gather(params, list(params), True)))
 
     def weight_layout(self) -> list[tuple[str, int]]:
         """(name, bytes) of every weight, in order: lets the sync plan buckets without moving tensors."""
@@ -289,50 +308,28 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         return {n: list(p.shape) for n, p in self.model.named_parameters()}
 
     def save(self, path: str | Path) -> None:
-        """Model, optimizer, scheduler and RNG state in safetensors + JSON (no pickle)."""
+        """Sharded model and optimizer state (engines/train/fsdp.py: safetensors, the model also consolidated
+        into an HF checkpoint in `model/`), schedule and RNG state as JSON (no pickle). Collective."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        if self.rank == 0:
-            self.model.save_pretrained(path / "model")
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        tensors, scalars = {}, {}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                for key, value in self.optimizer.state.get(p, {}).items():
-                    if torch.is_tensor(value) and value.dim() > 0:
-                        tensors[f"{names[id(p)]}.{key}"] = value.detach().cpu().contiguous()
-                    else:
-                        scalars[f"{names[id(p)]}.{key}"] = float(value)
-        if self.rank == 0:
-            save_file(tensors, str(path / "optimizer.safetensors"))
-        state = {
-            "optimizer_scalars": scalars,
-            "scheduler": self.scheduler.state_dict() | {"lr_lambdas": None},
-            "rng": rng_state(),
-        }
+        fsdp.save_checkpoint(self.model, self.optimizer, path)
+        state = {"scheduler": self.scheduler.state_dict() | {"lr_lambdas": None}, "rng": rng_state()}
         (path / f"trainer_rank{self.rank}.json").write_text(json.dumps(state))
 
     def load(self, path: str | Path) -> None:
+        """Resume from save(), written by any number of ranks. A rank the checkpoint had no rank of keeps its
+        own RNG (the train step draws no random numbers) and takes rank 0's schedule (the same on every rank)."""
         path = Path(path)
-        model_file = path / "model" / "model.safetensors"
-        with torch.no_grad():
-            for name, t in load_file(str(model_file)).items():
-                dict(self.model.named_parameters())[name].copy_(t)
-        state = json.loads((path / f"trainer_rank{self.rank}.json").read_text())
-        tensors = load_file(str(path / "optimizer.safetensors"))
-        for name, p in self.model.named_parameters():
-            st = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                if f"{name}.{key}" in tensors:
-                    st[key] = tensors[f"{name}.{key}"].to(p.device)
-            if f"{name}.step" in state["optimizer_scalars"]:
-                st["step"] = torch.tensor(state["optimizer_scalars"][f"{name}.step"])
-            if st:
-                self.optimizer.state[p] = st
+        fsdp.load_checkpoint(self.model, self.optimizer, path)
+        own = path / f"trainer_rank{self.rank}.json"
+        state = json.loads((own if own.is_file() else path / "trainer_rank0.json").read_text())
         sched = state["scheduler"]
         sched.pop("lr_lambdas", None)
         self.scheduler.load_state_dict(sched | {"lr_lambdas": [None]})
-        set_rng_state(state["rng"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr  # the schedule's rate at the saved step, not the rate at step 0
+        if own.is_file():
+            set_rng_state(state["rng"])
 
     def data_parallel_rank(self) -> int:
         """Which shard of the data this worker trains on: every worker is a data-parallel copy."""

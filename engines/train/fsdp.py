@@ -1,0 +1,145 @@
+"""FSDP2 for the native trainer: how the torch backend's model is sharded, gathered and checkpointed.
+
+Why FSDP2 (`torch.distributed.fsdp.fully_shard`) on every rank count, one included:
+- parameters, gradients and optimizer state are sharded over the data-parallel ranks, so the memory per rank
+  falls as ranks are added (a 7B model's fp32 master weights and Adam state no longer sit whole on each GPU);
+- its mixed-precision policy keeps the sharded fp32 master weights and makes one bf16 compute copy of a layer
+  when the layer is gathered, so the whole forward and backward run in bf16 without autocast, and gradients
+  are reduce-scattered in fp32;
+- its CPU offload policy (train.cpu_offload) keeps the shards on the host and steps the optimizer there;
+- one code path serves one rank and many (the reduce-scatter replaces a hand-written all-reduce).
+
+Each decoder layer is one FSDP unit and the PackedLM root holds the rest (embeddings, final norm, head), the
+layout torchtitan uses. Gradients are summed, not averaged, over ranks: the losses are already normalised by
+the global token or sequence count of the mini-batch (engines/train/torch_backend.py).
+
+Checkpoints go through torch.distributed.checkpoint with its Hugging Face storage: every rank writes its own
+shards as safetensors (offsets in the file's metadata, no pickle anywhere), the model's shards are
+consolidated into a plain HF checkpoint (`model/`, loadable by transformers and the rollout engines), and a
+checkpoint loads onto any number of ranks, each reading the slices of its new shards.
+"""
+
+from __future__ import annotations
+
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from rlflow.engines.models.packed import PackedLM
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+def init_process_group(device: str, rank: int, world_size: int, dist_url: str | None) -> None:
+    """The default process group FSDP2 shards over: nccl on GPUs, gloo on CPUs. One rank needs no rendezvous
+    (an in-memory store); workers in one process (cluster.use_ray: false) share that one-rank group."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(f"torch.distributed is already up with {dist.get_world_size()} ranks, "
+                               f"not train.num_workers={world_size}")
+        return
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # Ray shows each actor its one GPU
+    backend = "nccl" if device == "cuda" else "gloo"
+    if world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend, init_method=dist_url, rank=rank, world_size=world_size,
+                                timeout=timedelta(minutes=30))
+
+
+def shard(lm: PackedLM, param_dtype: torch.dtype | None, cpu_offload: bool = False) -> PackedLM:
+    """Shard `lm` in place: each decoder layer is an FSDP unit, the root takes embeddings, norm and head.
+
+    param_dtype: the dtype the layers compute in (bf16: fp32 shards, bf16 gathered copies); None: the
+    parameters' own dtype. Gradients are reduced in fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for layer in lm.body.layers:
+        fully_shard(layer, mp_policy=policy, offload_policy=offload)
+    fully_shard(lm, mp_policy=policy, offload_policy=offload)
+    for module in lm.modules():
+        if isinstance(module, FSDPModule):  # the setters act on one unit, not its children
+            module.set_gradient_divide_factor(1.0)  # a sum: the losses carry the global normalisation
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+    return lm
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter (the whole parameter on one rank)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def gather(params: dict[str, torch.Tensor], names: list[str], keep: bool) -> NamedTensors:
+    """Full copies of these parameters on the CPU, gathered one at a time (collective: every rank calls it);
+    only a rank with `keep` holds them, so no rank ever holds more than one full tensor it does not keep."""
+    out = []
+    for name in names:
+        p = params[name].detach()
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        if keep:
+            out.append((name, full.cpu()))
+    return out
+
+
+def grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the (sharded) gradients to `max_norm` together; returns the total norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+# ---- checkpoints --------------------------------------------------------------------------------------------
+
+def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Every rank writes its shards: the model into `path/model` (then consolidated there into an HF
+    checkpoint, the shards removed) and the optimizer state into `path/optimizer`. Collective."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save(model_state, storage_writer=dcp.HuggingFaceStorageWriter(
+        str(path / "model"), save_distributed=True, enable_consolidation=True))
+    dcp.save(_flat_optimizer_state(optim_state), storage_writer=dcp.HuggingFaceStorageWriter(
+        str(path / "optimizer"), save_distributed=True))
+    if dist.get_rank() == 0:
+        model.config.architectures = [type(model).__name__]  # as save_pretrained records it
+        model.config.save_pretrained(path / "model")
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(path / "model")
+        shutil.rmtree(path / "model" / "sharded", ignore_errors=True)  # consolidated into model/ above
+        _single_file_name(path / "model")
+    dist.barrier()
+
+
+def _single_file_name(folder: Path) -> None:
+    """One consolidated file takes the name transformers gives an unsplit checkpoint, model.safetensors (its
+    index is then redundant), so readers that expect it find it."""
+    files = sorted(folder.glob("model-*-of-*.safetensors"))
+    if len(files) == 1:
+        files[0].rename(folder / "model.safetensors")
+        (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+
+
+def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Load save_checkpoint's files onto this run's ranks (any number: each reads its shards' slices)."""
+    for part in ("model", "optimizer"):
+        if not any((path / part).glob("*.safetensors")):
+            raise FileNotFoundError(f"checkpoint {path}: no {part} shards (*.safetensors) in {path / part}")
+    model_state, optim_state = get_state_dict(model, optimizer)  # templates: this run's shards
+    dcp.load(model_state, storage_reader=dcp.HuggingFaceStorageReader(str(path / "model")))
+    flat = _flat_optimizer_state(optim_state)
+    dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(path / "optimizer")))
+    for fqn, state in optim_state["state"].items():
+        for key in state:
+            state[key] = flat[f"{fqn}.{key}"]
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
+def _flat_optimizer_state(optim_state: dict) -> dict[str, torch.Tensor]:
+    """Adam's per-parameter tensors as one flat dict, `<param>.<exp_avg|exp_avg_sq|step>`: the form the
+    safetensors storage holds (hyper-parameters come from the recipe, the schedule from trainer state)."""
+    return {f"{fqn}.{key}": value for fqn, state in optim_state["state"].items() for key, value in state.items()}
