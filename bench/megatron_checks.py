@@ -87,8 +87,9 @@ def parity(rank: int, world: int, model_dir: str, device: str, url: str, out: st
     result = {"rows": 8, "tokens": int(mask.sum()), "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
 
     def torch_logprobs(precision: str) -> torch.Tensor:
-        """precision fp32 | bf16 (autocast over fp32 weights) | bf16_weights (weights and activations in bf16,
-        as the rollout engine with rollout.precision bf16, and SGLang, run the model)."""
+        """precision fp32 | bf16 (the train backend's: FSDP2's bf16 compute copies of fp32 master weights) |
+        bf16_weights (the weights themselves in bf16, as the rollout engine with rollout.precision bf16, and
+        SGLang, run the model)."""
         regime = "fp32" if precision == "bf16_weights" else precision
         backend = TorchTrainBackend(model_dir, TrainConfig(device=device, precision=regime, micro_batch_size=4),
                                     AlgorithmConfig())

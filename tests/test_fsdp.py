@@ -65,8 +65,9 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, batch, ray_cluster):
     shards = [select(batch, torch.tensor(sorted(half))) for half in (by_length[:6], by_length[6:])]
     counts = [len(two.call_one(r, TorchTrainBackend.micro_batches, s)) for r, s in enumerate(shards)]
     assert counts[0] < counts[1]  # rank 0 pads with empty micro-batches instead of hanging in a gather
-    for _ in range(2):
-        m1, m2 = _step(one, batch, 1), _step(two, batch, 2, shards)
+    empty = select(batch, torch.tensor([], dtype=torch.long))  # a rank with no samples still joins
+    for split in (shards, shards, [batch, empty]):
+        m1, m2 = _step(one, batch, 1), _step(two, batch, 2, split)
         assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)
         assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
     w1 = dict(one.call_rank0(TrainBackend.named_tensors))
@@ -109,3 +110,19 @@ def test_load_names_the_missing_shards(tiny_model_dir, tmp_path):
     (tmp_path / "model").mkdir()
     with pytest.raises(FileNotFoundError, match="no model shards"):
         trainer.load(tmp_path)
+
+
+def test_a_checkpoint_before_the_first_step_keeps_adam_fresh(tiny_model_dir, batch, tmp_path):
+    """Saving before any optimizer step stores no optimizer state (making it would step Adam at lr 0), and a
+    run resumed from it takes the same first step as a fresh one."""
+    train = TrainConfig(threads=1, lr=1e-3)
+    fresh, saved = (TorchTrainBackend(tiny_model_dir, train, ALGO) for _ in range(2))
+    saved.save(tmp_path)
+    assert not (tmp_path / "optimizer").exists()
+    resumed = TorchTrainBackend(tiny_model_dir, train, ALGO)
+    resumed.load(tmp_path)
+    for trainer in (fresh, saved, resumed):
+        trainer.train_step(batch)
+    want = dict(fresh.named_tensors())
+    for trainer in (saved, resumed):
+        assert all(torch.equal(t, want[n]) for n, t in trainer.named_tensors())

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -38,16 +38,17 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 def init_process_group(device: str, rank: int, world_size: int, dist_url: str | None) -> None:
-    """The default process group FSDP2 shards over: nccl on GPUs, gloo on CPUs. One rank needs no rendezvous
-    (an in-memory store); workers in one process (cluster.use_ray: false) share that one-rank group."""
+    """The default process group FSDP2 shards over: NCCL for CUDA tensors and gloo for CPU ones on GPUs (the
+    step's small counters are CPU tensors, and offloaded shards live on the host), gloo on CPUs. One rank needs
+    no rendezvous (an in-memory store); workers in one process (cluster.use_ray: false) share that group."""
+    backend = "cuda:nccl,cpu:gloo" if device == "cuda" else "gloo"
     if dist.is_initialized():
-        if dist.get_world_size() != world_size:
-            raise RuntimeError(f"torch.distributed is already up with {dist.get_world_size()} ranks, "
-                               f"not train.num_workers={world_size}")
+        if dist.get_world_size() != world_size or (device == "cuda") != ("nccl" in dist.get_backend()):
+            raise RuntimeError(f"torch.distributed is already up ({dist.get_world_size()} ranks, "
+                               f"{dist.get_backend()}), not {world_size} ranks on {device}")
         return
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())  # Ray shows each actor its one GPU
-    backend = "nccl" if device == "cuda" else "gloo"
     if world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
@@ -99,12 +100,21 @@ def grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
 def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Every rank writes its shards: the model into `path/model` (then consolidated there into an HF
-    checkpoint, the shards removed) and the optimizer state into `path/optimizer`. Collective."""
+    checkpoint, the shards removed) and the optimizer state into `path/optimizer` (none before the first
+    step: an empty state is what a resumed run must start from). Collective."""
+    if dist.get_rank() == 0:  # a folder saved into before keeps no shards of another rank count
+        shutil.rmtree(path / "model", ignore_errors=True)
+        shutil.rmtree(path / "optimizer", ignore_errors=True)
+    dist.barrier()
+    fresh = not optimizer.state
     model_state, optim_state = get_state_dict(model, optimizer)
+    if fresh:  # get_state_dict stepped the empty optimizer at lr 0 to make its state: undo that
+        optimizer.state.clear()
     dcp.save(model_state, storage_writer=dcp.HuggingFaceStorageWriter(
         str(path / "model"), save_distributed=True, enable_consolidation=True))
-    dcp.save(_flat_optimizer_state(optim_state), storage_writer=dcp.HuggingFaceStorageWriter(
-        str(path / "optimizer"), save_distributed=True))
+    if not fresh:
+        dcp.save(_flat_optimizer_state(optim_state), storage_writer=dcp.HuggingFaceStorageWriter(
+            str(path / "optimizer"), save_distributed=True))
     if dist.get_rank() == 0:
         model.config.architectures = [type(model).__name__]  # as save_pretrained records it
         model.config.save_pretrained(path / "model")
@@ -126,11 +136,14 @@ def _single_file_name(folder: Path) -> None:
 
 def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Load save_checkpoint's files onto this run's ranks (any number: each reads its shards' slices)."""
-    for part in ("model", "optimizer"):
-        if not any((path / part).glob("*.safetensors")):
-            raise FileNotFoundError(f"checkpoint {path}: no {part} shards (*.safetensors) in {path / part}")
+    if not any((path / "model").glob("*.safetensors")):
+        raise FileNotFoundError(f"checkpoint {path}: no model shards (*.safetensors) in {path / 'model'}")
     model_state, optim_state = get_state_dict(model, optimizer)  # templates: this run's shards
     dcp.load(model_state, storage_reader=dcp.HuggingFaceStorageReader(str(path / "model")))
+    if not any((path / "optimizer").glob("*.safetensors")):  # saved before the first optimizer step
+        set_model_state_dict(model, model_state)
+        optimizer.state.clear()
+        return
     flat = _flat_optimizer_state(optim_state)
     dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(path / "optimizer")))
     for fqn, state in optim_state["state"].items():

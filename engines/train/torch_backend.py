@@ -129,15 +129,16 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         return out
 
     def _agreed_micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
-        """This rank's micro-batches, padded with empty ones ([] rows: a repeat of the shortest, whose result
-        is dropped) to the most any rank has: every forward and backward gathers parameters collectively,
-        so all ranks must run the same number."""
+        """This rank's micro-batches, padded to the most any rank has with empty ones ([] rows: one short row
+        whose result is dropped): every forward and backward gathers parameters collectively, so all ranks
+        must run the same number."""
         micros = self.micro_batches(batch)
         count = torch.tensor(len(micros))
         if self.world_size > 1:
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        shortest = min(micros, key=lambda m: m[1]["attention_mask"].sum())[1]
-        return micros + [([], shortest)] * (int(count) - len(micros))
+        if len(micros) == int(count):
+            return micros
+        return micros + [([], _padding_row(batch))] * (int(count) - len(micros))
 
     def _per_token(self, batch: TrainBatch, run) -> torch.Tensor:
         """`run(micro)` [rows, w] over every micro-batch, back into the batch's [N, width] layout on CPU."""
@@ -341,6 +342,18 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
+
+
+def _padding_row(batch: TrainBatch) -> TrainBatch:
+    """One row to run where a rank has no micro-batch left: the batch's shortest, or (an empty shard) a
+    one-token row of zeros. Its loss is weighted 0 and its outputs dropped."""
+    lengths = batch["attention_mask"].sum(-1)
+    if len(lengths):
+        i = int(lengths.argmin())
+        return {k: v[i:i + 1, :max(int(lengths[i]), 1)] if v.dim() == 2 else v[i:i + 1] for k, v in batch.items()}
+    row = {k: torch.zeros((1, 1) if v.dim() == 2 else (1,), dtype=v.dtype) for k, v in batch.items()}
+    row["attention_mask"][0, 0] = 1
+    return row
 
 
 def with_train_logprobs(batch: TrainBatch, train_logprobs: torch.Tensor) -> TrainBatch:
