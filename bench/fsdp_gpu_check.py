@@ -43,12 +43,14 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(Path(tmp) / "ckpt" / "model")
         exported = dict(hf.named_parameters())
         weights = dict(b.named_tensors())
+        on_gpu = all(p.device.type == "cuda" for p in b.model.parameters())  # fully_shard moved them
     report = {
         "gpu": torch.cuda.get_device_name(), "backend": torch.distributed.get_backend(),
         "first_loss": first["loss"], "next_loss": [ma["loss"], mb["loss"]],
         "next_grad_norm": [ma["grad_norm"], mb["grad_norm"]],
-        "export_matches_names": sorted(exported) == sorted(weights),
-        "ok": abs(ma["loss"] - mb["loss"]) <= 1e-6 and abs(ma["grad_norm"] - mb["grad_norm"]) <= 1e-4 * ma["grad_norm"],
+        "export_matches_names": sorted(exported) == sorted(weights), "params_on_gpu": on_gpu,
+        "ok": on_gpu and abs(ma["loss"] - mb["loss"]) <= 1e-6
+        and abs(ma["grad_norm"] - mb["grad_norm"]) <= 1e-4 * ma["grad_norm"],
     }
     print(json.dumps(report, indent=1))
     sys.exit(0 if report["ok"] else 1)

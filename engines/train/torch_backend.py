@@ -91,16 +91,16 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         torch.manual_seed(seed + rank)
         self.device = train.device
         load = load_value_model if role == "critic" else load_model
-        # fp32 master weights; offloaded ones go straight to the host, where FSDP2 keeps them
-        self.model = load(model_path, dtype=torch.float32, device="cpu" if train.cpu_offload else self.device)
+        # fp32 master weights, loaded on the host: fully_shard moves each layer to the GPU as it shards it (and
+        # keeps offloaded shards on the host), so no rank ever holds the whole model on its GPU
+        self.model = load(model_path, dtype=torch.float32, device="cpu")
         compute = DTYPES[train.precision] if train.precision != "fp32" else None
         self.lm = fsdp.shard(
             PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing, train.compile),
             compute, train.cpu_offload)
         self.ref_model = self.ref_lm = None
         if algorithm.kl_coef > 0 and role == "policy":  # frozen copy of the starting policy, for the KL penalty
-            self.ref_model = load_model(model_path, dtype=DTYPES[train.precision],
-                                        device="cpu" if train.cpu_offload else self.device).eval()
+            self.ref_model = load_model(model_path, dtype=DTYPES[train.precision], device="cpu").eval()
             self.ref_model.requires_grad_(False)
             self.ref_lm = fsdp.shard(PackedLM(self.ref_model, train.logprob_chunk_tokens), None, train.cpu_offload)
         # fused on the GPU: one kernel per step and no temporaries the size of the model (foreach's are)
