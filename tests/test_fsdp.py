@@ -105,10 +105,13 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_three(tiny_model_dir, batch,
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), world
 
 
-def test_load_names_the_missing_shards(tiny_model_dir, tmp_path):
+def test_load_names_what_is_missing_or_outdated(tiny_model_dir, tmp_path):
     trainer = TorchTrainBackend(tiny_model_dir, TrainConfig(threads=1), ALGO)
     (tmp_path / "model").mkdir()
     with pytest.raises(FileNotFoundError, match="no model shards"):
+        trainer.load(tmp_path)
+    (tmp_path / "optimizer.safetensors").write_bytes(b"")  # the layout before FSDP2
+    with pytest.raises(ValueError, match="before the FSDP2 backend.*model.path"):
         trainer.load(tmp_path)
 
 

@@ -321,6 +321,10 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         """Resume from save(), written by any number of ranks. A rank the checkpoint had no rank of keeps its
         own RNG (the train step draws no random numbers) and takes rank 0's schedule (the same on every rank)."""
         path = Path(path)
+        if (path / "optimizer.safetensors").is_file():
+            raise ValueError(f"checkpoint {path}: written before the FSDP2 backend (optimizer.safetensors, one full "
+                             "copy); this backend reads sharded optimizer/ state. Its model/ is a Hugging Face "
+                             "checkpoint: start a new run from it with model.path")
         fsdp.load_checkpoint(self.model, self.optimizer, path)
         own = path / f"trainer_rank{self.rank}.json"
         state = json.loads((own if own.is_file() else path / "trainer_rank0.json").read_text())
