@@ -130,10 +130,10 @@ def ensure_work_pool(api_url: str, name: str = WORK_POOL) -> None:
 
 
 def deploy_all(api_url: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> str:
-    """`prefect deploy --all` with prefect.yaml in `cwd` (through flows/deploy.py's client fix); returns its output."""
+    """`prefect deploy --all` with prefect.yaml in `cwd`; returns its output."""
     env = (env or os.environ) | {"PREFECT_API_URL": api_url, "PYTHONPATH": str(cwd)}
-    done = subprocess.run([sys.executable, "-m", "rlflow.flows.deploy", "--all"], cwd=cwd, env=env, capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"], cwd=cwd, env=env,
+                          capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"prefect deploy --all failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return done.stdout

@@ -8,7 +8,10 @@ writes goes under the test's tmp directory through the parameters (store, data, 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -90,6 +93,46 @@ def test_deployments_and_their_parameter_schema(deployed):
     assert pipe["PipelineConfig"]["properties"]["train_recipe"]["type"] == "string"
 
 
+def prefect_cli(deployed: dict, *args: str) -> subprocess.CompletedProcess:
+    """`prefect ARGS` as a user types it (the environment's `prefect` script) against the test's server."""
+    script = Path(sys.executable).with_name("prefect")
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "prefect"]
+    env = os.environ | {"PREFECT_API_URL": deployed["api"], "PREFECT_HOME": str(deployed["tmp"] / "prefect"),
+                        "COLUMNS": "250"}  # rich's tables: wide enough that no name is cut
+    return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_prefect_cli_lists_and_read_logs(deployed):
+    """The Prefect CLI's listings and the client's read_logs() work against the server: Prefect 3.8.8's client
+    sends `null` for every body field it leaves unset (limit, sort, filters), which FastAPI >= 0.151 answers
+    with 422 (constraints.txt pins 0.150; docs/operations.md, Deploy)."""
+    import fastapi
+    from prefect.client.schemas.actions import LogCreate
+    from prefect.states import Cancelled
+
+    with client_for(deployed["api"]) as client:
+        deployment = client.read_deployment_by_name("evaluate/evaluate")
+        # a final state: a worker (the slow test's, on this server) must not run it
+        run = client.create_flow_run_from_deployment(deployment.id, name="cli-listed-run", state=Cancelled())
+        try:
+            client.create_logs([LogCreate(name="rlflow.test", level=20, message="cli-listed log",
+                                          timestamp=datetime.now(UTC), flow_run_id=run.id)])
+            assert "cli-listed log" in [log.message for log in client.read_logs()]  # no limit, offset nor filter
+            listings = {
+                "deployment ls": ("post-train/post-train", "evaluate/evaluate", "pipeline/pipeline"),
+                "flow-run ls": ("cli-listed-run", "evaluate"),
+                "work-pool ls": ("rlflow-process",),
+            }
+            for command, names in listings.items():
+                done = prefect_cli(deployed, *command.split())
+                assert done.returncode == 0, (f"prefect {command} (fastapi {fastapi.__version__}):\n"
+                                              f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+                for name in names:
+                    assert name in done.stdout, (command, name, done.stdout)
+        finally:
+            client.delete_flow_run(run.id)  # the slow test below counts the server's flow runs
+
+
 def tiny_pipeline(tmp: Path, mlflow_uri: str) -> dict:
     """The demo recipe cut to two steps of a one-layer model, everything written under tmp."""
     return {
@@ -129,14 +172,14 @@ def test_pipeline_deployment_trains_evaluates_registers(stack, tmp_path):
         params = {"config": tiny_pipeline(tmp_path, stack["mlflow"])}  # beside the deployment's default recipe
         run = client.create_flow_run_from_deployment(deployment.id, parameters=params)
         run = wait_final(client, run.id, timeout=300)
-        runs = client.read_flow_runs(sort=FlowRunSort.ID_DESC, limit=50)  # explicit: this server rejects nulls
+        runs = client.read_flow_runs(sort=FlowRunSort.ID_DESC, limit=50)
         states = {client.read_flow(r.flow_id).name: r.state.type.value for r in runs}
         assert run.state.is_completed(), (run.state, states, (stack["tmp"] / "worker.log").read_text()[-3000:])
         assert states == {"pipeline": "COMPLETED", "post-train": "COMPLETED", "evaluate": "COMPLETED",
                           "register": "COMPLETED"}, states
 
         def artifacts(key: str) -> list[Artifact]:
-            # the API directly: the client's filter bodies carry nulls that this server's FastAPI rejects
+            # the API directly, newest first (before the FastAPI pin, the client's null fields got a 422 here)
             body = {"artifacts": {"key": {"any_": [key]}}, "sort": "UPDATED_DESC", "limit": 10, "offset": 0}
             response = httpx.post(f"{stack['api']}/artifacts/filter", json=body, timeout=30)
             response.raise_for_status()
