@@ -89,6 +89,13 @@ class RunContext:
         self.stop_logs()
 
 
+def shared_dir(cfg: RLConfig) -> str | None:
+    """Where the run's working folder goes: cluster.shared_dir (made if missing), else the system's temp."""
+    if cfg.cluster.shared_dir:
+        Path(cfg.cluster.shared_dir).mkdir(parents=True, exist_ok=True)
+    return cfg.cluster.shared_dir
+
+
 def stored_config(cfg: RLConfig) -> dict:
     """The resolved recipe as persisted and logged: credentials are left out, never written anywhere."""
     return cfg.model_dump(mode="json", exclude={"storage": {"key", "secret"}})
@@ -111,7 +118,7 @@ def _open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_
     torn = store.clean_torn()
     if torn:
         log.warning("removed uncommitted leftovers of an interrupted attempt: %s", ", ".join(torn))
-    workdir = Path(tempfile.mkdtemp(prefix=f"rlflow-{cfg.name}-"))
+    workdir = Path(tempfile.mkdtemp(prefix=f"rlflow-{cfg.name}-", dir=shared_dir(cfg)))
     prepare_data(cfg)
     model_dir = workdir / "model"
     model_path = prepare_model(cfg, model_dir)

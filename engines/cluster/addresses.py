@@ -15,10 +15,14 @@ def node_ip() -> str:
     ray = sys.modules.get("ray")  # never imported in this process: no Ray cluster to ask
     if ray is not None and ray.is_initialized():
         return ray.util.get_node_ip_address()
-    return "127.0.0.1"
+    return LOOPBACK
+
+
+LOOPBACK = "127.0.0.1"
 
 
 def free_port() -> int:
+    """A port free on every interface of this node (a rendezvous store listens on all of them)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]

@@ -13,13 +13,11 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlflow.engines.cluster.addresses import LOOPBACK, free_port, node_ip
+from rlflow.engines.cluster.placement import Placement, RoleDemand, place
 from rlflow.engines.core.config import ClusterConfig
 from rlflow.engines.core.protocols import bound, missing_methods
-
-PLACEMENT_TIMEOUT_S = 300
 
 B = TypeVar("B")
 P = ParamSpec("P")
@@ -69,6 +67,10 @@ class LocalWorkerGroup(Generic[B]):
         """Results of `submit` handles (raises a worker's error)."""
         return list(handles)
 
+    def node_ip(self, rank: int) -> str:
+        """Every worker is in this process: loopback reaches it."""
+        return LOOPBACK
+
     def alive(self) -> list[bool]:
         """In one process every worker object lives as long as the group."""
         return [True] * len(self.workers)
@@ -90,32 +92,36 @@ class LocalWorkerGroup(Generic[B]):
 
 
 class RayWorkerGroup(Generic[B]):
-    """Workers as Ray actors in one placement group (one bundle per worker, packed onto as few nodes as
-    fit); calls fan out concurrently and are gathered once per batch, never per sample."""
+    """Workers as Ray actors, worker i in slot i of a placement (engines/cluster/placement.py); calls fan out
+    concurrently and are gathered once per batch, never per sample."""
 
     def __init__(self, cls: type[B], num_workers: int, make_kwargs: Callable[[int], dict], num_cpus: float,
-                 name: str, num_gpus: float = 0, placement_group: Any = None, protocols: Sequence[type] = ()):
-        """`placement_group`: share another group's bundles (worker i in bundle i; colocation), which that
-        group's owner removes; by default the group makes its own, one bundle per worker. `protocols`: what
-        the session will call on these workers; a backend that lacks a method fails here, before any actor
-        starts."""
+                 name: str, num_gpus: float = 0, placement: Placement | None = None, protocols: Sequence[type] = (),
+                 rendezvous: bool = False):
+        """`placement`: the slots to start in, owned by the caller (the run's plan; colocated groups share
+        one); by default the group reserves its own on one node. `protocols`: what the session will call on
+        these workers; a backend that lacks a method fails here, before any actor starts. `rendezvous`: the
+        workers form a torch.distributed group; each gets `dist_url`, an address on rank 0's node."""
         check_implements(cls, protocols)
-        self._owns_placement = placement_group is None
-        if placement_group is None:
+        self._owns_placement = placement is None
+        if placement is None:
             bundle = {"CPU": num_cpus} | ({"GPU": num_gpus} if num_gpus else {})
-            placement_group = make_placement_group([bundle] * num_workers, f"{name}-pg")
-        self.placement_group = placement_group
+            placement = place([RoleDemand(name, num_workers, 1, bundle)])[name]
+        self.placement = placement
         actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(cls)
+        extra = {"dist_url": rendezvous_url(placement)} if rendezvous and num_workers > 1 else {}
 
         def start(rank: int, name: str) -> Any:
-            return actor_cls.options(
-                name=name, max_concurrency=1,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, rank),
-            ).remote(**make_kwargs(rank))
+            return actor_cls.options(name=name, max_concurrency=1, scheduling_strategy=placement.strategy(rank)
+                                     ).remote(**make_kwargs(rank), **extra)
 
         self._start, self._name, self._restarts = start, name, 0
         self.workers = [start(rank, f"{name}-{rank}") for rank in range(num_workers)]
-        ray.get([w.__ray_ready__.remote() for w in self.workers])  # surface constructor errors here
+        get_all([w.__ray_ready__.remote() for w in self.workers])  # surface constructor errors here
+
+    def node_ip(self, rank: int) -> str:
+        """The address of the node worker `rank`'s bundle is on now (Ray moves a lost node's bundles)."""
+        return node_address(self.placement, rank)[0]
 
     def alive(self, timeout_s: float = 10.0) -> list[bool]:
         """Whether each actor still answers (a killed worker process raises at once)."""
@@ -139,10 +145,10 @@ class RayWorkerGroup(Generic[B]):
         return len(self.workers)
 
     def call(self, method: Callable[Concatenate[B, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
-        return ray.get([bound(w, method).remote(*args, **kwargs) for w in self.workers])
+        return get_all([bound(w, method).remote(*args, **kwargs) for w in self.workers])
 
     def call_each(self, method: Callable[..., R], per_worker_args: Sequence[tuple]) -> list[R]:
-        return ray.get([bound(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args, strict=True)])
+        return get_all([bound(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args, strict=True)])
 
     def call_rank0(self, method: Callable[Concatenate[B, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         return self.call_one(0, method, *args, **kwargs)
@@ -163,14 +169,14 @@ class RayWorkerGroup(Generic[B]):
         return [bound(w, method).remote(*args, **kwargs) for w in self.workers]
 
     def wait(self, handles: Sequence[Any]) -> list[Any]:
-        return ray.get(list(handles))
+        return get_all(list(handles))
 
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
         self.workers.clear()
         if self._owns_placement:
-            remove_placement_group(self.placement_group)
+            self.placement.remove()
 
 
 def check_implements(cls: type, protocols: Sequence[type]) -> None:
@@ -181,15 +187,30 @@ def check_implements(cls: type, protocols: Sequence[type]) -> None:
             raise TypeError(f"{cls.__name__} does not implement {protocol.__name__}: missing {missing}")
 
 
-def make_placement_group(bundles: list[dict], name: str) -> Any:
-    """A PACK placement group, waited for (a cluster that cannot fit it fails here, with its size)."""
-    pg = placement_group(bundles, strategy="PACK", name=name)
-    try:
-        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        raise RuntimeError(f"cluster: Ray could not place {name} ({bundles}) within {PLACEMENT_TIMEOUT_S} s; "
-                           f"available: {ray.available_resources()}") from None
-    return pg
+def get_all(refs: list[Any]) -> list[Any]:
+    """ray.get of every ref, raising the first error as soon as it happens: a dead rank surfaces at once,
+    not after the collective its peers are left waiting in times out."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)
+    return ray.get(list(refs))
+
+
+def rendezvous_url(placement: Placement) -> str:
+    """tcp://<ip>:<port> for a torch.distributed group: the node of rank 0's slot and a port free there,
+    probed on that node (no loopback: the other ranks may be on other nodes)."""
+    host, port = node_address(placement, 0)
+    return f"tcp://{host}:{port}"
+
+
+def node_address(placement: Placement, rank: int) -> tuple[str, int]:
+    """(ip, a free port) of the node that holds `rank`'s bundle, asked on that node by a task in the bundle."""
+    return ray.get(ray.remote(num_cpus=0)(_node_address).options(scheduling_strategy=placement.strategy(rank)).remote())
+
+
+def _node_address() -> tuple[str, int]:
+    return node_ip(), free_port()
 
 
 def init_ray(cfg: ClusterConfig) -> None:

@@ -97,12 +97,18 @@ class DynamicSamplingConfig(Section):
         "always kept for the next step.")
 
 
+def nodes_field(workers: str) -> Any:
+    return Field(1, gt=0, description=f"Ray nodes the {workers} are spread over, num_workers / nodes on each (one "
+                 "placement group per node, packed on it); checked against the cluster before any worker starts.")
+
+
 class RolloutConfig(Section):
     backend: Literal["torch", "sglang"] = Field(
         "torch", description="Rollout engine: the embedded PyTorch generator, or an SGLang server per worker "
         "(rollout.sglang).")
     sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="The SGLang backend's server.")
     num_workers: int = Field(1, gt=0)
+    nodes: int = nodes_field("rollout workers")
     prompts_per_step: int = Field(64, gt=0)
     samples_per_prompt: int = Field(8, gt=0, description="Group size for group-relative advantages.")
     max_new_tokens: int = Field(8, gt=0)
@@ -275,6 +281,7 @@ class TrainConfig(Section):
         1, gt=0, description="Train workers (gloo on CPU, nccl on GPU): FSDP2 ranks for torch (parameters, "
         "gradients and optimizer state sharded over them); tensor x pipeline x data-parallel ranks for megatron."
     )
+    nodes: int = nodes_field("train workers")
     steps: int = Field(100, gt=0, description="RL iterations.")
     lr: float = Field(3e-3, gt=0.0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
@@ -322,6 +329,7 @@ class CriticConfig(Section):
         "model. Its LM head is dropped and a scalar value head, initialised to zero, is added.",
     )
     num_workers: int = Field(1, gt=0, description="Critic train workers: data-parallel copies, like train.num_workers.")
+    nodes: int = nodes_field("critic's workers")
     lr: float = Field(1e-3, gt=0.0, description="The critic's learning rate (its own AdamW; betas, weight decay, "
                       "epochs, mini-batches and precision are train's).")
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
@@ -385,6 +393,15 @@ class ClusterConfig(Section):
         "its weights' memory while training runs and takes the new ones after (slime's --colocate). false "
         "(disaggregated): train and rollout workers get GPUs of their own.",
     )
+    shared_dir: str | None = Field(
+        None, description="A folder every node mounts at the same path (NFS, Lustre, ...): the run's working files go "
+        "there (the built model, checkpoints before they are committed to the store, a resumed checkpoint), since "
+        "workers read and write them by path. Required when workers run on other nodes than the driver's; empty: "
+        "the driver's temporary folder.")
+    collective_timeout_s: float = Field(
+        1800, gt=0, description="How long a torch.distributed collective (train ranks, weight-sync groups) waits for "
+        "a peer before it fails the stage: a dead or hung rank ends the step, and the run resumes from its last "
+        "checkpoint, instead of hanging.")
 
 
 class CheckpointConfig(Section):
@@ -613,7 +630,14 @@ class RLConfig(Section):
                                  "true (its server and train rank 0 join one process group from two processes)")
         if transport == "cuda_ipc" and not self.cluster.colocate:
             raise ValueError("weight_sync.transport: cuda_ipc needs cluster.colocate: true (a shared GPU)")
+        for name, section in (("train", self.train), ("rollout", self.rollout), ("critic", self.critic)):
+            if section.num_workers % section.nodes:
+                raise ValueError(f"{name}.nodes: {name}.num_workers ({section.num_workers}) must split evenly over "
+                                 f"{section.nodes} nodes")
         if self.cluster.colocate:
+            if self.rollout.nodes != self.train.nodes:
+                raise ValueError(f"cluster.colocate: rollout.nodes ({self.rollout.nodes}) must equal train.nodes "
+                                 f"({self.train.nodes}): rollout worker i shares train worker i's GPU")
             if not on_gpu:
                 raise ValueError("cluster.colocate: needs train.device and rollout.device 'cuda'")
             if self.rollout.num_workers != self.train.num_workers:

@@ -87,8 +87,9 @@ class CriticBackend(Protocol):
 class RolloutBackend(Protocol):
     """One rollout worker: an engine behind an HTTP server that speaks SGLang's API (embedded or SGLang)."""
 
-    def start_server(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Serve the engine over HTTP; returns the server's URL (rollout functions reach it via the router)."""
+    def start_server(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> str:
+        """Serve the engine over HTTP on `host` (port 0: any free one); returns the URL built from the address it
+        bound (rollout functions reach it via the router). With `token`, its control routes require it."""
         ...
 
     def server_url(self) -> str | None: ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hmac
 import json
 import math
 import socket
@@ -168,6 +169,35 @@ def deserialize_named_tensors(item: Any, where: str) -> dict[str, torch.Tensor]:
     except Exception as exc:
         raise BadRequest(f"{where}: not base64 of safetensors bytes ({exc}); the embedded server never "
                          "unpickles, so SGLang's pickled MultiprocessingSerializer payload is refused") from None
+
+
+# routes that change a server's state or make it act (weights, memory, aborts, the cache, process groups); with a
+# control token, each needs `Authorization: Bearer <token>` (SGLang's --api-key header), generation does not
+CONTROL_ROUTES = frozenset({
+    "/abort_request", "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
+    "/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed",
+    "/init_weights_update_group", "/destroy_weights_update_group",
+})
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def require_token(app, token: str | None) -> None:
+    """Refuse control routes without the run's token (401). A server reachable beyond loopback (a run over
+    several nodes) must not take weights or aborts from whoever can reach its port."""
+    if not token:
+        return
+    expected = f"Bearer {token}".encode()
+
+    @app.middleware("http")
+    async def check(request: HTTPRequest, call_next):
+        if request.url.path in CONTROL_ROUTES and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), expected):
+            return JSONResponse({"error": {"message": f"{request.url.path}: needs the run's control token "
+                                           "(Authorization: Bearer ...)", "code": 401}}, status_code=401)
+        return await call_next(request)
 
 
 class BackgroundServer:

@@ -24,7 +24,7 @@ DTYPE_FLAGS = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", 
 def main(argv: list[str] | None = None) -> None:
     """Serve one model as `sglang.launch_server` would, with the subset of its flags the embedded engine has:
     --model-path (--model), --host, --port, --dtype, --device, --context-length, --max-running-requests,
-    --random-seed. Stops on SIGTERM / SIGINT."""
+    --random-seed, --api-key (here required on control routes only). Stops on SIGTERM / SIGINT."""
     parser = argparse.ArgumentParser(prog="python -m rlflow.engines.rollout.launch", allow_abbrev=False,
                                      description="rlflow's embedded rollout server with SGLang's routes and a "
                                      "subset of sglang.launch_server's flags.")
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="Requests decoded together (KV-cache slots; default 512).")
     parser.add_argument("--random-seed", type=int, default=None,
                         help="Seeds the server's random generators (requests without a sampling_seed).")
+    parser.add_argument("--api-key", default=None,
+                        help="Required as 'Authorization: Bearer <key>' on the control routes (weights, memory, "
+                        "aborts, cache, process groups).")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-")] or unknown
@@ -62,8 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     kwargs = {"batch_size": args.max_running_requests, "context_len": args.context_length}
     backend = TorchRolloutBackend(args.model_path, device=device, dtype=getattr(torch, dtype_name),
                                   **{k: v for k, v in kwargs.items() if v is not None})
-    server = uvicorn.Server(uvicorn.Config(build_app(backend), host=args.host, port=args.port, log_level="warning",
-                                          lifespan="off", timeout_keep_alive=30))
+    server = uvicorn.Server(uvicorn.Config(build_app(backend, args.api_key), host=args.host, port=args.port,
+                                          log_level="warning", lifespan="off", timeout_keep_alive=30))
     print(f"rlflow embedded rollout server: {args.model_path} ({device}, {dtype_name}) on "
           f"http://{args.host}:{args.port}", flush=True)
     try:

@@ -18,7 +18,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rlflow.engines.rollout.http_api import BackgroundServer
+from rlflow.engines.rollout.http_api import BackgroundServer, auth_headers
 
 GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions")
 BROADCAST = ("/abort_request", "/flush_cache", "/update_weights_from_disk", "/update_weights_from_tensor",
@@ -37,9 +37,10 @@ class NoWorker(RuntimeError):
     pass
 
 
-def build_router_app(workers: list[Worker]) -> FastAPI:
+def build_router_app(workers: list[Worker], token: str | None = None) -> FastAPI:
+    """The router's routes; every request it sends a worker carries the run's control `token`."""
     app = FastAPI(title="rlflow rollout router")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10), headers=auth_headers(token))
     lock = asyncio.Lock()
 
     async def pick(tried: set[str]) -> Worker:
@@ -141,11 +142,13 @@ def build_router_app(workers: list[Worker]) -> FastAPI:
 class RolloutRouter:
     """The router served by uvicorn from a background thread on an ephemeral port."""
 
-    def __init__(self, worker_urls: list[str], host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, worker_urls: list[str], host: str = "127.0.0.1", port: int = 0, token: str | None = None):
+        """`token`: the workers' control token, sent with every request to them. The router itself serves the
+        run's rollout functions in the driver's process, so it binds loopback by default."""
         if not worker_urls:
             raise ValueError("RolloutRouter: worker_urls is empty")
         self.workers = [Worker(u.rstrip("/")) for u in worker_urls]
-        self._server = BackgroundServer(build_router_app(self.workers), "rollout router", host, port)
+        self._server = BackgroundServer(build_router_app(self.workers, token), "rollout router", host, port)
         self.url = self._server.url
 
     def replace(self, index: int, url: str) -> None:

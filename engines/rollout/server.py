@@ -24,6 +24,7 @@ from rlflow.engines.rollout.http_api import (
     fast_json,
     finite,
     read_json,
+    require_token,
     sampling_params,
     sse,
 )
@@ -39,8 +40,10 @@ GENERATE_NO_OP = {"logprob_start_len": -1, "top_logprobs_num": 0, "return_text_i
                   "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
 
 
-def build_app(backend) -> FastAPI:
+def build_app(backend, token: str | None = None) -> FastAPI:
+    """The server's routes; with `token`, control routes need it (http_api.require_token)."""
     app = FastAPI(title="rlflow embedded rollout server")
+    require_token(app, token)
     client = EngineClient(backend)
     app.state.client = client
 
@@ -204,5 +207,5 @@ def _tags(body: dict) -> None:
 class RolloutServer(BackgroundServer):
     """`build_app(backend)` served from a background thread, on a port the OS picks."""
 
-    def __init__(self, backend, host: str = "127.0.0.1", port: int = 0):
-        super().__init__(build_app(backend), "rollout server", host, port)
+    def __init__(self, backend, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
+        super().__init__(build_app(backend, token), "rollout server", host, port)

@@ -50,6 +50,7 @@ from rlflow.engines.core.config import SGLangConfig, StorageConfig
 from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.rollout.engine import Generation
+from rlflow.engines.rollout.http_api import auth_headers
 from rlflow.engines.rollout.torch_backend import pack_generations
 from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
 from rlflow.engines.sync.endpoints import DiskReceiver, DistributedReceiver, StoreReceiver
@@ -116,9 +117,12 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         threads: int | None = None,
         log_dir: str | None = None,
         python: str | None = None,
+        host: str = "127.0.0.1",
+        token: str | None = None,
     ):
-        """Launch the server and wait until it answers. `threads` sets the child's OMP_NUM_THREADS (unless the
-        environment has it); its log goes to `<log_dir>/server.log` (default: a new temporary folder)."""
+        """Launch the server on `host` and wait until it answers. `threads` sets the child's OMP_NUM_THREADS
+        (unless the environment has it); its log goes to `<log_dir>/server.log` (default: a new temporary
+        folder). `token`: SGLang's --api-key, sent with every request this worker makes."""
         self.model_path, self.rank, self.threads = str(model_path), rank, threads
         self.cfg = sglang if isinstance(sglang, SGLangConfig) else SGLangConfig.model_validate(sglang or {})
         self.python = python or sys.executable
@@ -134,16 +138,21 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         self.url: str | None = None
         self.command: list[str] = []
         self._http = httpx.Client(timeout=httpx.Timeout(None, connect=10))
+        self._host, self._token = host, token
         self._weight_bytes = safetensors_bytes(self.model_path)
         atexit.register(self.close)
-        self.start_server()
+        self.start_server(host, token=token)
 
     # ---- the server process ----------------------------------------------------------------------------
-    def start_server(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Launch the server (once; later calls return its URL) and wait for /health."""
-        if self.proc is not None and self.proc.poll() is None:
+    def start_server(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> str:
+        """Launch the server and wait for /health; a running one on the same host and token is kept (its URL).
+        `token` becomes SGLang's --api-key: every route then needs it, and this worker sends it."""
+        if self.proc is not None and self.proc.poll() is None and (host, token) == (self._host, self._token):
             return self.url
         self.close_server()
+        self._host, self._token = host, token
+        self._http.headers.pop("Authorization", None)
+        self._http.headers.update(auth_headers(token))
         port = port or free_port()
         self.command = [
             self.python,
@@ -156,12 +165,13 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
             "--port",
             str(port),
             *server_args(self.cfg.args),
+            *(["--api-key", token] if token else []),
         ]
         env = dict(os.environ)
         if self.threads and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(self.threads)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes it until close()
-        self._log.write(f"$ {' '.join(self.command)}\n".encode())
+        self._log.write(f"$ {self.shown_command()}\n".encode())
         self._log.flush()
         self.proc = subprocess.Popen(
             self.command,
@@ -182,6 +192,10 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         self._wait_healthy()
         return self.url
 
+    def shown_command(self) -> str:
+        """The launch command for logs and errors, the control token masked."""
+        return " ".join("***" if self._token and a == self._token else a for a in self.command)
+
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while True:
@@ -190,7 +204,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
                 self.close_server()
                 raise RuntimeError(
                     f"rollout.sglang: the server exited with code {code} before answering /health "
-                    f"({' '.join(self.command)}). The end of its log {self.log_path}:\n"
+                    f"({self.shown_command()}). The end of its log {self.log_path}:\n"
                     f"{self.log_tail()}"
                 )
             try:

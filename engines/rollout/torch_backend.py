@@ -27,6 +27,7 @@ from rlflow.engines.core.trace import TraceRecorder
 from rlflow.engines.models.decoder import DecoderLM
 from rlflow.engines.models.hf import load_model, load_tokenizer
 from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Generation, Request, request_generator
+from rlflow.engines.rollout.http_api import auth_headers
 from rlflow.engines.rollout.server import RolloutServer
 from rlflow.engines.sync.cuda_ipc import copy_plan, open_ipc_handles
 from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
@@ -74,6 +75,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         )
         self.server = None  # rlflow.engines.rollout.server.RolloutServer once start_server() ran
         self._own_client = None  # httpx.Client for the routes this worker drives on its own server
+        self._token: str | None = None  # its server's control token
 
     def pid(self) -> int:
         """This worker's process id (fault-injection drills kill it)."""
@@ -227,10 +229,11 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         return pack_generations(self.generate(prompts, params, seed))
 
     # ---- the HTTP server -----------------------------------------------------------------------------
-    def start_server(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Serve SGLang's routes for this engine on an ephemeral port (engines/rollout/server.py); the URL."""
+    def start_server(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> str:
+        """Serve SGLang's routes for this engine on `host` (port 0: one the OS picks); the URL, built from the
+        address bound. With `token`, control routes need it. Later calls return the running server's URL."""
         if self.server is None:
-            self.server = RolloutServer(self, host, port)
+            self.server, self._token = RolloutServer(self, host, port, token), token
         return self.server.url
 
     def server_url(self) -> str | None:
@@ -259,7 +262,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         TLS context), as much as a whole small weight update."""
         url = self.start_server()
         if self._own_client is None:
-            self._own_client = httpx.Client(timeout=httpx.Timeout(None, connect=10))
+            self._own_client = httpx.Client(timeout=httpx.Timeout(None, connect=10), headers=auth_headers(self._token))
         r = self._own_client.post(url + route, json=body)
         if r.status_code != 200:
             raise RuntimeError(f"rollout worker: {route} answered {r.status_code}: {r.text[:500]}")

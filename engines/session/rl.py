@@ -9,6 +9,7 @@ from tasks; the bare loop (bench/, tests) calls them directly, with or without R
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from contextlib import AbstractContextManager
@@ -38,6 +39,8 @@ from rlflow.engines.store.run_store import replay_source
 from rlflow.engines.sync.base import WeightTransport
 from rlflow.engines.sync.transports import make_transport
 from rlflow.engines.train.torch_backend import with_train_logprobs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,6 +91,8 @@ class RLSession:
         self.timeline = StageTimeline(enabled=cfg.debug.trace_every > 0)  # the driver's side of a step's trace
         self.server_urls: list[str] = []  # each rollout worker's SGLang-compatible server
         self.router = None  # ... and one least-loaded endpoint in front of them (engines/rollout/router.py)
+        # the groups with their placement groups, rollout servers' addresses and control token (create sets them)
+        self.workers = Workers(train_group, rollout_group, critic_group)
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
@@ -95,21 +100,33 @@ class RLSession:
         """Start the workers (Ray actors by default, or objects in this process) and the router in front of the
         rollout workers' servers, which rollout functions talk HTTP to."""
         workers = start_workers(cfg, model_path, cfg.cluster.use_ray if use_ray is None else use_ray)
-        session = cls(cfg, model_path, workers.train, workers.rollout, workers.critic)
+        try:
+            session = cls(cfg, model_path, workers.train, workers.rollout, workers.critic)
+        except BaseException:
+            workers.shutdown()
+            raise
+        session.workers = workers
         if len(workers.rollout):
-            session.server_urls = workers.rollout.call(RolloutBackend.start_server)
-            session.router = RolloutRouter(session.server_urls)
+            session.server_urls = workers.rollout.call_each(RolloutBackend.start_server, [
+                (workers.rollout_host(i), 0, workers.control_token) for i in range(len(workers.rollout))])
+            session.router = RolloutRouter(session.server_urls, token=workers.control_token)
             session.runner = RolloutRunner(session.rollout_fn, session.router.url, len(workers.rollout))
         return session
 
     def shutdown(self) -> None:
-        if self.runner is not None:
-            self.runner.close()
-        if self.router is not None:
-            self.router.stop()
-        if self.weight_transport is not None:
-            self.weight_transport.close()
-        Workers(self.train_group, self.rollout_group, self.critic_group).shutdown(self.cfg.cluster.colocate)
+        """Stop what the session started. A part that cannot stop cleanly (a worker of it died with its node) is
+        logged and passed over: the workers and their placement groups are released whatever happens."""
+        try:
+            for part, stop in (("rollout runner", self.runner and self.runner.close),
+                               ("router", self.router and self.router.stop),
+                               ("weight transport", self.weight_transport and self.weight_transport.close)):
+                try:
+                    if stop:
+                        stop()
+                except Exception as exc:  # noqa: BLE001 - shutting down after a failure: go on with the rest
+                    log.warning("shutdown: the %s did not stop cleanly: %s", part, exc)
+        finally:
+            self.workers.shutdown()
 
     # ---- stages --------------------------------------------------------------------------------------
     def rollout(self, step: int) -> dict[str, float]:
@@ -372,7 +389,8 @@ class RLSession:
             dead = [i for i in dead if not alive[i] or not _answers(self.router.workers[i].url)]
             for i in dead:
                 self.rollout_group.restart(i)
-                self.router.replace(i, self.rollout_group.call_one(i, RolloutBackend.start_server))
+                host, token = self.workers.rollout_host(i), self.workers.control_token
+                self.router.replace(i, self.rollout_group.call_one(i, RolloutBackend.start_server, host, 0, token))
             if dead:
                 self.weight_transport.reconnect()  # a connected transport connects again, the new worker included
                 self.weight_transport.resend(self.weight_version)

@@ -4,13 +4,13 @@ workers start from. The one place placement is decided (colocated or disaggregat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ray.util.placement_group import remove_placement_group
-
-from rlflow.engines.cluster.addresses import free_port
-from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, init_ray, make_placement_group
+from rlflow.engines.cluster.addresses import LOOPBACK
+from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, init_ray
+from rlflow.engines.cluster.placement import Placement, PlacementError, RoleDemand, driver_node_id, place
 from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
 from rlflow.engines.data.builtin_tasks import write_task_files
@@ -55,21 +55,29 @@ def prepare_model(cfg: RLConfig, workdir: str | Path) -> str:
 @dataclass
 class Workers:
     """The run's worker groups: the policy's train workers, the rollout workers and (PPO with GAE) the critic's.
-    A debug mode starts no workers of one kind: that group is empty."""
+    A debug mode starts no workers of one kind: that group is empty. `placements` are the Ray placement groups
+    they run in (the run owns them); `spans_nodes`: some worker runs on another node than the driver's."""
 
     train: WorkerGroup[TrainBackend]
     rollout: WorkerGroup[RolloutBackend]
     critic: WorkerGroup[CriticBackend] | None = None
+    placements: list[Placement] = field(default_factory=list)
+    spans_nodes: bool = False
+    control_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))  # the rollout servers' (per run)
 
-    def shutdown(self, colocated: bool) -> None:
-        """Stop every worker, then the placement group colocated train and rollout workers shared (which
-        neither group owns)."""
+    def rollout_host(self, rank: int) -> str:
+        """The address rollout worker `rank`'s server binds: its node's when the run spans nodes (asked where
+        the worker's bundle is now: a restarted worker may be on another node), else loopback."""
+        return self.rollout.node_ip(rank) if self.spans_nodes else LOOPBACK
+
+    def shutdown(self) -> None:
+        """Stop every worker, then release the placement groups they ran in."""
         for group in (self.train, self.rollout, self.critic):
             if group is not None:
                 group.shutdown()
-        shared = getattr(self.train, "placement_group", None)
-        if colocated and shared is not None:
-            remove_placement_group(shared)
+        for placement in self.placements:
+            placement.remove()
+        self.placements.clear()
 
 
 def start_workers(cfg: RLConfig, model_path: str, use_ray: bool) -> Workers:
@@ -79,25 +87,22 @@ def start_workers(cfg: RLConfig, model_path: str, use_ray: bool) -> Workers:
     train_cls, rollout_cls = train_backend_class(cfg), rollout_backend_class(cfg)
     n_train = cfg.train.num_workers if cfg.debug.trains else 0  # debug modes start one kind of worker
     n_rollout = cfg.rollout.num_workers if cfg.debug.generates else 0
-    critic = None
     train_protocols, rollout_protocols = group_protocols(cfg)
     if not use_ray:
+        local = Workers(LocalWorkerGroup([]), LocalWorkerGroup([]))
+        if cfg.rollout.backend == "sglang":
+            make_rollout = _with_server(make_rollout, lambda rank: LOOPBACK, local.control_token)
         if n_train > 1 or (make_critic and cfg.critic.num_workers > 1):
             raise ValueError("train.num_workers / critic.num_workers > 1 need cluster.use_ray: true")
-        train = LocalWorkerGroup([train_cls(**make_train(r)) for r in range(n_train)], protocols=train_protocols)
-        rollout = LocalWorkerGroup([rollout_cls(**make_rollout(r)) for r in range(n_rollout)],
-                                   factory=lambda r: rollout_cls(**make_rollout(r)),
-                                   protocols=rollout_protocols)
+        local.train = LocalWorkerGroup([train_cls(**make_train(r)) for r in range(n_train)],
+                                       protocols=train_protocols)
+        local.rollout = LocalWorkerGroup([rollout_cls(**make_rollout(r)) for r in range(n_rollout)],
+                                         factory=lambda r: rollout_cls(**make_rollout(r)), protocols=rollout_protocols)
         if make_critic:
-            critic = LocalWorkerGroup([TorchTrainBackend(**make_critic(0))], protocols=CRITIC)
-        return Workers(train, rollout, critic)
+            local.critic = LocalWorkerGroup([TorchTrainBackend(**make_critic(0))], protocols=CRITIC)
+        return local
     init_ray(cfg.cluster)
-    train, rollout = ray_groups(cfg, train_cls, make_train, make_rollout, n_train, n_rollout)
-    if make_critic:  # its own actors and placement group (on GPUs: GPUs of its own, also when colocated)
-        gpus = 1.0 if cfg.train.device == "cuda" else 0.0
-        critic = RayWorkerGroup(TorchTrainBackend, cfg.critic.num_workers, make_critic, cfg.cluster.cpus_per_worker,
-                                f"{cfg.name}-critic", gpus, protocols=CRITIC)
-    return Workers(train, rollout, critic)
+    return ray_workers(cfg, train_cls, make_train, make_rollout, make_critic, n_train, n_rollout)
 
 
 def train_backend_class(cfg: RLConfig) -> type:
@@ -120,14 +125,15 @@ def rollout_backend_class(cfg: RLConfig) -> type:
 
 
 def train_kwargs(cfg: RLConfig, model_path: str):
-    dist_url = f"tcp://127.0.0.1:{free_port()}" if cfg.train.num_workers > 1 else None
+    """Constructor arguments of train worker `rank` (its group adds the rendezvous address, dist_url)."""
     norm_len = cfg.rollout.max_new_tokens
     extra = {"megatron": cfg.megatron} if cfg.train.backend == "megatron" else {}
 
     def make(rank: int) -> dict:
         return dict(model_path=model_path, train=cfg.train, algorithm=cfg.algorithm,
                     temperature=cfg.rollout.temperature or 1.0, norm_len=norm_len, rank=rank,
-                    world_size=cfg.train.num_workers, dist_url=dist_url, seed=cfg.seed, **extra)
+                    world_size=cfg.train.num_workers, seed=cfg.seed,
+                    collective_timeout_s=cfg.cluster.collective_timeout_s, **extra)
 
     return make
 
@@ -137,12 +143,11 @@ def critic_kwargs(cfg: RLConfig, model_path: str):
     c = cfg.critic
     if c.model_path and not (Path(c.model_path) / "config.json").is_file():
         raise FileNotFoundError(f"critic.model_path: no Hugging Face model (config.json) in {c.model_path}")
-    dist_url = f"tcp://127.0.0.1:{free_port()}" if c.num_workers > 1 else None  # its own process group
 
-    def make(rank: int) -> dict:
+    def make(rank: int) -> dict:  # its own process group (dist_url from its worker group)
         return dict(model_path=c.model_path or model_path, train=c.train_config(cfg.train), algorithm=cfg.algorithm,
-                    rank=rank, world_size=c.num_workers, dist_url=dist_url, seed=cfg.seed, role="critic",
-                    value_clip=c.value_clip)
+                    rank=rank, world_size=c.num_workers, seed=cfg.seed, role="critic", value_clip=c.value_clip,
+                    collective_timeout_s=cfg.cluster.collective_timeout_s)
 
     return make
 
@@ -158,23 +163,78 @@ def rollout_kwargs(cfg: RLConfig, model_path: str):
     return make
 
 
-def ray_groups(cfg: RLConfig, train_cls: type, train_kwargs, rollout_kwargs, n_train: int,
-                n_rollout: int) -> tuple[RayWorkerGroup | LocalWorkerGroup, RayWorkerGroup | LocalWorkerGroup]:
-    """Train and rollout actors. On GPUs: one GPU per worker (disaggregated), or with cluster.colocate
-    rollout worker i takes half of train worker i's GPU bundle, so the pair shares one device. A debug
-    mode asks for no workers of one kind: that group is empty."""
-    cpus, name = cfg.cluster.cpus_per_worker, cfg.name
+def role_demands(cfg: RLConfig, n_train: int, n_rollout: int, critic: bool) -> list[RoleDemand]:
+    """What each role asks of the cluster: one GPU per train or critic worker, one per rollout worker (an SGLang
+    server's tensor x pipeline parallel GPUs), or with cluster.colocate one GPU per train/rollout pair; CPUs
+    from cluster.cpus_per_worker. A debug mode that starts no workers of a kind asks nothing for them."""
+    cpus = cfg.cluster.cpus_per_worker
+    train_gpus, rollout_gpus = worker_gpus(cfg)
+
+    def bundle(gpus: float, workers: int = 1) -> dict[str, float]:
+        return {"CPU": cpus * workers} | ({"GPU": gpus} if gpus else {})
+
+    demands = []
+    if cfg.cluster.colocate:  # bundle i holds train worker i and rollout worker i, half a GPU each
+        if n_train or n_rollout:
+            demands.append(RoleDemand("train", cfg.train.num_workers, cfg.train.nodes, bundle(1.0, workers=2)))
+    else:
+        if n_train:
+            demands.append(RoleDemand("train", n_train, cfg.train.nodes, bundle(train_gpus)))
+        if n_rollout:
+            demands.append(RoleDemand("rollout", n_rollout, cfg.rollout.nodes, bundle(rollout_gpus)))
+    if critic:  # GPUs of its own, also when colocated
+        demands.append(RoleDemand("critic", cfg.critic.num_workers, cfg.critic.nodes,
+                                  bundle(1.0 if cfg.train.device == "cuda" else 0.0)))
+    return demands
+
+
+def worker_gpus(cfg: RLConfig) -> tuple[float, float]:
+    """GPUs of one train worker and one rollout worker (half each when a pair shares one)."""
+    if cfg.cluster.colocate:
+        return 0.5, 0.5
     train_gpus = 1.0 if cfg.train.device == "cuda" else 0.0
     rollout_gpus = 1.0 if cfg.rollout_device == "cuda" else 0.0
     if cfg.rollout.backend == "sglang":  # one server's GPUs: its tensor x pipeline parallel size
         rollout_gpus *= gpus_per_server(cfg.rollout.sglang.args)
-    shared = None
-    if cfg.cluster.colocate:
-        shared = make_placement_group([{"CPU": 2 * cpus, "GPU": 1}] * cfg.train.num_workers, f"{name}-colocated-pg")
-        train_gpus = rollout_gpus = 0.5
-    train_protocols, rollout_protocols = group_protocols(cfg)
-    train = (RayWorkerGroup(train_cls, n_train, train_kwargs, cpus, f"{name}-train", train_gpus, shared,
-                            protocols=train_protocols) if n_train else LocalWorkerGroup([]))
-    rollout = (RayWorkerGroup(rollout_backend_class(cfg), n_rollout, rollout_kwargs, cpus, f"{name}-rollout",
-                              rollout_gpus, shared, protocols=rollout_protocols) if n_rollout else LocalWorkerGroup([]))
-    return train, rollout
+    return train_gpus, rollout_gpus
+
+
+def _with_server(make, host, token: str):
+    """SGLang workers launch their server in the constructor: give it the address and the token there."""
+    return lambda rank: make(rank) | {"host": host(rank), "token": token}
+
+
+def ray_workers(cfg: RLConfig, train_cls: type, make_train, make_rollout, make_critic, n_train: int,
+                n_rollout: int) -> Workers:
+    """Plan every role on the cluster (a recipe it cannot hold fails here, before any actor starts), reserve
+    the placement groups, then start the actors in them."""
+    cpus, name = cfg.cluster.cpus_per_worker, cfg.name
+    placements = place(role_demands(cfg, n_train, n_rollout, make_critic is not None), name)
+    spans = len({p.node(r).node_id for p in placements.values() for r in range(len(p))} | {driver_node_id()}) > 1
+    workers = Workers(LocalWorkerGroup([]), LocalWorkerGroup([]), placements=list(placements.values()),
+                      spans_nodes=spans)
+    try:
+        if spans and not cfg.cluster.shared_dir:
+            raise PlacementError(
+                "cluster.shared_dir: this run's workers are placed on other nodes than the driver's, and they read "
+                "the model and write checkpoints by path: set a folder every node mounts at the same path")
+        train_gpus, rollout_gpus = worker_gpus(cfg)
+        train_protocols, rollout_protocols = group_protocols(cfg)
+        if n_train:
+            workers.train = RayWorkerGroup(train_cls, n_train, make_train, cpus, f"{name}-train", train_gpus,
+                                           placements["train"], train_protocols, rendezvous=True)
+        if n_rollout:
+            rollout_placement = placements["train" if cfg.cluster.colocate else "rollout"]
+            if cfg.rollout.backend == "sglang":  # its server starts with the worker: on its address, with the token
+                make_rollout = _with_server(
+                    make_rollout, lambda r: rollout_placement.node(r).ip if spans else LOOPBACK, workers.control_token)
+            workers.rollout = RayWorkerGroup(rollout_backend_class(cfg), n_rollout, make_rollout, cpus,
+                                             f"{name}-rollout", rollout_gpus, rollout_placement, rollout_protocols)
+        if make_critic:
+            workers.critic = RayWorkerGroup(TorchTrainBackend, cfg.critic.num_workers, make_critic, cpus,
+                                            f"{name}-critic", 1.0 if cfg.train.device == "cuda" else 0.0,
+                                            placements["critic"], CRITIC, rendezvous=True)
+    except BaseException:
+        workers.shutdown()
+        raise
+    return workers

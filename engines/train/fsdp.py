@@ -37,10 +37,12 @@ from rlflow.engines.models.packed import PackedLM
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
-def init_process_group(device: str, rank: int, world_size: int, dist_url: str | None) -> None:
+def init_process_group(device: str, rank: int, world_size: int, dist_url: str | None,
+                       timeout_s: float = 1800) -> None:
     """The default process group FSDP2 shards over: NCCL for CUDA tensors and gloo for CPU ones on GPUs (the
     step's small counters are CPU tensors, and offloaded shards live on the host), gloo on CPUs. One rank needs
-    no rendezvous (an in-memory store); workers in one process (cluster.use_ray: false) share that group."""
+    no rendezvous (an in-memory store); workers in one process (cluster.use_ray: false) share that group.
+    A collective that waits longer than `timeout_s` for a peer (dead, hung, on a lost node) raises."""
     backend = "cuda:nccl,cpu:gloo" if device == "cuda" else "gloo"
     if dist.is_initialized():
         if dist.get_world_size() != world_size or (device == "cuda") != ("nccl" in dist.get_backend()):
@@ -53,7 +55,7 @@ def init_process_group(device: str, rank: int, world_size: int, dist_url: str | 
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
         dist.init_process_group(backend, init_method=dist_url, rank=rank, world_size=world_size,
-                                timeout=timedelta(minutes=30))
+                                timeout=timedelta(seconds=timeout_s))
 
 
 def shard(lm: PackedLM, param_dtype: torch.dtype | None, cpu_offload: bool = False) -> PackedLM:

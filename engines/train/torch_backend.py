@@ -79,15 +79,17 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         seed: int = 0,
         role: Literal["policy", "critic"] = "policy",
         value_clip: float | None = None,
+        collective_timeout_s: float = 1800,
     ):
-        """`role` "critic": a value model from `model_path` trained with value_loss (clipped at `value_clip`)."""
+        """`role` "critic": a value model from `model_path` trained with value_loss (clipped at `value_clip`).
+        `collective_timeout_s`: how long a collective waits for the other ranks before it raises."""
         torch.set_num_threads(train.threads)
         self.cfg, self.algo, self.role, self.value_clip = train, algorithm, role, value_clip
         # the critic regresses every response token's value with the same weight, whatever the policy's aggregation
         self.loss_agg = algorithm.loss_agg if role == "policy" else "token_mean"
         self.temperature, self.norm_len = temperature, norm_len
         self.rank, self.world_size = rank, world_size
-        fsdp.init_process_group(train.device, rank, world_size, dist_url)
+        fsdp.init_process_group(train.device, rank, world_size, dist_url, collective_timeout_s)
         torch.manual_seed(seed + rank)
         self.device = train.device
         load = load_value_model if role == "critic" else load_model

@@ -83,8 +83,10 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         world_size: int = 1,
         dist_url: str | None = None,
         seed: int = 0,
+        collective_timeout_s: float = 1800,
     ):
         torch.set_num_threads(train.threads)
+        self._collective_timeout_s = collective_timeout_s
         self.cfg, self.algo, self.mcfg = train, algorithm, megatron or MegatronConfig()
         self.temperature, self.norm_len = temperature, norm_len
         self.rank, self.world_size, self.device = rank, world_size, train.device
@@ -96,7 +98,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
     def _build(self, dist_url: str | None, seed: int) -> None:
         """Process groups, model (from the HF weights), DDP wrapper, optimizer, and the reference model."""
         rank, world_size, train, algorithm = self.rank, self.world_size, self.cfg, self.algo
-        init_parallel(rank, world_size, dist_url, self.mcfg, self.device, seed)
+        init_parallel(rank, world_size, dist_url, self.mcfg, self.device, seed, self._collective_timeout_s)
         torch.manual_seed(seed + rank)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.spec = spec_from_hf(self.hf_config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +28,15 @@ RESERVED = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "calcu
 
 
 def init_parallel(rank: int, world_size: int, dist_url: str | None, cfg: MegatronConfig, device: str,
-                  seed: int) -> None:
-    """torch.distributed (nccl on CUDA, gloo on CPU) and megatron's TP/PP/DP groups over this worker group."""
+                  seed: int, timeout_s: float = 1800) -> None:
+    """torch.distributed (nccl on CUDA, gloo on CPU) and megatron's TP/PP/DP groups over this worker group; a
+    collective waiting longer than `timeout_s` for a peer raises."""
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())  # Ray shows each actor one GPU; torchrun all
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
-                                init_method=dist_url or f"tcp://127.0.0.1:{free_port()}")
+                                init_method=dist_url or f"tcp://127.0.0.1:{free_port()}",
+                                timeout=timedelta(seconds=timeout_s))
     elif dist.get_world_size() != world_size:
         raise RuntimeError(f"torch.distributed is already up with {dist.get_world_size()} ranks, not {world_size}")
     if world_size % cfg.model_parallel:
