@@ -17,9 +17,10 @@ from rlflow.engines.core.config import (
     RegisterConfig,
     RLConfig,
     StorageConfig,
+    config_from_dict,
     resolve_config,
 )
-from rlflow.engines.session.evaluation import pass_at_k, score
+from rlflow.engines.session.evaluation import pass_at_k, score, shard_bounds
 from rlflow.engines.store.run_store import RunStore, StorageError, locate_checkpoint
 from rlflow.flows.register import should_register
 from tests.conftest import small_recipe
@@ -107,7 +108,7 @@ def test_locate_checkpoint(storage, tiny_model_dir):
         locate_checkpoint(f"{root}/nope", storage)
 
 
-def eval_config(tmp_path: Path, checkpoint: str, **kw) -> EvaluationConfig:
+def eval_config(tmp_path: Path, checkpoint: str, eval_kw: dict | None = None, **kw) -> EvaluationConfig:
     from rlflow.engines.core.config import BuiltinTaskConfig
     from rlflow.engines.data.builtin_tasks import write_task_files
 
@@ -117,7 +118,7 @@ def eval_config(tmp_path: Path, checkpoint: str, **kw) -> EvaluationConfig:
         "name": "ev", "checkpoint": checkpoint,
         "eval": {"datasets": [{"path": str(tmp_path / "ev.jsonl"), "name": "sort3"},
                               {"path": str(tmp_path / "ev.jsonl"), "name": "again"}],
-                 "samples_per_prompt": 3, "pass_k": [1, 3], "max_new_tokens": 4, "threads": 1},
+                 "samples_per_prompt": 3, "pass_k": [1, 3], "max_new_tokens": 4, "threads": 1, **(eval_kw or {})},
         "tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db"}, **kw,
     })
 
@@ -154,6 +155,69 @@ def test_evaluate_flow_on_an_hf_directory(tmp_path, tiny_model_dir):
 
     metrics = evaluate(eval_config(tmp_path, tiny_model_dir, training_run_id=None))
     assert metrics["again/num_prompts"] == 6
+
+
+def parity_reward(prompts, responses, labels, **kw) -> list[float]:
+    """1.0 when a response's character codes sum to an even number: the random tiny model gets about half its
+    samples right, and every character counts, so pass@k is not trivial and a sample generated differently
+    scores differently half the time."""
+    return [float(sum(map(ord, r)) % 2 == 0) for r in responses]
+
+
+def logged_samples(client: MlflowClient, run_id: str, tmp_path: Path) -> list:
+    return json.loads(Path(client.download_artifacts(run_id, "samples/eval.json", str(tmp_path / run_id))
+                           ).read_text())["data"]
+
+
+def test_sharded_evaluation_equals_unsharded(tmp_path, tiny_model_dir):
+    """2 shards per dataset as Ray tasks (prefect-ray, a local Ray) and 4 uneven ones in threads give exactly the
+    metrics and logged samples of one unsharded task, sampling at temperature 1: each sample keeps its seed
+    wherever it runs, and pass@k is scored on the merged samples."""
+    from rlflow.flows.evaluate import evaluate
+
+    def run(**eval_kw) -> tuple[dict, list]:
+        cfg = eval_config(tmp_path, tiny_model_dir, eval_kw={"temperature": 1.0, "samples_logged": 4, **eval_kw},
+                          name=f"ev-{eval_kw.get('shard_runner', 'thread')}-{eval_kw.get('shards', 1)}",
+                          reward={"fn": "tests.test_evaluation:parity_reward"})
+        metrics = evaluate(cfg)
+        run = client.search_runs([client.get_experiment_by_name("rlflow").experiment_id],
+                                 f"attributes.run_name = '{cfg.name}'")[0]
+        return metrics, logged_samples(client, run.info.run_id, tmp_path)
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    one, one_samples = run()
+    assert 0 < one["sort3/accuracy"] < 1 and one["sort3/pass_at_1"] < one["sort3/pass_at_3"]  # not trivial
+    assert len(one_samples) == 2 * 4  # samples_logged per dataset
+    on_ray, ray_samples = run(shards=2, shard_runner="ray")
+    assert on_ray == one and ray_samples == one_samples
+    in_threads, thread_samples = run(shards=4)
+    assert in_threads == one and thread_samples == one_samples
+
+
+def test_a_worker_without_the_flows_model_dir_exports_its_own(tmp_path, tiny_model_dir):
+    """A Ray worker on another node does not see the flow's export: it fetches the checkpoint once for itself."""
+    from rlflow.flows.evaluate import is_hf_model_dir, model_dir_here
+
+    fake_checkpoint(RunStore(StorageConfig(uri=str(tmp_path / "runs")), "r"), 2, tiny_model_dir)
+    cfg = eval_config(tmp_path, f"file://{tmp_path}/runs/r")
+    assert model_dir_here(cfg, tiny_model_dir) == tiny_model_dir
+    here = model_dir_here(cfg, str(tmp_path / "on-the-flows-node"))
+    assert is_hf_model_dir(Path(here)) and Path(here).parent.name.startswith("rlflow-eval-ev-")  # its own export
+    assert model_dir_here(cfg, str(tmp_path / "on-the-flows-node")) == here  # once per process
+
+
+def test_shard_bounds_cover_every_prompt_once():
+    assert shard_bounds(6, 4) == [(0, 1), (1, 3), (3, 4), (4, 6)]
+    assert shard_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]  # no empty shard
+    assert shard_bounds(5, 1) == [(0, 5)]
+
+
+def test_bad_shard_settings_name_the_field(tmp_path):
+    raw = {"checkpoint": "x", "eval": {"datasets": [{"path": "ev.jsonl"}], "shards": 0, "shard_runner": "dask"}}
+    with pytest.raises(RecipeError) as err:
+        config_from_dict(raw, model=EvaluationConfig)
+    assert "eval.shards: Input should be greater than 0" in str(err.value)
+    assert "eval.shard_runner: Input should be 'thread' or 'ray' (got 'dask')" in str(err.value)
 
 
 def test_register_logs_the_hf_export_and_gates_versions(tmp_path, tiny_model_dir):

@@ -217,11 +217,7 @@ def init_ray(cfg: ClusterConfig) -> None:
     """Join `cfg.address`, or start a small local Ray (no dashboard: it costs seconds and memory)."""
     if ray.is_initialized():
         return
-    # the driver's modules (engines, user rewards) must import inside actors: ship the working directory
-    env = {"env_vars": {
-        "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
-        **omp_env(),
-    }}
+    env = worker_runtime_env()
     if cfg.address:
         ray.init(address=cfg.address, runtime_env=env, log_to_driver=True)
     else:
@@ -231,6 +227,15 @@ def init_ray(cfg: ClusterConfig) -> None:
         os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
                  object_store_memory=cfg.object_store_mb * 1024 * 1024)
+
+
+def worker_runtime_env() -> dict:
+    """Ray's runtime_env for our actors and tasks: the driver's modules (engines, user rewards) must import inside
+    them, so the working directory goes on their PYTHONPATH; OpenMP settings as `omp_env`."""
+    return {"env_vars": {
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+        **omp_env(),
+    }}
 
 
 def omp_env() -> dict[str, str]:

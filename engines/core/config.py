@@ -704,6 +704,21 @@ class EvalSamplingConfig(Section):
     device: Literal["cpu", "cuda"] = "cpu"
     seed: int = 0
     samples_logged: int = Field(8, ge=0, description="Sample responses per dataset in the report and MLflow table.")
+    shards: int = Field(
+        1, gt=0, description="Prefect tasks each dataset's prompts are split into (contiguous, near-equal; at most one "
+        "per prompt). Each shard generates and rewards its prompts; the flow scores the merged samples, so the "
+        "metrics equal an unsharded evaluation's.",
+    )
+    shard_runner: Literal["thread", "ray"] = Field(
+        "thread", description="Where shard tasks run. thread: threads of the flow process, sharing one rollout "
+        "engine (no Ray). ray: each shard a Ray task through prefect-ray's RayTaskRunner, reserving `threads` "
+        "CPUs (and a GPU on cuda); each Ray worker process loads the checkpoint once. The cluster: `ray_address`, "
+        "else RAY_ADDRESS, else a private local Ray of shards x threads CPUs.",
+    )
+    ray_address: str | None = Field(
+        None, description="shard_runner ray: address of the Ray cluster to join ('auto': the running one); empty: "
+        "RAY_ADDRESS if set, else a private local Ray for this evaluation.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> EvalSamplingConfig:

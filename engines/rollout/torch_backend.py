@@ -202,9 +202,10 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
 
     # ---- generation ----------------------------------------------------------------------------------
     def requests(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
-                 rid: str | None = None) -> list[Request]:
-        """`params.n` requests per prompt, prompt-major. Request i samples from generator (seed, i): its
-        tokens do not depend on what else runs in the batch. No seed: fresh randomness."""
+                 rid: str | None = None, first_index: int = 0) -> list[Request]:
+        """`params.n` requests per prompt, prompt-major. Request i samples from generator (seed, first_index + i):
+        its tokens do not depend on what else runs in the batch, and a slice of a larger call given its offset as
+        `first_index` samples what that call would (the evaluate flow's shards). No seed: fresh randomness."""
         if self._released:
             raise RuntimeError("generate: the weights were released (release_memory_occupation); resume and "
                                "update them first")
@@ -215,18 +216,20 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             for j in range(params.n):
                 index = i * params.n + j
                 kwargs = {} if rid is None else {"rid": rid if len(prompts) * params.n == 1 else f"{rid}_{index}"}
-                out.append(Request(list(prompt), one, request_generator(seed, index), **kwargs))
+                out.append(Request(list(prompt), one, request_generator(seed, first_index + index), **kwargs))
         return out
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+                 first_index: int = 0) -> list[Generation]:
         """Generate for all prompts on the continuous-batching engine (admitted in order, `batch_size` at a
-        time); blocks until every request finished."""
-        futures = self.engine.submit(self.requests(prompts, params, seed))
+        time); blocks until every request finished. `first_index`: as in `requests`."""
+        futures = self.engine.submit(self.requests(prompts, params, seed, first_index=first_index))
         return [f.result() for f in futures]
 
-    def generate_packed(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> dict:
+    def generate_packed(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+                        first_index: int = 0) -> dict:
         """`generate`, returned as flat arrays (see pack_generations): what the RL loop moves over Ray."""
-        return pack_generations(self.generate(prompts, params, seed))
+        return pack_generations(self.generate(prompts, params, seed, first_index))
 
     # ---- the HTTP server -----------------------------------------------------------------------------
     def start_server(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> str:

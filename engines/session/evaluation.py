@@ -1,8 +1,10 @@
 """Evaluation metrics of a model on held-out prompts: accuracy, mean reward, pass@k, response length.
 
 `score` turns rewards of n samples per prompt into metrics (the training loop's eval stage and the
-evaluate flow both use it); `evaluate_dataset` generates with the embedded rollout engine and scores
-with the recipe's reward function: nothing here generates or verifies on its own.
+evaluate flow both use it). For the evaluate flow, `generate_and_reward` generates one shard of a dataset's
+prompts with the embedded rollout engine and rewards it with the recipe's reward function, returning plain
+lists; `merge_and_score` joins a dataset's shards and scores them once. Nothing here generates or verifies on
+its own, and nothing here knows where a shard runs.
 """
 
 from __future__ import annotations
@@ -46,24 +48,50 @@ def score(rewards: list[float], lengths: list[int] | np.ndarray, n: int, ks: lis
     return out
 
 
-def evaluate_dataset(engine: TorchRolloutBackend, reward_fn: RewardFn, reward_kwargs: dict,
-                     dataset: EvalDatasetConfig, cfg: EvalSamplingConfig, max_new_tokens: int
-                     ) -> tuple[dict[str, float], list[dict]]:
-    """Generate n responses per prompt of `dataset`, reward them, and score; also a few sample rows."""
-    rows = load_prompts(dataset.path, dataset.prompt_key, dataset.label_key)[: cfg.max_prompts]
+def eval_rows(dataset: EvalDatasetConfig, cfg: EvalSamplingConfig) -> list[dict]:
+    """The prompts of `dataset` that are evaluated (the first `max_prompts`), with their labels."""
+    return load_prompts(dataset.path, dataset.prompt_key, dataset.label_key)[: cfg.max_prompts]
+
+
+def shard_bounds(num_prompts: int, shards: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) prompt ranges of near-equal size, at most `shards`, none empty (unless there are
+    no prompts): every prompt's n samples stay in one shard, so merged shards keep the unsharded prompt-major order."""
+    shards = max(1, min(shards, num_prompts))
+    edges = [num_prompts * i // shards for i in range(shards + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def generate_and_reward(engine: TorchRolloutBackend, reward_fn: RewardFn, reward_kwargs: dict, dataset_key: str,
+                        rows: list[dict], first_prompt: int, cfg: EvalSamplingConfig, max_new_tokens: int) -> dict:
+    """Generate n responses for each of `rows` (prompts first_prompt, first_prompt + 1, ... of the dataset) and
+    reward them: {"rewards", "lengths", "samples"}, plain lists, prompt-major, for `merge_and_score`.
+
+    Sample j of prompt p draws from the engine's generator (cfg.seed, p * n + j) wherever it runs, and a sample's
+    tokens do not depend on its batch-mates, so shards merged give the tokens of one unsharded call at any
+    temperature (up to float rounding between batch shapes, which the engine's tests hold to 1e-5 in logprobs;
+    a sample could differ only where two tokens tie to that precision)."""
     n = cfg.samples_per_prompt
     tok = engine.tokenizer
     prompt_ids = [ids for r in rows for ids in [tok(r["prompt"])["input_ids"]] * n]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
-    gen = engine.generate_packed(prompt_ids, params, seed=cfg.seed)
+    gen = engine.generate_packed(prompt_ids, params, seed=cfg.seed, first_index=first_prompt * n)
     responses = tok.batch_decode(split_packed(gen, "output_ids"), skip_special_tokens=True)
     prompts = [r["prompt"] for r in rows for _ in range(n)]
     labels = [r["label"] for r in rows for _ in range(n)]
     rewards = compute_rewards(reward_fn, prompts, responses, labels, reward_kwargs)
-    metrics = score(rewards, gen["lengths"], n, cfg.pass_k)
+    logged = range(max(0, min(len(rows), cfg.samples_logged - first_prompt)))  # the dataset's first samples_logged
     samples = [
-        {"dataset": dataset.key, "prompt": prompts[i], "response": responses[i], "label": str(labels[i]),
-         "reward": float(rewards[i])}
-        for i in range(0, min(len(prompts), cfg.samples_logged * n), n)
+        {"dataset": dataset_key, "prompt": prompts[i * n], "response": responses[i * n], "label": str(labels[i * n]),
+         "reward": float(rewards[i * n])}
+        for i in logged
     ]
-    return metrics, samples
+    return {"rewards": [float(r) for r in rewards], "lengths": [int(x) for x in gen["lengths"]], "samples": samples}
+
+
+def merge_and_score(parts: list[dict], cfg: EvalSamplingConfig) -> tuple[dict[str, float], list[dict]]:
+    """Metrics and sample rows of a dataset from its shards' results, in prompt order. Scored once on all samples:
+    pass@k and means are not averages of per-shard metrics, so they equal an unsharded evaluation's."""
+    rewards = [r for p in parts for r in p["rewards"]]
+    lengths = [x for p in parts for x in p["lengths"]]
+    return score(rewards, lengths, cfg.samples_per_prompt, cfg.pass_k), [s for p in parts for s in p["samples"]]
+
