@@ -70,7 +70,7 @@ def test_uneven_or_mismatched_nodes_are_refused_by_the_recipe(tmp_path):
 # ---- control routes need the run's token ---------------------------------------------------------------------
 
 
-def test_control_routes_need_the_token_and_the_router_sends_it(tiny_model_dir):
+def test_control_routes_need_the_run_token_on_servers_and_router(tiny_model_dir):
     backend = TorchRolloutBackend(tiny_model_dir, threads=1, batch_size=4)
     url = backend.start_server(token="s3cret")
     router = RolloutRouter([url], token="s3cret")
@@ -83,7 +83,9 @@ def test_control_routes_need_the_token_and_the_router_sends_it(tiny_model_dir):
             assert http.post(url + "/flush_cache", headers={"Authorization": "Bearer s3cret"}).status_code == 200
             gen = http.post(url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
             assert gen.status_code == 200  # generation stays open
-            assert http.post(router.url + "/flush_cache").json()["success"]  # the router adds the token
+            assert http.post(router.url + "/flush_cache").status_code == 401  # the router's control routes too
+            auth = {"Authorization": "Bearer s3cret"}
+            assert http.post(router.url + "/flush_cache", headers=auth).json()["success"]  # and it sends the token on
             assert http.post(router.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {
                 "max_new_tokens": 2}}).status_code == 200
     finally:

@@ -21,14 +21,16 @@ from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.sync.endpoints import GpuLinkProbe
 from tests.conftest import small_recipe
 
+TOKEN = "run-token"
 PARAMS = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop": []}
 
 
 @pytest.fixture
 def served(tiny_model_dir):
-    """Two embedded servers behind one router; slots kept few so that requests queue."""
+    """Two embedded servers behind one router, their control routes behind TOKEN as in a run; slots kept few so
+    that requests queue."""
     backends = [TorchRolloutBackend(tiny_model_dir, threads=1, batch_size=4) for _ in range(2)]
-    router = RolloutRouter([b.start_server() for b in backends])
+    router = RolloutRouter([b.start_server(token=TOKEN) for b in backends], token=TOKEN)
     yield backends, router.url
     router.stop()
     for b in backends:
@@ -45,7 +47,7 @@ def test_single_turn_over_http_equals_the_engine_called_directly(served):
     """The default rollout goes through the router, batched; every sample is what the engine generates for
     the same prompt and sampling seed, tokens and logprobs."""
     backends, url = served
-    runner = RolloutRunner(single_turn, url, num_workers=2)
+    runner = RolloutRunner(single_turn, url, num_workers=2, token=TOKEN)
     try:
         prompts = _prompts(backends[0], ["S123=", "S907=", "R55="], n=3)
         groups = runner.run(prompts, PARAMS)
@@ -75,7 +77,7 @@ def test_a_bad_rollout_function_gets_an_error_naming_the_field(served):
     with pytest.raises(TypeError, match=r"rollout\.fn: .* must be an async function"):
         load_rollout_fn("tests.test_rollout_fn:rollout_that_is_not_async")
     backends, url = served
-    runner = RolloutRunner(_three_samples, url, num_workers=2)
+    runner = RolloutRunner(_three_samples, url, num_workers=2, token=TOKEN)
     try:
         with pytest.raises(ValueError, match=r"returned 3 samples for prompt 0; expected 2"):
             runner.run(_prompts(backends[0], ["S1="], n=2), PARAMS)
@@ -102,7 +104,7 @@ def test_dynamic_sampling_aborts_the_rest_and_loses_no_finished_sample(served):
 
     supply = iter(_prompts(backends[0], [f"S{i:03d}=" for i in range(40)], n=2))
     long = PARAMS | {"max_new_tokens": 24, "ignore_eos": True}
-    runner = RolloutRunner(recording, url, num_workers=2)
+    runner = RolloutRunner(recording, url, num_workers=2, token=TOKEN)
     try:
         def collect(carry):
             return runner.submit(collect_groups(

@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 
 from rlflow.engines.data.rewards import load_callable
+from rlflow.engines.rollout.http_api import auth_headers
 
 FINISH_REASONS = ("stop", "length", "abort")
 # requests sent while a tag is set get rids "<tag>-<n>", so a dynamic-sampling collection can abort its own
@@ -141,7 +142,7 @@ async def abort_tagged(router_url: str, tag: str) -> None:
     """Abort the requests sent under `tag` on every worker (running ones return what they generated, with
     finish_reason abort); calls made under the tag from now on return aborted without being sent."""
     _ABORTED.add(tag)
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=control_headers(router_url)) as session:
         async def one(rid: str) -> None:
             async with session.post(f"{router_url}/abort_request", json={"rid": rid}) as resp:
                 resp.raise_for_status()
@@ -229,6 +230,13 @@ class _Batcher:
 
 _BATCHERS: dict[tuple[int, str], _Batcher] = {}
 _PARTS: dict[str, int] = {}  # router url -> number of rollout workers behind it (RolloutRunner registers it)
+_TOKENS: dict[str, str] = {}  # router url -> the run's control token (RolloutRunner registers it)
+
+
+def control_headers(router_url: str) -> dict[str, str]:
+    """Headers a rollout function sends with a control request (/abort_request) to the router: the run's
+    control token. Generation requests need none."""
+    return auth_headers(_TOKENS.get(router_url))
 
 
 def _batcher(url: str) -> _Batcher:
@@ -242,12 +250,15 @@ def _batcher(url: str) -> _Batcher:
 class RolloutRunner:
     """Runs a rollout function over a batch of prompts on a private event loop (one thread for the run),
     so HTTP sessions and batching live across steps and both the training thread and the one-step-off
-    rollout thread can submit work."""
+    rollout thread can submit work. `token`: the run's control token, which `control_headers(router_url)`
+    gives rollout functions for the router's control routes."""
 
-    def __init__(self, fn: RolloutFn, router_url: str, num_workers: int):
+    def __init__(self, fn: RolloutFn, router_url: str, num_workers: int, token: str | None = None):
         self.fn, self.router_url = fn, router_url
         self.name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
         _PARTS[router_url] = num_workers
+        if token:
+            _TOKENS[router_url] = token
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-fn", daemon=True)
         self._thread.start()
@@ -273,3 +284,4 @@ class RolloutRunner:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         _PARTS.pop(self.router_url, None)
+        _TOKENS.pop(self.router_url, None)

@@ -18,7 +18,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rlflow.engines.rollout.http_api import BackgroundServer, auth_headers
+from rlflow.engines.rollout.http_api import BackgroundServer, auth_headers, require_token
 
 GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions")
 BROADCAST = ("/abort_request", "/flush_cache", "/update_weights_from_disk", "/update_weights_from_tensor",
@@ -38,8 +38,10 @@ class NoWorker(RuntimeError):
 
 
 def build_router_app(workers: list[Worker], token: str | None = None) -> FastAPI:
-    """The router's routes; every request it sends a worker carries the run's control `token`."""
+    """The router's routes; with `token`, its control routes need it (as the workers' do), and every request it
+    sends a worker carries it."""
     app = FastAPI(title="rlflow rollout router")
+    require_token(app, token)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10), headers=auth_headers(token))
     lock = asyncio.Lock()
 
@@ -143,8 +145,9 @@ class RolloutRouter:
     """The router served by uvicorn from a background thread on an ephemeral port."""
 
     def __init__(self, worker_urls: list[str], host: str = "127.0.0.1", port: int = 0, token: str | None = None):
-        """`token`: the workers' control token, sent with every request to them. The router itself serves the
-        run's rollout functions in the driver's process, so it binds loopback by default."""
+        """`token`: the run's control token: required on the router's control routes, sent with every request
+        to the workers. The router serves the run's rollout functions in the driver's process, so it binds
+        loopback by default."""
         if not worker_urls:
             raise ValueError("RolloutRouter: worker_urls is empty")
         self.workers = [Worker(u.rstrip("/")) for u in worker_urls]

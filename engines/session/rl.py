@@ -110,7 +110,8 @@ class RLSession:
             session.server_urls = workers.rollout.call_each(RolloutBackend.start_server, [
                 (workers.rollout_host(i), 0, workers.control_token) for i in range(len(workers.rollout))])
             session.router = RolloutRouter(session.server_urls, token=workers.control_token)
-            session.runner = RolloutRunner(session.rollout_fn, session.router.url, len(workers.rollout))
+            session.runner = RolloutRunner(session.rollout_fn, session.router.url, len(workers.rollout),
+                                           workers.control_token)
         return session
 
     def shutdown(self) -> None:
