@@ -135,30 +135,48 @@ def test_rloo_no_signal_is_exactly_zero():
         A.rloo_advantages(torch.zeros(5), 2)
 
 
-def test_reinforce_pp_baseline_by_hand():
+def test_reinforce_pp_baseline_seq_by_hand():
     # centred per group: [0.5, -0.5, -0.5, 0.5 | 1.5, -0.5, -0.5, -0.5]; their mean is 0,
     # sum of squares 4 * 0.25 + 2.25 + 3 * 0.25 = 4, unbiased batch var 4 / 7 -> std 0.755929
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 1.0, 1.0])
     centred = torch.tensor([0.5, -0.5, -0.5, 0.5, 1.5, -0.5, -0.5, -0.5])
-    adv = A.reinforce_pp_baseline_advantages(r, 4, eps=0.0)
+    adv = A.reinforce_pp_baseline_seq_advantages(r, 4, eps=0.0)
     assert torch.allclose(adv, centred / math.sqrt(4 / 7), atol=1e-6)  # 0.661438, 1.984313, ...
     # GRPO would divide group 2 by its own std (0.866025 / 1 for 1.5): one batch std keeps the groups' scale
     assert not torch.allclose(adv, A.group_advantages(r, 4, eps=0.0))
 
 
-def test_reinforce_pp_baseline_counts_all_equal_groups_in_the_batch_std():
+def test_reinforce_pp_baseline_seq_counts_all_equal_groups_in_the_batch_std():
     # [1, 0 | 1, 1]: centred [0.5, -0.5, 0, 0]; batch std over 4 samples: sqrt(0.5 / 3) = 0.408248
     # -> 0.5 / 0.408248 = 1.224745; the all-equal group stays exactly 0
-    adv = A.reinforce_pp_baseline_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, eps=0.0)
+    adv = A.reinforce_pp_baseline_seq_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, eps=0.0)
     assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0, 0.0]) * 0.5 / math.sqrt(0.5 / 3), atol=1e-6)
     assert torch.equal(adv[2:], torch.zeros(2))
+
+
+def test_reinforce_pp_baseline_whitens_over_response_tokens_as_verl():
+    """verl / OpenRLHF: the centred reward on every response token, then one token-weighted mean and std.
+    Ragged lengths move the mean, so a short sample's positive centred reward can turn negative."""
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0])  # groups of 2: centred [0.5, -0.5, 0, 0]
+    mask = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])  # lengths 1, 4, 2, 3
+    # tokens: 0.5 once, -0.5 four times, 0 five times: mean -1.5 / 10 = -0.15; squares around it:
+    # (0.65^2 + 4 * 0.35^2 + 5 * 0.15^2) = 0.4225 + 0.49 + 0.1125 = 1.025, unbiased var 1.025 / 9
+    std = math.sqrt(1.025 / 9)
+    adv = A.reinforce_pp_baseline_advantages(r, 2, mask, eps=0.0)
+    expect = torch.tensor([[0.65, 0, 0, 0], [-0.35] * 4, [0.15, 0.15, 0, 0], [0.15, 0.15, 0.15, 0]]) / std
+    assert torch.allclose(adv, expect * mask, atol=1e-6)
+    assert adv[2, 0] > 0  # the all-equal group's tokens sit above the token mean: positive, not 0
+    seq = A.reinforce_pp_baseline_seq_advantages(r, 2)
+    assert seq[2] == 0 and (adv[2, :2] != 0).all()  # the difference the issue names
 
 
 @pytest.mark.parametrize("group_size", [1, 3])
 def test_reinforce_pp_baseline_without_signal_is_zero(group_size):
     r = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7])  # every group all-equal (or groups of one): 0, not 0 / 0
-    assert torch.equal(A.reinforce_pp_baseline_advantages(r, group_size), torch.zeros(6))
-    assert torch.equal(A.reinforce_pp_baseline_advantages(torch.tensor([0.3]), 1), torch.zeros(1))
+    assert torch.equal(A.reinforce_pp_baseline_seq_advantages(r, group_size), torch.zeros(6))
+    assert torch.equal(A.reinforce_pp_baseline_seq_advantages(torch.tensor([0.3]), 1), torch.zeros(1))
+    mask = torch.ones(6, 3)
+    assert torch.equal(A.reinforce_pp_baseline_advantages(r, group_size, mask), torch.zeros(6, 3))
 
 
 # ----------------------------------------------------------------------------- token rewards, returns, whitening
@@ -403,12 +421,14 @@ def test_kl_estimators_by_hand():
         A.kl_penalty(p, q, "k9")
 
 
-def test_k3_clamps_log_ratio():
-    # ref - logp = -100 -> clamped to -20: e^-20 + 20 - 1 = 19.000000002
-    # ref - logp = +100 -> clamped to  20: e^20 - 20 - 1 = 485165174.41
-    kl = A.kl_penalty(torch.tensor([0.0, -100.0]), torch.tensor([-100.0, 0.0]), "k3")
-    assert kl[0].item() == pytest.approx(19.0, abs=1e-5)
-    assert kl[1].item() == pytest.approx(math.exp(20) - 21, rel=1e-6)
+def test_k3_clamps_as_verl_does():
+    # ref - logp = -100 -> log-ratio clamped to -20: e^-20 + 20 - 1 = 19.000000002 -> result clamped to 10
+    # ref - logp = +100 -> clamped to 20: e^20 - 20 - 1 = 485165174.41 -> 10 (verl's k3 is its low_var_kl)
+    kl = A.kl_penalty(torch.tensor([0.0, -100.0, 0.0]), torch.tensor([-100.0, 0.0, -3.0]), "k3")
+    assert torch.equal(kl[:2], torch.tensor([10.0, 10.0]))
+    assert kl[2].item() == pytest.approx(math.exp(-3) + 3 - 1, abs=1e-6)  # inside the bounds: plain k3
+    assert torch.equal(kl, A.kl_penalty(torch.tensor([0.0, -100.0, 0.0]), torch.tensor([-100.0, 0.0, -3.0]),
+                                         "low_var_kl"))
 
 
 def test_kl_gradient_reaches_logprobs_only():
@@ -425,7 +445,7 @@ def test_k2_and_low_var_kl_by_hand():
     assert torch.allclose(A.kl_penalty(p, q, "k2"), torch.full((2,), 0.5 * LN2**2), atol=1e-6)
     # low_var_kl = k3 where k3 is within [-10, 10]: 0.193147, 0.306853
     assert torch.allclose(A.kl_penalty(p, q, "low_var_kl"), torch.tensor([0.5 + LN2 - 1, 2 - LN2 - 1]), atol=1e-6)
-    # k3 of a far-drifted policy is 19 and e^20 - 21; low_var_kl caps both at 10
+    # a far-drifted policy's k3 would be 19 and e^20 - 21; both are capped at 10
     far = A.kl_penalty(torch.tensor([0.0, -100.0]), torch.tensor([-100.0, 0.0]), "low_var_kl")
     assert torch.equal(far, torch.tensor([10.0, 10.0]))
 
@@ -539,7 +559,8 @@ def test_policy_loss_ignores_padding_and_reports_metrics():
     loss, m = A.policy_loss(logp, old, torch.tensor([2.0]), mask)
     # ratios 1 and e^0.1 = 1.105171 (inside 1.2): loss = -(2 * 1 + 2 * 1.105171) / 2 = -2.105171
     assert loss.item() == pytest.approx(-(2 + 2 * math.exp(0.1)) / 2, abs=1e-6)
-    assert m["approx_kl"].item() == pytest.approx(0.5 * 0.1**2 / 2, abs=1e-7)  # 0.5 * (0 + 0.01) / 2 tokens
+    assert m["approx_kl_k2"].item() == pytest.approx(0.5 * 0.1**2 / 2, abs=1e-7)  # 0.5 * (0 + 0.01) / 2 tokens
+    assert m["approx_kl_k1"].item() == pytest.approx(-0.1 / 2, abs=1e-7)  # (0 - 0.1) / 2 tokens: log p_old - log p
     assert m["ratio_mean"].item() == pytest.approx((1 + math.exp(0.1)) / 2, abs=1e-6)
     assert m["clip_frac"].item() == 0.0
     assert all(not v.requires_grad and v.dim() == 0 for v in m.values())
@@ -697,7 +718,7 @@ def test_rl_loss_adds_kl_and_entropy():
     assert loss.item() == pytest.approx(-1 + 0.1 * LN2 - 0.003, abs=1e-6)
     assert m["pg_loss"].item() == pytest.approx(-1) and m["kl"].item() == pytest.approx(LN2)
     assert m["entropy"].item() == pytest.approx(0.3) and m["loss"].item() == pytest.approx(loss.item())
-    assert {"clip_frac", "approx_kl", "ratio_mean"} <= m.keys()
+    assert {"clip_frac", "approx_kl_k1", "approx_kl_k2", "ratio_mean", "nonfinite_old_frac"} <= m.keys()
 
 
 def test_rl_loss_optional_terms():
@@ -844,3 +865,27 @@ def test_sft_loss_reports_entropy_and_perfect_prediction_is_zero():
     assert metrics["entropy"].item() == pytest.approx(2 * LN2, abs=1e-6)
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         A.sft_loss(lp, mask, "sum")
+
+
+@pytest.mark.parametrize("policy", ["ppo", "gspo"])
+def test_an_old_logprob_of_minus_inf_gives_no_nan_and_is_counted(policy):
+    """SGLang can return no logprob for a token (the rollout function stores -inf): its ratio would be infinite,
+    a NaN loss where the advantage is 0 and a NaN gradient elsewhere. Such a token gets ratio 1 and no
+    gradient, the others train as usual, and nonfinite_old_frac counts it."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -INF, -0.5], [-1.0, -1.0, -1.0]])
+    mask = torch.ones(2, 3)
+    for adv in (torch.tensor([0.0, 0.0]), torch.tensor([1.0, -1.0])):
+        loss, m = A.rl_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, loss_agg="token_mean", policy=policy)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+        assert logp.grad[0, 1] == 0  # the unknown token takes no gradient
+        assert m["nonfinite_old_frac"].item() == pytest.approx(1 / 6)
+        logp.grad = None
+    # a ratio that drifted far is clamped at e^20, as verl's: finite loss and gradient
+    far, _ = A.policy_loss(torch.tensor([[0.0]], requires_grad=True), torch.tensor([[-100.0]]), torch.tensor([1.0]),
+                           torch.ones(1, 1), clip_ratio_c=3.0)
+    assert torch.isfinite(far)
+    seq, _ = A.gspo_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([[-50.0, -50.0]]), torch.tensor([-1.0]),
+                         torch.ones(1, 2))
+    assert seq.item() == pytest.approx(math.exp(10), rel=1e-5)  # sequence log-ratio 50 capped at 10

@@ -185,3 +185,14 @@ def test_gpu_placement_recipes_load(tmp_path):
         tmp_path, **GPU, rollout={"precision": "bf16", "off_policy_steps": 1}, weight_sync={"transport": "nccl"}
     )))
     assert split.rollout.precision == "bf16" and split.weight_sync.transport == "nccl"
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp_baseline"])
+def test_a_group_estimator_with_one_sample_per_prompt_is_refused(tmp_path, advantage):
+    raw = small_recipe(tmp_path, algorithm={"advantage": advantage}, rollout={"samples_per_prompt": 1})
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, raw))
+    assert re.search(rf"rollout\.samples_per_prompt: algorithm\.advantage {advantage} compares the samples of one "
+                     r"prompt.*use advantage reinforce_pp", e.value.problems[0]), e.value.problems
+    raw["algorithm"] = {"advantage": "reinforce_pp"}  # a batch baseline needs no group
+    assert load_recipe(write(tmp_path, raw)).rollout.samples_per_prompt == 1

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+LOG_RATIO_CLAMP = 20.0  # |log(p / p_old)| beyond this is clamped (verl's bound): exp() stays finite
+GSPO_SEQ_LOG_RATIO_MAX = 10.0  # GSPO's sequence log-ratio is clamped above at this (verl's bound)
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 POLICY_LOSSES = ("ppo", "gspo")
 IS_CORRECTIONS = ("none", "tis", "icepop")
@@ -80,14 +82,27 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return _zero_equal_groups(r - loo_mean, r).reshape(-1)
 
 
-def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """REINFORCE++-baseline: r - group mean, then divided by the std of those centred values over the whole batch.
+def reinforce_pp_baseline_advantages(
+    rewards: torch.Tensor, group_size: int, mask: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """REINFORCE++-baseline as verl and OpenRLHF compute it: r - group mean, broadcast over the response tokens,
+    then whitened (token-weighted mean and std) over every response token of the batch [B, T].
 
-    The group mean removes each prompt's difficulty; one batch-wide std (instead of GRPO's per-group std) keeps
-    the scale stable without over-weighting groups that are nearly all right or all wrong. The std is taken over
-    samples (each sample once), unbiased; all-equal groups are exactly 0 and an all-zero batch stays 0.
+    The group mean removes each prompt's difficulty; one batch-wide scale (instead of GRPO's per-group std) keeps
+    it stable without over-weighting groups that are nearly all right or all wrong. Whitening over tokens
+    weights each sample by its length, and subtracts the token mean, so with ragged lengths a sample's sign can
+    differ from its centred reward's. `reinforce_pp_baseline_seq_advantages` is the per-sample variant.
     """
     r = _groups(rewards, group_size, "reinforce_pp_baseline_advantages")
+    centered = _zero_equal_groups(r - r.mean(dim=1, keepdim=True), r).reshape(-1)
+    return masked_whiten(_per_token(centered, mask.float()), mask, eps)
+
+
+def reinforce_pp_baseline_seq_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++-baseline over samples [N]: r - group mean, divided by the std of those centred values over
+    the batch's samples (each sample once, unbiased; no mean subtracted). All-equal groups are exactly 0 and an
+    all-zero batch stays 0. Unlike the token-whitened form, a sample's length does not change its advantage."""
+    r = _groups(rewards, group_size, "reinforce_pp_baseline_seq_advantages")
     centered = _zero_equal_groups(r - r.mean(dim=1, keepdim=True), r).reshape(-1)
     if centered.numel() < 2 or not centered.any():
         return centered
@@ -272,9 +287,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
     k1 = log p - log q: unbiased, high variance, can be negative per token.
     k2 = (log p - log q)^2 / 2: biased but >= 0; as a loss its gradient is the unbiased KL gradient.
-    k3 = q/p - log(q/p) - 1: unbiased and >= 0; the log-ratio is clamped to [-20, 20] so exp() cannot overflow
-    when the policy has drifted far from the reference.
-    low_var_kl = k3 clamped to [-10, 10] (verl's name): a few runaway tokens cannot dominate the loss.
+    k3 = q/p - log(q/p) - 1: unbiased and >= 0. As verl computes it, the log-ratio is clamped to [-20, 20] so
+    exp() cannot overflow when the policy has drifted far from the reference, and the result to [-10, 10] so a
+    few runaway tokens cannot dominate the loss. low_var_kl is verl's other name for the same estimator.
     Gradients flow into `logprobs` only; the reference is a constant.
     """
     ref_logprobs = ref_logprobs.detach()
@@ -283,9 +298,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     if estimator == "k2":
         return 0.5 * (logprobs - ref_logprobs).pow(2)
     if estimator in ("k3", "low_var_kl"):
-        log_ratio = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
-        k3 = log_ratio.exp() - log_ratio - 1
-        return k3 if estimator == "k3" else k3.clamp(-10.0, 10.0)
+        log_ratio = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return (log_ratio.exp() - log_ratio - 1).clamp(-10.0, 10.0)
     raise ValueError(f"kl_penalty: unknown estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
 
 
@@ -309,11 +323,12 @@ def importance_weights(
               are dropped from the gradient altogether (IcePop's two-sided mask).
     Metrics (masked token means): is_weight_mean, is_ratio_mean (raw ratio), mismatch_kl (k3 estimate of
     KL(rollout || train)), plus is_clip_frac (tis: share truncated) or is_mask_frac (icepop: share dropped).
+    A token whose rollout logprob is not finite (an engine that returned none for it) gets ratio 1.
     """
     if mode not in IS_CORRECTIONS:
         raise ValueError(f"importance_weights: unknown mode {mode!r}; expected one of {', '.join(IS_CORRECTIONS)}")
     valid = mask > 0
-    log_ratio = torch.where(valid, train_logprobs.detach() - rollout_logprobs.detach(), 0.0).clamp(-20.0, 20.0)
+    log_ratio, _ = _log_ratio(train_logprobs.detach(), rollout_logprobs, valid)  # unknown: ratio 1
     ratio = log_ratio.exp()
     metrics: dict[str, torch.Tensor] = {}
     if mode == "tis":
@@ -358,15 +373,19 @@ def policy_loss(
     not change the aggregation's denominators. advantages are [B] (one per sequence, broadcast over its tokens)
     or [B, T]. old_logprobs, advantages and weights are constants: gradients flow into `logprobs` only.
 
+    The log-ratio is clamped to +-LOG_RATIO_CLAMP (as verl does), and a token whose old logprob is not finite (a
+    rollout engine that returned none for it: -inf) gets ratio 1 and no gradient, instead of an infinite ratio
+    and a NaN loss; `nonfinite_old_frac` counts them.
+
     Metrics (detached, masked token means): clip_frac (share of tokens where the clipped term was chosen because it
-    was strictly smaller, i.e. those tokens get no gradient), approx_kl (0.5 * (logp - old_logp)^2, the quadratic
-    estimate of KL(old || new)), ratio_mean; with clip_ratio_c also dual_clip_frac (share capped by it).
+    was strictly smaller, i.e. those tokens get no gradient), approx_kl_k1 (log p_old - log p, verl's ppo_kl) and
+    approx_kl_k2 (0.5 * (log p - log p_old)^2), two estimates of KL(old || new), ratio_mean, nonfinite_old_frac;
+    with clip_ratio_c also dual_clip_frac (share capped by it).
     """
     if clip_ratio_c is not None and clip_ratio_c <= 1:
         raise ValueError(f"policy_loss: clip_ratio_c must be > 1 (typically 3), got {clip_ratio_c}")
     valid, advantages = mask > 0, _per_token(advantages, logprobs)
-    # Zero the log-ratio off the mask first, so garbage there cannot overflow exp() and send NaN into backward.
-    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), 0.0)
+    log_ratio, known = _log_ratio(logprobs, old_logprobs, valid)
     ratio = log_ratio.exp()
     advantages = torch.where(valid, advantages.detach(), 0.0)
     unclipped = ratio * advantages
@@ -380,11 +399,7 @@ def policy_loss(
         metrics["dual_clip_frac"] = masked_mean(dual.float(), mask)
     loss = aggregate_loss(_weighted(per_token, token_weights, valid), mask, loss_agg, norm_len)
     with torch.no_grad():
-        metrics |= {
-            "clip_frac": masked_mean((clipped < unclipped).float(), mask),
-            "approx_kl": masked_mean(0.5 * log_ratio.pow(2), mask),
-            "ratio_mean": masked_mean(ratio, mask),
-        }
+        metrics |= _ratio_metrics(log_ratio, ratio, clipped < unclipped, known, mask)
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
@@ -406,14 +421,16 @@ def gspo_loss(
     form (GSPO-token): s_t = sg(s) * p(y_t) / sg(p(y_t)) has value s and d s_t / d log p(y_t) = s, so with
     seq_mean_token_mean (the paper's 1/|y| normalisation) the gradient equals sequence-level GSPO, and per-token
     advantages [B, T] are allowed. Per token: -min(s_t * A, clip(s_t, 1 - clip_low, 1 + clip_high) * A).
+    Token log-ratios are clamped and non-finite old logprobs handled as in policy_loss; the sequence log-ratio is
+    clamped above at GSPO_SEQ_LOG_RATIO_MAX (verl's bound).
     Metrics as policy_loss; ratio_mean and clip_frac are over tokens, each token carrying its sequence's s.
     """
     valid, advantages = mask > 0, _per_token(advantages, logprobs)
-    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), 0.0)
-    n_tokens = valid.sum(dim=-1, keepdim=True).clamp(min=1)
-    seq_log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / n_tokens).detach()
+    log_ratio, known = _log_ratio(logprobs, old_logprobs, valid)
+    n_tokens = known.sum(dim=-1, keepdim=True).clamp(min=1)  # the mean over tokens whose old logprob is known
+    seq_log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / n_tokens).detach().clamp(max=GSPO_SEQ_LOG_RATIO_MAX)
     # value: s; gradient: s * d log p(y_t). The subtraction is 0 in value but carries the token's gradient.
-    token_log_ratio = torch.where(valid, seq_log_ratio + (logprobs - logprobs.detach()), 0.0)
+    token_log_ratio = torch.where(known, seq_log_ratio + (logprobs - logprobs.detach()), 0.0)
     ratio = token_log_ratio.exp()
     advantages = torch.where(valid, advantages.detach(), 0.0)
     unclipped = ratio * advantages
@@ -421,11 +438,7 @@ def gspo_loss(
     per_token = -torch.minimum(unclipped, clipped)
     loss = aggregate_loss(_weighted(per_token, token_weights, valid), mask, loss_agg, norm_len)
     with torch.no_grad():
-        metrics = {
-            "clip_frac": masked_mean((clipped < unclipped).float(), mask),
-            "approx_kl": masked_mean(0.5 * log_ratio.pow(2), mask),
-            "ratio_mean": masked_mean(ratio, mask),
-        }
+        metrics = _ratio_metrics(log_ratio, ratio, clipped < unclipped, known, mask)
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
@@ -559,6 +572,27 @@ def sft_loss(
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, valid: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log(p / p_old) clamped to +-LOG_RATIO_CLAMP where the token is trained on and p_old is known, else 0 with
+    no gradient; where it was known). Garbage off the mask and an old logprob of -inf cannot overflow exp() and
+    send NaN into the loss or the backward pass."""
+    known = valid & torch.isfinite(old_logprobs)
+    ratio = torch.where(known, logprobs - old_logprobs.detach(), 0.0)
+    return ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), known
+
+
+def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, known: torch.Tensor,
+                   mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {
+        "clip_frac": masked_mean(clipped.float(), mask),
+        "approx_kl_k1": masked_mean(-log_ratio, mask),
+        "approx_kl_k2": masked_mean(0.5 * log_ratio.pow(2), mask),
+        "ratio_mean": masked_mean(ratio, mask),
+        "nonfinite_old_frac": masked_mean((~known).float(), mask),
+    }
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -142,15 +142,21 @@ class RewardConfig(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the reward.")
 
 
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp_baseline_seq")
+
+
 class AlgorithmConfig(Section):
     """Advantage estimator, policy loss, KL, entropy and rollout/train mismatch correction (docs/algorithms.md)."""
 
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = Field(
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "reinforce_pp_baseline_seq",
+                       "gae"] = Field(
         "grpo",
         description="grpo: (r - mean) / std per group; dr_grpo: r - mean; rloo: r - mean of the group's other "
         "samples; reinforce_pp: discounted token returns whitened over the batch (no group needed); "
-        "reinforce_pp_baseline: r - group mean, divided by the batch std; gae: PPO with a critic (the critic "
-        "section), generalised advantage estimation over the critic's token values, whitened over the batch.",
+        "reinforce_pp_baseline: r - group mean, whitened over the batch's response tokens (verl, OpenRLHF); "
+        "reinforce_pp_baseline_seq: r - group mean, divided by its std over the batch's samples; gae: PPO with a "
+        "critic (the critic section), generalised advantage estimation over the critic's token values, whitened "
+        "over the batch.",
     )
     normalize_std: bool | None = Field(
         None, description="Override std normalisation of grpo / dr_grpo (default: grpo yes, dr_grpo no)."
@@ -187,8 +193,8 @@ class AlgorithmConfig(Section):
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL to the frozen reference model; 0 disables it.")
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
         "k3",
-        description="k1: log-ratio; k2: squared log-ratio / 2; k3: low-variance unbiased estimator; "
-        "low_var_kl: k3 clamped to [-10, 10].",
+        description="k1: log-ratio; k2: squared log-ratio / 2; k3: the low-variance estimator q/p - log(q/p) - 1, "
+        "clamped to [-10, 10] as verl's; low_var_kl: verl's name for the same k3.",
     )
     kl_in: Literal["loss", "reward"] = Field(
         "loss",
@@ -542,6 +548,11 @@ class RLConfig(Section):
         if self.train.backend == "megatron" and self.train.num_workers % mp:
             raise ValueError(f"train.num_workers ({self.train.num_workers}) must be a multiple of "
                              f"megatron.tensor_parallel x megatron.pipeline_parallel ({mp})")
+        if self.algorithm.advantage in GROUP_ESTIMATORS and self.rollout.samples_per_prompt < 2:
+            raise ValueError(f"rollout.samples_per_prompt: algorithm.advantage {self.algorithm.advantage} compares "
+                             "the samples of one prompt, and 1 sample per prompt gives every sample advantage 0 "
+                             "(no policy gradient): sample 2 or more per prompt, or use advantage reinforce_pp "
+                             "(batch baseline) or gae (a critic)")
         batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
         if batch % (self.data_parallel_size * self.train.mini_batches) != 0:
             raise ValueError(

@@ -41,6 +41,7 @@ from rlflow.engines.sync.transports import make_transport
 from rlflow.engines.train.torch_backend import with_train_logprobs
 
 log = logging.getLogger(__name__)
+TOKEN_ADVANTAGES = ("reinforce_pp", "gae", "reinforce_pp_baseline")  # estimators giving per-token advantages
 
 
 @dataclass
@@ -248,7 +249,7 @@ class RLSession:
             rewards = rewards + pen
             metrics |= {"adv/overlong_penalty": float(pen.mean()), "adv/overlong_frac": float((pen < 0).float().mean())}
         kl_in_reward = algo.kl_in == "reward" and algo.kl_coef > 0
-        token_level = algo.advantage in ("reinforce_pp", "gae") or self.critic_group is not None
+        token_level = algo.advantage in TOKEN_ADVANTAGES or self.critic_group is not None
         st.train_logprobs, mask, penalty = None, None, None
         if kl_in_reward or token_level:
             batch = self._pack(st, torch.zeros(len(rewards)))
@@ -271,15 +272,17 @@ class RLSession:
                 "critic/returns_mean": float(algorithms.masked_mean(st.returns, mask)),
                 "critic/vf_explained_var": float(algorithms.explained_variance(st.values, st.returns, mask)),
             }
-        if algo.advantage in ("reinforce_pp", "gae"):
+        if kl_in_reward and algo.advantage not in ("reinforce_pp", "gae"):  # those take the per-token penalty
+            rewards = rewards - penalty.sum(-1)
+        if algo.advantage in TOKEN_ADVANTAGES:  # [B, T]
             if algo.advantage == "gae":  # whitened over the batch's response tokens, as verl does
                 st.advantages = algorithms.masked_whiten(gae, mask)
-            else:
+            elif algo.advantage == "reinforce_pp":
                 st.advantages = algorithms.reinforce_pp_advantages(token_rewards, mask, algo.gamma)
+            else:
+                st.advantages = algorithms.reinforce_pp_baseline_advantages(rewards, group, mask)
             abs_mean = float(algorithms.masked_mean(st.advantages.abs(), mask))
         else:
-            if kl_in_reward:
-                rewards = rewards - penalty.sum(-1)
             st.advantages = self._sequence_advantages(rewards, group)
             abs_mean = float(st.advantages.abs().mean())
         if rewards is not scored:
@@ -297,7 +300,7 @@ class RLSession:
             return algorithms.group_advantages(rewards, group, normalize)
         if algo.advantage == "rloo":
             return algorithms.rloo_advantages(rewards, group)
-        return algorithms.reinforce_pp_baseline_advantages(rewards, group)
+        return algorithms.reinforce_pp_baseline_seq_advantages(rewards, group)
 
     def train(self, step: int) -> dict[str, float]:
         st = self._state(step)
