@@ -22,6 +22,7 @@ from rlflow.engines.cluster.placement import NodeInfo, PlacementError, RoleDeman
 from rlflow.engines.core.config import config_from_dict
 from rlflow.engines.rollout.router import RolloutRouter
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.session.workers import start_workers
 from rlflow.engines.store.run_store import RunStore
 from rlflow.flows.post_train import post_train
 from rlflow.tasks.run_context import STEP_LISTENERS, active_run
@@ -183,3 +184,14 @@ def test_a_run_over_three_nodes_learns_as_on_one_and_survives_losing_a_node(clus
     assert sorted(resumed) == list(range(2, STEPS))
     assert store.read_json("status.json")["status"] == "finished" and store.latest_step() == STEPS - 1
     assert all(torch.isfinite(torch.tensor(m["train/loss"])) for m in resumed.values())
+
+
+def test_workers_on_other_nodes_need_a_shared_dir(cluster, tmp_path):
+    """They read the model and write checkpoint shards by path: refused before any actor starts, placement
+    groups released."""
+    c, _ = cluster
+    cfg = _cfg(tmp_path, c, "no-shared-dir", cluster={"shared_dir": None})
+    with pytest.raises(PlacementError, match=r"cluster\.shared_dir: this run's workers are placed on other nodes"):
+        start_workers(cfg, str(tmp_path / "model"), use_ray=True)
+    assert not [t for t in placement_group_table().values()
+                if t["name"].startswith("no-shared-dir") and t["state"] != "REMOVED"]
