@@ -53,6 +53,7 @@ VARIANTS = {
     "rlflow-16k-ckpt": {"micro_batch_tokens": 16384, "activation_checkpointing": True},
     "rlflow-32k-ckpt": {"micro_batch_tokens": 32768, "activation_checkpointing": True},
     "rlflow-8k-compile": {"micro_batch_tokens": 8192, "compile": True},
+    "rlflow-8k-noreshard": {"micro_batch_tokens": 8192, "reshard_after_forward": False},
     "rlflow-16k-compile": {"micro_batch_tokens": 16384, "compile": True},
     "rlflow-16k-ckpt-compile": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "compile": True},
     "rlflow-4k-ckpt-c1k": {"micro_batch_tokens": 4096, "activation_checkpointing": True, "logprob_chunk_tokens": 1024},

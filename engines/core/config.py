@@ -310,6 +310,10 @@ class TrainConfig(Section):
     activation_checkpointing: bool = Field(
         False, description="torch backend: recompute each decoder layer's activations in the backward pass.")
     compile: bool = Field(False, description="torch backend: torch.compile each decoder layer (dynamic shapes).")
+    reshard_after_forward: bool = Field(
+        True, description="torch backend: FSDP2 frees each layer's gathered weights after its forward and gathers "
+        "them again for its backward (memory of one layer at a time). false keeps them until the backward: no "
+        "second all-gather per micro-batch, the gathered bf16 weights of every layer in memory at once.")
     cpu_offload: bool = Field(
         False, description="torch backend: FSDP2 CPU offload: parameters, gradients and optimizer state live on "
         "the host (the optimizer steps there) and each layer is copied to the GPU when it runs; trains models "

@@ -58,15 +58,17 @@ def init_process_group(device: str, rank: int, world_size: int, dist_url: str | 
                                 timeout=timedelta(seconds=timeout_s))
 
 
-def shard(lm: PackedLM, param_dtype: torch.dtype | None, cpu_offload: bool = False) -> PackedLM:
+def shard(lm: PackedLM, param_dtype: torch.dtype | None, cpu_offload: bool = False,
+          reshard_after_forward: bool = True) -> PackedLM:
     """Shard `lm` in place: each decoder layer is an FSDP unit, the root takes embeddings, norm and head.
 
     param_dtype: the dtype the layers compute in (bf16: fp32 shards, bf16 gathered copies); None: the
-    parameters' own dtype. Gradients are reduced in fp32."""
+    parameters' own dtype. Gradients are reduced in fp32. reshard_after_forward False keeps each layer's
+    gathered weights from its forward to its backward (FSDP2 keeps the root's anyway)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for layer in lm.body.layers:
-        fully_shard(layer, mp_policy=policy, offload_policy=offload)
+        fully_shard(layer, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard_after_forward)
     fully_shard(lm, mp_policy=policy, offload_policy=offload)
     for module in lm.modules():
         if isinstance(module, FSDPModule):  # the setters act on one unit, not its children

@@ -99,7 +99,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         compute = DTYPES[train.precision] if train.precision != "fp32" else None
         self.lm = fsdp.shard(
             PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing, train.compile),
-            compute, train.cpu_offload)
+            compute, train.cpu_offload, train.reshard_after_forward)
         self.ref_model = self.ref_lm = None
         if algorithm.kl_coef > 0 and role == "policy":  # frozen copy of the starting policy, for the KL penalty
             self.ref_model = load_model(model_path, dtype=DTYPES[train.precision], device="cpu").eval()
