@@ -195,3 +195,24 @@ def test_workers_on_other_nodes_need_a_shared_dir(cluster, tmp_path):
         start_workers(cfg, str(tmp_path / "model"), use_ray=True)
     assert not [t for t in placement_group_table().values()
                 if t["name"].startswith("no-shared-dir") and t["state"] != "REMOVED"]
+
+
+def test_a_plan_the_cluster_holds_but_other_jobs_occupy_fails_after_the_timeout(cluster, monkeypatch):
+    """The plan reads total resources; what other jobs hold shows only when Ray cannot reserve the bundles:
+    that fails after PLACEMENT_TIMEOUT_S with what is available, and nothing stays reserved."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from rlflow.engines.cluster import placement
+
+    workers = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) >= 1]  # one may be removed
+    busy = [placement_group([{"CPU": 1}], strategy="STRICT_PACK") for _ in workers]  # every worker node's CPU
+    try:
+        ray.get([pg.ready() for pg in busy], timeout=60)
+        monkeypatch.setattr(placement, "PLACEMENT_TIMEOUT_S", 2)
+        with pytest.raises(RuntimeError, match=r"could not reserve busy-train .* within 2 s: other jobs hold them"):
+            placement.place([RoleDemand("train", 2, 2, {"CPU": 0.5})], "busy")
+        assert not [t for t in placement_group_table().values()
+                    if t["name"].startswith("busy-") and t["state"] != "REMOVED"]
+    finally:
+        for pg in busy:
+            remove_placement_group(pg)
