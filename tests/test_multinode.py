@@ -148,7 +148,8 @@ def test_a_run_over_three_nodes_learns_as_on_one_and_survives_losing_a_node(clus
     urls: list[str] = []
 
     def remove_a_train_node(step: int, metrics: dict) -> None:
-        urls[:] = active_run(cfg.name).session.server_urls
+        session = active_run(cfg.name).session
+        urls[:] = [*session.server_urls, session.router.url]
         tables = [t for t in placement_group_table().values() if t["state"] == "CREATED"]
         where.update({t["name"]: sorted(set(t["bundles_to_node_id"].values())) for t in tables
                       if t["name"].startswith("multinode-")})
@@ -167,7 +168,9 @@ def test_a_run_over_three_nodes_learns_as_on_one_and_survives_losing_a_node(clus
     assert ray.get_runtime_context().get_node_id() not in {*train_nodes, *where["multinode-rollout-pg0"]}
     assert sorted(history) == [0, 1] and all(m["sync/bytes"] > 0 for m in history.values())
     ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == where["multinode-rollout-pg0"][0])
-    assert urls and all(u.startswith(f"http://{ip}:") for u in urls) and ip != "127.0.0.1"  # not loopback
+    driver_ip = ray.util.get_node_ip_address()
+    assert urls[0].startswith(f"http://{ip}:") and ip != "127.0.0.1"  # the rollout server: its node, not loopback
+    assert urls[-1].startswith(f"http://{driver_ip}:")  # the router: the driver's node
     store = RunStore(cfg.storage, cfg.name)
     assert store.committed_steps()[-1] == 1
     assert failed_after < 300, f"the lost node held the run for {failed_after:.0f} s instead of failing a stage"

@@ -146,8 +146,8 @@ class RolloutRouter:
 
     def __init__(self, worker_urls: list[str], host: str = "127.0.0.1", port: int = 0, token: str | None = None):
         """`token`: the run's control token: required on the router's control routes, sent with every request
-        to the workers. The router serves the run's rollout functions in the driver's process, so it binds
-        loopback by default."""
+        to the workers. It runs in the driver's process; the session binds it to the driver's node address when
+        the run spans nodes, loopback otherwise."""
         if not worker_urls:
             raise ValueError("RolloutRouter: worker_urls is empty")
         self.workers = [Worker(u.rstrip("/")) for u in worker_urls]

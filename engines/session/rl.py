@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from rlflow.engines.cluster.addresses import LOOPBACK, node_ip
 from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import RolloutBatch, TrainBatch, batch_size, select, shard_for_workers
 from rlflow.engines.core.config import RLConfig
@@ -110,7 +111,10 @@ class RLSession:
         if len(workers.rollout):
             session.server_urls = workers.rollout.call_each(RolloutBackend.start_server, [
                 (workers.rollout_host(i), 0, workers.control_token) for i in range(len(workers.rollout))])
-            session.router = RolloutRouter(session.server_urls, token=workers.control_token)
+            # on the driver's node address when the run spans nodes: rollout functions may hand it to environments
+            # elsewhere (its control routes need the token; generation is open, as the servers' is)
+            host = node_ip() if workers.spans_nodes else LOOPBACK
+            session.router = RolloutRouter(session.server_urls, host, token=workers.control_token)
             session.runner = RolloutRunner(session.rollout_fn, session.router.url, len(workers.rollout),
                                            workers.control_token)
         return session
