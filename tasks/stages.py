@@ -9,6 +9,7 @@ store instead: committed checkpoints, and committed rollout batches that the rol
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import time
@@ -35,10 +36,17 @@ def _stage(name: str):
         @functools.wraps(fn)
         def body(run: str, step: int) -> dict[str, float]:
             ctx = active_run(run)
-            with ctx.session.stage_span(name, step):  # the stage's lane in the trace timeline
-                maybe_inject(ctx, name, step, "before")
-                out = fn(ctx, step)
-                maybe_inject(ctx, name, step, "after")
+            t0 = time.monotonic()
+            try:
+                with ctx.session.stage_span(name, step):  # the stage's lane in the trace timeline
+                    maybe_inject(ctx, name, step, "before")
+                    out = fn(ctx, step)
+                    maybe_inject(ctx, name, step, "after")
+            except asyncio.CancelledError as exc:  # how Prefect's task timeout interrupts the stage
+                limit = getattr(ctx.cfg.orchestration.stage_timeout_s, name.replace("-", "_"), 0)
+                if limit and time.monotonic() - t0 >= 0.9 * limit:  # its clock started a moment before ours
+                    raise StageTimeout(timeout_message(ctx.cfg, name, step, limit)) from exc
+                raise
             return out
 
         return task(name=name, task_run_name=f"{name}-{{step}}", cache_policy=NO_CACHE, persist_result=False)(body)
@@ -164,4 +172,18 @@ def bind(cfg: RLConfig) -> Stages:
     if o.task_retries:
         for name in IDEMPOTENT:
             tasks[name] = tasks[name].with_options(retries=o.task_retries, retry_delay_seconds=o.retry_delay_s)
+    for name, seconds in o.stage_timeout_s.model_dump().items():
+        if seconds:
+            tasks[name] = tasks[name].with_options(timeout_seconds=seconds)
     return Stages(**tasks)
+
+
+class StageTimeout(TimeoutError):
+    """A stage ran past its orchestration.stage_timeout_s limit."""
+
+
+def timeout_message(cfg: RLConfig, name: str, step: int, limit: float) -> str:
+    """Which stage of which step, the field of its limit, and the user function it was running, by import path."""
+    user = {"reward": f" in reward.fn {cfg.reward.fn!r}", "rollout": f" in rollout.fn {cfg.rollout.fn!r}"}
+    return (f"stage {name} of step {step} ran longer than orchestration.stage_timeout_s.{name.replace('-', '_')} "
+            f"({limit:g} s){user.get(name, '')}; the run resumes from its last checkpoint")
