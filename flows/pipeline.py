@@ -51,7 +51,8 @@ def run_stage(deployment: str, parameters: dict, stage: str) -> FlowRun:
 
 def eval_config(cfg: PipelineConfig, train: RLConfig, checkpoint: str) -> EvaluationConfig:
     """The evaluation of the trained checkpoint: the pipeline's eval settings, with the training recipe's
-    reward, tracking, store and held-out data filling what the pipeline leaves empty."""
+    reward, tracking, store, held-out data and prompt rendering (data.chat_template) filling what the pipeline
+    leaves empty."""
     e = cfg.eval
     datasets = e.datasets
     if not datasets:
@@ -59,7 +60,9 @@ def eval_config(cfg: PipelineConfig, train: RLConfig, checkpoint: str) -> Evalua
             raise ValueError(f"eval.datasets: empty, and {cfg.train_recipe} has no data.eval_path to evaluate on")
         datasets = [EvalDatasetConfig(path=train.data.eval_path, prompt_key=train.data.prompt_key,
                                       label_key=train.data.label_key)]
-    e = e.model_copy(update={"datasets": datasets, "max_new_tokens": e.max_new_tokens or train.rollout.max_new_tokens})
+    chat = train.data.chat_template if e.chat_template is None else e.chat_template  # prompts rendered as in training
+    e = e.model_copy(update={"datasets": datasets, "max_new_tokens": e.max_new_tokens or train.rollout.max_new_tokens,
+                             "chat_template": chat})
     return EvaluationConfig(name=f"{train.name}-eval", checkpoint=checkpoint, eval=e, reward=train.reward,
                             tracking=train.tracking, storage=train.storage)
 
