@@ -91,7 +91,8 @@ def fetch_checkpoint(cfg: EvaluationConfig, workdir: Path) -> tuple[Path, dict]:
     store, step = locate_checkpoint(cfg.checkpoint, cfg.storage)
     model_dir = store.export_model(step, workdir / "model")
     meta = store.read_json("checkpoints", step, "meta.json")
-    return model_dir, meta | {"checkpoint_uri": store.uri("checkpoints", step), "chat_template": trained_with_chat(store)}
+    return model_dir, meta | {"checkpoint_uri": store.uri("checkpoints", step),
+                              "chat_template": trained_with_chat(store)}
 
 
 def trained_with_chat(store: RunStore) -> bool:

@@ -237,7 +237,8 @@ def test_train_and_eval_render_a_prompt_alike(tmp_path, chat_model_dir):
     try:
         session.rollout(0)
         st = session._state(0)
-        in_training = {st.rows[int(g)]["prompt"]: ids for g, ids in zip(st.batch.group, st.batch.prompt_ids)}
+        b = st.batch
+        in_training = {st.rows[int(g)]["prompt"]: ids for g, ids in zip(b.group, b.prompt_ids, strict=True)}
     finally:
         session.shutdown()
 
