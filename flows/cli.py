@@ -123,12 +123,13 @@ def cmd_runs(args) -> int:
 
 def cmd_export(args) -> int:
     """Copy a committed checkpoint's model/ (HF safetensors + config + tokenizer) to a local directory."""
-    from rlflow.engines.store.run_store import RunStore  # deferred: pyarrow and fsspec
+    from rlflow.engines.store.run_store import RunStore, StorageError  # deferred: pyarrow and fsspec
 
     store = RunStore(_store_config(args), args.run)
-    step = args.step if args.step is not None else store.latest_step()
-    if step is None or step not in store.committed_steps():
-        print(f"error: run '{args.run}' has no committed checkpoint {'' if step is None else step}", file=sys.stderr)
+    try:
+        step = store.committed_step(args.step)
+    except StorageError as e:  # names the steps that exist
+        print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
     store.export_model(step, out)
