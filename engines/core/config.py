@@ -848,6 +848,12 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, model: typ
     """Read a YAML recipe, apply `--set` overrides, validate. Raises RecipeError naming every bad field.
 
     `model` is the tree the recipe is for: RLConfig (the default), EvaluationConfig or PipelineConfig."""
+    return config_from_dict(read_recipe(path, overrides), source=str(path), model=model)
+
+
+def read_recipe(path: str | Path, overrides: list[str] | None = None) -> dict:
+    """A YAML recipe as a dict with `--set` overrides applied, not yet validated (`rlflow validate` checks the
+    valid sections of an invalid one too). Raises RecipeError for a missing file or bad YAML."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(str(path), ["recipe file not found"])
@@ -857,7 +863,28 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, model: typ
         raise RecipeError(str(path), [f"not valid YAML: {e}"]) from None
     if not isinstance(raw, dict):
         raise RecipeError(str(path), ["top level must be a mapping of sections"])
-    return config_from_dict(apply_overrides(raw, overrides or []), source=str(path), model=model)
+    return apply_overrides(raw, overrides or [])
+
+
+def valid_sections(raw: dict) -> tuple[RLConfig, set[str]]:
+    """An RLConfig of the sections of `raw` that are valid on their own (defaults where a section is absent), not
+    checked as a whole, and the names of the invalid or missing required sections: checks that need only valid
+    sections can run on a recipe that fails validation."""
+    good: dict[str, BaseModel] = {}
+    bad: set[str] = set()
+    for name, field in RLConfig.model_fields.items():
+        section = field.annotation
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            continue
+        if name not in raw:
+            if field.is_required():
+                bad.add(name)
+            continue
+        try:
+            good[name] = section.model_validate(raw[name])
+        except ValidationError:
+            bad.add(name)
+    return RLConfig.model_construct(**good), bad
 
 
 def config_from_dict(raw: dict, source: str = "<config>", model: type[M] | None = None) -> M:
