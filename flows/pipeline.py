@@ -35,14 +35,16 @@ class StageFailed(RuntimeError):
     """A stage's flow run did not complete; the message says which run and how to go on."""
 
 
-def run_stage(deployment: str, parameters: dict, stage: str) -> FlowRun:
-    """Start (or, for a retried pipeline run, reuse) the stage's flow run of `deployment` and wait for it."""
+def run_stage(deployment: str, parameters: dict, stage: str, name: str) -> FlowRun:
+    """Start (or, for a retried pipeline run, reuse) the stage's flow run of `deployment`, named `name` in the UI
+    (e.g. sort-tiny-train, sort-tiny-eval-step99), and wait for it."""
     key = f"{flow_run.id}:{stage}"
-    run = run_deployment(deployment, parameters=parameters, idempotency_key=key, poll_interval=POLL_S)
+    run = run_deployment(deployment, parameters=parameters, idempotency_key=key, poll_interval=POLL_S,
+                         flow_run_name=name)
     if not run.state.is_completed() and flow_run.run_count > 1:
         # an earlier attempt of this pipeline run left the stage failed: run it again (training resumes)
         run = run_deployment(deployment, parameters=parameters, idempotency_key=f"{key}:{flow_run.run_count}",
-                             poll_interval=POLL_S)
+                             poll_interval=POLL_S, flow_run_name=name)
     if not run.state.is_completed():
         raise StageFailed(f"stage {stage}: flow run {run.name} ({run.id}) of {deployment} ended {run.state.name}; "
                           "retry it from the UI and then this pipeline run, or retry this pipeline run")
@@ -95,7 +97,7 @@ def pipeline(
     train = load_recipe(cfg.train_recipe, cfg.train_overrides)  # the same file the training stage reads
 
     run_stage(cfg.train_deployment, {"config": None, "recipe": cfg.train_recipe, "overrides": cfg.train_overrides},
-              "train")
+              "train", f"{train.name}-train")
     store = RunStore(train.storage, train.name)
     step = store.latest_step()
     if step is None:
@@ -104,7 +106,8 @@ def pipeline(
 
     evaluation = eval_config(cfg, train, checkpoint)
     params = evaluation.model_dump(mode="json", exclude={"storage": {"key", "secret"}})  # credentials: worker's env
-    eval_run = run_stage(cfg.eval_deployment, {"config": params, "recipe": None, "overrides": None}, "evaluate")
+    eval_run = run_stage(cfg.eval_deployment, {"config": params, "recipe": None, "overrides": None}, "evaluate",
+                         f"{train.name}-eval-step{step}")
     mlflow_run = eval_mlflow_run(train.tracking.uri, train.tracking.experiment, str(eval_run.id))
 
     dataset = cfg.registry.dataset or evaluation.eval.datasets[0].key
@@ -114,6 +117,7 @@ def pipeline(
         raise ValueError(f"registry.metric: {metric_key!r} was not measured; the evaluation logged "
                          f"{sorted(k.replace('.', '/', 1) for k in logged)}")
     value = logged[metric_key.replace("/", ".")]
-    result = register_model(checkpoint, metric_key, value, mlflow_run.info.run_id, cfg.registry, train.tracking.uri,
-                            train.storage, mlflow_run.data.tags.get("rlflow.training_run_id"))
+    register = register_model.with_options(flow_run_name=f"{train.name}-register-step{step}")
+    result = register(checkpoint, metric_key, value, mlflow_run.info.run_id, cfg.registry, train.tracking.uri,
+                      train.storage, mlflow_run.data.tags.get("rlflow.training_run_id"))
     return {"checkpoint": checkpoint, metric_key: value, **result}

@@ -277,6 +277,47 @@ def test_evaluation_renders_prompts_as_the_run_trained(tmp_path, tiny_model_dir)
     assert pipeline_eval_config(PipelineConfig(train_recipe="t.yaml"), train, "uri").eval.chat_template is True
 
 
+def test_pipeline_names_its_stage_runs_after_the_run_and_step(tmp_path, tiny_model_dir, monkeypatch):
+    """In the UI the pipeline's children read <name>-train, <name>-eval-step<k> and <name>-register-step<k>, not
+    Prefect's random names. The two deployment runs are stood in for: training commits step 4, evaluation logs
+    its metric to an MLflow run tagged with its flow run id, as the real flows do."""
+    import uuid
+    from types import SimpleNamespace
+
+    import yaml
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.states import Completed
+
+    from rlflow.flows import pipeline as pipeline_flow
+
+    recipe = tmp_path / "train.yaml"
+    recipe.write_text(yaml.safe_dump(small_recipe(tmp_path, name="exp7")))
+    store = RunStore(StorageConfig(uri=str(tmp_path / "runs")), "exp7")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    started: dict[str, str] = {}
+
+    def run_deployment(deployment: str, flow_run_name: str | None = None, **kw) -> SimpleNamespace:
+        started[deployment] = flow_run_name
+        run_id = uuid.uuid4()
+        if deployment == "post-train/post-train":
+            fake_checkpoint(store, 4, tiny_model_dir)
+        else:
+            exp = client.get_experiment_by_name("rlflow") or client.get_experiment(client.create_experiment("rlflow"))
+            run = client.create_run(exp.experiment_id, tags={"prefect.flow_run_id": str(run_id)})
+            client.log_metric(run.info.run_id, "eval.accuracy", 0.5)
+        return SimpleNamespace(id=run_id, name=flow_run_name, state=Completed())
+
+    monkeypatch.setattr(pipeline_flow, "run_deployment", run_deployment)
+    state = pipeline_flow.pipeline(PipelineConfig(train_recipe=str(recipe)), return_state=True)
+
+    assert started == {"post-train/post-train": "exp7-train", "evaluate/evaluate": "exp7-eval-step4"}
+    assert state.result()["registered"]
+    children = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[state.state_details.flow_run_id]))
+    with get_client(sync_client=True) as prefect:
+        assert [r.name for r in prefect.read_flow_runs(flow_run_filter=children)] == ["exp7-register-step4"]
+
+
 def test_shard_bounds_cover_every_prompt_once():
     assert shard_bounds(6, 4) == [(0, 1), (1, 3), (3, 4), (4, 6)]
     assert shard_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]  # no empty shard
