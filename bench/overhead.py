@@ -164,6 +164,7 @@ def main() -> None:
             for kind in ("bare", "full"):
                 out = Path(tmp) / f"{kind}-{rep}.json"
                 overrides = [f"train.steps={args.steps}", "eval.every=0", "checkpoint.every=0",
+                             "checkpoint.every_minutes=0",
                              f"storage.uri={tmp}/runs", f"tracking.uri=sqlite:///{tmp}/mlflow.db",
                              f"name=overhead-{kind}-{rep}", *args.overrides]
                 subprocess.run([sys.executable, __file__, args.recipe, "--one", kind, "--result", str(out),

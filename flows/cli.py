@@ -30,8 +30,7 @@ from rlflow.engines.core.config import (
     RecipeError,
     StorageConfig,
     apply_overrides,
-    config_from_dict,
-    load_recipe,
+    read_recipe,
 )
 from rlflow.engines.core.trace_render import load_trace, render
 
@@ -51,10 +50,9 @@ def _debug_overrides(args) -> list[str]:
 
 
 def _load(args) -> object:
-    from rlflow.engines.session.preflight import check  # deferred: torch and transformers (seconds)
+    from rlflow.engines.session.preflight import check_recipe  # deferred: torch and transformers (seconds)
 
-    cfg = load_recipe(args.recipe, [*args.overrides, *_debug_overrides(args)])
-    return check(cfg, args.recipe)
+    return check_recipe(read_recipe(args.recipe, [*args.overrides, *_debug_overrides(args)]), args.recipe)
 
 
 def cmd_validate(args) -> int:
@@ -96,7 +94,7 @@ def _store_config(args):
 def cmd_resume(args) -> int:
     """Continue a run from its store: the stored recipe, with --set overrides on top."""
     # deferred: torch and transformers (preflight), pyarrow and fsspec (the run store)
-    from rlflow.engines.session.preflight import check
+    from rlflow.engines.session.preflight import check_recipe
     from rlflow.engines.store.run_store import RunStore
 
     store = RunStore(_store_config(args), args.run)
@@ -105,7 +103,7 @@ def cmd_resume(args) -> int:
         return 2
     raw = apply_overrides(store.read_json("config.json"),
                           [f"storage.uri={args.store}", *args.overrides, *_debug_overrides(args)])
-    cfg = check(config_from_dict(raw, source=store.uri("config.json")), store.uri("config.json"))
+    cfg = check_recipe(raw, store.uri("config.json"))
     return _run(cfg)
 
 
@@ -123,12 +121,13 @@ def cmd_runs(args) -> int:
 
 def cmd_export(args) -> int:
     """Copy a committed checkpoint's model/ (HF safetensors + config + tokenizer) to a local directory."""
-    from rlflow.engines.store.run_store import RunStore  # deferred: pyarrow and fsspec
+    from rlflow.engines.store.run_store import RunStore, StorageError  # deferred: pyarrow and fsspec
 
     store = RunStore(_store_config(args), args.run)
-    step = args.step if args.step is not None else store.latest_step()
-    if step is None or step not in store.committed_steps():
-        print(f"error: run '{args.run}' has no committed checkpoint {'' if step is None else step}", file=sys.stderr)
+    try:
+        step = store.committed_step(args.step)
+    except StorageError as e:  # names the steps that exist
+        print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
     store.export_model(step, out)

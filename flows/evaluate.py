@@ -41,7 +41,7 @@ from rlflow.engines.core.config import EvalSamplingConfig, EvaluationConfig, res
 from rlflow.engines.data.rewards import load_reward_fn
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.session.evaluation import eval_rows, generate_and_reward, merge_and_score, shard_bounds
-from rlflow.engines.store.run_store import locate_checkpoint
+from rlflow.engines.store.run_store import RunStore, locate_checkpoint
 from rlflow.tasks.artifacts import artifact_key, fmt
 from rlflow.tasks.tracking import Tracker
 
@@ -91,7 +91,23 @@ def fetch_checkpoint(cfg: EvaluationConfig, workdir: Path) -> tuple[Path, dict]:
     store, step = locate_checkpoint(cfg.checkpoint, cfg.storage)
     model_dir = store.export_model(step, workdir / "model")
     meta = store.read_json("checkpoints", step, "meta.json")
-    return model_dir, meta | {"checkpoint_uri": store.uri("checkpoints", step)}
+    return model_dir, meta | {"checkpoint_uri": store.uri("checkpoints", step),
+                              "chat_template": trained_with_chat(store)}
+
+
+def trained_with_chat(store: RunStore) -> bool:
+    """Whether the run rendered its prompts with the chat template (data.chat_template of its stored recipe)."""
+    recipe = store.read_json("config.json") if store.exists("config.json") else {}
+    return bool(recipe.get("data", {}).get("chat_template", False))
+
+
+def with_prompt_rendering(cfg: EvaluationConfig, source: dict) -> EvaluationConfig:
+    """`cfg` with eval.chat_template decided: as given, else as the checkpoint's run trained (False for an HF
+    directory, which records no recipe), so its prompts reach the model as they did in training."""
+    if cfg.eval.chat_template is not None:
+        return cfg
+    rendered = bool(source.get("chat_template", False))
+    return cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"chat_template": rendered})})
 
 
 @task(name="load-checkpoint", cache_policy=NO_CACHE, persist_result=False)
@@ -173,7 +189,7 @@ def report(cfg: EvaluationConfig, source: dict, per_dataset: dict[str, dict], sa
         f"- training run (MLflow): {cfg.training_run_id or source.get('mlflow_run_id') or '-'}",
         f"- evaluation run (MLflow): {url}",
         f"- {cfg.eval.samples_per_prompt} samples per prompt, temperature {cfg.eval.temperature}, "
-        f"reward `{cfg.reward.fn}`",
+        f"reward `{cfg.reward.fn}`, prompts {'in the chat template' if cfg.eval.chat_template else 'as raw text'}",
         "",
         "| dataset | " + " | ".join(keys) + " |",
         "| --- | " + " | ".join("---" for _ in keys) + " |",
@@ -204,6 +220,7 @@ def evaluate(
     workdir = tempfile.mkdtemp(prefix=f"rlflow-eval-{cfg.name}-")
     try:
         source = load_checkpoint(cfg, workdir)
+        cfg = with_prompt_rendering(cfg, source)
         training_run = cfg.training_run_id or source.get("mlflow_run_id")
         tags = {"rlflow.kind": "evaluation", "rlflow.checkpoint": source.get("checkpoint_uri", cfg.checkpoint)}
         if training_run:

@@ -35,14 +35,16 @@ class StageFailed(RuntimeError):
     """A stage's flow run did not complete; the message says which run and how to go on."""
 
 
-def run_stage(deployment: str, parameters: dict, stage: str) -> FlowRun:
-    """Start (or, for a retried pipeline run, reuse) the stage's flow run of `deployment` and wait for it."""
+def run_stage(deployment: str, parameters: dict, stage: str, name: str) -> FlowRun:
+    """Start (or, for a retried pipeline run, reuse) the stage's flow run of `deployment`, named `name` in the UI
+    (e.g. sort-tiny-train, sort-tiny-eval-step99), and wait for it."""
     key = f"{flow_run.id}:{stage}"
-    run = run_deployment(deployment, parameters=parameters, idempotency_key=key, poll_interval=POLL_S)
+    run = run_deployment(deployment, parameters=parameters, idempotency_key=key, poll_interval=POLL_S,
+                         flow_run_name=name)
     if not run.state.is_completed() and flow_run.run_count > 1:
         # an earlier attempt of this pipeline run left the stage failed: run it again (training resumes)
         run = run_deployment(deployment, parameters=parameters, idempotency_key=f"{key}:{flow_run.run_count}",
-                             poll_interval=POLL_S)
+                             poll_interval=POLL_S, flow_run_name=name)
     if not run.state.is_completed():
         raise StageFailed(f"stage {stage}: flow run {run.name} ({run.id}) of {deployment} ended {run.state.name}; "
                           "retry it from the UI and then this pipeline run, or retry this pipeline run")
@@ -51,7 +53,8 @@ def run_stage(deployment: str, parameters: dict, stage: str) -> FlowRun:
 
 def eval_config(cfg: PipelineConfig, train: RLConfig, checkpoint: str) -> EvaluationConfig:
     """The evaluation of the trained checkpoint: the pipeline's eval settings, with the training recipe's
-    reward, tracking, store and held-out data filling what the pipeline leaves empty."""
+    reward, tracking, store, held-out data and prompt rendering (data.chat_template) filling what the pipeline
+    leaves empty."""
     e = cfg.eval
     datasets = e.datasets
     if not datasets:
@@ -59,7 +62,9 @@ def eval_config(cfg: PipelineConfig, train: RLConfig, checkpoint: str) -> Evalua
             raise ValueError(f"eval.datasets: empty, and {cfg.train_recipe} has no data.eval_path to evaluate on")
         datasets = [EvalDatasetConfig(path=train.data.eval_path, prompt_key=train.data.prompt_key,
                                       label_key=train.data.label_key)]
-    e = e.model_copy(update={"datasets": datasets, "max_new_tokens": e.max_new_tokens or train.rollout.max_new_tokens})
+    chat = train.data.chat_template if e.chat_template is None else e.chat_template  # prompts rendered as in training
+    e = e.model_copy(update={"datasets": datasets, "max_new_tokens": e.max_new_tokens or train.rollout.max_new_tokens,
+                             "chat_template": chat})
     return EvaluationConfig(name=f"{train.name}-eval", checkpoint=checkpoint, eval=e, reward=train.reward,
                             tracking=train.tracking, storage=train.storage)
 
@@ -92,7 +97,7 @@ def pipeline(
     train = load_recipe(cfg.train_recipe, cfg.train_overrides)  # the same file the training stage reads
 
     run_stage(cfg.train_deployment, {"config": None, "recipe": cfg.train_recipe, "overrides": cfg.train_overrides},
-              "train")
+              "train", f"{train.name}-train")
     store = RunStore(train.storage, train.name)
     step = store.latest_step()
     if step is None:
@@ -101,7 +106,8 @@ def pipeline(
 
     evaluation = eval_config(cfg, train, checkpoint)
     params = evaluation.model_dump(mode="json", exclude={"storage": {"key", "secret"}})  # credentials: worker's env
-    eval_run = run_stage(cfg.eval_deployment, {"config": params, "recipe": None, "overrides": None}, "evaluate")
+    eval_run = run_stage(cfg.eval_deployment, {"config": params, "recipe": None, "overrides": None}, "evaluate",
+                         f"{train.name}-eval-step{step}")
     mlflow_run = eval_mlflow_run(train.tracking.uri, train.tracking.experiment, str(eval_run.id))
 
     dataset = cfg.registry.dataset or evaluation.eval.datasets[0].key
@@ -111,6 +117,7 @@ def pipeline(
         raise ValueError(f"registry.metric: {metric_key!r} was not measured; the evaluation logged "
                          f"{sorted(k.replace('.', '/', 1) for k in logged)}")
     value = logged[metric_key.replace("/", ".")]
-    result = register_model(checkpoint, metric_key, value, mlflow_run.info.run_id, cfg.registry, train.tracking.uri,
-                            train.storage, mlflow_run.data.tags.get("rlflow.training_run_id"))
+    register = register_model.with_options(flow_run_name=f"{train.name}-register-step{step}")
+    result = register(checkpoint, metric_key, value, mlflow_run.info.run_id, cfg.registry, train.tracking.uri,
+                      train.storage, mlflow_run.data.tags.get("rlflow.training_run_id"))
     return {"checkpoint": checkpoint, metric_key: value, **result}

@@ -13,10 +13,11 @@ Prefect carries step numbers and metric dicts; tensors stay in the Ray actors an
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prefect import flow
 
-from rlflow.engines.core.config import RLConfig, resolve_config
+from rlflow.engines.core.config import CheckpointConfig, RLConfig, resolve_config
 from rlflow.tasks import stages
 from rlflow.tasks.artifacts import TrainingArtifacts
 from rlflow.tasks.run_context import RunContext, open_run
@@ -24,6 +25,24 @@ from rlflow.tasks.run_context import RunContext, open_run
 
 def _due(every: int, step: int, last: int) -> bool:
     return step == last or (every > 0 and (step + 1) % every == 0)
+
+
+class CheckpointSchedule:
+    """Which steps save a checkpoint: every `checkpoint.every` steps, the step in which `checkpoint.every_minutes`
+    pass since the last save (or the start of this attempt), and the last step. The flow alone decides, so every
+    rank saves at the same steps."""
+
+    def __init__(self, cfg: CheckpointConfig, last: int, clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.last, self.clock = cfg, last, clock
+        self.since = clock()
+
+    def due(self, step: int) -> bool:
+        minutes = self.cfg.every_minutes
+        late = minutes > 0 and self.clock() - self.since >= minutes * 60
+        return late or _due(self.cfg.every, step, self.last)
+
+    def saved(self) -> None:
+        self.since = self.clock()
 
 
 @flow(name="post-train", log_prints=True)
@@ -49,6 +68,7 @@ def post_train(
     one_step_off = config.rollout.off_policy_steps == 1
     debug = config.debug
     ahead: dict[str, float] | None = None  # one-step-off: this step's rollout metrics, generated last step
+    checkpoints = CheckpointSchedule(config.checkpoint, last)
     try:
         run.artifacts = TrainingArtifacts(config.name, config.train.steps, run.start_step, run.tracker.url)
         for step in range(run.start_step, config.train.steps):
@@ -69,8 +89,9 @@ def post_train(
                 metrics |= s.evaluate(r, step)
             metrics["time/step"] = time.perf_counter() - t0
             run.tracker.log_metrics(metrics, step)
-            if debug.trains and _due(config.checkpoint.every, step, last):  # after logging: a committed step has
-                s.checkpoint(r, step)  # its metrics
+            if debug.trains and checkpoints.due(step):  # after logging: a committed step has its metrics
+                s.checkpoint(r, step)
+                checkpoints.saved()
                 run.artifacts.checkpoint(step, metrics, run.store.uri("checkpoints", step))
             if debug.traced(step):
                 s.trace(r, step)

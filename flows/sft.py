@@ -15,7 +15,7 @@ from prefect import flow
 
 from rlflow.engines.core.config import RLConfig
 from rlflow.engines.session.sft import SFTSession
-from rlflow.flows.post_train import _due
+from rlflow.flows.post_train import CheckpointSchedule, _due
 from rlflow.tasks import stages
 from rlflow.tasks.run_context import RunContext, open_run
 
@@ -28,6 +28,7 @@ def sft(config: RLConfig) -> dict[str, float]:
     r, last = run.name, config.sft.steps - 1
     metrics: dict[str, float] = {}
     status = "FAILED"
+    checkpoints = CheckpointSchedule(config.checkpoint, last)
     try:
         for step in range(run.start_step, config.sft.steps):
             t0 = time.perf_counter()
@@ -37,8 +38,9 @@ def sft(config: RLConfig) -> dict[str, float]:
                 metrics |= s.evaluate(r, step)
             metrics["time/step"] = time.perf_counter() - t0
             run.tracker.log_metrics(metrics, step)
-            if _due(config.checkpoint.every, step, last):
+            if checkpoints.due(step):
                 s.checkpoint(r, step)
+                checkpoints.saved()
             run.notify(step, metrics)
         status = "FINISHED"
     finally:

@@ -100,6 +100,25 @@ def test_cli_validate_exit_codes(tmp_path, capsys):
     assert "rollout.tempreature: unknown key" in err
 
 
+def test_validate_checks_data_and_reward_when_the_schema_fails(tmp_path, capsys):
+    """Schema errors do not hide the other checks: the data file and the reward import of valid sections are
+    checked too, all reported at once; a check whose section is invalid is left out (no noise)."""
+    raw = small_recipe(tmp_path, train={"steps": -1}, rollout={"tempreature": 1, "fn": "nowhere:fn"},
+                       reward={"fn": "no_such_module:score"})
+    raw["data"] = {"train_path": str(tmp_path / "nope.jsonl")}
+    def validate() -> list[str]:
+        assert main(["validate", write(tmp_path, raw)]) == 2
+        return [line[4:] for line in capsys.readouterr().err.splitlines() if line.startswith("  - ")]
+
+    problems = validate()
+    assert [p.split(":")[0] for p in problems] == ["rollout.tempreature", "train.steps", "data.train_path", "reward.fn"]
+    assert problems[2] == f"data.train_path: data file not found: {tmp_path / 'nope.jsonl'}"
+
+    raw["data"]["prompt_kye"] = "q"  # the data section itself invalid: its file is not checked, the reward still is
+    assert [p.split(":")[0] for p in validate()] == ["data.prompt_kye", "rollout.tempreature", "train.steps",
+                                                     "reward.fn"]
+
+
 @pytest.mark.parametrize(
     "name, expected",
     [

@@ -177,6 +177,7 @@ def test_pipeline_deployment_trains_evaluates_registers(stack, tmp_path):
         assert run.state.is_completed(), (run.state, states, (stack["tmp"] / "worker.log").read_text()[-3000:])
         assert states == {"pipeline": "COMPLETED", "post-train": "COMPLETED", "evaluate": "COMPLETED",
                           "register": "COMPLETED"}, states
+        assert {r.name for r in runs} >= {"e2e-train", "e2e-eval-step1", "e2e-register-step1"}  # named in the UI
 
         def artifacts(key: str) -> list[Artifact]:
             # the API directly, newest first (before the FastAPI pin, the client's null fields got a 422 here)

@@ -12,7 +12,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rlflow.engines.core.config import (
+    EvalSamplingConfig,
     EvaluationConfig,
+    PipelineConfig,
     RecipeError,
     RegisterConfig,
     RLConfig,
@@ -20,7 +22,12 @@ from rlflow.engines.core.config import (
     config_from_dict,
     resolve_config,
 )
-from rlflow.engines.session.evaluation import pass_at_k, score, shard_bounds
+from rlflow.engines.data.rewards import load_reward_fn
+from rlflow.engines.models.hf import load_tokenizer
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.session.evaluation import generate_and_reward, pass_at_k, score, shard_bounds
+from rlflow.engines.session.rl import RLSession
+from rlflow.engines.session.workers import prepare_data
 from rlflow.engines.store.run_store import RunStore, StorageError, locate_checkpoint
 from rlflow.flows.register import should_register
 from tests.conftest import small_recipe
@@ -204,6 +211,111 @@ def test_a_worker_without_the_flows_model_dir_exports_its_own(tmp_path, tiny_mod
     here = model_dir_here(cfg, str(tmp_path / "on-the-flows-node"))
     assert is_hf_model_dir(Path(here)) and Path(here).parent.name.startswith("rlflow-eval-ev-")  # its own export
     assert model_dir_here(cfg, str(tmp_path / "on-the-flows-node")) == here  # once per process
+
+
+# unlike the demo tokenizer's template, this one changes the ids: "R" before the prompt, "=" after it
+CHAT = "{{ bos_token }}{% for m in messages %}R{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+
+
+@pytest.fixture
+def chat_model_dir(tmp_path, tiny_model_dir) -> str:
+    out = tmp_path / "chat_model"
+    shutil.copytree(tiny_model_dir, out)
+    tok = load_tokenizer(out)
+    tok.chat_template = CHAT
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def test_train_and_eval_render_a_prompt_alike(tmp_path, chat_model_dir):
+    """With data.chat_template a row reaches the model as the same token ids in the RL loop's rollout and in the
+    evaluate flow's generation, and the template is really applied (the ids are not the raw text's)."""
+    cfg = config_from_dict(small_recipe(tmp_path, model={"path": chat_model_dir}, data={"chat_template": True},
+                                        cluster={"use_ray": False, "colocate": False}, debug={"mode": "rollout_only"}))
+    prepare_data(cfg)
+    session = RLSession.create(cfg, chat_model_dir, use_ray=False)
+    try:
+        session.rollout(0)
+        st = session._state(0)
+        b = st.batch
+        in_training = {st.rows[int(g)]["prompt"]: ids for g, ids in zip(b.group, b.prompt_ids, strict=True)}
+    finally:
+        session.shutdown()
+
+    engine = TorchRolloutBackend(chat_model_dir, threads=1)
+    fed: list[list[int]] = []
+    generate = engine.generate_packed
+    engine.generate_packed = lambda ids, *a, **kw: fed.extend(ids) or generate(ids, *a, **kw)
+    e = EvalSamplingConfig(samples_per_prompt=1, chat_template=True)  # what the evaluate flow resolves for this run
+    generate_and_reward(engine, load_reward_fn(cfg.reward.fn), {}, "d", st.rows, 0, e, 4)
+
+    assert fed == [in_training[r["prompt"]] for r in st.rows]
+    tok = engine.tokenizer
+    raw = tok(st.rows[0]["prompt"])["input_ids"]
+    assert fed[0] == raw[:1] + tok.convert_tokens_to_ids(["R"]) + raw[1:] + tok.convert_tokens_to_ids(["="])
+
+
+def test_evaluation_renders_prompts_as_the_run_trained(tmp_path, tiny_model_dir):
+    """eval.chat_template left empty: a store checkpoint's run recipe decides, an HF directory is raw text, a given
+    value wins; the pipeline passes its training recipe's data.chat_template."""
+    from rlflow.flows.evaluate import fetch_checkpoint, with_prompt_rendering
+    from rlflow.flows.pipeline import eval_config as pipeline_eval_config
+
+    store = RunStore(StorageConfig(uri=str(tmp_path / "runs")), "r")
+    fake_checkpoint(store, 2, tiny_model_dir)
+    store.write_json(small_recipe(tmp_path, data={"chat_template": True}), "config.json")
+    cfg = eval_config(tmp_path, f"file://{tmp_path}/runs/r")
+    assert cfg.eval.chat_template is None
+    source = fetch_checkpoint(cfg, tmp_path / "w1")[1]
+    assert with_prompt_rendering(cfg, source).eval.chat_template is True
+    assert with_prompt_rendering(eval_config(tmp_path, cfg.checkpoint, eval_kw={"chat_template": False}),
+                                 source).eval.chat_template is False
+    hf = eval_config(tmp_path, tiny_model_dir)
+    assert with_prompt_rendering(hf, fetch_checkpoint(hf, tmp_path / "w2")[1]).eval.chat_template is False
+
+    train = config_from_dict(small_recipe(tmp_path, data={"chat_template": True}))
+    assert pipeline_eval_config(PipelineConfig(train_recipe="t.yaml"), train, "uri").eval.chat_template is True
+
+
+def test_pipeline_names_its_stage_runs_after_the_run_and_step(tmp_path, tiny_model_dir, monkeypatch):
+    """In the UI the pipeline's children read <name>-train, <name>-eval-step<k> and <name>-register-step<k>, not
+    Prefect's random names. The two deployment runs are stood in for: training commits step 4, evaluation logs
+    its metric to an MLflow run tagged with its flow run id, as the real flows do."""
+    import uuid
+    from types import SimpleNamespace
+
+    import yaml
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.states import Completed
+
+    from rlflow.flows import pipeline as pipeline_flow
+
+    recipe = tmp_path / "train.yaml"
+    recipe.write_text(yaml.safe_dump(small_recipe(tmp_path, name="exp7")))
+    store = RunStore(StorageConfig(uri=str(tmp_path / "runs")), "exp7")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    started: dict[str, str] = {}
+
+    def run_deployment(deployment: str, flow_run_name: str | None = None, **kw) -> SimpleNamespace:
+        started[deployment] = flow_run_name
+        run_id = uuid.uuid4()
+        if deployment == "post-train/post-train":
+            fake_checkpoint(store, 4, tiny_model_dir)
+        else:
+            exp = client.get_experiment_by_name("rlflow") or client.get_experiment(client.create_experiment("rlflow"))
+            run = client.create_run(exp.experiment_id, tags={"prefect.flow_run_id": str(run_id)})
+            client.log_metric(run.info.run_id, "eval.accuracy", 0.5)
+        return SimpleNamespace(id=run_id, name=flow_run_name, state=Completed())
+
+    monkeypatch.setattr(pipeline_flow, "run_deployment", run_deployment)
+    state = pipeline_flow.pipeline(PipelineConfig(train_recipe=str(recipe)), return_state=True)
+
+    assert started == {"post-train/post-train": "exp7-train", "evaluate/evaluate": "exp7-eval-step4"}
+    assert state.result()["registered"]
+    children = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[state.state_details.flow_run_id]))
+    with get_client(sync_client=True) as prefect:
+        assert [r.name for r in prefect.read_flow_runs(flow_run_filter=children)] == ["exp7-register-step4"]
 
 
 def test_shard_bounds_cover_every_prompt_once():

@@ -258,3 +258,46 @@ def test_flow_retry_resumes_in_the_same_process(tmp_path, data_dir, prefect_api,
     for k in weights:
         assert (weights[k] == ref_weights[k]).all(), k
     assert metrics == ref_metrics
+
+
+def test_checkpoint_schedule_defaults_bound_the_lost_work():
+    """No checkpoint settings: a save every 50 steps and at the end, and, when steps are slow, once an hour."""
+    from rlflow.engines.core.config import CheckpointConfig
+    from rlflow.flows.post_train import CheckpointSchedule
+
+    def saved_steps(cfg: CheckpointConfig, step_s: float, steps: int = 100) -> list[int]:
+        now = [0.0]
+        schedule, out = CheckpointSchedule(cfg, steps - 1, clock=lambda: now[0]), []
+        for step in range(steps):
+            now[0] += step_s
+            if schedule.due(step):
+                schedule.saved()
+                out.append(step)
+        return out
+
+    assert saved_steps(CheckpointConfig(), step_s=1.0) == [49, 99]
+    assert saved_steps(CheckpointConfig(), step_s=25 * 60.0, steps=12) == [2, 5, 8, 11]  # an hour is 2.4 steps
+    assert saved_steps(CheckpointConfig(every=0, every_minutes=0), step_s=3600.0) == [99]  # only at the end
+    assert saved_steps(CheckpointConfig(every=10, every_minutes=0), step_s=3600.0, steps=25) == [9, 19, 24]
+
+
+def test_a_run_without_checkpoint_settings_resumes_after_a_crash(tmp_path, monkeypatch):
+    """The recipe says nothing about checkpoints; the first attempt fails at step 50 and Prefect's retry goes on
+    from the default step-49 checkpoint instead of starting over at step 0."""
+    from rlflow.engines.core.config import config_from_dict
+    from rlflow.flows.post_train import post_train
+    from rlflow.tasks.run_context import STEP_LISTENERS
+
+    raw = small_recipe(tmp_path, cluster={"use_ray": False}, train={"steps": 51, "threads": 1}, eval={"every": 0},
+                       rollout={"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 1})
+    assert "checkpoint" not in raw
+    cfg = config_from_dict(raw)
+    monkeypatch.setenv("RLFLOW_FAULT", "train:50:before:raise")
+    steps: list[int] = []
+    STEP_LISTENERS.append(lambda step, m: steps.append(step))
+    try:
+        post_train.with_options(retries=1, retry_delay_seconds=0)(cfg)
+    finally:
+        STEP_LISTENERS.clear()
+    assert steps == list(range(51))  # step 50 ran once, after the resume; no step ran twice
+    assert RunStore(cfg.storage, cfg.name).committed_steps() == [49, 50]

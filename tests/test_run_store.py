@@ -114,3 +114,28 @@ def test_transient_classification():
             raise OSError("translated by s3fs") from inner
     except OSError as outer:
         assert is_transient(outer)
+
+
+def test_export_of_a_missing_step_lists_the_steps_there_are(tmp_path, capsys):
+    from rlflow.flows.cli import main as cli_main
+
+    root = str(tmp_path / "runs")
+    store = RunStore(root, "r")
+    store.write_json({"name": "r"}, "config.json")
+    for s in (49, 98):
+        store.commit_checkpoint(s, _ckpt(tmp_path, s), {"step": s})
+    store.write_bytes(b"partial", "checkpoints", 99, "model", "w.bin")  # a crash while saving step 99
+
+    def export(run: str, *step: str) -> tuple[int, str]:
+        rc = cli_main(["export", run, str(tmp_path / "out"), *step, "--store", root])
+        return rc, capsys.readouterr().err
+
+    rc, err = export("r", "--step", "99")
+    assert rc == 2 and "no committed checkpoint at step 99 (it was started but never committed)" in err
+    assert f"committed steps in {root}/r/checkpoints: 49, 98" in err
+    rc, err = export("r", "--step", "50")
+    assert rc == 2 and err.endswith("checkpoints: 49, 98\n") and "never committed" not in err
+    rc, err = export("nope")
+    assert rc == 2 and "run 'nope' has no committed checkpoint" in err and "no run 'nope' here" in err
+    assert export("r", "--step", "49")[0] == 0 and (tmp_path / "out" / "w.bin").read_bytes() == bytes([49]) * 10
+    assert export("r")[0] == 0 and (tmp_path / "out" / "w.bin").read_bytes() == bytes([98]) * 10  # the newest

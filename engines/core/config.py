@@ -415,7 +415,19 @@ class ClusterConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: int = Field(0, ge=0, description="Save every N steps; 0 saves only at the end.")
+    """When a run saves what it needs to resume. The last step always saves. The defaults make a run with no
+    checkpoint settings resumable: a crash loses at most 50 steps or about an hour of work, whichever is less,
+    for one checkpoint per interval (docs/operations.md, "When a run checkpoints")."""
+
+    every: int = Field(
+        50, ge=0, description="Save every N steps (slime's --save-interval, verl's trainer.save_freq) and at the last "
+        "step; 0: no step interval (with every_minutes 0: only at the end).",
+    )
+    every_minutes: float = Field(
+        60, ge=0, description="Also save once this many minutes have passed since the last save (or since this "
+        "attempt started), at the end of the step they pass in: bounds the work a crash loses when steps are slow; "
+        "0: no time interval.",
+    )
     keep_last: int = Field(2, gt=0, description="Committed checkpoints kept; the newest is never deleted.")
     save_rollouts: bool = Field(True, description="Persist each step's samples so a retried step reuses them.")
     keep_rollouts: bool = Field(False, description="Keep rollout batches older than the newest checkpoint.")
@@ -731,6 +743,12 @@ class EvalSamplingConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int | None = Field(None, gt=0, description="Response length limit; empty: 8, or in the pipeline "
                                        "the training recipe's rollout.max_new_tokens.")
+    chat_template: bool | None = Field(
+        None, description="Render each prompt as training did (data.chat_template): true: one user message in the "
+        "tokenizer's chat template with the generation prompt; false: the text as it is. Empty: the training recipe's "
+        "data.chat_template (a run-store checkpoint's config.json; in the pipeline, train_recipe), false for a "
+        "Hugging Face directory.",
+    )
     batch_size: int = Field(512, gt=0, description="Sequences generated together.")
     threads: int = Field(2, gt=0, description="torch threads.")
     device: Literal["cpu", "cuda"] = "cpu"
@@ -862,6 +880,12 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, model: typ
     """Read a YAML recipe, apply `--set` overrides, validate. Raises RecipeError naming every bad field.
 
     `model` is the tree the recipe is for: RLConfig (the default), EvaluationConfig or PipelineConfig."""
+    return config_from_dict(read_recipe(path, overrides), source=str(path), model=model)
+
+
+def read_recipe(path: str | Path, overrides: list[str] | None = None) -> dict:
+    """A YAML recipe as a dict with `--set` overrides applied, not yet validated (`rlflow validate` checks the
+    valid sections of an invalid one too). Raises RecipeError for a missing file or bad YAML."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(str(path), ["recipe file not found"])
@@ -871,7 +895,28 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, model: typ
         raise RecipeError(str(path), [f"not valid YAML: {e}"]) from None
     if not isinstance(raw, dict):
         raise RecipeError(str(path), ["top level must be a mapping of sections"])
-    return config_from_dict(apply_overrides(raw, overrides or []), source=str(path), model=model)
+    return apply_overrides(raw, overrides or [])
+
+
+def valid_sections(raw: dict) -> tuple[RLConfig, set[str]]:
+    """An RLConfig of the sections of `raw` that are valid on their own (defaults where a section is absent), not
+    checked as a whole, and the names of the invalid or missing required sections: checks that need only valid
+    sections can run on a recipe that fails validation."""
+    good: dict[str, BaseModel] = {}
+    bad: set[str] = set()
+    for name, field in RLConfig.model_fields.items():
+        section = field.annotation
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            continue
+        if name not in raw:
+            if field.is_required():
+                bad.add(name)
+            continue
+        try:
+            good[name] = section.model_validate(raw[name])
+        except ValidationError:
+            bad.add(name)
+    return RLConfig.model_construct(**good), bad
 
 
 def config_from_dict(raw: dict, source: str = "<config>", model: type[M] | None = None) -> M:

@@ -17,6 +17,7 @@ from rlflow.engines.core.config import EvalDatasetConfig, EvalSamplingConfig
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.data.prompts import load_prompts
 from rlflow.engines.data.rewards import RewardFn, compute_rewards
+from rlflow.engines.models.hf import encode_prompt
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend, split_packed
 
 CORRECT = 1.0  # a sample is correct when its reward reaches this (the built-in rewards give 1.0 for a match)
@@ -69,10 +70,13 @@ def generate_and_reward(engine: TorchRolloutBackend, reward_fn: RewardFn, reward
     Sample j of prompt p draws from the engine's generator (cfg.seed, p * n + j) wherever it runs, and a sample's
     tokens do not depend on its batch-mates, so shards merged give the tokens of one unsharded call at any
     temperature (up to float rounding between batch shapes, which the engine's tests hold to 1e-5 in logprobs;
-    a sample could differ only where two tokens tie to that precision)."""
+    a sample could differ only where two tokens tie to that precision).
+
+    Prompts are rendered by models.hf.encode_prompt, the function the RL loop renders them with, with the chat
+    template or not as `cfg.chat_template` says (the evaluate flow resolves an empty value before this)."""
     n = cfg.samples_per_prompt
     tok = engine.tokenizer
-    prompt_ids = [ids for r in rows for ids in [tok(r["prompt"])["input_ids"]] * n]
+    prompt_ids = [ids for r in rows for ids in [encode_prompt(tok, r["prompt"], bool(cfg.chat_template))] * n]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
     gen = engine.generate_packed(prompt_ids, params, seed=cfg.seed, first_index=first_prompt * n)
     responses = tok.batch_decode(split_packed(gen, "output_ids"), skip_special_tokens=True)

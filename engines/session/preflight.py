@@ -6,11 +6,12 @@ Problems are collected, not raised one at a time, so `rlflow validate` reports a
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import AutoConfig
 
-from rlflow.engines.core.config import RecipeError, RLConfig
+from rlflow.engines.core.config import RecipeError, RLConfig, config_from_dict, valid_sections
 from rlflow.engines.data.prompts import DataError, load_pairs, load_prompts
 from rlflow.engines.data.rewards import RewardError, load_reward_fn
 from rlflow.engines.rollout.functions import load_rollout_fn
@@ -19,12 +20,20 @@ from rlflow.engines.train.megatron.hf_config import UnsupportedModel, spec_from_
 from rlflow.engines.train.megatron.weights import check_tensor_parallel
 
 
-def find_problems(cfg: RLConfig) -> list[str]:
-    problems: list[str] = []
+def _model_problems(cfg: RLConfig) -> list[str]:
     if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
-        problems.append(f"model.path: no Hugging Face model (config.json) in {cfg.model.path}")
+        return [f"model.path: no Hugging Face model (config.json) in {cfg.model.path}"]
+    return []
+
+
+def _critic_problems(cfg: RLConfig) -> list[str]:
     if cfg.use_critic and cfg.critic.model_path and not (Path(cfg.critic.model_path) / "config.json").is_file():
-        problems.append(f"critic.model_path: no Hugging Face model (config.json) in {cfg.critic.model_path}")
+        return [f"critic.model_path: no Hugging Face model (config.json) in {cfg.critic.model_path}"]
+    return []
+
+
+def _data_problems(cfg: RLConfig) -> list[str]:
+    problems = []
     generated = cfg.data.generate is not None
     for field, path in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
         if not path or (generated and not Path(path).exists()):
@@ -33,28 +42,64 @@ def find_problems(cfg: RLConfig) -> list[str]:
             load_prompts(path, cfg.data.prompt_key, cfg.data.label_key)
         except DataError as e:
             problems.append(f"{field}: {e}")
+    return problems
+
+
+def _sft_problems(cfg: RLConfig) -> list[str]:
     sft_path = cfg.sft.train_path
-    if sft_path and not (cfg.sft.generate is not None and not Path(sft_path).exists()):
-        try:
-            load_pairs(sft_path, cfg.data.prompt_key, cfg.sft.response_key)
-        except DataError as e:
-            problems.append(f"sft.train_path: {e}")
+    if not sft_path or (cfg.sft.generate is not None and not Path(sft_path).exists()):
+        return []
+    try:
+        load_pairs(sft_path, cfg.data.prompt_key, cfg.sft.response_key)
+    except DataError as e:
+        return [f"sft.train_path: {e}"]
+    return []
+
+
+def _reward_problems(cfg: RLConfig) -> list[str]:
     try:
         load_reward_fn(cfg.reward.fn)
     except RewardError as e:
-        problems.append(str(e))
+        return [str(e)]
+    return []
+
+
+def _rollout_fn_problems(cfg: RLConfig) -> list[str]:
     try:
         load_rollout_fn(cfg.rollout.fn)
     except (ValueError, TypeError) as e:
-        problems.append(str(e))
-    if cfg.train.backend == "megatron":
-        problems += _megatron_problems(cfg)
-    if cfg.debug.replay_run:
-        try:
-            replay_source(cfg)
-        except (FileNotFoundError, StorageError) as e:
-            problems.append(str(e))
-    return problems
+        return [str(e)]
+    return []
+
+
+def _replay_problems(cfg: RLConfig) -> list[str]:
+    try:
+        replay_source(cfg)
+    except (FileNotFoundError, StorageError) as e:
+        return [str(e)]
+    return []
+
+
+def _megatron_or_none(cfg: RLConfig) -> list[str]:
+    return _megatron_problems(cfg) if cfg.train.backend == "megatron" else []
+
+
+# each check with the sections it reads: on a recipe that fails validation, a check runs when they are all valid
+CHECKS: list[tuple[frozenset[str], Callable[[RLConfig], list[str]]]] = [
+    (frozenset({"model"}), _model_problems),
+    (frozenset({"critic", "algorithm"}), _critic_problems),
+    (frozenset({"data"}), _data_problems),
+    (frozenset({"data", "sft"}), _sft_problems),
+    (frozenset({"reward"}), _reward_problems),
+    (frozenset({"rollout"}), _rollout_fn_problems),
+    (frozenset({"train", "model", "megatron"}), _megatron_or_none),
+    (frozenset({"debug", "storage"}), _replay_problems),
+]
+
+
+def find_problems(cfg: RLConfig, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """Every problem of the files and code `cfg` names, leaving out the checks that read a section in `skip`."""
+    return [p for needs, run_check in CHECKS if not needs & skip for p in run_check(cfg)]
 
 
 def _megatron_problems(cfg: RLConfig) -> list[str]:
@@ -76,3 +121,15 @@ def check(cfg: RLConfig, source: str = "<config>") -> RLConfig:
     if problems:
         raise RecipeError(source, problems)
     return cfg
+
+
+def check_recipe(raw: dict, source: str) -> RLConfig:
+    """The recipe `raw` validated and checked, or a RecipeError with every problem at once: when the schema fails,
+    the data, reward and other checks still run on the sections that are valid, so fixing a typo does not
+    uncover a missing data file one attempt later."""
+    try:
+        cfg = config_from_dict(raw, source)
+    except RecipeError as e:
+        partial, invalid = valid_sections(raw)
+        raise RecipeError(source, e.problems + find_problems(partial, skip=invalid)) from None
+    return check(cfg, source)

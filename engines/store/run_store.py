@@ -178,6 +178,20 @@ class RunStore:
         steps = self.committed_steps()
         return steps[-1] if steps else None
 
+    def committed_step(self, step: int | None = None) -> int:
+        """`step` (None: the newest) if it is a committed checkpoint, else a StorageError listing the steps there
+        are, so a user who asked for a missing one sees what to ask for."""
+        committed = self.committed_steps()
+        if committed and (step is None or step in committed):
+            return committed[-1] if step is None else step
+        where = self.uri("checkpoints")
+        if not committed:
+            missing = "" if self.exists("config.json") else f" (no run {self.run!r} here: no {self.uri('config.json')})"
+            raise StorageError(f"run {self.run!r} has no committed checkpoint in {where}{missing}")
+        torn = " (it was started but never committed)" if self.exists("checkpoints", step) else ""
+        raise StorageError(f"run {self.run!r} has no committed checkpoint at step {step}{torn}; committed steps in "
+                           f"{where}: {', '.join(map(str, committed))}")
+
     def clean_torn(self) -> list[str]:
         """Delete checkpoints and rollout batches that never got their COMMITTED marker."""
         removed = []
@@ -201,9 +215,7 @@ class RunStore:
     def export_model(self, step: int, local_dir: str | Path) -> Path:
         """The checkpoint's Hugging Face export (model/: safetensors, config, tokenizer) as a local directory
         that AutoModelForCausalLM.from_pretrained loads."""
-        if step not in self.committed_steps():
-            raise StorageError(f"{self.uri('checkpoints', step)}: no committed checkpoint at step {step}")
-        return self.download_checkpoint(step, local_dir, only="model")
+        return self.download_checkpoint(self.committed_step(step), local_dir, only="model")
 
     def prune(self, keep_last: int) -> list[int]:
         """Delete all but the newest `keep_last` committed checkpoints; never the newest one."""
@@ -265,11 +277,7 @@ def locate_checkpoint(uri: str, storage: StorageConfig) -> tuple[RunStore, int]:
         raise StorageError(f"{uri}: expected <store>/<run>[/checkpoints/<step>]")
     root, run = text.rsplit("/", 1)
     store = RunStore(storage.model_copy(update={"uri": root}), run)
-    committed = store.committed_steps()
-    if step is None:
-        if not committed:
-            raise StorageError(f"{uri}: run {run!r} has no committed checkpoint")
-        step = committed[-1]
-    elif step not in committed:
-        raise StorageError(f"{uri}: no committed checkpoint at step {step} (committed: {committed or 'none'})")
-    return store, step
+    try:
+        return store, store.committed_step(step)
+    except StorageError as e:
+        raise StorageError(f"{uri}: {e}") from None

@@ -19,12 +19,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import time
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -42,6 +40,7 @@ from rlflow.engines.sync.nccl import NcclChannel
 from rlflow.engines.sync.store import put_bucket
 from rlflow.engines.train import fsdp
 from rlflow.engines.train.microbatch import token_budget_groups
+from rlflow.engines.train.rng import restore_rng, rng_state
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -336,7 +335,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
             group["lr"] = lr  # the schedule's rate at the saved step, not the rate at step 0
         if own.is_file():
-            set_rng_state(state["rng"])
+            restore_rng(state, own)
 
     def data_parallel_rank(self) -> int:
         """Which shard of the data this worker trains on: every worker is a data-parallel copy."""
@@ -374,23 +373,4 @@ def with_train_logprobs(batch: TrainBatch, train_logprobs: torch.Tensor) -> Trai
     Without correction the rollout logprobs stay PPO's old policy and no extra forward pass is made.
     """
     return {**batch, "rollout_logprobs": batch["old_logprobs"], "old_logprobs": train_logprobs}
-
-
-def rng_state() -> dict:
-    """Python, numpy and torch RNG state as JSON-friendly values."""
-    py = random.getstate()
-    np_state = np.random.get_state()
-    return {
-        "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch": torch.get_rng_state().tolist(),
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    v, internal, gauss = state["python"]
-    random.setstate((v, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
 

@@ -39,7 +39,12 @@ from rlflow.engines.models.hf import DTYPES
 from rlflow.engines.sync.distributed import DistributedWeightSender
 from rlflow.engines.sync.endpoints import StoreSender
 from rlflow.engines.sync.store import put_bucket
-from rlflow.engines.train.megatron.checkpoint import load_optimizer_state, optimizer_state
+from rlflow.engines.train.megatron.checkpoint import (
+    load_optimizer_state,
+    optimizer_state,
+    set_tracker_rng_state,
+    tracker_rng_state,
+)
 from rlflow.engines.train.megatron.cpu import device_context
 from rlflow.engines.train.megatron.export import WeightExporter
 from rlflow.engines.train.megatron.hf_config import spec_from_hf
@@ -53,7 +58,8 @@ from rlflow.engines.train.megatron.model_build import (
     transformer_config,
     use_transformer_engine,
 )
-from rlflow.engines.train.torch_backend import lr_lambda, rng_state, set_rng_state, with_train_logprobs
+from rlflow.engines.train.rng import restore_rng, rng_state
+from rlflow.engines.train.torch_backend import lr_lambda, with_train_logprobs
 
 SFT_METRICS = ("entropy", "loss")  # what algorithms.sft_loss reports when given the entropy
 
@@ -358,7 +364,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         tensors, scalars = optimizer_state(self.optimizer)
         save_file(tensors, str(path / f"optimizer_rank{self.rank}.safetensors"))
         state = {"layout": self._layout_meta(), "updates": self.updates, "optimizer_scalars": scalars,
-                 "rng": rng_state()}
+                 "rng": rng_state() | ({"megatron_cuda": tracker_rng_state()} if self.device == "cuda" else {})}
         (path / f"trainer_rank{self.rank}.json").write_text(json.dumps(state))
         dist.barrier()  # the checkpoint is complete only when every rank has written its part
 
@@ -373,7 +379,9 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         load_optimizer_state(self.optimizer, load_file(str(path / f"optimizer_rank{self.rank}.safetensors")),
                              state["optimizer_scalars"])
         self.updates = state["updates"]
-        set_rng_state(state["rng"])
+        restore_rng(state, path / f"trainer_rank{self.rank}.json")
+        if self.device == "cuda":
+            set_tracker_rng_state(state["rng"].get("megatron_cuda", {}))
 
     def pid(self) -> int:
         """This worker's process id (fault-injection drills kill it)."""

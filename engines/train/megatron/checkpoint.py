@@ -1,4 +1,5 @@
-"""Megatron optimizer state as safetensors + JSON (megatron-core's own checkpoint formats use torch.save).
+"""Megatron optimizer and RNG-tracker state as safetensors + JSON (megatron-core's own checkpoint formats use
+torch.save).
 
 Whatever wrapper megatron builds (fp32, mixed precision, distributed, chained), the update is made by plain torch
 optimizers over fp32 main parameters (a data-parallel shard of them with the distributed optimizer). This saves
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core import tensor_parallel
 
 
 def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -53,3 +55,19 @@ def _positions(optimizer: Any):
         for g, group in enumerate(opt.param_groups):
             for i, p in enumerate(group["params"]):
                 yield f"o{o}.g{g}.p{i}", p, opt
+
+
+def tracker_rng_state() -> dict[str, list[int]]:
+    """Megatron's named CUDA RNG streams (its tracker forks to them for dropout in tensor-parallel regions, so
+    each TP rank draws its own or the shared numbers), as JSON values. Streams that are not byte tensors (the
+    CUDA-graph-safe tracker's generators) are not saved: such a resume draws fresh dropout masks."""
+    states = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return {name: s.tolist() for name, s in states.items() if torch.is_tensor(s)}
+
+
+def set_tracker_rng_state(states: dict[str, list[int]]) -> None:
+    """Restore tracker_rng_state()'s streams; the tracker keeps any stream the checkpoint does not have."""
+    if not states:
+        return
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.set_states(tracker.get_states() | {name: torch.tensor(v, dtype=torch.uint8) for name, v in states.items()})
