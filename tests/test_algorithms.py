@@ -361,6 +361,10 @@ def test_aggregation_modes_by_hand():
     assert A.aggregate_loss(VALUES, MASK, "seq_mean_token_sum_norm", norm_len=4).item() == pytest.approx(0.75)
     # a bool mask means the same
     assert A.aggregate_loss(VALUES, MASK.bool(), "seq_mean_token_mean").item() == pytest.approx(2.25)
+    # token_sum: 1 + 2 + 3 = 6, no denominator
+    assert A.aggregate_loss(VALUES, MASK, "token_sum").item() == pytest.approx(6.0)
+    # seq_mean_token_sum (verl's seq-mean-token-sum): row sums 3 and 3, mean over the 2 non-empty rows = 3
+    assert A.aggregate_loss(VALUES, MASK, "seq_mean_token_sum").item() == pytest.approx(3.0)
 
 
 def test_aggregation_modes_differ_on_lengths():
@@ -371,6 +375,9 @@ def test_aggregation_modes_differ_on_lengths():
     assert A.aggregate_loss(values, mask, "seq_mean_token_mean").item() == pytest.approx(1.0)  # (1 + 1) / 2
     # Dr.GRPO: (4/4 + 1/4) / 2 = 0.625
     assert A.aggregate_loss(values, mask, "seq_mean_token_sum_norm", norm_len=4).item() == pytest.approx(0.625)
+    assert A.aggregate_loss(values, mask, "token_sum").item() == pytest.approx(5.0)  # 4 + 1
+    # row sums 4 and 1: (4 + 1) / 2 = 2.5, the long row counts 4 times the short one
+    assert A.aggregate_loss(values, mask, "seq_mean_token_sum").item() == pytest.approx(2.5)
 
 
 def test_aggregation_gradient_skips_padding():
@@ -382,6 +389,13 @@ def test_aggregation_gradient_skips_padding():
     A.aggregate_loss(values, MASK, "seq_mean_token_mean").backward()
     # row 0: 1 / (2 seqs * 2 tokens) = 0.25 per token; row 1: 1 / (2 * 1) = 0.5
     assert torch.equal(values.grad, torch.tensor([[0.25, 0.25, 0.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    values.grad = None
+    A.aggregate_loss(values, MASK, "token_sum").backward()
+    assert torch.equal(values.grad, MASK)  # every token 1, padding 0
+    values.grad = None
+    A.aggregate_loss(values, MASK, "seq_mean_token_sum").backward()
+    # every token 1 / 2 non-empty sequences, whatever its row's length
+    assert torch.equal(values.grad, MASK / 2)
 
 
 @pytest.mark.parametrize("mode", A.LOSS_AGG_MODES)
@@ -403,8 +417,53 @@ def test_aggregation_weight():
     assert A.aggregation_weight(MASK, "token_mean").item() == 3
     assert A.aggregation_weight(MASK, "seq_mean_token_mean").item() == 2
     assert A.aggregation_weight(MASK, "seq_mean_token_sum_norm").item() == 2
+    assert A.aggregation_weight(MASK, "token_sum").item() == 3
+    assert A.aggregation_weight(MASK, "seq_mean_token_sum").item() == 2
     with pytest.raises(ValueError, match="'bogus'"):
         A.aggregation_weight(MASK, "bogus")
+
+
+@pytest.mark.parametrize("mode", A.LOSS_AGG_MODES)
+def test_micro_batches_and_ranks_add_up_to_the_whole_batch(mode):
+    """What the train backends do: every micro-batch's aggregate times its loss scale, summed over micro-batches
+    and data-parallel ranks, equals the aggregate of the whole mini-batch, in value and gradient; the "loss"
+    metric adds up the same way and, for the token modes, a token-mean metric averages exactly."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(7, 5, generator=g).requires_grad_(True)
+    lengths = torch.tensor([5, 1, 0, 3, 4, 2, 5])  # ragged, one empty row
+    mask = (torch.arange(5) < lengths[:, None]).float()
+    whole = A.aggregate_loss(values, mask, mode, norm_len=5)
+    (whole_grad,) = torch.autograd.grad(whole, values)
+    ranks = [[[0, 1], [2, 3]], [[4], [5, 6]]]  # 2 ranks, uneven micro-batches
+    total = sum(A.aggregation_weight(mask[sum(rank, [])], mode).double() for rank in ranks)  # the all-reduce
+    parts, metrics = [], []
+    for rank in ranks:
+        for rows in rank:
+            part = A.aggregate_loss(values[rows], mask[rows], mode, norm_len=5)
+            loss_scale, share = A.micro_batch_scales(mask[rows], total, mode)
+            parts.append(part * loss_scale.float())
+            metrics.append(A.scale_metrics({"loss": part, "m": A.masked_mean(values[rows], mask[rows])},
+                                           loss_scale, share))
+    split = torch.stack(parts).sum()
+    (split_grad,) = torch.autograd.grad(split, values)
+    assert split.item() == pytest.approx(whole.item(), abs=1e-6)
+    assert torch.allclose(split_grad, whole_grad, atol=1e-7)
+    assert sum(m["loss"] for m in metrics).item() == pytest.approx(whole.item(), abs=1e-6)
+    if mode in ("token_mean", "token_sum"):
+        assert sum(m["m"] for m in metrics).item() == pytest.approx(A.masked_mean(values, mask).item(), abs=1e-6)
+
+
+def test_micro_batch_scales_by_hand():
+    # MASK: 3 tokens in 2 non-empty rows; a mini-batch of 12 tokens / 8 sequences over all ranks
+    scale, share = A.micro_batch_scales(MASK, torch.tensor(12.0, dtype=torch.float64), "token_mean")
+    assert scale.item() == share.item() == 0.25  # 3 / 12
+    scale, share = A.micro_batch_scales(MASK, torch.tensor(8.0, dtype=torch.float64), "seq_mean_token_sum")
+    assert scale.item() == share.item() == 0.25  # 2 / 8
+    scale, share = A.micro_batch_scales(MASK, torch.tensor(12.0, dtype=torch.float64), "token_sum")
+    assert scale.item() == 1.0 and share.item() == 0.25  # a sum adds up as it is; metrics still average
+    m = A.scale_metrics({"loss": torch.tensor(6.0), "kl": torch.tensor(2.0), "clip_frac": torch.tensor(0.5)},
+                        scale, share)
+    assert m == {"loss": 6.0, "kl": 2.0, "clip_frac": 0.125} and all(v.dtype == torch.float64 for v in m.values())
 
 
 # ----------------------------------------------------------------------------- kl_penalty
@@ -703,6 +762,210 @@ def test_gspo_weights_and_empty_batch():
         assert loss.item() == 0.0 and all(v.item() == 0.0 for v in m.values())
 
 
+# ----------------------------------------------------------------------------- cispo
+
+# row 0: logp [-1, -2], ratios [1.5, 0.5], A = +1; row 1: logp -0.5, ratio 1, A = -2; row 2 empty, garbage everywhere
+CISPO_LOGP = torch.tensor([[-1.0, -2.0], [-0.5, NAN], [NAN, INF]])
+CISPO_OLD = torch.tensor([[-1.0 - math.log(1.5), -2.0 + LN2], [-0.5, -INF], [INF, NAN]])
+CISPO_MASK = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
+CISPO_ADV = torch.tensor([1.0, -2.0, NAN])
+
+
+def test_cispo_by_hand_every_token_keeps_a_gradient():
+    logp = CISPO_LOGP.clone().requires_grad_(True)
+    loss, m = A.cispo_loss(logp, CISPO_OLD, CISPO_ADV, CISPO_MASK, clip_low=0.2, clip_high=0.2)
+    # weights sg(clip(ratio, 0.8, 1.2)) = [1.2, 0.8], [1]; per token -w * A * log p:
+    # 1.2 * 1 = 1.2, 0.8 * 2 = 1.6, -1 * -2 * -0.5 = -1 -> token_mean (1.2 + 1.6 - 1) / 3 = 0.6
+    assert loss.item() == pytest.approx(0.6, abs=1e-6)
+    assert m["clip_frac"].item() == pytest.approx(2 / 3)  # both row-0 weights clipped ...
+    loss.backward()
+    # ... and both still train: d/dlogp = -w * A / 3 = -0.4, -0.266667; row 1: 2 / 3
+    assert torch.allclose(logp.grad, torch.tensor([[-0.4, -0.8 / 3], [2 / 3, 0.0], [0.0, 0.0]]), atol=1e-6)
+    # PPO on the same batch stops the first token (A > 0, ratio 1.5 above 1.2): its gradient is 0
+    ppo_logp = CISPO_LOGP.clone().requires_grad_(True)
+    A.policy_loss(ppo_logp, CISPO_OLD, CISPO_ADV, CISPO_MASK)[0].backward()
+    assert ppo_logp.grad[0, 0] == 0.0
+
+
+def test_cispo_without_a_lower_bound():
+    # the paper's setting, clip_low >= 1: the 0.5 ratio keeps its weight 0.5 -> 0.5 * 2 = 1.0 for that token,
+    # (1.2 + 1.0 - 1) / 3 = 0.4, and only the 1.5 ratio counts as clipped
+    logp = CISPO_LOGP.clone().requires_grad_(True)
+    loss, m = A.cispo_loss(logp, CISPO_OLD, CISPO_ADV, CISPO_MASK, clip_low=1.0, clip_high=0.2)
+    assert loss.item() == pytest.approx(0.4, abs=1e-6) and m["clip_frac"].item() == pytest.approx(1 / 3)
+    loss.backward()
+    assert logp.grad[0, 1].item() == pytest.approx(-0.5 / 3, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------- gmpo
+
+# log-ratios (old = 0), band 0.4 on both sides in log space:
+# row 0, A = +1: [0.6, -0.2] -> c = [0.4 (clipped above), -0.2], mean 0.1, s = e^0.1
+# row 1, A = -1: [-0.6, 0.2] -> c = [-0.4 (clipped below), 0.2], mean -0.1, s = e^-0.1
+# row 2, A = -1: [0.5] -> A < 0 is never clipped above: c = 0.5, s = e^0.5; row 3 empty, garbage
+GMPO_LOGP = torch.tensor([[0.6, -0.2], [-0.6, 0.2], [0.5, NAN], [INF, NAN]])
+GMPO_OLD = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, INF], [NAN, -INF]])
+GMPO_MASK = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
+GMPO_ADV = torch.tensor([1.0, -1.0, -1.0, NAN])
+G0, G1, G2 = math.exp(0.1), math.exp(-0.1), math.exp(0.5)
+
+
+def test_gmpo_by_hand():
+    logp = GMPO_LOGP.clone().requires_grad_(True)
+    loss, m = A.gmpo_loss(logp, GMPO_OLD, GMPO_ADV, GMPO_MASK, 0.4, 0.4, "seq_mean_token_mean")
+    # per sequence -A * s: -1.105171, +0.904837, +1.648721 -> mean over 3 rows 0.482796
+    assert loss.item() == pytest.approx((-G0 + G1 + G2) / 3, abs=1e-6)
+    assert m["clip_frac"].item() == pytest.approx(2 / 5)  # 2 of 5 tokens clipped
+    assert m["ratio_mean"].item() == pytest.approx((2 * G0 + 2 * G1 + G2) / 5, abs=1e-6)
+    loss.backward()
+    # clipped tokens: 0; the others -A * s / (3 rows * |y|): -e^0.1 / 6, e^-0.1 / 6, e^0.5 / 3
+    expected = torch.tensor([[0.0, -G0 / 6], [0.0, G1 / 6], [G2 / 3, 0.0], [0.0, 0.0]])
+    assert torch.allclose(logp.grad, expected, atol=1e-6)
+
+
+def test_gmpo_token_form_matches_the_sequence_objective():
+    # GMPO as its authors write it, one sequence at a time: flip the log-ratio's sign by A's, clamp, take the max,
+    # flip back; -A * exp(mean); mean over non-empty rows. Value and gradient must match the token form.
+    g = torch.Generator().manual_seed(1)
+    logp = (0.4 * torch.randn(5, 6, generator=g)).requires_grad_(True)
+    old = 0.4 * torch.randn(5, 6, generator=g)
+    mask = torch.tensor([[1] * 6, [1, 1, 0, 0, 0, 0], [0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [0] * 6]).float()
+    adv = torch.tensor([1.0, -0.5, 2.0, -3.0, 1.0])
+    sgn = torch.where(adv >= 0, -1.0, 1.0)[:, None]
+    flipped = sgn * (logp - old)
+    c = sgn * torch.maximum(flipped, flipped.clamp(-0.3, 0.3))
+    n = mask.sum(-1)
+    per_seq = -adv * torch.exp((c * mask).sum(-1) / n.clamp(min=1))
+    ref = (per_seq * (n > 0)).sum() / (n > 0).sum()
+    (ref_grad,) = torch.autograd.grad(ref, logp)
+    loss, _ = A.gmpo_loss(logp, old, adv, mask, 0.3, 0.3, "seq_mean_token_mean")
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-6)
+    assert torch.allclose(grad, ref_grad, atol=1e-6)
+    clipped = (mask > 0) & (ref_grad == 0)
+    assert clipped.any() and ((mask > 0) & (ref_grad != 0)).any()  # both branches checked
+
+
+# ----------------------------------------------------------------------------- sapo
+
+# tau_pos 1, tau_neg 2. row 0, A = +1: ratios [1, 2]; row 1, A = -1: ratio 2; row 2 empty, garbage
+SAPO_LOGP = torch.tensor([[0.0, LN2], [LN2, NAN], [NAN, INF]])
+SAPO_OLD = torch.tensor([[0.0, 0.0], [0.0, -INF], [INF, NAN]])
+SAPO_MASK = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
+SAPO_ADV = torch.tensor([1.0, -1.0, NAN])
+SIG1, SIG2 = 1 / (1 + math.exp(-1)), 1 / (1 + math.exp(-2))  # 0.731059, 0.880797
+
+
+def test_sapo_by_hand():
+    logp = SAPO_LOGP.clone().requires_grad_(True)
+    loss, m = A.sapo_loss(logp, SAPO_OLD, SAPO_ADV, SAPO_MASK, tau_pos=1.0, tau_neg=2.0)
+    # gate f(r) = sigmoid(tau (r - 1)) * 4 / tau: f(1) = 2, f(2) = 4 sigmoid(1) = 2.924234 (tau 1),
+    # 2 sigmoid(2) = 1.761594 (tau 2). Per token -f * A: row 0 [-2, -2.924234], row 1 +1.761594
+    # seq_mean_token_mean: (-2.462117 + 1.761594) / 2 = -0.350261
+    assert loss.item() == pytest.approx(((-2 - 4 * SIG1) / 2 + 2 * SIG2) / 2, abs=1e-6)
+    loss.backward()
+    # d/dlogp = -A * f'(r) * r, f'(r) = 4 sigmoid (1 - sigmoid) whatever tau: 1 at r = 1 (the plain gradient),
+    # 0.786448 * 2 at r = 2 (tau 1), 0.419974 * 2 (tau 2: damped faster); / (2 rows * |y|)
+    w1, w2 = 4 * SIG1 * (1 - SIG1), 4 * SIG2 * (1 - SIG2)
+    expected = torch.tensor([[-1 / 4, -w1 * 2 / 4], [w2 * 2 / 2, 0.0], [0.0, 0.0]])
+    assert torch.allclose(logp.grad, expected, atol=1e-6)
+    assert m["gate_weight_mean"].item() == pytest.approx((1 + w1 + w2) / 3, abs=1e-6)
+    assert m["clip_frac"].item() == 0.0  # nothing is hard-clipped: PPO would stop the ratio-2 token of row 0
+
+
+def test_sapo_on_policy_gradient_is_the_policy_gradient():
+    # at ratio 1 the gate's slope is 1 for either temperature: the same gradient as PPO's, -A / tokens
+    g = torch.Generator().manual_seed(2)
+    logp = torch.randn(3, 4, generator=g).requires_grad_(True)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]).float()
+    adv = torch.tensor([1.5, -0.7, 3.0])
+    (sapo_grad,) = torch.autograd.grad(A.sapo_loss(logp, logp.detach(), adv, mask, 1.0, 1.05, "token_mean")[0], logp)
+    (ppo_grad,) = torch.autograd.grad(A.policy_loss(logp, logp.detach(), adv, mask)[0], logp)
+    assert torch.allclose(sapo_grad, ppo_grad, atol=1e-7) and (ppo_grad != 0).any()
+    with pytest.raises(ValueError, match="temperatures must be > 0"):
+        A.sapo_loss(logp, logp, adv, mask, tau_pos=0.0)
+
+
+# ----------------------------------------------------------------------------- clip_cov, kl_cov
+
+# row 0, A = +2: logp [-0.5, -3, -1], ratios [1.5, 1, 1]; row 1, A = -1: logp [-3, -0.5], ratios [e^0.1, 1];
+# row 2 empty, garbage. Over the 5 response tokens: mean A = (6 - 2) / 5 = 0.8, mean log p = -8 / 5 = -1.6, so
+# cov = (A - 0.8)(log p + 1.6): row 0: 1.2 * [1.1, -1.4, 0.6] = [1.32, -1.68, 0.72]; row 1: -1.8 * [-1.4, 1.1]
+# = [2.52, -1.98]
+COV_LOGP = torch.tensor([[-0.5, -3.0, -1.0], [-3.0, -0.5, NAN], [NAN, INF, 0.0]])
+COV_OLD = torch.tensor([[-0.5 - math.log(1.5), -3.0, -1.0], [-3.1, -0.5, 7.0], [INF, NAN, -INF]])
+COV_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+COV_ADV = torch.tensor([2.0, -1.0, NAN])
+E01 = math.exp(0.1)
+
+
+def test_clip_cov_by_hand():
+    logp = COV_LOGP.clone().requires_grad_(True)
+    loss, m = A.clip_cov_loss(logp, COV_OLD, COV_ADV, COV_MASK)  # PPO band 0.2, ratio 2e-4, cov in (1, 5)
+    # in (1, 5): (0, 0) 1.32 and (1, 0) 2.52; (0, 0) is already clipped by PPO (A > 0, ratio 1.5), so the one
+    # token to detach (max(1, int(2e-4 * 5))) is (1, 0). PPO per token: -2.4 (clipped), -2, -2 | 0 (detached), 1
+    # -> token_mean -5.4 / 5 = -1.08
+    assert loss.item() == pytest.approx(-1.08, abs=1e-6)
+    assert m["cov_frac"].item() == pytest.approx(1 / 5) and m["clip_frac"].item() == pytest.approx(1 / 5)
+    loss.backward()
+    # d/dlogp = -A * ratio / 5 where neither clipped nor detached
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, -0.4, -0.4], [0.0, 0.2, 0.0], [0.0, 0.0, 0.0]]), atol=1e-6)
+
+
+def test_clip_cov_draws_its_tokens_among_the_candidates():
+    # bounds (-10, 10): every token but the PPO-clipped (0, 0) is a candidate; ratio 0.5 -> int(2.5) = 2 drawn
+    for seed in range(5):
+        logp = COV_LOGP.clone().requires_grad_(True)
+        gen = torch.Generator().manual_seed(seed)
+        loss, m = A.clip_cov_loss(logp, COV_OLD, COV_ADV, COV_MASK, clip_cov_ratio=0.5, clip_cov_lb=-10.0,
+                                  clip_cov_ub=10.0, generator=gen)
+        loss.backward()
+        stopped = (logp.grad == 0) & (COV_MASK > 0)
+        assert m["cov_frac"].item() == pytest.approx(2 / 5) and stopped.sum() == 3 and stopped[0, 0]
+    # a ratio that asks for more tokens than there are candidates detaches all 4
+    _, m = A.clip_cov_loss(COV_LOGP, COV_OLD, COV_ADV, COV_MASK, clip_cov_ratio=1.0, clip_cov_lb=-10.0,
+                           clip_cov_ub=10.0)
+    assert m["cov_frac"].item() == pytest.approx(4 / 5)
+
+
+def test_kl_cov_by_hand():
+    logp = COV_LOGP.clone().requires_grad_(True)
+    loss, m = A.kl_cov_loss(logp, COV_OLD, COV_ADV, COV_MASK, kl_cov_ratio=0.4, kl_cov_coef=1.0)
+    # int(0.4 * 5) = 2 tokens with the largest cov: (1, 0) 2.52 and (0, 0) 1.32. No clip: -ratio * A per token,
+    # plus |log ratio| on those two: row 0 [-3 + ln 1.5, -2, -2], row 1 [e^0.1 + 0.1, 1]
+    # -> token_mean (-2.594535 - 4 + 1.205171 + 1) / 5 = -0.877873
+    assert loss.item() == pytest.approx((-3 + math.log(1.5) - 4 + E01 + 0.1 + 1) / 5, abs=1e-6)
+    assert m["cov_frac"].item() == pytest.approx(2 / 5) and m["clip_frac"].item() == 0.0
+    loss.backward()
+    # d/dlogp = -A * ratio + coef * sign(log ratio) on the penalised tokens, / 5: (-3 + 1) / 5 = -0.4 (no clip
+    # stops the ratio-1.5 token), -0.4, -0.4 | (e^0.1 + 1) / 5, 0.2
+    expected = torch.tensor([[-0.4, -0.4, -0.4], [(E01 + 1) / 5, 0.2, 0.0], [0.0, 0.0, 0.0]])
+    assert torch.allclose(logp.grad, expected, atol=1e-6)
+    # the paper's ratio on 5 tokens still penalises max(1, int(2e-4 * 5)) = 1 token: the top one, (1, 0)
+    _, m = A.kl_cov_loss(COV_LOGP, COV_OLD, COV_ADV, COV_MASK)
+    assert m["cov_frac"].item() == pytest.approx(1 / 5)
+
+
+@pytest.mark.parametrize("policy", ["cispo", "gmpo", "sapo", "clip_cov", "kl_cov"])
+def test_new_policy_losses_with_empty_masks_and_weights(policy):
+    fn = {"cispo": A.cispo_loss, "gmpo": A.gmpo_loss, "sapo": A.sapo_loss, "clip_cov": A.clip_cov_loss,
+          "kl_cov": A.kl_cov_loss}[policy]
+    for agg in A.LOSS_AGG_MODES:  # nothing to train on: 0 and zero metrics, never NaN
+        loss, m = fn(COV_LOGP, COV_OLD, COV_ADV, torch.zeros(3, 3), loss_agg=agg, norm_len=3)
+        assert loss.item() == 0.0 and all(v.item() == 0.0 for v in m.values()), agg
+    # token weights (importance weights) multiply each token's loss: weights 2 on row 0 and 0.5 on row 1 give
+    # 2 * (the loss of row 0's tokens) + 0.5 * (row 1's), with the tokens chosen on the whole batch as unweighted
+    def weighted(row0: float, row1: float) -> float:
+        w = torch.tensor([[row0] * 3, [row1, row1, NAN], [NAN] * 3])
+        gen = {"generator": torch.Generator().manual_seed(0)} if policy == "clip_cov" else {}
+        return fn(COV_LOGP, COV_OLD, COV_ADV, COV_MASK, loss_agg="token_sum", token_weights=w, **gen)[0].item()
+
+    assert weighted(2.0, 0.5) == pytest.approx(2 * weighted(1.0, 0.0) + 0.5 * weighted(0.0, 1.0), abs=1e-6)
+    assert weighted(1.0, 0.0) != 0.0 and weighted(0.0, 1.0) != 0.0
+    plain = fn(COV_LOGP, COV_OLD, COV_ADV, COV_MASK, loss_agg="token_sum")[0].item()
+    assert weighted(1.0, 1.0) == pytest.approx(plain, abs=1e-6)
+
+
 # ----------------------------------------------------------------------------- rl_loss
 
 
@@ -819,8 +1082,31 @@ def test_rl_loss_gspo_and_errors():
         A.rl_loss(*args, is_correction="tis", **kw)
     with pytest.raises(ValueError, match="clip_ratio_c .* 'ppo' only"):
         A.rl_loss(*args, policy="gspo", clip_ratio_c=3.0, **kw)
-    with pytest.raises(ValueError, match="unknown policy 'a2c'; expected one of ppo, gspo"):
+    with pytest.raises(ValueError, match="unknown policy 'a2c'; expected one of ppo, gspo, cispo, gmpo, sapo"):
         A.rl_loss(*args, policy="a2c", **kw)
+
+
+@pytest.mark.parametrize("policy, direct", [
+    ("cispo", lambda *a: A.cispo_loss(*a, clip_low=0.3, clip_high=0.1)),
+    ("gmpo", lambda *a: A.gmpo_loss(*a, clip_low=0.3, clip_high=0.1, loss_agg="token_mean")),
+    ("sapo", lambda *a: A.sapo_loss(*a, tau_pos=2.0, tau_neg=3.0, loss_agg="token_mean")),
+    ("clip_cov", lambda *a: A.clip_cov_loss(*a, clip_low=0.3, clip_high=0.1, clip_cov_ratio=0.4, clip_cov_lb=-1.0,
+                                            clip_cov_ub=2.0)),
+    ("kl_cov", lambda *a: A.kl_cov_loss(*a, kl_cov_ratio=0.4, kl_cov_coef=0.5)),
+])
+def test_rl_loss_dispatches_every_policy_with_its_settings(policy, direct):
+    # every setting differs from its default, so a setting rl_loss failed to pass on would change the loss
+    kw = {"clip_low": 0.3, "clip_high": 0.1, "loss_agg": "token_mean", "sapo_tau_pos": 2.0, "sapo_tau_neg": 3.0,
+          "clip_cov_ratio": 0.4, "clip_cov_lb": -1.0, "clip_cov_ub": 2.0, "kl_cov_ratio": 0.4, "kl_cov_coef": 0.5}
+    args = (COV_LOGP, COV_OLD, COV_ADV, COV_MASK)
+    torch.manual_seed(0)  # clip_cov draws from the global RNG
+    loss, m = A.rl_loss(*args, policy=policy, **kw)
+    torch.manual_seed(0)
+    ref, ref_m = direct(*args)
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-7) and m["pg_loss"].item() == loss.item()
+    assert {k: v.item() for k, v in ref_m.items()} == {k: m[k].item() for k in ref_m}
+    with pytest.raises(ValueError, match="clip_ratio_c .* 'ppo' only"):
+        A.rl_loss(*args, policy=policy, clip_ratio_c=3.0, **kw)
 
 
 # ----------------------------------------------------------------------------- SFT
@@ -867,7 +1153,7 @@ def test_sft_loss_reports_entropy_and_perfect_prediction_is_zero():
         A.sft_loss(lp, mask, "sum")
 
 
-@pytest.mark.parametrize("policy", ["ppo", "gspo"])
+@pytest.mark.parametrize("policy", A.POLICY_LOSSES)
 def test_an_old_logprob_of_minus_inf_gives_no_nan_and_is_counted(policy):
     """SGLang can return no logprob for a token (the rollout function stores -inf): its ratio would be infinite,
     a NaN loss where the advantage is 0 and a NaN gradient elsewhere. Such a token gets ratio 1 and no

@@ -126,6 +126,12 @@ def test_validate_checks_data_and_reward_when_the_schema_fails(tmp_path, capsys)
         ("reinforce-pp", {"advantage": "reinforce_pp"}),
         ("gspo", {"policy_loss": "gspo", "clip_low": 0.05, "clip_high": 0.07, "loss_agg": "seq_mean_token_mean"}),
         ("dapo", {"clip_high": 0.28, "loss_agg": "token_mean", "overlong_buffer": 3, "overlong_penalty": 1.0}),
+        ("cispo", {"policy_loss": "cispo", "clip_low": 1.0, "loss_agg": "token_mean"}),
+        ("gmpo", {"policy_loss": "gmpo", "clip_low": 0.4, "clip_high": 0.4, "loss_agg": "seq_mean_token_mean"}),
+        ("sapo", {"policy_loss": "sapo", "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05,
+                  "loss_agg": "seq_mean_token_mean"}),
+        ("clip-cov", {"policy_loss": "clip_cov", "clip_cov_lb": 1.0, "clip_cov_ub": 5.0}),
+        ("kl-cov", {"policy_loss": "kl_cov", "kl_cov_coef": 1.0}),
     ],
 )
 def test_algorithm_recipes_are_valid(name, expected):
@@ -143,6 +149,18 @@ def test_algorithm_recipes_are_valid(name, expected):
         ({"clip_ratio_c": 1.0}, r"algorithm\.clip_ratio_c: .*greater than 1"),
         ({"advantage": "rloo", "normalize_std": True}, r"algorithm: .*normalize_std applies to grpo / dr_grpo only"),
         ({"policy_loss": "gspo", "clip_ratio_c": 3.0}, r"algorithm: .*clip_ratio_c .* 'ppo' only"),
+        ({"policy_loss": "cispo", "clip_ratio_c": 3.0}, r"algorithm: .*clip_ratio_c .* 'ppo' only"),
+        ({"policy_loss": "sppo"}, r"algorithm\.policy_loss: .*'cispo', 'gmpo', 'sapo', 'clip_cov' or 'kl_cov'"),
+        ({"loss_agg": "sum"}, r"algorithm\.loss_agg: .*'token_sum' or 'seq_mean_token_sum'"),
+        ({"policy_loss": "sapo", "sapo_tau_neg": 0.0}, r"algorithm\.sapo_tau_neg: .*greater than 0"),
+        ({"sapo_tau_neg": 2.0},
+         r"algorithm: .*sapo_tau_neg applies to policy_loss 'sapo' only \(policy_loss is 'ppo'\)"),
+        ({"policy_loss": "sapo", "kl_cov_coef": 0.5, "kl_cov_ratio": 0.01},
+         r"algorithm: .*kl_cov_ratio, kl_cov_coef apply to policy_loss 'kl_cov' only"),
+        ({"policy_loss": "clip_cov", "clip_cov_ratio": 0.0}, r"algorithm\.clip_cov_ratio: .*greater than 0"),
+        ({"policy_loss": "clip_cov", "clip_cov_lb": 5.0},
+         r"algorithm: .*clip_cov_lb \(5.0\) must be below clip_cov_ub"),
+        ({"policy_loss": "kl_cov", "kl_cov_ratio": 2.0}, r"algorithm\.kl_cov_ratio: .*less than or equal to 1"),
         ({"icepop_low": 2.0, "icepop_high": 2.0}, r"algorithm: .*icepop_low \(2.0\) must be below icepop_high"),
         ({"overlong_buffer": 5}, r"overlong_buffer \(5\) must not exceed .*max_new_tokens \(4\)"),
     ],
@@ -162,6 +180,16 @@ def test_loss_kwargs_fit_rl_loss():
     lp = torch.zeros(1, 2)
     loss, m = rl_loss(lp, lp, torch.ones(1), torch.ones(1, 2), rollout_logprobs=lp, **kwargs)
     assert loss.item() == pytest.approx(-1.0) and m["is_mask_frac"].item() == 0.0
+    # each policy loss's own settings reach rl_loss too
+    for algo in (AlgorithmConfig(policy_loss="sapo", sapo_tau_pos=2.0, sapo_tau_neg=3.0),
+                 AlgorithmConfig(policy_loss="clip_cov", clip_cov_ratio=0.5, clip_cov_lb=-1.0, clip_cov_ub=2.0),
+                 AlgorithmConfig(policy_loss="kl_cov", kl_cov_ratio=0.5, kl_cov_coef=0.5)):
+        kwargs = algo.loss_kwargs()
+        fields = AlgorithmConfig.model_fields
+        changed = {k for k, f in fields.items() if getattr(algo, k) != f.default} - {"policy_loss"}
+        assert changed and all(kwargs[k] == getattr(algo, k) for k in changed)
+        loss, _ = rl_loss(lp, lp, torch.ones(1), torch.ones(1, 2), **kwargs)
+        assert torch.isfinite(loss)
 
 
 GPU = {"train": {"device": "cuda", "steps": 3, "threads": 1}, "cluster": {"use_ray": True}}

@@ -180,6 +180,8 @@ def backend_context(backend):
     # per-token metrics (approx_kl, clip_frac) of a sequence-mean loss depend on the micro-batch grouping in
     # both backends, so this case groups rows as the torch backend does
     (AlgorithmConfig(loss_agg="seq_mean_token_mean", kl_coef=0.1, entropy_coef=0.01), 0),
+    # token_sum: the micro-batches' sums add up unscaled (and so do the loss metrics), the token means still average
+    (AlgorithmConfig(loss_agg="token_sum", entropy_coef=0.01), 20),
 ])
 def test_backend_matches_torch_backend(hf_models, mcore, algo, budget):
     """Same logprobs, metrics and updates as TorchTrainBackend over 2 iterations x 2 mini-batches (micro-batches

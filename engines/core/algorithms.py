@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import torch
 
-LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum", "seq_mean_token_sum")
+SUM_AGG_MODES = ("token_sum",)  # no denominator: micro-batch losses add up as they are
+# metrics that are loss_agg aggregates of a loss term: over micro-batches they add up like the loss, not like a mean
+AGGREGATED_METRICS = frozenset({"loss", "pg_loss", "kl", "entropy", "value_loss"})
 LOG_RATIO_CLAMP = 20.0  # |log(p / p_old)| beyond this is clamped (verl's bound): exp() stays finite
 GSPO_SEQ_LOG_RATIO_MAX = 10.0  # GSPO's sequence log-ratio is clamped above at this (verl's bound)
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
-POLICY_LOSSES = ("ppo", "gspo")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov")
 IS_CORRECTIONS = ("none", "tis", "icepop")
 
 
@@ -243,7 +246,11 @@ def aggregate_loss(values: torch.Tensor, mask: torch.Tensor, mode: str, norm_len
     """Reduce per-token values [B, T] to a scalar. Empty masks contribute nothing (0, not NaN).
 
     token_mean:              sum(values * mask) / sum(mask); long responses weigh more (DAPO).
+    token_sum:               sum(values * mask), no denominator: the loss grows with the batch's tokens (newer
+                             verl's token-sum; for per-token weights that already carry their normalisation).
     seq_mean_token_mean:     masked mean per sequence, then mean over sequences with >= 1 token (original GRPO).
+    seq_mean_token_sum:      masked sum per sequence, then mean over sequences with >= 1 token (verl's
+                             seq-mean-token-sum): a long response counts its length times more than a short one.
     seq_mean_token_sum_norm: masked sum per sequence / norm_len, then mean over sequences with >= 1 token
                              (Dr.GRPO: a constant norm_len, e.g. max_new_tokens, removes the length bias).
     """
@@ -252,11 +259,15 @@ def aggregate_loss(values: torch.Tensor, mask: torch.Tensor, mode: str, norm_len
     mask = mask.to(weighted.dtype)
     if mode == "token_mean":
         return weighted.sum() / mask.sum().clamp(min=1)
+    if mode == "token_sum":
+        return weighted.sum()
     tokens_per_seq = mask.sum(-1)
     non_empty = tokens_per_seq > 0
     seq_sum = weighted.sum(-1)
     if mode == "seq_mean_token_mean":
         per_seq = seq_sum / tokens_per_seq.clamp(min=1)
+    elif mode == "seq_mean_token_sum":
+        per_seq = seq_sum
     else:
         if norm_len is None or norm_len <= 0:
             raise ValueError(
@@ -268,15 +279,39 @@ def aggregate_loss(values: torch.Tensor, mask: torch.Tensor, mode: str, norm_len
 
 
 def aggregation_weight(mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """What a batch counts for under `mode`: its tokens (token_mean) or its non-empty sequences (seq_mean_*).
+    """What a batch counts for under `mode`: its tokens (token_mean, token_sum) or its non-empty sequences
+    (seq_mean_*): the denominator of the normalised modes, additive over any split of the batch.
 
-    Data-parallel workers and micro-batches scale their loss by weight / total weight, so the sum of their
+    Data-parallel workers and micro-batches scale their loss with micro_batch_scales, so the sum of their
     gradients equals the gradient of one aggregate over the whole mini-batch.
     """
     _check_mode(mode)
-    if mode == "token_mean":
+    if mode in ("token_mean", "token_sum"):
         return mask.sum()
     return (mask.sum(-1) > 0).sum().to(mask.dtype)
+
+
+def micro_batch_scales(micro_mask: torch.Tensor, total_weight: torch.Tensor, mode: str
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss scale, share) of one micro-batch of a mini-batch whose aggregation_weight, summed over every
+    data-parallel rank, is total_weight (float64).
+
+    share = the micro-batch's weight / total_weight. Its aggregate_loss times the loss scale, summed over the
+    micro-batches and ranks (FSDP and Megatron add the ranks' gradients), is the aggregate of the whole
+    mini-batch: the loss scale is the share for the normalised modes (each micro-batch divided by its own count
+    instead of the mini-batch's) and 1 for token_sum, whose sums already add up. Metrics combine with
+    scale_metrics.
+    """
+    share = aggregation_weight(micro_mask, mode).double() / total_weight.double().clamp(min=1)
+    return (torch.ones_like(share) if mode in SUM_AGG_MODES else share), share
+
+
+def scale_metrics(metrics: dict[str, torch.Tensor], loss_scale: torch.Tensor, share: torch.Tensor
+                  ) -> dict[str, torch.Tensor]:
+    """One micro-batch's metrics, weighted so that summing them over micro-batches and ranks gives the
+    mini-batch's: loss terms (AGGREGATED_METRICS) add up like the loss (loss scale), every other metric is a
+    token mean averaged with the micro-batch's share. float64, detached."""
+    return {k: v.detach().double() * (loss_scale if k in AGGREGATED_METRICS else share) for k, v in metrics.items()}
 
 
 # ----------------------------------------------------------------------------- KL, importance weights
@@ -384,10 +419,8 @@ def policy_loss(
     """
     if clip_ratio_c is not None and clip_ratio_c <= 1:
         raise ValueError(f"policy_loss: clip_ratio_c must be > 1 (typically 3), got {clip_ratio_c}")
-    valid, advantages = mask > 0, _per_token(advantages, logprobs)
-    log_ratio, known = _log_ratio(logprobs, old_logprobs, valid)
+    valid, advantages, log_ratio, known = _policy_inputs(logprobs, old_logprobs, advantages, mask)
     ratio = log_ratio.exp()
-    advantages = torch.where(valid, advantages.detach(), 0.0)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
@@ -425,14 +458,12 @@ def gspo_loss(
     clamped above at GSPO_SEQ_LOG_RATIO_MAX (verl's bound).
     Metrics as policy_loss; ratio_mean and clip_frac are over tokens, each token carrying its sequence's s.
     """
-    valid, advantages = mask > 0, _per_token(advantages, logprobs)
-    log_ratio, known = _log_ratio(logprobs, old_logprobs, valid)
+    valid, advantages, log_ratio, known = _policy_inputs(logprobs, old_logprobs, advantages, mask)
     n_tokens = known.sum(dim=-1, keepdim=True).clamp(min=1)  # the mean over tokens whose old logprob is known
     seq_log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / n_tokens).detach().clamp(max=GSPO_SEQ_LOG_RATIO_MAX)
     # value: s; gradient: s * d log p(y_t). The subtraction is 0 in value but carries the token's gradient.
     token_log_ratio = torch.where(known, seq_log_ratio + (logprobs - logprobs.detach()), 0.0)
     ratio = token_log_ratio.exp()
-    advantages = torch.where(valid, advantages.detach(), 0.0)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
@@ -440,6 +471,192 @@ def gspo_loss(
     with torch.no_grad():
         metrics = _ratio_metrics(log_ratio, ratio, clipped < unclipped, known, mask)
     return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 1.0,
+    clip_high: float = 0.2,
+    loss_agg: str = "token_mean",
+    norm_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * log p per token, then aggregated.
+
+    PPO's clip takes the whole gradient from a token whose ratio left the band, and in long reasoning those are
+    often the rare tokens that matter (a "wait" that starts a reflection), which then never learn. CISPO clips
+    the importance weight instead, under stop-gradient: every token keeps the policy gradient A * d log p, scaled
+    by a bounded weight. The paper sets no lower bound (clip_low >= 1) and tunes clip_high only; it normalises by
+    the batch's tokens (token_mean). Log-ratios are clamped as in policy_loss; a token whose old logprob is not
+    finite gets weight 1 and no gradient.
+    Metrics as policy_loss; clip_frac is the share of tokens whose weight was clipped (they still train).
+    """
+    valid, advantages, log_ratio, known = _policy_inputs(logprobs, old_logprobs, advantages, mask)
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()
+    trained = torch.where(known, logprobs, logprobs.detach())
+    per_token = -weight * advantages * trained
+    loss = aggregate_loss(_weighted(per_token, token_weights, valid), mask, loss_agg, norm_len)
+    with torch.no_grad():
+        metrics = _ratio_metrics(log_ratio, ratio, weight != ratio, known, mask)
+    return loss, metrics
+
+
+def gmpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.4,
+    clip_high: float = 0.4,
+    loss_agg: str = "seq_mean_token_mean",
+    norm_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO (geometric-mean policy optimisation): each sequence's objective is A times the geometric mean of its
+    tokens' clipped ratios, s = exp(mean over tokens of c_t), instead of GRPO's arithmetic mean of ratio * A.
+
+    c_t is the token log-ratio clipped in log space on the side PPO's min would clip: for A >= 0 at most
+    clip_high, for A < 0 at least -clip_low (paper: 0.4 both, the ratio band (e^-0.4, e^0.4)); a clipped token
+    gets no gradient. One outlier ratio moves a geometric mean far less than an arithmetic one, so updates stay
+    stable with a band wider than PPO's. Token form as in gspo_loss: s_t = exp(sg(mean c) + c_t - sg(c_t)) has
+    value s and gradient s * d c_t, so with seq_mean_token_mean (the paper's mean over sequences) value and
+    gradient equal the sequence objective -A * s; per-token advantages [B, T] clip each token by its own sign.
+    The mean runs over tokens whose old logprob is known (the others: ratio 1, no gradient).
+    Metrics as policy_loss; clip_frac is the share of tokens whose log-ratio was clipped (no gradient), ratio_mean
+    over tokens, each carrying its sequence's s.
+    """
+    valid, advantages, log_ratio, known = _policy_inputs(logprobs, old_logprobs, advantages, mask)
+    upper = advantages >= 0  # the side of the band that can stop a token's gradient
+    clipped = known & torch.where(upper, log_ratio > clip_high, log_ratio < -clip_low)
+    clipped_log_ratio = torch.where(clipped, torch.where(upper, clip_high, -clip_low), log_ratio)
+    n_tokens = known.sum(dim=-1, keepdim=True).clamp(min=1)
+    seq_log_ratio = (clipped_log_ratio.sum(dim=-1, keepdim=True) / n_tokens).detach()
+    token_log_ratio = seq_log_ratio + (clipped_log_ratio - clipped_log_ratio.detach())
+    ratio = torch.where(known, token_log_ratio, 0.0).exp()
+    per_token = -ratio * advantages
+    loss = aggregate_loss(_weighted(per_token, token_weights, valid), mask, loss_agg, norm_len)
+    with torch.no_grad():
+        metrics = _ratio_metrics(log_ratio, ratio, clipped & (advantages != 0), known, mask)
+    return loss, metrics
+
+
+def sapo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    loss_agg: str = "seq_mean_token_mean",
+    norm_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (soft adaptive policy optimisation): -f(ratio) * A per token, with the soft gate
+    f(r) = sigmoid(tau * (r - 1)) * 4 / tau, tau = tau_pos where A > 0 and tau_neg elsewhere (paper: 1.0, 1.05).
+
+    PPO's hard clip drops a token's gradient the moment its ratio leaves the band. The gate's slope
+    f'(r) = 4 sigmoid (1 - sigmoid) is 1 at r = 1 (the plain policy gradient on-policy) and decays smoothly as r
+    moves away, faster for a larger tau: far-off-policy tokens are damped, near-on-policy ones keep their signal
+    (GSPO would drop a whole sequence for a few outliers). tau_neg > tau_pos damps negative-advantage updates
+    sooner: they raise the logits of many unsampled tokens and destabilise training more. The paper averages per
+    sequence, then over sequences (seq_mean_token_mean). Log-ratios clamped and unknown old logprobs handled as in
+    policy_loss.
+    Metrics as policy_loss (clip_frac is 0: nothing is hard-clipped) plus gate_weight_mean, the mean slope f'(r):
+    the share of the plain policy gradient the gate lets through.
+    """
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"sapo_loss: temperatures must be > 0, got tau_pos {tau_pos}, tau_neg {tau_neg}")
+    valid, advantages, log_ratio, known = _policy_inputs(logprobs, old_logprobs, advantages, mask)
+    ratio = log_ratio.exp()
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1))
+    per_token = -(4 / tau) * gate * advantages
+    loss = aggregate_loss(_weighted(per_token, token_weights, valid), mask, loss_agg, norm_len)
+    with torch.no_grad():
+        metrics = _ratio_metrics(log_ratio, ratio, torch.zeros_like(valid), known, mask)
+        metrics["gate_weight_mean"] = masked_mean(4 * gate * (1 - gate), mask)
+    return loss, metrics
+
+
+def clip_cov_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    loss_agg: str = "token_mean",
+    norm_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"): PPO-clip, and a few
+    high-covariance tokens lose their gradient.
+
+    The policy's entropy falls when confident tokens (high log p) get high advantages; the per-token covariance
+    cov_t = (A_t - mean A) * (log p_t - mean log p), means over the batch's response tokens, drives that collapse.
+    max(1, int(clip_cov_ratio * response tokens)) tokens, drawn at random among those with
+    clip_cov_lb < cov_t < clip_cov_ub that PPO's clip has not already stopped, get loss 0 and no gradient
+    (paper: 2e-4, bounds 1 and 5, with a PPO band of 1 either side). Covariance and draw are over the batch given:
+    a backend's micro-batch, as in verl. The draw uses `generator` (default: torch's global RNG, which the train
+    backends checkpoint). Log-ratios and unknown old logprobs as in policy_loss; such tokens are never drawn.
+    Metrics as policy_loss plus cov_frac, the share of tokens whose gradient the covariance rule detached.
+    """
+    valid, advantages, log_ratio, known = _policy_inputs(logprobs, old_logprobs, advantages, mask)
+    ratio = log_ratio.exp()
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    with torch.no_grad():
+        cov = _token_covariance(logprobs, advantages, valid)
+        candidates = known & ~(clipped < unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+        detached = _random_pick(candidates, _cov_count(clip_cov_ratio, valid), generator)
+    per_token = torch.where(detached, 0.0, -torch.minimum(unclipped, clipped))
+    loss = aggregate_loss(_weighted(per_token, token_weights, valid), mask, loss_agg, norm_len)
+    with torch.no_grad():
+        metrics = _ratio_metrics(log_ratio, ratio, clipped < unclipped, known, mask)
+        metrics["cov_frac"] = masked_mean(detached.float(), mask)
+    return loss, metrics
+
+
+def kl_cov_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    kl_cov_ratio: float = 2e-4,
+    kl_cov_coef: float = 1.0,
+    loss_agg: str = "token_mean",
+    norm_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov (Cui et al. 2025): the unclipped policy gradient -ratio * A per token, plus
+    kl_cov_coef * |log(p / p_old)| on the max(1, int(kl_cov_ratio * response tokens)) tokens with the largest
+    covariance cov_t (see clip_cov_loss).
+
+    Instead of stopping the tokens that would collapse the entropy, the penalty holds them near the old policy,
+    while every other token takes the plain policy gradient: there is no ratio clip (clip_low / clip_high do not
+    apply). The authors' recipes: kl_cov_ratio 2e-3 (7B) and 2e-4 (32B), coefficient 1 (verl's ppo_kl_coef).
+    Top-k over the batch given (a backend's micro-batch, as in verl), among tokens whose old logprob is known.
+    Metrics as policy_loss (clip_frac is 0) plus cov_frac, the share of tokens penalised.
+    """
+    valid, advantages, log_ratio, known = _policy_inputs(logprobs, old_logprobs, advantages, mask)
+    ratio = log_ratio.exp()
+    with torch.no_grad():
+        cov = _token_covariance(logprobs, advantages, valid)
+        penalised = _top_k(cov, known, _cov_count(kl_cov_ratio, valid))
+    per_token = -ratio * advantages + torch.where(penalised, kl_cov_coef * log_ratio.abs(), 0.0)
+    loss = aggregate_loss(_weighted(per_token, token_weights, valid), mask, loss_agg, norm_len)
+    with torch.no_grad():
+        metrics = _ratio_metrics(log_ratio, ratio, torch.zeros_like(valid), known, mask)
+        metrics["cov_frac"] = masked_mean(penalised.float(), mask)
+    return loss, metrics
 
 
 def value_loss(
@@ -497,10 +714,19 @@ def rl_loss(
     tis_cap: float = 2.0,
     icepop_low: float = 0.5,
     icepop_high: float = 5.0,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    kl_cov_ratio: float = 2e-4,
+    kl_cov_coef: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The training objective: policy loss + kl_coef * KL to the reference - entropy_coef * entropy.
 
-    policy: "ppo" (policy_loss, with dual clip when clip_ratio_c is set) or "gspo" (gspo_loss).
+    policy (POLICY_LOSSES): "ppo" (policy_loss, with dual clip when clip_ratio_c is set), "gspo" (gspo_loss),
+    "cispo" (cispo_loss), "gmpo" (gmpo_loss: clip_low / clip_high bound the log-ratio), "sapo" (sapo_loss, with
+    sapo_tau_pos / sapo_tau_neg), "clip_cov" (clip_cov_loss) or "kl_cov" (kl_cov_loss, with kl_cov_coef).
     KL and entropy are aggregated like the policy loss (same loss_agg, norm_len), so all three are on one scale.
     The KL term is computed only with ref_logprobs and kl_coef > 0; the entropy is reported whenever it is given
     (pass it detached to only log it) and enters the loss when entropy_coef != 0.
@@ -523,14 +749,22 @@ def rl_loss(
             weights = None
     elif is_correction != "none":
         raise ValueError(f"rl_loss: is_correction {is_correction!r} needs rollout_logprobs")
+    if clip_ratio_c is not None and policy != "ppo":
+        raise ValueError("rl_loss: clip_ratio_c (dual clip) applies to policy 'ppo' only")
+    inputs = (logprobs, old_logprobs, advantages, mask)
+    agg = {"loss_agg": loss_agg, "norm_len": norm_len, "token_weights": weights}
+    clip = {"clip_low": clip_low, "clip_high": clip_high}
     if policy == "ppo":
-        loss, metrics = policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, loss_agg,
-                                    norm_len, clip_ratio_c=clip_ratio_c, token_weights=weights)
-    elif policy == "gspo":
-        if clip_ratio_c is not None:
-            raise ValueError("rl_loss: clip_ratio_c (dual clip) applies to policy 'ppo' only")
-        loss, metrics = gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, loss_agg,
-                                  norm_len, token_weights=weights)
+        loss, metrics = policy_loss(*inputs, **clip, clip_ratio_c=clip_ratio_c, **agg)
+    elif policy in ("gspo", "cispo", "gmpo"):
+        loss, metrics = {"gspo": gspo_loss, "cispo": cispo_loss, "gmpo": gmpo_loss}[policy](*inputs, **clip, **agg)
+    elif policy == "sapo":
+        loss, metrics = sapo_loss(*inputs, tau_pos=sapo_tau_pos, tau_neg=sapo_tau_neg, **agg)
+    elif policy == "clip_cov":
+        loss, metrics = clip_cov_loss(*inputs, **clip, clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb,
+                                      clip_cov_ub=clip_cov_ub, **agg)
+    elif policy == "kl_cov":
+        loss, metrics = kl_cov_loss(*inputs, kl_cov_ratio=kl_cov_ratio, kl_cov_coef=kl_cov_coef, **agg)
     else:
         raise ValueError(f"rl_loss: unknown policy {policy!r}; expected one of {', '.join(POLICY_LOSSES)}")
     metrics |= is_metrics
@@ -572,6 +806,48 @@ def sft_loss(
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _policy_inputs(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                   mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every policy loss starts from: (valid, advantages per token as constants with 0 off the mask,
+    log-ratio and known as _log_ratio gives them)."""
+    valid = mask > 0
+    advantages = torch.where(valid, _per_token(advantages, logprobs).detach(), 0.0)
+    log_ratio, known = _log_ratio(logprobs, old_logprobs, valid)
+    return valid, advantages, log_ratio, known
+
+
+def _token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(A_t - mean A) * (log p_t - mean log p) per token, means over the response tokens of the batch; 0 off them.
+    `advantages` are already 0 off the mask."""
+    logp = torch.where(valid, logprobs.detach(), 0.0)
+    n = valid.sum().clamp(min=1)
+    return torch.where(valid, (advantages - advantages.sum() / n) * (logp - logp.sum() / n), 0.0)
+
+
+def _cov_count(ratio: float, valid: torch.Tensor) -> int:
+    """How many tokens the covariance rules pick: ratio of the response tokens, at least 1 (verl's rule)."""
+    return max(int(ratio * int(valid.sum())), 1)
+
+
+def _random_pick(candidates: torch.Tensor, n: int, generator: torch.Generator | None) -> torch.Tensor:
+    """A mask of n of the candidate positions drawn uniformly without replacement (all of them if fewer)."""
+    idx = candidates.flatten().nonzero().squeeze(-1)
+    if idx.numel() > n:
+        idx = idx[torch.randperm(idx.numel(), generator=generator)[:n].to(idx.device)]
+    picked = torch.zeros(candidates.numel(), dtype=torch.bool, device=candidates.device)
+    picked[idx] = True
+    return picked.view_as(candidates)
+
+
+def _top_k(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """A mask of the k candidate positions with the largest scores (all of them if fewer)."""
+    flat = torch.where(candidates, scores, -torch.inf).flatten()
+    idx = flat.topk(min(k, int(candidates.sum()))).indices
+    picked = torch.zeros_like(flat, dtype=torch.bool)
+    picked[idx] = True
+    return picked.view_as(candidates)
 
 
 def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, valid: torch.Tensor

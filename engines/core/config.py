@@ -145,6 +145,14 @@ class RewardConfig(Section):
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp_baseline_seq")
 
 
+# the settings of one policy loss: changed from their defaults with another loss, they would do nothing
+_POLICY_LOSS_KEYS = {
+    "sapo": ("sapo_tau_pos", "sapo_tau_neg"),
+    "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+    "kl_cov": ("kl_cov_ratio", "kl_cov_coef"),
+}
+
+
 class AlgorithmConfig(Section):
     """Advantage estimator, policy loss, KL, entropy and rollout/train mismatch correction (docs/algorithms.md)."""
 
@@ -170,14 +178,23 @@ class AlgorithmConfig(Section):
         description="GAE's lambda (gae and a critic only): 1 is Monte-Carlo returns minus V (unbiased, noisier); "
         "0 the one-step TD error r_t + gamma V_t+1 - V_t (leans on the critic).",
     )
-    policy_loss: Literal["ppo", "gspo"] = Field(
+    policy_loss: Literal["ppo", "gspo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov"] = Field(
         "ppo",
         description="ppo: token-level clipped ratio; gspo: clipped sequence ratio exp(mean token log-ratio) "
-        "(use clip_low 3e-4, clip_high 4e-4 and loss_agg seq_mean_token_mean).",
+        "(use clip_low 3e-4, clip_high 4e-4 and loss_agg seq_mean_token_mean); cispo: clipped importance weight "
+        "under stop-gradient times log p, every token keeps a gradient (MiniMax-M1); gmpo: geometric mean of the "
+        "token ratios, clip_low / clip_high bound the log-ratio (paper: 0.4 / 0.4, seq_mean_token_mean); sapo: "
+        "sigmoid soft gate instead of a clip (sapo_tau_pos / sapo_tau_neg, seq_mean_token_mean); clip_cov: PPO-clip "
+        "and the gradient of a few high-covariance tokens detached; kl_cov: unclipped ratio and a |log-ratio| "
+        "penalty on the highest-covariance tokens (docs/algorithms.md).",
     )
-    clip_low: float = Field(0.2, ge=0.0, description="Ratio may fall to 1 - clip_low before the loss clips it.")
+    clip_low: float = Field(
+        0.2, ge=0.0, description="Ratio may fall to 1 - clip_low before the loss clips it (gmpo: the log-ratio to "
+        "-clip_low; cispo: >= 1 sets no lower bound, as the paper; unused by sapo and kl_cov)."
+    )
     clip_high: float = Field(
-        0.2, ge=0.0, description="Ratio may rise to 1 + clip_high; above clip_low is DAPO's clip-higher."
+        0.2, ge=0.0, description="Ratio may rise to 1 + clip_high; above clip_low is DAPO's clip-higher (gmpo: the "
+        "log-ratio to clip_high; unused by sapo and kl_cov)."
     )
     clip_ratio_c: float | None = Field(
         None,
@@ -185,10 +202,34 @@ class AlgorithmConfig(Section):
         description="Dual-clip PPO: caps the loss of negative-advantage tokens at clip_ratio_c * |A| (typically "
         "3); empty disables. ppo only.",
     )
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
+    sapo_tau_pos: float = Field(
+        1.0, gt=0.0, description="sapo: temperature of the soft gate for tokens with A > 0 (paper: 1.0); larger "
+        "damps a token's gradient sooner as its ratio leaves 1.",
+    )
+    sapo_tau_neg: float = Field(
+        1.05, gt=0.0, description="sapo: temperature for tokens with A <= 0 (paper: 1.05; above sapo_tau_pos, "
+        "since negative updates destabilise more).",
+    )
+    clip_cov_ratio: float = Field(
+        2e-4, gt=0.0, le=1.0, description="clip_cov: share of a micro-batch's response tokens (at least 1) whose "
+        "gradient is detached, drawn among those with covariance in (clip_cov_lb, clip_cov_ub) (paper: 2e-4).",
+    )
+    clip_cov_lb: float = Field(1.0, description="clip_cov: covariance a token must exceed to be drawn (paper: 1).")
+    clip_cov_ub: float = Field(5.0, description="clip_cov: covariance a token must stay below to be drawn (paper: 5).")
+    kl_cov_ratio: float = Field(
+        2e-4, gt=0.0, le=1.0, description="kl_cov: share of a micro-batch's response tokens (at least 1), those "
+        "with the largest covariance, that get the KL penalty (authors' recipes: 2e-3 for 7B, 2e-4 for 32B).",
+    )
+    kl_cov_coef: float = Field(
+        1.0, ge=0.0, description="kl_cov: weight of the |log(p / p_old)| penalty on those tokens (verl's ppo_kl_coef; "
+        "authors' recipes: 1).",
+    )
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum",
+                      "seq_mean_token_sum"] = Field(
         "token_mean",
-        description="How per-token losses become one number: over all tokens, per sequence then batch, or "
-        "Dr.GRPO's sum over tokens divided by a constant (max_new_tokens).",
+        description="How per-token losses become one number: over all tokens, per sequence then batch, "
+        "Dr.GRPO's sum over tokens divided by a constant (max_new_tokens), the plain sum over tokens (token_sum), "
+        "or each sequence's sum averaged over sequences (seq_mean_token_sum).",
     )
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL to the frozen reference model; 0 disables it.")
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
@@ -225,6 +266,14 @@ class AlgorithmConfig(Section):
             raise ValueError(f"normalize_std applies to grpo / dr_grpo only, not advantage {self.advantage!r}")
         if self.clip_ratio_c is not None and self.policy_loss != "ppo":
             raise ValueError("clip_ratio_c (dual clip) applies to policy_loss 'ppo' only")
+        for loss, keys in _POLICY_LOSS_KEYS.items():
+            changed = [k for k in keys if getattr(self, k) != type(self).model_fields[k].default]
+            if changed and self.policy_loss != loss:
+                verb = "apply" if len(changed) > 1 else "applies"
+                raise ValueError(f"{', '.join(changed)} {verb} to policy_loss {loss!r} only "
+                                 f"(policy_loss is {self.policy_loss!r})")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub})")
         if self.icepop_low >= self.icepop_high:
             raise ValueError(f"icepop_low ({self.icepop_low}) must be below icepop_high ({self.icepop_high})")
         return self
@@ -237,6 +286,9 @@ class AlgorithmConfig(Section):
             "entropy_coef": self.entropy_coef, "policy": self.policy_loss, "clip_ratio_c": self.clip_ratio_c,
             "is_correction": self.is_correction, "tis_cap": self.tis_cap,
             "icepop_low": self.icepop_low, "icepop_high": self.icepop_high,
+            "sapo_tau_pos": self.sapo_tau_pos, "sapo_tau_neg": self.sapo_tau_neg,
+            "clip_cov_ratio": self.clip_cov_ratio, "clip_cov_lb": self.clip_cov_lb, "clip_cov_ub": self.clip_cov_ub,
+            "kl_cov_ratio": self.kl_cov_ratio, "kl_cov_coef": self.kl_cov_coef,
         }
 
 

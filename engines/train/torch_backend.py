@@ -5,8 +5,9 @@ weights, optional CPU offload, sharded checkpoints); each rank trains on its own
 come from rlflow.engines.core.algorithms; this file only batches and steps. Micro-batches are filled up to a
 token budget (engines/train/microbatch.py) and run packed, without padding, through engines/models/packed.py;
 the losses still see the padded [rows, width] layout, so every loss_agg mode is computed exactly as on the
-unpacked batch. Every loss is normalised by the *global* token/sequence count of its mini-batch and FSDP2 sums
-the gradients, so W ranks take the same optimizer steps as one rank on the whole batch.
+unpacked batch. Every loss is normalised by the *global* token/sequence count of its mini-batch (token_sum: not
+normalised, its sums add up) and FSDP2 sums the gradients, so W ranks take the same optimizer steps as one rank on
+the whole batch.
 
 A worker has one of two roles. "policy" (the default) trains the causal LM with rl_loss. "critic" trains a
 value model (rlflow.engines.models.hf.load_value_model: the same body with a scalar head) with value_loss on the same
@@ -214,12 +215,12 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         for idx, micro in self._agreed_micro_batches(mb):
             micro = {k: v.to(self.device) for k, v in micro.items()}
             loss, metrics = self._loss(micro, sft)
-            share = algorithms.aggregation_weight(micro["loss_mask"], mode).double() / total_weight.clamp(min=1)
+            loss_scale, share = algorithms.micro_batch_scales(micro["loss_mask"], total_weight, mode)
             if not idx:  # a padding micro-batch: it joins the collectives, adds nothing
-                share = share * 0
-            (loss * share.float()).backward()  # FSDP2 reduce-scatters (sums) the gradients over ranks
-            for k, v in metrics.items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().double().cpu() * share.cpu()
+                loss_scale, share = loss_scale * 0, share * 0
+            (loss * loss_scale.float()).backward()  # FSDP2 reduce-scatters (sums) the gradients over ranks
+            for k, v in algorithms.scale_metrics(metrics, loss_scale, share).items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + v.cpu()
         grad_norm = fsdp.grad_norm(list(self.model.parameters()), self.cfg.grad_clip)
         self.optimizer.step()
         keys = sorted(metric_sums)

@@ -2,9 +2,9 @@
 
 One instance per rank of the train worker group. Weights come from and go to Hugging Face names (megatron/weights.py);
 losses come from core/algorithms.py. Every micro-batch's loss is scaled by its share of the mini-batch's
-global token (or sequence) count and megatron sums gradients over data-parallel ranks, so any layout takes the
-optimizer step one worker takes on the whole mini-batch. Weight export and checkpoints are collective: every rank
-of the group calls them (rlflow.engines.session.rl does).
+global token (or sequence) count (algorithms.micro_batch_scales; token_sum adds up unscaled) and megatron sums
+gradients over data-parallel ranks, so any layout takes the optimizer step one worker takes on the whole mini-batch.
+Weight export and checkpoints are collective: every rank of the group calls them (rlflow.engines.session.rl does).
 
 bf16 means bf16 weights and activations (megatron's Float16Module) with fp32 master weights and gradients in
 the optimizer; fp32 means fp32 throughout. CPU runs (tests, debugging) go through rlflow.engines.train.megatron.cpu.
@@ -242,7 +242,8 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         return list(SFT_METRICS) if self._sft else self.metric_keys
 
     def _loss(self, mb: TrainBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this micro-batch's loss x its share of the mini-batch, its metrics x share as one float64 vector)."""
+        """(this micro-batch's loss x its loss scale, its metrics weighted as algorithms.scale_metrics weighs them,
+        as one float64 vector)."""
         dev = logits.device
         mb = {k: v.to(dev) for k, v in mb.items()}
         if self._sft:  # the model's own distribution (temperature 1); entropy is only logged
@@ -254,9 +255,9 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
             loss, metrics = self._rl_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
                                           ref=mb.get("ref_logprobs"), entropy=entropy,
                                           rollout=mb.get("rollout_logprobs"))
-        share = mb["share"]
-        vec = torch.stack([metrics[k].detach().double() for k in self._keys()]) * share
-        return loss * share.float(), vec
+        scaled = algorithms.scale_metrics(metrics, mb["loss_scale"], mb["share"])
+        vec = torch.stack([scaled[k] for k in self._keys()])
+        return loss * mb["loss_scale"].float(), vec
 
     @_on_device
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -296,7 +297,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         total = self._dp_all_reduce(algorithms.aggregation_weight(mb["loss_mask"], mode).double().to(dev))
         micro = self._micro(mb)
         for part in micro:
-            part["share"] = algorithms.aggregation_weight(part["loss_mask"], mode).double() / total.cpu().clamp(min=1)
+            part["loss_scale"], part["share"] = algorithms.micro_batch_scales(part["loss_mask"], total.cpu(), mode)
         micro = self._on_dev(micro)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
