@@ -345,3 +345,16 @@ def test_sglang_backend_runs_rl_steps(recipe, tmp_path, transport):
             torch.as_tensor(served["output_logprobs"]), torch.as_tensor(expected["output_logprobs"]), rtol=0, atol=1e-5
         )
     assert not _running(pid), "session.shutdown closes the worker's server"
+
+
+def test_a_token_that_starts_with_a_dash_reaches_the_server_as_its_api_key(model_dir, tmp_path):
+    """secrets.token_urlsafe may start with "-": passed as one `--api-key=...` argument, never as a flag; the
+    worker's own requests carry it, others get 401, and the launch line in the log masks it."""
+    token = "-dash-token_xyz"
+    backend = _launch(model_dir, log_dir=str(tmp_path), token=token)
+    try:
+        assert httpx.post(backend.url + "/flush_cache").status_code == 401
+        backend._post("/flush_cache")  # the worker's client sends the token
+        assert token not in backend.log_path.read_text() and "--api-key=***" in backend.log_path.read_text()
+    finally:
+        backend.close()

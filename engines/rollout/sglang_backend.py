@@ -165,7 +165,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
             "--port",
             str(port),
             *server_args(self.cfg.args),
-            *(["--api-key", token] if token else []),
+            *([f"--api-key={token}"] if token else []),  # one argument: a token may start with "-"
         ]
         env = dict(os.environ)
         if self.threads and "OMP_NUM_THREADS" not in env:
@@ -194,7 +194,8 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
 
     def shown_command(self) -> str:
         """The launch command for logs and errors, the control token masked."""
-        return " ".join("***" if self._token and a == self._token else a for a in self.command)
+        shown = " ".join(self.command)
+        return shown.replace(self._token, "***") if self._token else shown
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
