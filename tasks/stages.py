@@ -32,6 +32,8 @@ def _timed(stage: str, fn, *args) -> dict[str, float]:
 def _stage(name: str):
     """A Prefect task for one stage, with the fault-injection points of tasks/faults.py around it."""
 
+    field = name.replace("-", "_")  # its orchestration.stage_timeout_s field
+
     def wrap(fn):
         @functools.wraps(fn)
         def body(run: str, step: int) -> dict[str, float]:
@@ -43,9 +45,9 @@ def _stage(name: str):
                     out = fn(ctx, step)
                     maybe_inject(ctx, name, step, "after")
             except asyncio.CancelledError as exc:  # how Prefect's task timeout interrupts the stage
-                limit = getattr(ctx.cfg.orchestration.stage_timeout_s, name.replace("-", "_"), 0)
+                limit = getattr(ctx.cfg.orchestration.stage_timeout_s, field, 0)
                 if limit and time.monotonic() - t0 >= 0.9 * limit:  # its clock started a moment before ours
-                    raise StageTimeout(timeout_message(ctx.cfg, name, step, limit)) from exc
+                    raise StageTimeout(timeout_message(ctx.cfg, name, field, step, limit)) from exc
                 raise
             return out
 
@@ -182,8 +184,8 @@ class StageTimeout(TimeoutError):
     """A stage ran past its orchestration.stage_timeout_s limit."""
 
 
-def timeout_message(cfg: RLConfig, name: str, step: int, limit: float) -> str:
+def timeout_message(cfg: RLConfig, name: str, field: str, step: int, limit: float) -> str:
     """Which stage of which step, the field of its limit, and the user function it was running, by import path."""
     user = {"reward": f" in reward.fn {cfg.reward.fn!r}", "rollout": f" in rollout.fn {cfg.rollout.fn!r}"}
-    return (f"stage {name} of step {step} ran longer than orchestration.stage_timeout_s.{name.replace('-', '_')} "
+    return (f"stage {name} of step {step} ran longer than orchestration.stage_timeout_s.{field} "
             f"({limit:g} s){user.get(name, '')}; the run resumes from its last checkpoint")

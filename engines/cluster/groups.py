@@ -206,10 +206,11 @@ def rendezvous_url(placement: Placement) -> str:
 
 def node_address(placement: Placement, rank: int) -> tuple[str, int]:
     """(ip, a free port) of the node that holds `rank`'s bundle, asked on that node by a task in the bundle."""
-    return ray.get(ray.remote(num_cpus=0)(_node_address).options(scheduling_strategy=placement.strategy(rank)).remote())
+    return ray.get(_probe_node.options(scheduling_strategy=placement.strategy(rank)).remote())
 
 
-def _node_address() -> tuple[str, int]:
+@ray.remote(num_cpus=0)
+def _probe_node() -> tuple[str, int]:
     return node_ip(), free_port()
 
 
