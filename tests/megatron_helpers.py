@@ -70,7 +70,8 @@ def parallel_worker(rank: int, world: int, tp: int, pp: int, url: str, model_dir
     with cpu_shim():
         for family, path in hf_dirs.items():
             spec = spec_from_hf(AutoConfig.from_pretrained(path))
-            model = build_model(spec, transformer_config(spec, mcfg, torch.float32, "cpu"), use_te=False)
+            model = build_model(spec, transformer_config(spec, mcfg, torch.float32, "cpu"), use_te=False,
+                                attention=mcfg.attention)
             load_hf_weights(model, spec, path)
             exported = WeightExporter(spec, stage_params(model), fused_norms=False).gather(list(_hf_names(path)))
             if rank == 0:

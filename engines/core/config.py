@@ -420,11 +420,21 @@ class MegatronConfig(Section):
     tensor_parallel: int = Field(1, gt=0, description="Tensor-parallel size.")
     pipeline_parallel: int = Field(1, gt=0, description="Pipeline-parallel size.")
     micro_batch_tokens: int = Field(
-        0, ge=0, description="Token budget of one micro-batch (rows x padded length); 0: train.micro_batch_size rows."
+        0, ge=0, description="Token budget of one micro-batch: summed sample lengths when packed, rows x padded "
+        "length otherwise; 0: train.micro_batch_size rows."
+    )
+    packing: bool = Field(
+        True, description="Run each micro-batch's samples as one token stream (megatron's THD layout, attention "
+        "kept within each sample): no padding work. false: right-padded rows."
     )
     use_distributed_optimizer: bool = Field(True, description="Shard optimizer state over data-parallel ranks.")
     transformer_engine: bool | None = Field(
         None, description="Build layers from Transformer Engine; empty: when it is installed."
+    )
+    attention: Literal["sdpa", "unfused"] = Field(
+        "sdpa", description="Core attention of the local (no Transformer Engine) layer spec: 'sdpa' runs torch's "
+        "fused flash / memory-efficient kernels; 'unfused' megatron's DotProductAttention (materialises the score "
+        "matrix; the reference). Ignored when Transformer Engine layers are used."
     )
     transformer: dict[str, Any] = Field(
         default_factory=dict, description="Extra TransformerConfig keyword arguments (override the derived ones)."
@@ -439,6 +449,14 @@ class MegatronConfig(Section):
     @property
     def model_parallel(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel
+
+    @model_validator(mode="after")
+    def _packing_needs_an_attention_that_packs(self) -> MegatronConfig:
+        if self.packing and self.attention == "unfused" and not self.transformer_engine:
+            raise ValueError("megatron.packing: true needs megatron.attention: sdpa (or Transformer Engine); "
+                             "megatron's unfused DotProductAttention cannot run packed sequences. Set "
+                             "megatron.packing: false to train the unfused attention on padded rows")
+        return self
 
 
 class ClusterConfig(Section):
