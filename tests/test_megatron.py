@@ -208,7 +208,7 @@ def test_fused_attention_refuses_what_it_does_not_compute(hf_models, mcore):
     with pytest.raises(ValueError, match="attention_dropout"):
         _backend(hf_models["llama"][0], megatron=MegatronConfig(transformer={"attention_dropout": 0.1}))
     with pytest.raises(ValidationError, match="megatron.packing: true needs megatron.attention: sdpa"):
-        MegatronConfig(attention="unfused")
+        MegatronConfig(attention="unfused", packing=True)
 
 
 def backend_context(backend):
