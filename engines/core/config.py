@@ -142,7 +142,8 @@ class RewardConfig(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the reward.")
 
 
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp_baseline_seq")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp_baseline_seq", "opo",
+                    "grpo_passk")
 
 
 # the settings of one policy loss: changed from their defaults with another loss, they would do nothing
@@ -157,17 +158,20 @@ class AlgorithmConfig(Section):
     """Advantage estimator, policy loss, KL, entropy and rollout/train mismatch correction (docs/algorithms.md)."""
 
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "reinforce_pp_baseline_seq",
-                       "gae"] = Field(
+                       "opo", "grpo_passk", "gae"] = Field(
         "grpo",
         description="grpo: (r - mean) / std per group; dr_grpo: r - mean; rloo: r - mean of the group's other "
         "samples; reinforce_pp: discounted token returns whitened over the batch (no group needed); "
         "reinforce_pp_baseline: r - group mean, whitened over the batch's response tokens (verl, OpenRLHF); "
-        "reinforce_pp_baseline_seq: r - group mean, divided by its std over the batch's samples; gae: PPO with a "
+        "reinforce_pp_baseline_seq: r - group mean, divided by its std over the batch's samples; opo: r - the length-weighted "
+        "mean reward of the group (OPO's optimal baseline); grpo_passk: only each group's best sample is "
+        "reinforced, by its margin over the runner-up (pass@n training, verl's grpo_passk); gae: PPO with a "
         "critic (the critic section), generalised advantage estimation over the critic's token values, whitened "
-        "over the batch.",
+        "over the batch. Group estimators take groups by the samples' group ids: groups may differ in size.",
     )
     normalize_std: bool | None = Field(
-        None, description="Override std normalisation of grpo / dr_grpo (default: grpo yes, dr_grpo no)."
+        None, description="Override std normalisation of grpo / dr_grpo / grpo_passk (default: grpo and grpo_passk "
+        "yes, dr_grpo no)."
     )
     gamma: float = Field(
         1.0, gt=0.0, le=1.0,
@@ -237,6 +241,16 @@ class AlgorithmConfig(Section):
         description="k1: log-ratio; k2: squared log-ratio / 2; k3: the low-variance estimator q/p - log(q/p) - 1, "
         "clamped to [-10, 10] as verl's; low_var_kl: verl's name for the same k3.",
     )
+    kl_ctrl: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="fixed: kl_coef throughout. adaptive: PPO's adaptive KL controller (kl_in: reward "
+        "only, as verl's kl_ctrl): kl_coef is the starting value, then each step it is multiplied by "
+        "1 + clip(KL / kl_target - 1, -0.2, 0.2) * batch size / kl_horizon, with KL the batch's mean per-token KL; "
+        "the coefficient is saved with each checkpoint.",
+    )
+    kl_target: float = Field(0.1, gt=0.0, description="adaptive kl_ctrl: the KL per token the coefficient steers "
+                             "toward (verl's target_kl).")
+    kl_horizon: int = Field(10000, gt=0, description="adaptive kl_ctrl: samples over which the coefficient may "
+                            "change by the full 20% (verl's horizon).")
     kl_in: Literal["loss", "reward"] = Field(
         "loss",
         description="loss: kl_coef * KL is added to the loss; reward: kl_coef * per-token KL is subtracted from "
@@ -249,6 +263,24 @@ class AlgorithmConfig(Section):
         "tis_cap); icepop drops tokens whose ratio is outside [icepop_low, icepop_high]. Either costs one "
         "extra forward pass per step (the train engine's logprobs before the update).",
     )
+    is_level: Literal["token", "sequence"] = Field(
+        "token", description="Ratio the is_correction weight is taken from: each token's own, or the sequence's "
+        "exp(sum of token log-ratios) given to all its tokens (verl's rollout_is: sequence; unbiased, higher "
+        "variance: raise tis_cap).",
+    )
+    is_batch_normalize: bool = Field(
+        False, description="Divide the importance weights by their mean over the step's batch (tokens, or "
+        "sequences at sequence level), so they only re-weight (verl's rollout_is_batch_normalize).",
+    )
+    rejection: Literal["none", "token", "sequence", "geometric"] = Field(
+        "none", description="Rejection of mismatched rollouts (verl's rollout_rs): drop from the loss mask the "
+        "tokens (token), whole sequences by their ratio exp(sum log-ratio) (sequence, verl's seq_sum_k1) or by "
+        "their geometric-mean ratio exp(mean log-ratio) (geometric, verl's seq_mean_k1) whose p_train / "
+        "p_rollout is outside [reject_low, reject_high]. Combines with is_correction; costs the same extra "
+        "forward pass.",
+    )
+    reject_low: float = Field(0.5, gt=0.0, description="rejection: smallest ratio kept (at most 1).")
+    reject_high: float = Field(2.0, gt=0.0, description="rejection: largest ratio kept (at least 1).")
     tis_cap: float = Field(2.0, gt=0.0, description="TIS: upper bound of the importance weight.")
     icepop_low: float = Field(0.5, gt=0.0, description="IcePop: smallest p_train / p_rollout kept.")
     icepop_high: float = Field(5.0, gt=0.0, description="IcePop: largest p_train / p_rollout kept.")
@@ -262,8 +294,9 @@ class AlgorithmConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> AlgorithmConfig:
-        if self.normalize_std is not None and self.advantage not in ("grpo", "dr_grpo"):
-            raise ValueError(f"normalize_std applies to grpo / dr_grpo only, not advantage {self.advantage!r}")
+        if self.normalize_std is not None and self.advantage not in ("grpo", "dr_grpo", "grpo_passk"):
+            raise ValueError(f"normalize_std applies to grpo / dr_grpo / grpo_passk only, not advantage "
+                             f"{self.advantage!r}")
         if self.clip_ratio_c is not None and self.policy_loss != "ppo":
             raise ValueError("clip_ratio_c (dual clip) applies to policy_loss 'ppo' only")
         for loss, keys in _POLICY_LOSS_KEYS.items():
@@ -276,7 +309,22 @@ class AlgorithmConfig(Section):
             raise ValueError(f"clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub})")
         if self.icepop_low >= self.icepop_high:
             raise ValueError(f"icepop_low ({self.icepop_low}) must be below icepop_high ({self.icepop_high})")
+        if self.is_correction == "none" and (self.is_level != "token" or self.is_batch_normalize):
+            raise ValueError("is_level / is_batch_normalize shape the is_correction weights: set is_correction "
+                             "to tis or icepop")
+        if not self.reject_low <= 1.0 <= self.reject_high or self.reject_low == self.reject_high:
+            raise ValueError(f"reject_low ({self.reject_low}) must be <= 1 <= reject_high ({self.reject_high}), "
+                             "and below it: a token the engines agree on (ratio 1) must be kept")
+        if self.kl_ctrl == "adaptive" and (self.kl_in != "reward" or self.kl_coef <= 0):
+            raise ValueError("kl_ctrl: adaptive steers the KL penalty in the reward: it needs kl_in: reward and "
+                             f"a starting kl_coef > 0 (got kl_in {self.kl_in!r}, kl_coef {self.kl_coef})")
         return self
+
+    @property
+    def corrects_rollout(self) -> bool:
+        """Whether the step needs the train engine's logprobs of the pre-update weights against the rollout's:
+        importance weights or rejection."""
+        return self.is_correction != "none" or self.rejection != "none"
 
     def loss_kwargs(self) -> dict[str, Any]:
         """rl_loss's keyword arguments from this config, so every train backend passes the same ones."""
@@ -285,7 +333,7 @@ class AlgorithmConfig(Section):
             "kl_coef": self.kl_coef if self.kl_in == "loss" else 0.0, "kl_estimator": self.kl_estimator,
             "entropy_coef": self.entropy_coef, "policy": self.policy_loss, "clip_ratio_c": self.clip_ratio_c,
             "is_correction": self.is_correction, "tis_cap": self.tis_cap,
-            "icepop_low": self.icepop_low, "icepop_high": self.icepop_high,
+            "icepop_low": self.icepop_low, "icepop_high": self.icepop_high, "is_level": self.is_level,
             "sapo_tau_pos": self.sapo_tau_pos, "sapo_tau_neg": self.sapo_tau_neg,
             "clip_cov_ratio": self.clip_cov_ratio, "clip_cov_lb": self.clip_cov_lb, "clip_cov_ub": self.clip_cov_ub,
             "kl_cov_ratio": self.kl_cov_ratio, "kl_cov_coef": self.kl_cov_coef,
