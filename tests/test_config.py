@@ -147,7 +147,18 @@ def test_algorithm_recipes_are_valid(name, expected):
         ({"kl_estimator": "k4"}, r"algorithm\.kl_estimator: .*'low_var_kl'"),
         ({"is_correction": "mis"}, r"algorithm\.is_correction: .*'none', 'tis' or 'icepop'"),
         ({"clip_ratio_c": 1.0}, r"algorithm\.clip_ratio_c: .*greater than 1"),
-        ({"advantage": "rloo", "normalize_std": True}, r"algorithm: .*normalize_std applies to grpo / dr_grpo only"),
+        ({"advantage": "rloo", "normalize_std": True},
+         r"algorithm: .*normalize_std applies to grpo / dr_grpo / grpo_passk only"),
+        ({"is_level": "sequence"}, r"algorithm: .*is_level / is_batch_normalize .* set is_correction to tis or icepop"),
+        ({"is_batch_normalize": True}, r"algorithm: .*is_level / is_batch_normalize"),
+        ({"is_correction": "tis", "is_level": "seq"}, r"algorithm\.is_level: .*'token' or 'sequence'"),
+        ({"rejection": "token", "reject_low": 1.2}, r"algorithm: .*reject_low \(1.2\) must be <= 1 <= reject_high"),
+        ({"rejection": "seq_sum_k1"}, r"algorithm\.rejection: .*'sequence' or 'geometric'"),
+        ({"kl_ctrl": "adaptive", "kl_coef": 0.1},
+         r"algorithm: .*kl_ctrl: adaptive .* needs kl_in: reward and a starting kl_coef > 0"),
+        ({"kl_ctrl": "adaptive", "kl_in": "reward"}, r"algorithm: .*kl_ctrl: adaptive .*kl_coef 0.0"),
+        ({"kl_ctrl": "adaptive", "kl_in": "reward", "kl_coef": 0.1, "kl_horizon": 0},
+         r"algorithm\.kl_horizon: .*greater than 0"),
         ({"policy_loss": "gspo", "clip_ratio_c": 3.0}, r"algorithm: .*clip_ratio_c .* 'ppo' only"),
         ({"policy_loss": "cispo", "clip_ratio_c": 3.0}, r"algorithm: .*clip_ratio_c .* 'ppo' only"),
         ({"policy_loss": "sppo"}, r"algorithm\.policy_loss: .*'cispo', 'gmpo', 'sapo', 'clip_cov' or 'kl_cov'"),
@@ -234,7 +245,7 @@ def test_gpu_placement_recipes_load(tmp_path):
     assert split.rollout.precision == "bf16" and split.weight_sync.transport == "nccl"
 
 
-@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk"])
 def test_a_group_estimator_with_one_sample_per_prompt_is_refused(tmp_path, advantage):
     raw = small_recipe(tmp_path, algorithm={"advantage": advantage}, rollout={"samples_per_prompt": 1})
     with pytest.raises(RecipeError) as e:

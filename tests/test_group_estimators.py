@@ -39,11 +39,18 @@ def test_reinforce_pp_baseline_over_group_ids_by_hand():
     assert torch.allclose(tok, (DEV / (12 / 9 * 2 / 13) ** 0.5).unsqueeze(-1).expand(7, 2), atol=1e-6)
 
 
-@pytest.mark.parametrize("fn", [
-    lambda r, g, n: A.group_advantages(r, g), lambda r, g, n: A.group_advantages(r, g, normalize_std=False),
-    lambda r, g, n: A.rloo_advantages(r, g), lambda r, g, n: A.reinforce_pp_baseline_seq_advantages(r, g),
-    lambda r, g, n: A.grpo_passk_advantages(r, g), A.opo_advantages,
-], ids=["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline_seq", "grpo_passk", "opo"])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda r, g, n: A.group_advantages(r, g),
+        lambda r, g, n: A.group_advantages(r, g, normalize_std=False),
+        lambda r, g, n: A.rloo_advantages(r, g),
+        lambda r, g, n: A.reinforce_pp_baseline_seq_advantages(r, g),
+        lambda r, g, n: A.grpo_passk_advantages(r, g),
+        A.opo_advantages,
+    ],
+    ids=["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline_seq", "grpo_passk", "opo"],
+)
 def test_group_ids_in_any_order_equal_the_consecutive_layout(fn):
     """Shuffling the samples (with their ids) shuffles the advantages the same way: consecutive groups of 4 given
     as an int and the same groups given as permuted ids agree sample by sample."""
@@ -77,8 +84,10 @@ def test_opo_length_weighted_baseline_by_hand():
 
 
 def test_opo_without_signal_and_empty_responses():
-    assert torch.equal(A.opo_advantages(torch.tensor([1.0, 1.0, 0.3]), torch.tensor([0, 0, 1]),
-                                        torch.tensor([2.0, 5.0, 3.0])), torch.zeros(3))
+    assert torch.equal(
+        A.opo_advantages(torch.tensor([1.0, 1.0, 0.3]), torch.tensor([0, 0, 1]), torch.tensor([2.0, 5.0, 3.0])),
+        torch.zeros(3),
+    )
     # every response empty: the plain mean
     assert torch.allclose(A.opo_advantages(torch.tensor([1.0, 0.0]), 2, torch.zeros(2)), torch.tensor([0.5, -0.5]))
     with pytest.raises(ValueError, match=r"lengths has shape \(3,\); expected \(2,\)"):
@@ -111,12 +120,15 @@ def test_grpo_passk_ties_and_single_samples_are_zero():
 # ----------------------------------------------------------------------------- adaptive KL
 
 
-@pytest.mark.parametrize("kl, expected", [
-    (0.15, 0.1 * (1 + 0.2 * 100 / 1000)),   # error 0.5 clipped to 0.2: +2%
-    (0.02, 0.1 * (1 - 0.2 * 100 / 1000)),   # error -0.8 clipped to -0.2: -2%
-    (0.095, 0.1 * (1 - 0.05 * 100 / 1000)),  # error -0.05: -0.5%
-    (0.1, 0.1),                              # on target: unchanged
-])
+@pytest.mark.parametrize(
+    "kl, expected",
+    [
+        (0.15, 0.1 * (1 + 0.2 * 100 / 1000)),  # error 0.5 clipped to 0.2: +2%
+        (0.02, 0.1 * (1 - 0.2 * 100 / 1000)),  # error -0.8 clipped to -0.2: -2%
+        (0.095, 0.1 * (1 - 0.05 * 100 / 1000)),  # error -0.05: -0.5%
+        (0.1, 0.1),  # on target: unchanged
+    ],
+)
 def test_adaptive_kl_coef_by_hand(kl, expected):
     assert A.adaptive_kl_coef(0.1, kl, target=0.1, horizon=1000, n_steps=100) == pytest.approx(expected)
 

@@ -163,9 +163,10 @@ class AlgorithmConfig(Section):
         description="grpo: (r - mean) / std per group; dr_grpo: r - mean; rloo: r - mean of the group's other "
         "samples; reinforce_pp: discounted token returns whitened over the batch (no group needed); "
         "reinforce_pp_baseline: r - group mean, whitened over the batch's response tokens (verl, OpenRLHF); "
-        "reinforce_pp_baseline_seq: r - group mean, divided by its std over the batch's samples; opo: r - the length-weighted "
-        "mean reward of the group (OPO's optimal baseline); grpo_passk: only each group's best sample is "
-        "reinforced, by its margin over the runner-up (pass@n training, verl's grpo_passk); gae: PPO with a "
+        "reinforce_pp_baseline_seq: r - group mean, divided by its std over the batch's samples; opo: r - the "
+        "length-weighted mean reward of the group (OPO's optimal baseline); grpo_passk: only each group's best "
+        "sample is reinforced, by its margin over the runner-up (pass@n training, verl's grpo_passk); gae: PPO "
+        "with a "
         "critic (the critic section), generalised advantage estimation over the critic's token values, whitened "
         "over the batch. Group estimators take groups by the samples' group ids: groups may differ in size.",
     )
