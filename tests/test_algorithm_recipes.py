@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+import torch
 
 from bench.bare_loop import run_bare, run_steps
 from rlflow.engines.core import algorithms
+from rlflow.engines.core.batch import RolloutBatch
 from rlflow.engines.core.config import load_recipe
 from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
@@ -19,7 +22,7 @@ SHORT = ["train.steps=2", "eval.every=0", "train.threads=1", "checkpoint.every=0
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["rloo", "reinforce-pp", "ppo", "cispo", "gmpo", "sapo", "clip-cov", "kl-cov", "opo",
-                                  "grpo-passk", "rollout-corr", "adaptive-kl"])
+                                  "grpo-passk", "rollout-corr", "adaptive-kl", "remax"])
 def test_recipe_reward_rises(name, tmp_path):
     overrides = [f"data.train_path={tmp_path}/train.jsonl", f"data.eval_path={tmp_path}/eval.jsonl",
                  "train.steps=20", "eval.every=0", "train.threads=1", "checkpoint.every=0"]
@@ -42,7 +45,7 @@ def test_reinforce_pp_baseline_variants_train_in_the_loop(advantage, tmp_path):
     assert len(history) == 2 and all(m["adv/abs_mean"] > 0 and "train/loss" in m for m in history)
 
 
-@pytest.mark.parametrize("name", ["opo", "grpo-passk", "rollout-corr", "adaptive-kl"])
+@pytest.mark.parametrize("name", ["opo", "grpo-passk", "rollout-corr", "adaptive-kl", "remax"])
 def test_new_recipes_run_two_steps_in_the_loop(name, tmp_path):
     """Each recipe of the newer estimators and corrections trains through the loop (the learning itself is the
     slow test above); what each adds shows in its metrics."""
@@ -54,6 +57,8 @@ def test_new_recipes_run_two_steps_in_the_loop(name, tmp_path):
         for m in history:
             assert 0 <= m["rollout_corr/reject_seq_frac"] <= 1 and m["rollout_corr/mismatch_kl"] < 1e-3
             assert "train/is_weight_mean" in m and m["train/is_clip_frac"] >= 0
+    if name == "remax":  # 8 prompts x (4 samples + 1 greedy baseline), the baseline's own advantage 0
+        assert all(0 <= m["rollout/greedy_reward_mean"] <= 1 for m in history)
     if name == "adaptive-kl":  # step 1's coefficient is step 0's moved by step 0's KL (32 samples a step)
         a = cfg.algorithm
         assert history[0]["adv/kl_coef"] == a.kl_coef
@@ -84,3 +89,30 @@ def test_adaptive_kl_coefficient_is_saved_and_restored(tmp_path):
         assert resumed.kl_coef == reached
     finally:
         resumed.shutdown()
+
+
+def test_remax_step_holds_one_greedy_baseline_per_prompt(tmp_path):
+    """The rollout stage appends each prompt's greedy response to its group, marked as the baseline with an
+    all-0 loss mask; its reward is the others' baseline and its own advantage 0; the step trains."""
+    overrides = [f"data.train_path={tmp_path}/train.jsonl", f"data.eval_path={tmp_path}/eval.jsonl", *SHORT]
+    cfg = load_recipe("deployments/sort-tiny-remax.yaml", overrides)
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, str(tmp_path)), use_ray=False)
+    try:
+        session.rollout(0)
+        session.reward(0)
+        session.advantages(0)
+        b, adv = session.rollout_batch(0), session._state(0).advantages
+        assert len(b) == 8 * 5 and b.baseline.sum() == 8
+        assert sorted(b.group[b.baseline].tolist()) == list(range(8))  # one per group, the group's last
+        masks = b.split("loss_mask")
+        assert all(not masks[i].any() for i in np.flatnonzero(b.baseline))
+        assert all(masks[i].all() for i in np.flatnonzero(~b.baseline))
+        baseline_reward = {int(g): r for g, r in zip(b.group[b.baseline], b.reward[b.baseline], strict=True)}
+        expected = [0.0 if base else r - baseline_reward[int(g)]
+                    for g, r, base in zip(b.group, b.reward, b.baseline, strict=True)]
+        assert torch.allclose(adv, torch.tensor(expected, dtype=torch.float32), atol=1e-6)
+        assert "train/loss" in session.train(0)
+        assert RolloutBatch.from_arrow(session.rollout_table(0)).baseline.tolist() == b.baseline.tolist()
+    finally:
+        session.shutdown()

@@ -48,7 +48,7 @@ def assert_same(a: RolloutBatch, b: RolloutBatch) -> None:
     for name in ("prompt", "label", "prompt_ids", "text", "response", "metadata"):
         assert getattr(a, name) == getattr(b, name), name
     for name in ("group", "output_ids", "output_logprobs", "loss_mask", "lengths", "has_logprobs", "stopped",
-                 "weight_version", "carried"):
+                 "weight_version", "carried", "baseline"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
     assert np.array_equal(a.fn_reward, b.fn_reward, equal_nan=True)
     assert (a.reward is None) == (b.reward is None)

@@ -254,3 +254,22 @@ def test_a_group_estimator_with_one_sample_per_prompt_is_refused(tmp_path, advan
                      r"prompt.*use advantage reinforce_pp", e.value.problems[0]), e.value.problems
     raw["algorithm"] = {"advantage": "reinforce_pp"}  # a batch baseline needs no group
     assert load_recipe(write(tmp_path, raw)).rollout.samples_per_prompt == 1
+
+
+def test_remax_settings_are_checked(tmp_path):
+    """ReMax adds a greedy sample per prompt: the step's batch counts it, greedy rollouts would make every
+    advantage 0, and dynamic sampling does not generate it."""
+    raw = small_recipe(tmp_path, algorithm={"advantage": "remax"}, rollout={"samples_per_prompt": 1})
+    cfg = load_recipe(write(tmp_path, raw))  # one sample and its greedy baseline: a valid ReMax step
+    assert cfg.step_samples == 2 * cfg.rollout.prompts_per_step
+    for rollout, problem in [
+        ({"temperature": 0.0}, r"remax compares sampled responses with the greedy one; with rollout.temperature 0"),
+        ({"dynamic_sampling": {"enabled": True}}, r"remax adds a greedy sample .* dynamic sampling"),
+        ({"samples_per_prompt": 2}, r"the step's samples, rollout.prompts_per_step \* \(rollout.samples_per_prompt "
+                                    r"\+ 1 greedy baseline\) = \d+, must divide evenly"),
+    ]:
+        raw["rollout"] = {"prompts_per_step": 8, "samples_per_prompt": 1, "max_new_tokens": 4} | rollout
+        raw["train"] = {"steps": 3, "threads": 1, "mini_batches": 16}  # 8 prompts x 2 fit; 8 x (2 + 1) do not
+        with pytest.raises(RecipeError) as e:
+            load_recipe(write(tmp_path, raw))
+        assert re.search(problem, e.value.problems[0]), e.value.problems

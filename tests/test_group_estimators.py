@@ -117,6 +117,28 @@ def test_grpo_passk_ties_and_single_samples_are_zero():
     assert torch.equal(A.grpo_passk_advantages(r, torch.tensor([0, 0, 0, 1, 1, 2])), torch.zeros(6))
 
 
+# ----------------------------------------------------------------------------- ReMax
+
+
+def test_remax_subtracts_the_greedy_reward_of_each_group():
+    r = torch.tensor([1.0, 0.5, 0.0, 0.25, 1.0, 0.75, 0.5])
+    ids = torch.tensor([0, 1, 0, 1, 0, 1, 1])
+    base = torch.tensor([False, False, True, False, False, False, True])
+    # group 0: greedy reward 0.0 (sample 2) -> 1.0, 0, 1.0; group 1: greedy 0.5 (sample 6) -> 0, -0.25, 0.25, 0
+    expected = torch.tensor([1.0, 0.0, 0.0, -0.25, 1.0, 0.25, 0.0])
+    assert torch.equal(A.remax_advantages(r, ids, base), expected)
+    # a group of one sample plus its greedy baseline is enough
+    assert torch.equal(A.remax_advantages(torch.tensor([1.0, 0.5]), 2, torch.tensor([False, True])),
+                       torch.tensor([0.5, 0.0]))
+
+
+def test_remax_needs_one_baseline_per_group():
+    with pytest.raises(ValueError, match=r"exactly one baseline \(greedy\) sample; found \[1, 0\]"):
+        A.remax_advantages(torch.zeros(4), 2, torch.tensor([True, False, False, False]))
+    with pytest.raises(ValueError, match=r"baseline has shape \(3,\)"):
+        A.remax_advantages(torch.zeros(4), 2, torch.tensor([True, False, True]))
+
+
 # ----------------------------------------------------------------------------- adaptive KL
 
 

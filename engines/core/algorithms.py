@@ -138,6 +138,27 @@ def grpo_passk_advantages(rewards: torch.Tensor, groups: Groups, normalize_std: 
     return g.zero_flat(adv)
 
 
+def remax_advantages(rewards: torch.Tensor, groups: Groups, baseline: torch.Tensor) -> torch.Tensor:
+    """ReMax (Li et al. 2023, arXiv:2310.10505): r - r_greedy, the reward of the group's greedy response as the
+    baseline of the group's sampled responses; the greedy sample itself (baseline [N] true) gets 0.
+
+    The greedy response is what the policy would answer without exploration, so a sample beats the baseline
+    when sampling found something better than the policy's own mode. Needs no value model, and one sample per
+    prompt already has a baseline. Every group must hold exactly one baseline sample.
+    """
+    g = _group_stats(rewards, groups, "remax_advantages")
+    base = torch.as_tensor(baseline, device=g.r.device).bool().reshape(-1)
+    if base.shape != g.r.shape:
+        raise ValueError(f"remax_advantages: baseline has shape {tuple(base.shape)}; expected ({g.r.numel()},)")
+    per_group = torch.zeros_like(g.count).index_add_(0, g.idx[base], torch.ones_like(g.r[base]))
+    if (per_group != 1).any():
+        raise ValueError(f"remax_advantages: every group needs exactly one baseline (greedy) sample; "
+                         f"found {per_group.int().tolist()} per group")
+    b = torch.zeros_like(g.count)
+    b[g.idx[base]] = g.r[base]
+    return torch.where(base, 0.0, g.r - b[g.idx])
+
+
 def reinforce_pp_baseline_advantages(rewards: torch.Tensor, groups: Groups, mask: torch.Tensor, eps: float = 1e-6
                                      ) -> torch.Tensor:
     """REINFORCE++-baseline as verl and OpenRLHF compute it: r - group mean, broadcast over the response tokens,

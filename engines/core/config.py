@@ -158,14 +158,15 @@ class AlgorithmConfig(Section):
     """Advantage estimator, policy loss, KL, entropy and rollout/train mismatch correction (docs/algorithms.md)."""
 
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "reinforce_pp_baseline_seq",
-                       "opo", "grpo_passk", "gae"] = Field(
+                       "opo", "grpo_passk", "remax", "gae"] = Field(
         "grpo",
         description="grpo: (r - mean) / std per group; dr_grpo: r - mean; rloo: r - mean of the group's other "
         "samples; reinforce_pp: discounted token returns whitened over the batch (no group needed); "
         "reinforce_pp_baseline: r - group mean, whitened over the batch's response tokens (verl, OpenRLHF); "
         "reinforce_pp_baseline_seq: r - group mean, divided by its std over the batch's samples; opo: r - the "
         "length-weighted mean reward of the group (OPO's optimal baseline); grpo_passk: only each group's best "
-        "sample is reinforced, by its margin over the runner-up (pass@n training, verl's grpo_passk); gae: PPO "
+        "sample is reinforced, by its margin over the runner-up (pass@n training, verl's grpo_passk); remax: r - the "
+        "reward of the prompt's greedy response, generated as one extra sample per prompt (ReMax); gae: PPO "
         "with a "
         "critic (the critic section), generalised advantage estimation over the critic's token values, whitened "
         "over the batch. Group estimators take groups by the samples' group ids: groups may differ in size.",
@@ -687,10 +688,17 @@ class RLConfig(Section):
                              "the samples of one prompt, and 1 sample per prompt gives every sample advantage 0 "
                              "(no policy gradient): sample 2 or more per prompt, or use advantage reinforce_pp "
                              "(batch baseline) or gae (a critic)")
-        batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if self.algorithm.advantage == "remax":
+            if self.rollout.temperature == 0:
+                raise ValueError("algorithm.advantage: remax compares sampled responses with the greedy one; with "
+                                 "rollout.temperature 0 they are the same (every advantage 0): sample at > 0")
+            if self.rollout.dynamic_sampling.enabled:
+                raise ValueError("algorithm.advantage: remax adds a greedy sample to every group; dynamic sampling "
+                                 "(rollout.dynamic_sampling) does not generate it: use one or the other")
+        batch = self.step_samples
         if batch % (self.data_parallel_size * self.train.mini_batches) != 0:
             raise ValueError(
-                f"train: rollout.prompts_per_step * rollout.samples_per_prompt = {batch} must divide evenly "
+                f"train: the step's samples, {self._step_samples_text} = {batch}, must divide evenly "
                 f"into {self.data_parallel_size} data-parallel workers x train.mini_batches "
                 f"({self.train.mini_batches})"
             )
@@ -726,7 +734,7 @@ class RLConfig(Section):
             raise ValueError("critic: the critic runs on train.backend 'torch' only (megatron has no value head yet)")
         if batch % (self.critic.num_workers * self.train.mini_batches) != 0:
             raise ValueError(
-                f"critic.num_workers: rollout.prompts_per_step * rollout.samples_per_prompt = {batch} must divide "
+                f"critic.num_workers: the step's samples, {self._step_samples_text} = {batch}, must divide "
                 f"evenly into {self.critic.num_workers} critic workers x train.mini_batches ({self.train.mini_batches})"
             )
         if self.critic.freeze_policy_steps >= self.train.steps:
@@ -806,6 +814,18 @@ class RLConfig(Section):
         if d.mode and self.cluster.colocate:
             raise ValueError(f"debug.mode: {d.mode} starts one kind of worker; cluster.colocate pairs train and "
                              "rollout workers (set it to false)")
+
+    @property
+    def step_samples(self) -> int:
+        """Samples in a step's batch: prompts x samples per prompt, plus one greedy baseline per prompt (remax)."""
+        extra = 1 if self.algorithm.advantage == "remax" else 0
+        return self.rollout.prompts_per_step * (self.rollout.samples_per_prompt + extra)
+
+    @property
+    def _step_samples_text(self) -> str:
+        if self.algorithm.advantage == "remax":
+            return "rollout.prompts_per_step * (rollout.samples_per_prompt + 1 greedy baseline)"
+        return "rollout.prompts_per_step * rollout.samples_per_prompt"
 
     @property
     def rollout_device(self) -> str:

@@ -152,12 +152,28 @@ class RLSession:
             rows = self.prompts.take(step)
             prompts = self._prompt_samples(rows, self.cfg.rollout.samples_per_prompt, self._seed(step))
             groups = self.runner.run(prompts, self._sampling(self.cfg.rollout.temperature))
+            if self.cfg.algorithm.advantage == "remax":
+                groups = self._with_greedy_baselines(rows, groups, step)
         batch = RolloutBatch.from_samples(prompts, groups)
         if self.cfg.rollout.dynamic_sampling.enabled:  # its prompts do not follow from the cursor: store both
             batch.metadata = self.prompts.batch_metadata(step)
         self._open(StepState(step, rows, batch))
         metrics |= batch.metrics()
         return metrics | {"rollout/tokens_per_s": metrics["rollout/tokens"] / (time.perf_counter() - t0)}
+
+    def _with_greedy_baselines(self, rows: list[dict], groups: list[list[Sample]], step: int
+                               ) -> list[list[Sample]]:
+        """ReMax: each group with one more sample, the prompt's greedy response (temperature 0, through the same
+        rollout function), marked as the baseline and with an all-0 loss mask: it is rewarded like the others
+        and never trained on."""
+        prompts = self._prompt_samples(rows, 1, 2**61 + self._seed(step))  # seeds apart (greedy needs none)
+        greedy = self.runner.run(prompts, self._sampling(0.0))
+        for group, extra in zip(groups, greedy, strict=True):
+            base = extra[0]
+            base.metadata["remax_baseline"] = True
+            base.loss_mask = [0] * len(base.response_ids)
+            group.append(base)
+        return groups
 
     def _dynamic_groups(self, step: int) -> tuple[list[PromptSample], list[list[Sample]], dict[str, float]]:
         """Dynamic sampling (engines/rollout/dynamic_sampling.py): prompts_per_step groups whose rewards differ, taking
@@ -231,12 +247,16 @@ class RLSession:
         b = st.batch
         responses = self._responses(b.split("output_ids"), b.text)
         st.batch = b.with_rewards(responses, self._rewards(b.prompt, responses, b.label, b.fn_reward))
-        rewards = torch.tensor(st.batch.reward, dtype=torch.float32)
-        return {
+        all_rewards = torch.tensor(st.batch.reward, dtype=torch.float32)
+        rewards = all_rewards[torch.as_tensor(~b.baseline)]  # ReMax's greedy baselines are not the policy's samples
+        metrics = {
             "rollout/reward_mean": float(rewards.mean()),
             "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "rollout/accuracy": float((rewards >= 1.0).float().mean()),
         }
+        if b.baseline.any():
+            metrics["rollout/greedy_reward_mean"] = float(all_rewards[torch.as_tensor(b.baseline)].mean())
+        return metrics
 
     def advantages(self, step: int) -> dict[str, float]:
         """Rewards -> advantages: overlong shaping and KL-in-reward first, then the recipe's estimator.
@@ -315,6 +335,8 @@ class RLSession:
             return algorithms.grpo_passk_advantages(rewards, groups, algo.normalize_std is not False)
         if algo.advantage == "rloo":
             return algorithms.rloo_advantages(rewards, groups)
+        if algo.advantage == "remax":
+            return algorithms.remax_advantages(rewards, groups, torch.as_tensor(st.batch.baseline))
         if algo.advantage == "opo":  # lengths: the response tokens each sample trains on
             trained = torch.from_numpy(st.batch.loss_mask.astype(np.float32))
             sample = torch.from_numpy(np.repeat(np.arange(len(st.batch)), st.batch.lengths))
