@@ -78,7 +78,7 @@ def test_tables_written_before_the_later_columns_read_with_their_defaults() -> N
     assert b.output_logprobs.dtype == np.float32 and b.output_logprobs.tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0,
                                                                                      -6.0, -7.0]
     assert b.group.tolist() == [0, 0, 1, 1] and b.label == [1, 1, 2, 2]
-    assert b.loss_mask.tolist() == [1.0] * 7 and b.has_logprobs.all() and not b.carried.any()
+    assert b.loss_mask.tolist() == [1.0] * 7 and b.has_logprobs.all() and not b.carried.any() and not b.baseline.any()
     assert np.isnan(b.fn_reward).all() and b.text == [None] * 4 and b.reward is None and b.response is None
 
 
