@@ -154,6 +154,10 @@ def test_algorithm_recipes_are_valid(name, expected):
         ({"is_correction": "tis", "is_level": "seq"}, r"algorithm\.is_level: .*'token' or 'sequence'"),
         ({"rejection": "token", "reject_low": 1.2}, r"algorithm: .*reject_low \(1.2\) must be <= 1 <= reject_high"),
         ({"rejection": "seq_sum_k1"}, r"algorithm\.rejection: .*'sequence' or 'geometric'"),
+        ({"passk_k": 3}, r"algorithm: .*passk_k apply to advantage 'passk' only \(advantage is 'grpo'\)"),
+        ({"advantage": "passk", "passk_k": 0}, r"algorithm\.passk_k: .*greater than or equal to 1"),
+        ({"advantage": "passk", "passk_k": 5}, r"algorithm\.passk_k \(5\) must be at most rollout\.samples_per_prompt "
+                                              r"\(4\)"),
         ({"kl_ctrl": "adaptive", "kl_coef": 0.1},
          r"algorithm: .*kl_ctrl: adaptive .* needs kl_in: reward and a starting kl_coef > 0"),
         ({"kl_ctrl": "adaptive", "kl_in": "reward"}, r"algorithm: .*kl_ctrl: adaptive .*kl_coef 0.0"),
@@ -245,7 +249,7 @@ def test_gpu_placement_recipes_load(tmp_path):
     assert split.rollout.precision == "bf16" and split.weight_sync.transport == "nccl"
 
 
-@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk"])
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk", "passk"])
 def test_a_group_estimator_with_one_sample_per_prompt_is_refused(tmp_path, advantage):
     raw = small_recipe(tmp_path, algorithm={"advantage": advantage}, rollout={"samples_per_prompt": 1})
     with pytest.raises(RecipeError) as e:

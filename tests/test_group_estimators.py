@@ -158,3 +158,36 @@ def test_adaptive_kl_coef_by_hand(kl, expected):
 def test_adaptive_kl_coef_rejects_bad_settings():
     with pytest.raises(ValueError, match="target"):
         A.adaptive_kl_coef(0.1, 0.1, target=0.0, horizon=10, n_steps=1)
+
+
+# ----------------------------------------------------------------------------- pass@k (analytic)
+
+
+def test_passk_advantages_by_hand():
+    # group 0: 4 samples, 2 wrong, k = 2: pass@2 = 1 - C(2,2)/C(4,2) = 5/6, std = sqrt(5/6 * 1/6) = 0.372678
+    #   A_correct = (1/6) / std = 0.447214; A_wrong = (1/6 - C(1,1)/C(3,1)) / std = (1/6 - 1/3) / std = -0.447214
+    # group 1: 4 samples, 3 wrong: pass@2 = 1 - C(3,2)/C(4,2) = 1/2, std = 1/2
+    #   A_correct = 1; A_wrong = (1/2 - C(2,1)/C(3,1)) / (1/2) = -1/3 (zero-sum: 1 - 3 * 1/3)
+    r = torch.tensor([1.0, 0.0, 1.0, 0.2, 0.0, 1.0, 0.0, 0.9])
+    ids = torch.tensor([0, 1, 0, 0, 1, 1, 1, 0])
+    expected = torch.tensor([0.447214, -1 / 3, 0.447214, -0.447214, -1 / 3, 1.0, -1 / 3, -0.447214])
+    assert torch.allclose(A.passk_advantages(r, ids, k=2), expected, atol=1e-5)
+    # threshold 0.5 counts the 0.9 as correct in group 0 (1 wrong: pass@2 = 1, no signal)
+    assert torch.equal(A.passk_advantages(r, ids, k=2, threshold=0.5)[ids == 0], torch.zeros(4))
+
+
+def test_passk_with_k_1_is_grpo_with_the_population_std():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    p = torch.tensor([0.5, 0.75]).repeat_interleave(4)
+    expected = torch.where(r >= 1, (1 - p), -p) / (p * (1 - p)).sqrt()
+    assert torch.allclose(A.passk_advantages(r, 4, k=1), expected, atol=1e-6)
+
+
+def test_passk_without_signal_and_bad_k():
+    # all wrong (pass@k 0), all right, and fewer wrong than k (pass@k 1): no signal
+    r = torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    assert torch.equal(A.passk_advantages(r, 3, k=2), torch.zeros(9))
+    with pytest.raises(ValueError, match="a group of 2 samples is smaller than k = 3"):
+        A.passk_advantages(torch.zeros(4), 2, k=3)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        A.passk_advantages(torch.zeros(4), 2, k=0)

@@ -7,6 +7,8 @@ Nothing here holds state or does I/O, so each function is tested against numbers
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum", "seq_mean_token_sum")
@@ -136,6 +138,37 @@ def grpo_passk_advantages(rewards: torch.Tensor, groups: Groups, normalize_std: 
     adv = torch.zeros_like(g.r)
     adv[best] = margin
     return g.zero_flat(adv)
+
+
+def passk_advantages(rewards: torch.Tensor, groups: Groups, k: int, threshold: float = 1.0) -> torch.Tensor:
+    """Pass@k training with analytic advantages (Chen et al. 2025, "Pass@k Training for Adaptively Balancing
+    Exploration and Exploitation of Large Reasoning Models", arXiv:2508.10751): the group's reward is pass@k, the
+    chance that k of its n samples drawn without replacement hold a correct one, and each sample gets its
+    expected advantage under that reward.
+
+    A sample is correct when its reward >= threshold; with n_neg wrong samples in a group of n:
+    mean = 1 - C(n_neg, k) / C(n, k), std = sqrt(mean (1 - mean)),
+    A_correct = (1 - mean) / std, A_wrong = (1 - mean - C(n_neg - 1, k - 1) / C(n - 1, k - 1)) / std.
+    k = 1 is GRPO on 0/1 rewards (with the population std). A group whose pass@k is 0 or 1 (all wrong, or
+    fewer than k wrong) gets 0. Every group must hold at least k samples.
+    """
+    g = _group_stats(rewards, groups, "passk_advantages")
+    if k < 1:
+        raise ValueError(f"passk_advantages: k must be >= 1, got {k}")
+    wrong = g.r < threshold
+    n_wrong = torch.zeros_like(g.count).index_add_(0, g.idx, wrong.float())
+    a_pos = torch.zeros_like(g.count)
+    a_neg = torch.zeros_like(g.count)
+    for i, (n, neg) in enumerate(zip(g.count.int().tolist(), n_wrong.int().tolist(), strict=True)):
+        if n < k:
+            raise ValueError(f"passk_advantages: a group of {n} samples is smaller than k = {k}")
+        mean = 1.0 - math.comb(neg, k) / math.comb(n, k)
+        if mean in (0.0, 1.0):
+            continue
+        std = math.sqrt(mean * (1.0 - mean))
+        a_pos[i] = (1.0 - mean) / std
+        a_neg[i] = (1.0 - mean - (math.comb(neg - 1, k - 1) / math.comb(n - 1, k - 1) if neg else 0.0)) / std
+    return torch.where(wrong, a_neg[g.idx], a_pos[g.idx])
 
 
 def remax_advantages(rewards: torch.Tensor, groups: Groups, baseline: torch.Tensor) -> torch.Tensor:

@@ -143,7 +143,7 @@ class RewardConfig(Section):
 
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp_baseline_seq", "opo",
-                    "grpo_passk")
+                    "grpo_passk", "passk")
 
 
 # the settings of one policy loss: changed from their defaults with another loss, they would do nothing
@@ -158,14 +158,15 @@ class AlgorithmConfig(Section):
     """Advantage estimator, policy loss, KL, entropy and rollout/train mismatch correction (docs/algorithms.md)."""
 
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "reinforce_pp_baseline_seq",
-                       "opo", "grpo_passk", "remax", "gae"] = Field(
+                       "opo", "grpo_passk", "passk", "remax", "gae"] = Field(
         "grpo",
         description="grpo: (r - mean) / std per group; dr_grpo: r - mean; rloo: r - mean of the group's other "
         "samples; reinforce_pp: discounted token returns whitened over the batch (no group needed); "
         "reinforce_pp_baseline: r - group mean, whitened over the batch's response tokens (verl, OpenRLHF); "
         "reinforce_pp_baseline_seq: r - group mean, divided by its std over the batch's samples; opo: r - the "
         "length-weighted mean reward of the group (OPO's optimal baseline); grpo_passk: only each group's best "
-        "sample is reinforced, by its margin over the runner-up (pass@n training, verl's grpo_passk); remax: r - the "
+        "sample is reinforced, by its margin over the runner-up (pass@n training, verl's grpo_passk); passk: "
+        "analytic pass@k advantages for binary rewards (passk_k; Pass@k Training); remax: r - the "
         "reward of the prompt's greedy response, generated as one extra sample per prompt (ReMax); gae: PPO "
         "with a "
         "critic (the critic section), generalised advantage estimation over the critic's token values, whitened "
@@ -174,6 +175,14 @@ class AlgorithmConfig(Section):
     normalize_std: bool | None = Field(
         None, description="Override std normalisation of grpo / dr_grpo / grpo_passk (default: grpo and grpo_passk "
         "yes, dr_grpo no)."
+    )
+    passk_k: int = Field(
+        2, ge=1, description="passk: the k of pass@k the group's reward is (at most rollout.samples_per_prompt). "
+        "1 is GRPO on 0/1 rewards; a larger k rewards exploration (a prompt counts as solved by any of k samples).",
+    )
+    passk_threshold: float = Field(
+        1.0, description="passk: a sample counts as correct when its reward is >= this (1: fully correct, as "
+        "rollout/accuracy counts).",
     )
     gamma: float = Field(
         1.0, gt=0.0, le=1.0,
@@ -301,6 +310,9 @@ class AlgorithmConfig(Section):
                              f"{self.advantage!r}")
         if self.clip_ratio_c is not None and self.policy_loss != "ppo":
             raise ValueError("clip_ratio_c (dual clip) applies to policy_loss 'ppo' only")
+        changed = [k for k in ("passk_k", "passk_threshold") if getattr(self, k) != type(self).model_fields[k].default]
+        if changed and self.advantage != "passk":
+            raise ValueError(f"{', '.join(changed)} apply to advantage 'passk' only (advantage is {self.advantage!r})")
         for loss, keys in _POLICY_LOSS_KEYS.items():
             changed = [k for k in keys if getattr(self, k) != type(self).model_fields[k].default]
             if changed and self.policy_loss != loss:
@@ -688,6 +700,10 @@ class RLConfig(Section):
                              "the samples of one prompt, and 1 sample per prompt gives every sample advantage 0 "
                              "(no policy gradient): sample 2 or more per prompt, or use advantage reinforce_pp "
                              "(batch baseline) or gae (a critic)")
+        if self.algorithm.advantage == "passk" and self.algorithm.passk_k > self.rollout.samples_per_prompt:
+            raise ValueError(f"algorithm.passk_k ({self.algorithm.passk_k}) must be at most "
+                             f"rollout.samples_per_prompt ({self.rollout.samples_per_prompt}): pass@k draws k of a "
+                             "prompt's samples")
         if self.algorithm.advantage == "remax":
             if self.rollout.temperature == 0:
                 raise ValueError("algorithm.advantage: remax compares sampled responses with the greedy one; with "

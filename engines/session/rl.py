@@ -331,6 +331,8 @@ class RLSession:
         if algo.advantage in ("grpo", "dr_grpo"):
             normalize = algo.normalize_std if algo.normalize_std is not None else algo.advantage == "grpo"
             return algorithms.group_advantages(rewards, groups, normalize)
+        if algo.advantage == "passk":
+            return algorithms.passk_advantages(rewards, groups, algo.passk_k, algo.passk_threshold)
         if algo.advantage == "grpo_passk":
             return algorithms.grpo_passk_advantages(rewards, groups, algo.normalize_std is not False)
         if algo.advantage == "rloo":
