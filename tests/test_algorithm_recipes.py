@@ -50,8 +50,6 @@ def test_new_recipes_run_two_steps_in_the_loop(name, tmp_path):
     """Each recipe of the newer estimators and corrections trains through the loop (the learning itself is the
     slow test above); what each adds shows in its metrics."""
     overrides = [f"data.train_path={tmp_path}/train.jsonl", f"data.eval_path={tmp_path}/eval.jsonl", *SHORT]
-    if name == "passk":  # 4 samples a prompt here, and an untrained model rarely gets half the digits in place
-        overrides += ["algorithm.passk_k=2", "algorithm.passk_threshold=0.25"]
     cfg = load_recipe(f"deployments/sort-tiny-{name}.yaml", overrides)
     history = run_bare(cfg, str(tmp_path), log=lambda line: None)
     assert len(history) == 2 and all(m["adv/abs_mean"] > 0 and "train/loss" in m for m in history), history
