@@ -246,6 +246,26 @@ def test_backend_matches_torch_backend(hf_models, mcore, algo, budget, packing):
     assert_same_weights(dict(torch_be.named_tensors()), dict(mega.named_tensors()))
 
 
+def test_backend_matches_torch_backend_with_whole_batch_is_weights(hf_models, mcore):
+    """Sequence-level TIS with the session's whole-batch weights (is_weights) and the rollout engine's logprobs
+    in the batch: both backends pass them to rl_loss alike (same metrics and update)."""
+    path = hf_models["llama"][0]
+    algo = AlgorithmConfig(is_correction="tis", is_level="sequence", is_batch_normalize=True)
+    torch_be = TorchTrainBackend(path, train_config(), algo)
+    mega = _backend(path, train_config(), algo, MegatronConfig(micro_batch_tokens=20))
+    batch = toy_batch()
+    lp = torch_be.forward_logprobs(batch)
+    gen = torch.Generator().manual_seed(0)
+    weights = (0.5 + torch.rand(lp.shape, generator=gen)) * batch["loss_mask"]
+    step = {**batch, "old_logprobs": lp, "rollout_logprobs": lp + 0.05 * torch.randn(lp.shape, generator=gen),
+            "is_weights": weights}
+    m_t, m_m = global_metrics(torch_be.train_step(step)), global_metrics(mega.train_step(step))
+    assert set(m_t) == set(m_m) and "is_weight_mean" in m_t
+    for k in m_t:
+        assert m_m[k] == pytest.approx(m_t[k], rel=1e-4, abs=5e-6), k
+    assert_same_weights(dict(torch_be.named_tensors()), dict(mega.named_tensors()))
+
+
 def test_sft_step_matches_torch_backend(hf_models, mcore):
     """sft_step: the same NLL, entropy and updates as TorchTrainBackend.sft_step (micro-batches of 3 rows)."""
     path = hf_models["llama"][0]

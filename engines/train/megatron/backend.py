@@ -140,7 +140,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         # the metric names rl_loss reports for this algorithm (every rank must reduce the same vector)
         self.metric_keys = sorted(self._rl_loss(*[torch.zeros(1, 1)] * 4, ref=torch.zeros(1, 1),
                                                 entropy=torch.zeros(1, 1),
-                                                rollout=torch.zeros(1, 1) if algorithm.is_correction != "none" else None
+                                                rollout=torch.zeros(1, 1) if algorithm.corrects_rollout else None
                                                 )[1])
 
     def _load_core(self) -> torch.nn.Module:
@@ -264,11 +264,11 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         return loss, micro.batch["loss_mask"].sum().int().to(output.device), {"metrics": vec}
 
     # ---- training ------------------------------------------------------------------------------------
-    def _rl_loss(self, logprobs, old_logprobs, advantages, mask, *, ref, entropy, rollout=None):
+    def _rl_loss(self, logprobs, old_logprobs, advantages, mask, *, ref, entropy, rollout=None, is_weights=None):
         """The shared objective with exactly the torch backend's arguments (AlgorithmConfig.loss_kwargs)."""
         return algorithms.rl_loss(
             logprobs, old_logprobs, advantages, mask, norm_len=self.norm_len, ref_logprobs=ref,
-            rollout_logprobs=rollout, entropy=entropy, **self.algo.loss_kwargs(),
+            rollout_logprobs=rollout, is_weights=is_weights, entropy=entropy, **self.algo.loss_kwargs(),
         )
 
     def _keys(self) -> list[str]:
@@ -288,7 +288,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
                                                      "loss" if self.algo.entropy_coef else "metric")
             loss, metrics = self._rl_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
                                           ref=mb.get("ref_logprobs"), entropy=entropy,
-                                          rollout=mb.get("rollout_logprobs"))
+                                          rollout=mb.get("rollout_logprobs"), is_weights=mb.get("is_weights"))
         scaled = algorithms.scale_metrics(metrics, mb["loss_scale"], mb["share"])
         vec = torch.stack([scaled[k] for k in self._keys()])
         return loss * mb["loss_scale"].float(), vec
@@ -300,7 +300,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         t0 = time.perf_counter()
         if self.ref_model is not None and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
-        if self.algo.is_correction != "none" and "rollout_logprobs" not in batch:
+        if self.algo.corrects_rollout and "rollout_logprobs" not in batch:
             batch = with_train_logprobs(batch, self.forward_logprobs(batch))
         self.model.train()
         per_mb = batch_size(batch) // self.cfg.mini_batches
