@@ -122,7 +122,7 @@ def test_load_errors(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"d\.jsonl: row 1 \(line 1\): expected a JSON object, got list"):
         load_prompts(_jsonl(tmp_path, ["[1, 2]"]))
 
-    with pytest.raises(DataError, match=r'row 1 \(line 1\): "prompt" must be a string, got int'):
+    with pytest.raises(DataError, match=r'row 1 \(line 1\): "prompt" must be a string or a list of chat messages, got int'):
         load_prompts(_jsonl(tmp_path, [json.dumps({"prompt": 5, "label": "1"})]))
 
     with pytest.raises(DataError, match=r"d\.jsonl: data file is empty"):
