@@ -162,7 +162,7 @@ def evaluate_datasets(cfg: EvaluationConfig, model_dir: str) -> tuple[dict[str, 
     e = cfg.eval
     plan = {}
     for d in e.datasets:
-        rows = eval_rows(d, e)
+        rows = eval_rows(d, e, cfg.storage.fsspec_options(d.path))
         plan[d.key] = [(start, rows[start:stop]) for start, stop in shard_bounds(len(rows), e.shards)]
     with shard_runner(e, sum(map(len, plan.values()))) as runner, shard_task_settings(e):
         futures = {name: [runner.submit(evaluate_shard, {"cfg": cfg, "model_dir": model_dir, "dataset": name,

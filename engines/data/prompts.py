@@ -68,7 +68,7 @@ def normalize_row(obj: Any, prompt_key: str, label_key: str) -> dict:
     if not isinstance(obj, dict):
         raise _RowError(f"expected a JSON object, got {type(obj).__name__}")
     present = [k for k, v in obj.items() if v is not None]
-    used = {prompt_key, label_key.split(".")[0]}
+    used = {prompt_key, label_key}  # columns a dotted key reaches into stay in meta (verl's reward_model.style)
     prompt, label, label_found = _get(obj, prompt_key), _get(obj, label_key), _get(obj, label_key) is not None
     conversation = None
     if prompt is None and prompt_key == "prompt" and isinstance(obj.get("messages"), list):  # TRL conversational
@@ -81,7 +81,7 @@ def normalize_row(obj: Any, prompt_key: str, label_key: str) -> dict:
     if not label_found and label_key in DEFAULT_LABEL_KEYS:
         for key in LABEL_FALLBACKS:
             if (label := _get(obj, key)) is not None:
-                label_found, used = True, used | {key.split(".")[0]}
+                label_found, used = True, used | {key}
                 break
     for key, found in ((prompt_key, prompt is not None), (label_key, label_found)):
         if not found:
