@@ -122,8 +122,9 @@ def test_load_errors(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"d\.jsonl: row 1 \(line 1\): expected a JSON object, got list"):
         load_prompts(_jsonl(tmp_path, ["[1, 2]"]))
 
-    with pytest.raises(DataError, match=r'row 1 \(line 1\): "prompt" must be a string or a list of chat messages, got int'):
-        load_prompts(_jsonl(tmp_path, [json.dumps({"prompt": 5, "label": "1"})]))  # noqa: E501
+    with pytest.raises(DataError, match=r'row 1 \(line 1\): "prompt" must be a string or a list of chat messages, '
+                       "got int"):
+        load_prompts(_jsonl(tmp_path, [json.dumps({"prompt": 5, "label": "1"})]))
 
     with pytest.raises(DataError, match=r"d\.jsonl: data file is empty"):
         load_prompts(_jsonl(tmp_path, ["", "  "]))
@@ -211,9 +212,9 @@ def test_trl_rows(tmp_path: Path) -> None:
     assert load_prompts(str(conv))[0] == {"prompt": "hi", "label": "hello", "meta": {},
                                           "messages": [{"role": "user", "content": "hi"}]}
     msgs = tmp_path / "msgs.parquet"
-    pq.write_table(pa.Table.from_pylist([{"messages": [
-        {"role": "system", "content": "s"}, {"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}]}]),
-        str(msgs))
+    turns = [{"role": "system", "content": "s"}, {"role": "user", "content": "2+2"},
+             {"role": "assistant", "content": "4"}]
+    pq.write_table(pa.Table.from_pylist([{"messages": turns}]), str(msgs))
     row = load_prompts(str(msgs))[0]
     assert row["label"] == "4" and row["messages"] == [{"role": "system", "content": "s"},
                                                        {"role": "user", "content": "2+2"}]

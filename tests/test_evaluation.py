@@ -367,3 +367,36 @@ def test_register_logs_the_hf_export_and_gates_versions(tmp_path, tiny_model_dir
         assert pipe.tokenizer.get_vocab() == load_tokenizer(tiny_model_dir).get_vocab()
     finally:
         mlflow.set_tracking_uri(None)
+
+
+def verl_source_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """A verl compute_score: full marks only when the row's own columns arrive with each sample."""
+    return float(data_source == "openai/gsm8k" and extra_info["index"] == int(ground_truth) - 1)
+
+
+def test_a_verl_parquet_file_trains_as_it_is(tmp_path, chat_model_dir):
+    """verl's rows (chat-message prompts, reward_model.ground_truth, data_source, extra_info) in the RL loop: the
+    messages reach the model through the chat template, and verl's compute_score gets each sample's columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlflow.engines.models.hf import encode_prompt
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "system", "content": "S"},
+                                                       {"role": "user", "content": f"{i}+1"}],
+             "reward_model": {"style": "rule", "ground_truth": str(i + 1)}, "extra_info": {"index": i}}
+            for i in range(8)]
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "train.parquet"))
+    cfg = config_from_dict(small_recipe(
+        tmp_path, model={"path": chat_model_dir}, cluster={"use_ray": False, "colocate": False},
+        data={"train_path": str(tmp_path / "train.parquet"), "eval_path": None, "generate": None},
+        reward={"fn": "tests.test_evaluation:verl_source_reward"}, debug={"mode": "rollout_only"}))
+    session = RLSession.create(cfg, chat_model_dir, use_ray=False)
+    try:
+        session.rollout(0)
+        assert session.reward(0)["rollout/reward_mean"] == 1.0
+        st = session._state(0)
+        first = st.rows[int(st.batch.group[0])]
+        assert st.batch.prompt_ids[0] == encode_prompt(session.tokenizer, first["messages"])
+    finally:
+        session.shutdown()

@@ -170,9 +170,10 @@ def compute_rewards(
     try:
         if is_verl_style(fn):
             result = []
+            extra = "extra_info" in _parameters(fn)[0]
             for i, (r, lab, m) in enumerate(zip(responses, labels, metas, strict=True)):
-                one = fn(data_source=m.get("data_source"), solution_str=r, ground_truth=lab,
-                         **({"extra_info": m.get("extra_info")} if "extra_info" in _parameters(fn)[0] else {}), **kwargs)
+                info = {"extra_info": m.get("extra_info")} if extra else {}
+                one = fn(data_source=m.get("data_source"), solution_str=r, ground_truth=lab, **info, **kwargs)
                 result.append(_verl_score(name, _run_awaitable(one) if inspect.isawaitable(one) else one, i))
         else:
             result = fn(list(prompts), list(responses), list(labels), **_columns(fn, metas, kwargs), **kwargs)
