@@ -182,7 +182,8 @@ class RLSession:
                 s.response = text
             given = np.array([np.nan if s.reward is None else s.reward for s in samples])
             return await asyncio.to_thread(self._rewards, [prompt.prompt] * len(samples), texts,
-                                           [prompt.label] * len(samples), given)
+                                           [prompt.label] * len(samples), given,
+                                           [prompt.row.get("meta", {})] * len(samples))
 
         collected = self.runner.submit(collect_groups(
             self.rollout_fn, self.runner.name, self.runner.router_url, self._sampling(r.temperature),
