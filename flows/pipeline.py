@@ -111,12 +111,11 @@ def pipeline(
     mlflow_run = eval_mlflow_run(train.tracking.uri, train.tracking.experiment, str(eval_run.id))
 
     dataset = cfg.registry.dataset or evaluation.eval.datasets[0].key
-    metric_key = f"{dataset}/{cfg.registry.metric}"
+    metric_key = f"eval/{dataset}/{cfg.registry.metric}"  # as the evaluate flow names it
     logged = mlflow_run.data.metrics
-    if metric_key.replace("/", ".") not in logged:
-        raise ValueError(f"registry.metric: {metric_key!r} was not measured; the evaluation logged "
-                         f"{sorted(k.replace('.', '/', 1) for k in logged)}")
-    value = logged[metric_key.replace("/", ".")]
+    if metric_key not in logged:
+        raise ValueError(f"registry.metric: {metric_key!r} was not measured; the evaluation logged {sorted(logged)}")
+    value = logged[metric_key]
     register = register_model.with_options(flow_run_name=f"{train.name}-register-step{step}")
     result = register(checkpoint, metric_key, value, mlflow_run.info.run_id, cfg.registry, train.tracking.uri,
                       train.storage, mlflow_run.data.tags.get("rlflow.training_run_id"))

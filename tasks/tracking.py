@@ -1,20 +1,29 @@
 """MLflow tracking for a run: params from the resolved config, per-step metrics, tables and artifacts.
 
 Metric logging is asynchronous (MLflow's own queue), so tracking never sits on a step's critical path.
+Metric names keep their `/` (`rollout/reward_mean`): MLflow's UI puts each prefix before the first `/` in its
+own chart section (docs/metrics.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import subprocess
 from typing import Any
 
 import mlflow
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from mlflow.utils.time import get_current_time_millis
+from prefect.runtime import deployment, flow_run
 
 from rlflow.engines.core.config import RLConfig
+
+# MLflow 3 opens an experiment in its GenAI view unless this tag says it holds model development (training) runs
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -28,6 +37,49 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def ensure_experiment(client: MlflowClient, name: str) -> str:
+    """The id of experiment `name`, created if missing, tagged to open in MLflow's classic ML view (an experiment
+    someone already gave a kind keeps it)."""
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+    if EXPERIMENT_KIND_TAG not in exp.tags:
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return exp.experiment_id
+
+
+def recipe_hash(recipe: dict) -> str:
+    """sha256 of the resolved recipe as canonical JSON: two runs with the same hash ran the same settings."""
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def git_commit(path: str | None = None) -> str | None:
+    """HEAD of the git checkout the run is started from (the user's project), if it is one."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path or os.getcwd(), capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def run_tags(recipe: dict | None = None) -> dict[str, str]:
+    """Where a run came from: git commit, Prefect flow run (id and UI link), deployment, recipe hash; each only
+    when known (a run outside Prefect has no flow run)."""
+    tags: dict[str, str] = {}
+    if commit := git_commit():
+        tags["mlflow.source.git.commit"] = commit
+    if run_id := flow_run.id:
+        tags["prefect.flow_run_id"] = run_id
+        if (url := flow_run.ui_url) and url.startswith(("http://", "https://")):
+            tags["prefect.flow_run_url"] = url
+        if name := deployment.name:
+            tags["prefect.deployment"] = f"{flow_run.flow_name}/{name}"
+    if recipe is not None:
+        tags["rlflow.recipe_hash"] = recipe_hash(recipe)
+    return tags
+
+
 class Tracker:
     """One MLflow run. Pass `run_id` to continue a run (a resumed training run logs into the same one)."""
 
@@ -35,10 +87,10 @@ class Tracker:
                  tags: dict[str, str] | None = None, run_id: str | None = None):
         mlflow.set_tracking_uri(uri)
         self.client = MlflowClient(uri)
-        exp = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        self.experiment_id = ensure_experiment(self.client, experiment)
+        tags = run_tags(recipe) | (tags or {})
         if run_id is None:
-            run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags or {})
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
             self.run_id = run.info.run_id
             if recipe is not None:
                 params = {k: str(v)[:6000] for k, v in flatten(recipe).items()}
@@ -50,6 +102,8 @@ class Tracker:
         else:
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
+            # the flow run resuming it (a new one, or a retry of the same): the tags say the latest
+            self.client.log_batch(run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in tags.items()])
 
     @classmethod
     def for_training(cls, cfg: RLConfig, run_id: str | None = None) -> Tracker:
@@ -60,7 +114,7 @@ class Tracker:
         """Queue one step's metrics (the client's log_batch: mlflow.log_metrics would first load the whole run,
         params and tags included, on the calling thread, every step)."""
         ts = get_current_time_millis()
-        batch = [Metric(k.replace("/", "."), float(v), ts, step) for k, v in metrics.items() if math.isfinite(float(v))]
+        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items() if math.isfinite(float(v))]
         self.client.log_batch(self.run_id, metrics=batch, synchronous=False)
 
     def log_table(self, rows: list[dict], artifact_file: str) -> None:

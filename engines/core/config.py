@@ -44,7 +44,9 @@ class BuiltinTaskConfig(Section):
 
 
 class DataConfig(Section):
-    train_path: str = Field(..., description="Prompt file for training: .jsonl or .parquet.")
+    train_path: str = Field(
+        ..., description="Prompt file for training: .jsonl, .json or .parquet; a path or an s3:// URL (reached with "
+        "`storage`'s endpoint and credentials). Plain, verl and TRL rows (docs/data.md).")
     eval_path: str | None = Field(None, description="Held-out prompt file; empty disables eval.")
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     label_key: str = Field("label", description="Column holding what the reward checks against.")
@@ -587,9 +589,10 @@ class StorageConfig(Section):
     region: str | None = None
     retries: int = Field(5, ge=0, description="Retries of a storage call after a transient error (backoff).")
 
-    def fsspec_options(self) -> dict[str, Any]:
-        """Keyword arguments for fsspec; empty for local paths. Secrets appear here and nowhere else."""
-        if not self.uri.startswith(("s3://", "s3a://")):
+    def fsspec_options(self, uri: str | None = None) -> dict[str, Any]:
+        """Keyword arguments for fsspec to reach `uri` (default: the store's root): these settings serve any
+        s3:// file of the run (data files too); empty for local paths. Secrets appear here and nowhere else."""
+        if not (uri or self.uri).startswith(("s3://", "s3a://")):
             return {}
         opts: dict[str, Any] = {}
         client: dict[str, Any] = {}

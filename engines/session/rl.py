@@ -28,7 +28,7 @@ from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
 from rlflow.engines.data.prompts import load_prompts
 from rlflow.engines.data.rewards import compute_rewards, load_reward_fn
-from rlflow.engines.models.hf import encode_prompt, load_tokenizer
+from rlflow.engines.models.hf import encode_prompt, load_tokenizer, prompt_input
 from rlflow.engines.rollout.dynamic_sampling import collect_groups
 from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, load_rollout_fn
 from rlflow.engines.rollout.router import RolloutRouter
@@ -76,10 +76,13 @@ class RLSession:
         self.rollout_fn = load_rollout_fn(cfg.rollout.fn)
         self._fn_tokenizer = load_tokenizer(model_path)  # rollout functions' own: HF tokenizers are not thread-safe
         self.runner: RolloutRunner | None = None  # runs rollout_fn against the router (set by create)
-        self.prompts = PromptSource(load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.label_key),
-                                    cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle, self._fn_tokenizer)
+        data, options = cfg.data, cfg.storage.fsspec_options
+        train_rows = load_prompts(data.train_path, data.prompt_key, data.label_key, options(data.train_path))
+        self.prompts = PromptSource(train_rows, cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle,
+                                    self._fn_tokenizer)
         self.eval_rows = (
-            load_prompts(cfg.data.eval_path, cfg.data.prompt_key, cfg.data.label_key) if cfg.data.eval_path else []
+            load_prompts(data.eval_path, data.prompt_key, data.label_key, options(data.eval_path))
+            if data.eval_path else []
         )
         self.weight_version = 0  # of the trainer's weights: the number of syncs so far
         self.kl_coef = cfg.algorithm.kl_coef  # KL-in-reward coefficient of the next step (adaptive: it moves)
@@ -199,7 +202,8 @@ class RLSession:
                 s.response = text
             given = np.array([np.nan if s.reward is None else s.reward for s in samples])
             return await asyncio.to_thread(self._rewards, [prompt.prompt] * len(samples), texts,
-                                           [prompt.label] * len(samples), given)
+                                           [prompt.label] * len(samples), given,
+                                           [prompt.row.get("meta", {})] * len(samples))
 
         collected = self.runner.submit(collect_groups(
             self.rollout_fn, self.runner.name, self.runner.router_url, self._sampling(r.temperature),
@@ -246,7 +250,8 @@ class RLSession:
         st = self._state(step)
         b = st.batch
         responses = self._responses(b.split("output_ids"), b.text)
-        st.batch = b.with_rewards(responses, self._rewards(b.prompt, responses, b.label, b.fn_reward))
+        metas = [st.rows[g].get("meta", {}) for g in b.group]  # the rows' other columns, for the reward
+        st.batch = b.with_rewards(responses, self._rewards(b.prompt, responses, b.label, b.fn_reward, metas))
         all_rewards = torch.tensor(st.batch.reward, dtype=torch.float32)
         rewards = all_rewards[torch.as_tensor(~b.baseline)]  # ReMax's greedy baselines are not the policy's samples
         metrics = {
@@ -439,7 +444,7 @@ class RLSession:
         groups = self.runner.run(prompts, self._sampling(self.cfg.eval.temperature))
         b = RolloutBatch.from_samples(prompts, [g[:1] for g in groups])
         responses = self._responses(b.split("output_ids"), b.text)
-        rewards = self._rewards(b.prompt, responses, b.label, b.fn_reward)
+        rewards = self._rewards(b.prompt, responses, b.label, b.fn_reward, [r.get("meta", {}) for r in rows])
         samples = [
             {"step": step, "prompt": r["prompt"], "response": s, "label": str(r["label"]), "reward": w}
             for r, s, w in zip(rows, responses, rewards, strict=True)
@@ -558,7 +563,7 @@ class RLSession:
             raise RuntimeError(f"step {step}: no rollout in flight (run the rollout stage first)")
         return self._states[step]
 
-    def _encode(self, prompt: str) -> list[int]:
+    def _encode(self, prompt: str | list[dict]) -> list[int]:
         with self._tokenizer_lock:
             return encode_prompt(self.tokenizer, prompt, self.cfg.data.chat_template)
 
@@ -569,7 +574,7 @@ class RLSession:
                 "top_k": r.top_k or -1, "stop": list(r.stop)}
 
     def _prompt_samples(self, rows: list[dict], n: int, seed: int) -> list[PromptSample]:
-        return [PromptSample(index=i, prompt=r["prompt"], label=r["label"], prompt_ids=self._encode(r["prompt"]),
+        return [PromptSample(index=i, prompt=r["prompt"], label=r["label"], prompt_ids=self._encode(prompt_input(r)),
                              n=n, seed=seed + i * n, row=r, tokenizer=self._fn_tokenizer) for i, r in enumerate(rows)]
 
     def _responses(self, output_ids: list, texts: list[str | None]) -> list[str]:
@@ -584,13 +589,15 @@ class RLSession:
             out[i] = text
         return out
 
-    def _rewards(self, prompts: list[str], responses: list[str], labels: list, given: np.ndarray) -> list[float]:
-        """The recipe's reward for every sample whose rollout function did not score it (NaN in `given`)."""
+    def _rewards(self, prompts: list[str], responses: list[str], labels: list, given: np.ndarray,
+                 metas: list[dict]) -> list[float]:
+        """The recipe's reward for every sample whose rollout function did not score it (NaN in `given`); `metas`:
+        each sample's row's other columns."""
         todo = np.flatnonzero(np.isnan(given)).tolist()
         out = given.astype(float).tolist()
         if todo:
             scored = compute_rewards(self.reward_fn, [prompts[i] for i in todo], [responses[i] for i in todo],
-                                     [labels[i] for i in todo], self.cfg.reward.kwargs)
+                                     [labels[i] for i in todo], self.cfg.reward.kwargs, [metas[i] for i in todo])
             for i, r in zip(todo, scored, strict=True):
                 out[i] = r
         return out
