@@ -9,7 +9,8 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = {"flows": "rlflow.flows", "tasks": "rlflow.tasks", "engines": "rlflow.engines", "examples": "rlflow.examples"}
+FOLDERS = {"flows": "rlflow.flows", "tasks": "rlflow.tasks", "engines": "rlflow.engines", "examples": "rlflow.examples",
+           "deployments": "rlflow.deployments"}
 
 
 def test_every_package_folder_is_installed_under_rlflow() -> None:
