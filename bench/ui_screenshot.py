@@ -54,8 +54,8 @@ def main() -> None:
             deploy_all(api)
             with SyncPrefectClient(api) as client:
                 deployment = client.read_deployment_by_name(args.deployment)
-            # the custom-run form opens with the deployment's default parameters: its recipe as `config`
-            url = f"http://127.0.0.1:{port}/deployments/deployment/{deployment.id}/run"
+            # the (v2) custom-run form opens with the deployment's default parameters: its recipe as `config`
+            url = f"http://127.0.0.1:{port}/v2/deployments/deployment/{deployment.id}/run"
             screenshot(url, args.out.resolve(), (args.width, args.height), args.wait_ms)
             print(f"wrote {args.out} ({url})")
         finally:

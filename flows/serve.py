@@ -109,12 +109,19 @@ def start_prefect_server(svc: Services, port: int, home: Path | None = None, log
     return api
 
 
-def start_mlflow_server(svc: Services, port: int, backend_uri: str, artifacts: Path, log: Path | None = None) -> str:
-    """`mlflow server` with a model registry (SQL backend) and artifacts served over HTTP; returns its URI."""
+def launch_mlflow_server(svc: Services, port: int, backend_uri: str, artifacts: Path, log: Path | None = None
+                         ) -> tuple[subprocess.Popen, str]:
+    """`mlflow server` with a model registry (SQL backend) and artifacts served over HTTP, not yet answering (it
+    takes 10-20 s: `rlflow serve` starts Prefect and deploys meanwhile); returns the process and its URI."""
     proc = svc.start([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
                       "--backend-store-uri", backend_uri, "--artifacts-destination", str(artifacts),
                       "--workers", "1"], dict(os.environ), log)
-    uri = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def start_mlflow_server(svc: Services, port: int, backend_uri: str, artifacts: Path, log: Path | None = None) -> str:
+    """launch_mlflow_server, then wait until it answers; returns its URI."""
+    proc, uri = launch_mlflow_server(svc, port, backend_uri, artifacts, log)
     wait_http(f"{uri}/health", proc, "mlflow server")
     svc.mlflow_uri = uri
     return uri
@@ -175,16 +182,18 @@ def serve(prefect_port: int = 4200, mlflow_port: int = 5000, deploy: bool = True
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGHUP, _interrupt)
     try:
+        mlflow, uri = launch_mlflow_server(svc, mlflow_port, f"sqlite:///{project / 'mlflow.db'}",
+                                           project / "mlartifacts", log=logs / "mlflow-server.log")
         api = start_prefect_server(svc, prefect_port, log=logs / "prefect-server.log")
         print(f"Prefect UI      http://127.0.0.1:{prefect_port}   (API {api})", flush=True)
-        uri = start_mlflow_server(svc, mlflow_port, f"sqlite:///{project / 'mlflow.db'}", project / "mlartifacts",
-                                  log=logs / "mlflow-server.log")
-        print(f"MLflow UI       {uri}   (use it in recipes: tracking.uri={uri})", flush=True)
         ensure_work_pool(api)
         if deploy:
             deploy_all(api, project)
             print(f"deployments     post-train/post-train, evaluate/evaluate, pipeline/pipeline (from "
                   f"{project / 'prefect.yaml'})", flush=True)
+        wait_http(f"{uri}/health", mlflow, "mlflow server")
+        svc.mlflow_uri = uri
+        print(f"MLflow UI       {uri}   (use it in recipes: tracking.uri={uri})", flush=True)
         start_worker(svc, api, project, log=logs / "worker.log")
         print(f"worker          pool {WORK_POOL}, runs flows in {project}; logs in {logs}", flush=True)
         print(f"Ctrl-C stops all. In another shell: export PREFECT_API_URL={api}", flush=True)

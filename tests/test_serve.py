@@ -225,11 +225,18 @@ def test_run_form_opens_with_the_recipe_and_runs_it_with_one_change(served):
 
 
 def test_sigterm_stops_every_service_serve_started(served):
+    """SIGTERM (then an impatient Ctrl-C during the shutdown) on `rlflow serve`: it exits 0 having stopped the
+    Prefect server, the MLflow server (and its uvicorn and job runner) and the worker; their ports are closed.
+    Before, SIGTERM killed serve alone and its services kept their ports."""
     proc = served["proc"]
     tree = descendants(proc.pid)
     assert len(tree) >= 3 and all(port_open(p) for p in served["ports"])
+    t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # must not cut the shutdown short
     assert proc.wait(60) == 0, served["log"].read_text()[-3000:]
+    print(f"rlflow serve stopped {len(tree)} processes in {time.monotonic() - t0:.1f} s")
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and ([p for p in tree if alive(p)] or any(map(port_open, served["ports"]))):
         time.sleep(0.2)
