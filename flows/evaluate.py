@@ -36,7 +36,7 @@ from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
 from rlflow.engines.cluster.groups import worker_runtime_env
-from rlflow.engines.core.config import EvalSamplingConfig, EvaluationConfig, resolve_config
+from rlflow.engines.core.config import EvalSamplingConfig, EvaluationConfig, public_tree, resolve_config
 from rlflow.engines.data.rewards import load_reward_fn
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.session.evaluation import eval_rows, generate_and_reward, merge_and_score, shard_bounds
@@ -202,7 +202,7 @@ def report(cfg: EvaluationConfig, source: dict, per_dataset: dict[str, dict], sa
     return "\n".join(lines)
 
 
-@flow(name="evaluate", log_prints=True)
+@flow(name="evaluate", log_prints=True, validate_parameters=False)  # a part of `config` is no EvaluationConfig
 def evaluate(
     config: EvaluationConfig | None = None, recipe: str | None = None, overrides: list[str] | None = None
 ) -> dict[str, float]:
@@ -210,11 +210,11 @@ def evaluate(
     names it logs to MLflow, where they make the run's `eval` chart section).
 
     Args:
-        config: The whole configuration tree (EvaluationConfig). Leave empty to use `recipe`.
+        config: The configuration tree (EvaluationConfig), whole or in part: deep-merged over `recipe`
+            (docs/deployments.md). A deployment's run form opens with its recipe here.
         recipe: A recipe file relative to the working directory, read as the CLI reads it
-            (e.g. deployments/eval-sort-tiny.yaml). Leave empty when `config` is given.
-        overrides: KEY.PATH=VALUE changes applied on top of `config` or `recipe`
-            (e.g. checkpoint=runs/sort-tiny/checkpoints/49).
+            (e.g. deployments/eval-sort-tiny.yaml): the base that `config` merges into.
+        overrides: KEY.PATH=VALUE changes applied last (e.g. checkpoint=runs/sort-tiny/checkpoints/49).
     """
     cfg = resolve_config(EvaluationConfig, config, recipe, overrides)
     workdir = tempfile.mkdtemp(prefix=f"rlflow-eval-{cfg.name}-")
@@ -225,7 +225,7 @@ def evaluate(
         tags = {"rlflow.kind": "evaluation", "rlflow.checkpoint": source.get("checkpoint_uri", cfg.checkpoint)}
         if training_run:
             tags |= {"rlflow.training_run_id": training_run, "mlflow.parentRunId": training_run}
-        recipe_json = cfg.model_dump(mode="json", exclude={"storage": {"key", "secret"}})
+        recipe_json = public_tree(cfg)
         tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.name, recipe_json, tags)
         status = "FAILED"
         try:

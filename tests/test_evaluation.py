@@ -20,6 +20,8 @@ from rlflow.engines.core.config import (
     RLConfig,
     StorageConfig,
     config_from_dict,
+    load_recipe,
+    public_tree,
     resolve_config,
 )
 from rlflow.engines.data.rewards import load_reward_fn
@@ -86,11 +88,35 @@ def test_resolve_config_from_recipe_or_tree(tmp_path):
     again = resolve_config(RLConfig, tree, None, ["train.lr=0.5"])
     assert again.train.lr == 0.5 and again.storage.secret.get_secret_value() == "s3cr3t"
     assert resolve_config(RLConfig, tree, None, None) is tree
-    assert resolve_config(RLConfig, tree, str(recipe), None) is tree  # a deployment's default recipe yields
+    assert resolve_config(RLConfig, tree, str(recipe), None) == tree  # a whole tree sets every key of the recipe
     with pytest.raises(RecipeError, match="one of them is required"):
         resolve_config(RLConfig, None, None, ["train.steps=3"])
     with pytest.raises(RecipeError, match="train.stepz: unknown key"):
         resolve_config(RLConfig, None, str(recipe), ["train.stepz=3"])
+
+
+def test_a_partial_config_deep_merges_over_the_recipe(tmp_path):
+    """The merge rule of docs/deployments.md: recipe file < config (mappings key by key, anything else replaced,
+    lists too) < overrides. Before it, a `config` replaced the recipe whole: `{"train": {"steps": 5}}` alone was
+    an RLConfig without data, model or reward of the recipe (or no valid one at all)."""
+    recipe = Path(__file__).resolve().parent.parent / "deployments" / "sort-tiny.yaml"
+    base = load_recipe(recipe)
+    part = {"train": {"steps": 5, "betas": [0.8, 0.9]}, "data": {"generate": {"num_train": 100}}, "seed": 7}
+    cfg = resolve_config(RLConfig, part, str(recipe), ["train.steps=6"])
+    assert cfg.train.steps == 6 and cfg.train.betas == (0.8, 0.9) and cfg.seed == 7  # overrides > config > recipe
+    assert cfg.data.generate.num_train == 100 and cfg.data.generate.num_digits == 4  # nested: key by key
+    assert cfg.train.lr == base.train.lr and cfg.model == base.model and cfg.name == "sort-tiny"  # the rest: recipe
+    with_form = public_tree(base) | {"name": "exp-7"}  # the run form sends the whole tree, one field changed
+    assert resolve_config(RLConfig, with_form, str(recipe), None) == base.model_copy(update={"name": "exp-7"})
+    assert resolve_config(RLConfig, None, str(recipe), None) == base
+    for bad, field in (("train.steps=5", "config: expected a mapping"), (3, "recipe: expected a recipe file"),
+                       ("train.steps=5", "overrides: expected a list")):
+        args = {"config": part, "recipe": str(recipe), "overrides": None}
+        args[field.split(":")[0]] = bad
+        with pytest.raises(RecipeError, match=field):
+            resolve_config(RLConfig, **args)
+    with pytest.raises(RecipeError, match="train.steps: Input should be a valid integer"):
+        resolve_config(RLConfig, {"train": {"steps": "many"}}, str(recipe), None)
 
 
 def fake_checkpoint(store: RunStore, step: int, model_dir: str, mlflow_run_id: str = "abc") -> str:

@@ -7,7 +7,6 @@ Every section forbids unknown keys, so a typo is an error that names the field, 
 
 from __future__ import annotations
 
-import logging
 import tempfile
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -1085,23 +1084,53 @@ def config_from_dict(raw: dict, source: str = "<config>", model: type[M] | None 
         raise RecipeError(source, _format_errors(e)) from None
 
 
-def resolve_config(model: type[M], config: M | None, recipe: str | None, overrides: list[str] | None) -> M:
-    """A flow's configuration from its parameters: the whole tree (`config`, what the UI form fills in), or a
-    recipe file (`recipe`, relative to the working directory) read with the CLI's loader; `overrides`
-    ('a.b=value', as `--set`) apply on top of either. A given `config` wins over `recipe`: a deployment's
-    default `recipe` stays in the parameters of a run started with a config."""
-    if config is not None:
-        if recipe:
-            logging.getLogger("rlflow").warning("config given: the recipe %s is not read", recipe)
-        if not overrides:
-            return config
-        raw = config.model_dump(mode="json", exclude_unset=False, round_trip=True)
-        for section, secret_fields in _secrets(config).items():  # model_dump masks SecretStr values
-            raw[section].update(secret_fields)
-        return config_from_dict(apply_overrides(raw, overrides), source="config", model=model)
-    if not recipe:
+def resolve_config(model: type[M], config: M | dict | None, recipe: str | None, overrides: list[str] | None) -> M:
+    """A flow's configuration from its parameters, by the merge rule of docs/deployments.md: the recipe file
+    (`recipe`, relative to the working directory, read with the CLI's loader) is the base; a given `config` (the
+    whole tree, as the UI's run form sends it, or any part of it, as an API call may) is deep-merged over it:
+    mappings key by key, any other value (a list too) replacing the recipe's; `overrides` ('a.b=value', as
+    `--set`) apply last. The flows take their parameters unvalidated (a part of the tree is not a valid tree),
+    so each parameter's type is checked here."""
+    if recipe is not None and not isinstance(recipe, str):
+        raise RecipeError("parameters", [f"recipe: expected a recipe file path (a string), got {recipe!r}"])
+    if overrides is not None and not (isinstance(overrides, list) and all(isinstance(o, str) for o in overrides)):
+        raise RecipeError("parameters", [f"overrides: expected a list of KEY.PATH=VALUE strings, got {overrides!r}"])
+    if isinstance(config, model) and not recipe and not overrides:
+        return config
+    if config is None and not recipe:
         raise RecipeError("parameters", ["config or recipe: one of them is required"])
-    return load_recipe(recipe, overrides, model=model)
+    raw = read_recipe(recipe) if recipe else {}
+    if config is not None:
+        raw = deep_merge(raw, _tree(config))
+    source = " + ".join(filter(None, [recipe, None if config is None else "config"]))
+    return config_from_dict(apply_overrides(raw, overrides or []), source=source, model=model)
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    """`over` merged into a copy of `base`: where both hold a mapping, key by key; otherwise `over`'s value."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _tree(config: BaseModel | dict) -> dict:
+    """A `config` parameter as a plain tree: a model dumped whole, its credentials kept (model_dump masks them)."""
+    if isinstance(config, dict):
+        return config
+    if not isinstance(config, BaseModel):
+        raise RecipeError("parameters", [f"config: expected a mapping of sections (the configuration tree), "
+                                         f"got {type(config).__name__} {config!r}"])
+    raw = config.model_dump(mode="json", exclude_unset=False, round_trip=True)
+    for section, secret_fields in _secrets(config).items():
+        raw[section].update(secret_fields)
+    return raw
+
+
+def public_tree(config: BaseModel) -> dict:
+    """A config as JSON without credentials: what is stored, logged, and given as a flow's `config` parameter
+    (a deployment's default, a pipeline's stage run); the worker's environment gives the credentials."""
+    return config.model_dump(mode="json", exclude={"storage": {"key", "secret"}})
 
 
 def _secrets(config: BaseModel) -> dict[str, dict[str, str]]:
