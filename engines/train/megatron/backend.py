@@ -180,14 +180,17 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         rows under a causal mask."""
         if micro.packed is not None:
             p = micro.packed
-            ids, pos, cu = p.input_ids, p.position_ids, p.cu_seqlens
+            ids, pos, cu, cu_host = p.input_ids, p.position_ids, p.cu_seqlens, micro.cu_seqlens_host
             pad = -len(ids) % self._multiple()  # sequence parallelism splits the stream: a dummy sample fills it
             if pad:
                 ids, pos = F.pad(ids, (0, pad)), F.pad(pos, (0, pad))
-                cu = torch.cat([cu, cu[-1:] + pad])
+                cu, cu_host = torch.cat([cu, cu[-1:] + pad]), torch.cat([cu_host, cu_host[-1:] + pad])
             longest = max(p.max_len, pad)
+            # megatron's THD rotary reads the "padded" boundaries when given and splits q and k per sample with
+            # .tolist(): on the host they cost no device sync (2 per layer otherwise, which left the GPU idle);
+            # the attention reads cu_seqlens_q, on the device
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                                     max_seqlen_kv=longest)
+                                     max_seqlen_kv=longest, cu_seqlens_q_padded=cu_host, cu_seqlens_kv_padded=cu_host)
             return model(ids[None], pos[None], None, packed_seq_params=params)
         ids = micro.batch["input_ids"].to(self._dev())
         width = ids.shape[1]

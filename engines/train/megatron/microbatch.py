@@ -29,9 +29,19 @@ class Micro:
     batch: TrainBatch
     packed: PackedRows | None = None
 
+    @property
+    def cu_seqlens_host(self) -> torch.Tensor:
+        """The packed stream's sample boundaries on the CPU (set when planned, kept there by `to`)."""
+        return self._cu_host
+
+    def __post_init__(self) -> None:
+        self._cu_host = self.packed.cu_seqlens.cpu() if self.packed is not None else None
+
     def to(self, device: str) -> Micro:
         batch = {k: v.to(device, non_blocking=True) for k, v in self.batch.items()}
-        return Micro(self.rows, batch, self.packed.to(device) if self.packed is not None else None)
+        moved = Micro(self.rows, batch, self.packed.to(device) if self.packed is not None else None)
+        moved._cu_host = self._cu_host
+        return moved
 
 
 def plan_micro_batches(batch: TrainBatch, max_rows: int, max_tokens: int = 0, packed: bool = True,
