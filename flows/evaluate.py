@@ -228,7 +228,8 @@ def evaluate(
         if flow_run.id:
             tags["prefect.flow_run_id"] = flow_run.id
         recipe_json = cfg.model_dump(mode="json", exclude={"storage": {"key", "secret"}})
-        tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.name, recipe_json, tags)
+        tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.name, recipe_json, tags,
+                          policy=cfg.tracking.retry_policy(), timeout_s=cfg.tracking.timeout_s)
         status = "FAILED"
         try:
             per_dataset, samples = evaluate_datasets(cfg, source["model_dir"])
