@@ -115,6 +115,7 @@ def open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any] = RLSes
 def _open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_logs: Callable[[], None]
               ) -> RunContext:
     store = RunStore(cfg.storage, cfg.name)
+    store.probe()  # a missing bucket or a dead endpoint stops the run now, before data and model are prepared
     torn = store.clean_torn()
     if torn:
         log.warning("removed uncommitted leftovers of an interrupted attempt: %s", ", ".join(torn))

@@ -132,3 +132,14 @@ def test_validate_probes_the_store_and_the_tracking_server(tmp_path, s3_bucket, 
     assert f"bucket 'no-such-bucket-here' does not exist at endpoint {s3_server}" in problems[0]
     assert problems[1].startswith("tracking.uri: MLflow is not reachable") and dead in problems[1]
     assert validate({"uri": "s3://no-such-bucket-here/runs", "endpoint_url": s3_server}, dead, "--offline")[0] == 0
+
+
+def test_a_run_in_a_missing_bucket_stops_before_preparing_anything(tmp_path, s3_server):
+    from rlflow.engines.core.config import config_from_dict
+    from rlflow.tasks.run_context import open_run
+
+    cfg = config_from_dict(small_recipe(tmp_path, storage={"uri": "s3://no-such-bucket-here/runs",
+                                                          "endpoint_url": s3_server}))
+    with pytest.raises(StorageError, match=rf"bucket 'no-such-bucket-here' does not exist at endpoint {s3_server}"):
+        open_run(cfg)
+    assert not (tmp_path / "data").exists()  # the data files were not generated yet
