@@ -9,6 +9,7 @@ identical point is stored once.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,9 +34,16 @@ class RetryingClient(MlflowClient):
         one_attempt_http(timeout_s)
         super().__init__(uri)
         self.policy = policy
+        self._inside = threading.local()  # MLflow's log_table calls get_run: one retry layer, the outer one
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        return self.policy.call(f"MLflow {what} at {self.tracking_uri}", fn)
+        if getattr(self._inside, "call", False):
+            return fn()
+        self._inside.call = True
+        try:
+            return self.policy.call(f"MLflow {what} at {self.tracking_uri}", fn)
+        finally:
+            self._inside.call = False
 
     def get_experiment_by_name(self, name: str) -> Any:
         return self._call("get_experiment_by_name", lambda: super(RetryingClient, self).get_experiment_by_name(name))

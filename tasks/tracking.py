@@ -1,6 +1,6 @@
 """MLflow tracking for a run: params from the resolved config, per-step metrics, tables and artifacts.
 
-A step's metrics are written synchronously (one log_batch call, a few ms): once log_metrics returns they are
+A step's metrics are written synchronously (one log_batch call per step): once log_metrics returns they are
 stored, so a kill right after a step loses none of them. Continuing a run after a resume, a step rerun after the
 checkpoint is not logged again: MLflow keeps every point it is sent and cannot delete one, so the points the
 interrupted attempt logged for that step stay, once (on CPU the rerun reproduces them bit for bit).

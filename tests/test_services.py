@@ -138,8 +138,9 @@ def test_a_run_in_a_missing_bucket_stops_before_preparing_anything(tmp_path, s3_
     from rlflow.engines.core.config import config_from_dict
     from rlflow.tasks.run_context import open_run
 
-    cfg = config_from_dict(small_recipe(tmp_path, storage={"uri": "s3://no-such-bucket-here/runs",
-                                                          "endpoint_url": s3_server}))
+    cfg = config_from_dict(
+        small_recipe(tmp_path, storage={"uri": "s3://no-such-bucket-here/runs", "endpoint_url": s3_server})
+    )
     with pytest.raises(StorageError, match=rf"bucket 'no-such-bucket-here' does not exist at endpoint {s3_server}"):
         open_run(cfg)
     assert not (tmp_path / "data").exists()  # the data files were not generated yet
