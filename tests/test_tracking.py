@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from rlflow.tasks.tracking import Tracker
@@ -49,6 +50,7 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     assert [s for s, _ in _history(uri, first.run_id, "time.checkpoint")] == [3, 4, 5]
 
 
+@pytest.mark.slow  # ~30 s; in CI, test_resume.py's trials check the same (each step once) through real kills
 def test_a_flow_retry_logs_each_step_once(tmp_path, monkeypatch):
     """The first attempt logs steps 0-2 and fails in step 3; its retry resumes from the checkpoint at step 1 and
     reruns step 2: the MLflow run has every metric once per step, timings included."""
