@@ -16,6 +16,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from transformers import AutoConfig
 
+from bench.megatron_checks import kernel_profile
 from rlflow.engines.core.config import MegatronConfig
 from rlflow.engines.train.megatron.cpu import device_context
 from rlflow.engines.train.megatron.hf_config import spec_from_hf
@@ -23,14 +24,14 @@ from rlflow.engines.train.megatron.model_build import build_model, init_parallel
 
 
 def bare_loop_tokens_per_s(model_dir: str, micro_batch: int, seq: int, micro_batches: int, steps: int,
-                           warmup: int, device: str, dist_url: str | None) -> dict[str, float]:
+                           warmup: int, device: str, dist_url: str | None, attention: str = "sdpa") -> dict[str, float]:
     """Tokens/s of `steps` optimizer steps (after `warmup`) on random tokens, bf16 weights, fp32 main params."""
     with device_context(device):
-        mcfg = MegatronConfig()
+        mcfg = MegatronConfig(attention=attention, packing=attention != "unfused")
         init_parallel(0, 1, dist_url, mcfg, device, seed=0)
         spec = spec_from_hf(AutoConfig.from_pretrained(model_dir))
         config = transformer_config(spec, mcfg, torch.bfloat16, device)
-        model = Float16Module(config, build_model(spec, config, use_te=False))
+        model = Float16Module(config, build_model(spec, config, use_te=False, attention=attention))
         ddp = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True))
         config.finalize_model_grads_func = finalize_model_grads
@@ -70,8 +71,9 @@ def bare_loop_tokens_per_s(model_dir: str, micro_batch: int, seq: int, micro_bat
             step()
         _sync(device)
         elapsed = (time.perf_counter() - t0) / steps
+        profiled = kernel_profile(step)
     return {"step_s": elapsed, "tokens_per_step": micro_batches * micro_batch * seq,
-            "tokens_per_s": micro_batches * micro_batch * seq / elapsed}
+            "tokens_per_s": micro_batches * micro_batch * seq / elapsed} | profiled
 
 
 def _sync(device: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -30,13 +31,17 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def make_hf_model(out: str, **config) -> str:
-    """A randomly initialised HF Llama saved as bf16 safetensors (both backends load the same values)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def make_hf_model(out: str, arch: str = "llama", **config) -> str:
+    """A randomly initialised HF Llama or Qwen2 saved as bf16 safetensors (both backends load the same values)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=torch.bfloat16)
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a 1.5B init takes minutes on a CPU
+        model = AutoModelForCausalLM.from_config(config_cls(**config), dtype=torch.bfloat16)
     model.save_pretrained(out)
+    del model
+    free_memory()
     return out
 
 
@@ -164,9 +169,11 @@ def sort_demo(rank: int, world: int, backend: str, recipe: str, steps: int, devi
 # ----------------------------------------------------------------------------- (3) throughput
 
 
-def train_flops_per_token(model_dir: str, seq: int) -> float:
-    """Matmul FLOPs of one trained token (forward + backward = 3x forward): projections, attention scores and
-    values over the full sequence (no causal discount, Megatron's convention), and the output layer."""
+def train_flops_per_token(model_dir: str, seq: int, causal: bool = True) -> float:
+    """Matmul FLOPs of one trained token of a full `seq`-token row (forward + backward = 3x forward):
+    projections, the output layer, and attention scores and values. causal: over the half of the s x s matrix a
+    causal model computes (what bench/train_scale.py counts: the stricter MFU); False: over all of it
+    (Megatron-LM's published MFU convention, which the 41-47% anchor uses)."""
     from transformers import AutoConfig
 
     from rlflow.engines.train.megatron.hf_config import spec_from_hf
@@ -174,18 +181,20 @@ def train_flops_per_token(model_dir: str, seq: int) -> float:
     s = spec_from_hf(AutoConfig.from_pretrained(model_dir))
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     per_layer = 2 * s.hidden_size * (q + 2 * kv) + 2 * q * s.hidden_size + 6 * s.hidden_size * s.ffn_hidden_size
-    attention = 4 * seq * q
+    attention = 4 * seq * q * (0.5 if causal else 1.0)
     return 3 * (s.num_layers * (per_layer + attention) + 2 * s.hidden_size * s.vocab_size)
 
 
 def backend_throughput(rank: int, world: int, model_dir: str, micro_batch: int, seq: int, micro_batches: int,
-                       steps: int, warmup: int, device: str, url: str, out: str) -> None:
+                       steps: int, warmup: int, device: str, url: str, out: str, attention: str = "sdpa") -> None:
     """Tokens/s of MegatronTrainBackend.train_step: one optimizer step over micro_batches x micro_batch rows."""
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     train = TrainConfig(device=device, precision="bf16", micro_batch_size=micro_batch, mini_batches=1, lr=1e-5)
-    mega = _mega(model_dir, train, MegatronConfig(), rank, world, url)
+    core, _, layout = attention.partition("-")  # "sdpa", "sdpa-padded", "unfused" (padded: it cannot pack)
+    mega = _mega(model_dir, train, MegatronConfig(attention=core, packing=core != "unfused" and layout != "padded"),
+                 rank, world, url)
     batch = rl_batch(vocab, rows=micro_batch * micro_batches, max_len=seq, seed=2)
     batch["old_logprobs"] = mega.forward_logprobs(batch)
     for _ in range(warmup):
@@ -199,23 +208,44 @@ def backend_throughput(rank: int, world: int, model_dir: str, micro_batch: int, 
     tokens = micro_batch * micro_batches * seq
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     write(out, {"step_s": elapsed, "tokens_per_step": tokens, "tokens_per_s": tokens / elapsed,
-                "loss": metrics["loss"], "peak_memory_gib": peak})
+                "loss": metrics["loss"], "peak_memory_gib": peak} | kernel_profile(lambda: mega.train_step(batch)))
+
+
+def kernel_profile(step) -> dict:
+    """With RLFLOW_BENCH_PROFILE set: one more step under torch.profiler, its top kernels by GPU time (text)."""
+    if not os.environ.get("RLFLOW_BENCH_PROFILE") or not torch.cuda.is_available():
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60)
+    print(table, flush=True)
+    return {"profile": table}
 
 
 def bare_throughput(rank: int, world: int, model_dir: str, micro_batch: int, seq: int, micro_batches: int,
-                    steps: int, warmup: int, device: str, url: str, out: str) -> None:
+                    steps: int, warmup: int, device: str, url: str, out: str, attention: str = "sdpa") -> None:
     from bench.megatron_bare import bare_loop_tokens_per_s
 
-    result = bare_loop_tokens_per_s(model_dir, micro_batch, seq, micro_batches, steps, warmup, device, url)
+    result = bare_loop_tokens_per_s(model_dir, micro_batch, seq, micro_batches, steps, warmup, device, url,
+                                    attention.partition("-")[0])
     result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     write(out, result)
 
 
-def mfu(tokens_per_s: float, flops_per_token: float) -> dict[str, float | None]:
+def mfu(tokens_per_s: float, flops_per_token: float, flops_full_attention: float | None = None
+        ) -> dict[str, float | None]:
+    """TFLOP/s and MFU (causal attention count); with flops_full_attention, also Megatron-LM's convention."""
     achieved = tokens_per_s * flops_per_token
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-    return {"tflops": achieved / 1e12, "mfu": achieved / peak if peak else None}
+    out = {"tflops": achieved / 1e12, "mfu": achieved / peak if peak else None}
+    if flops_full_attention is not None:
+        full = tokens_per_s * flops_full_attention
+        out |= {"tflops_full_attention": full / 1e12, "mfu_full_attention": full / peak if peak else None}
+    return out
 
 
 # ----------------------------------------------------------------------------- (4) parallel layouts

@@ -59,6 +59,13 @@ VARIANTS = {
     "rlflow-4k-ckpt-c1k": {"micro_batch_tokens": 4096, "activation_checkpointing": True, "logprob_chunk_tokens": 1024},
     "rlflow-8k-ckpt-offload": {"micro_batch_tokens": 8192, "activation_checkpointing": True, "cpu_offload": True},
     "rlflow-16k-ckpt-offload": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "cpu_offload": True},
+    # the Megatron-core backend on the same batch (packed THD micro-batches by default; megatron.* options)
+    "megatron-8k": {"backend": "megatron", "micro_batch_tokens": 8192},
+    "megatron-16k": {"backend": "megatron", "micro_batch_tokens": 16384},
+    "megatron-16k-padded": {"backend": "megatron", "micro_batch_tokens": 16384, "packing": False},
+    "megatron-8k-padded": {"backend": "megatron", "micro_batch_tokens": 8192, "packing": False},
+    "megatron-16k-unfused": {"backend": "megatron", "micro_batch_tokens": 16384, "attention": "unfused",
+                             "packing": False},
 }
 
 
@@ -141,11 +148,21 @@ def run_baseline(model_path: str, batch: dict, steps: int, device: str, budget: 
 
 
 def run_rlflow(model_path: str, batch: dict, steps: int, device: str, options: dict) -> list[float]:
-    from rlflow.engines.core.config import AlgorithmConfig, TrainConfig
-    from rlflow.engines.train.torch_backend import TorchTrainBackend
+    from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig, TrainConfig
 
-    train = TrainConfig(device=device, precision="bf16", lr=1e-6, micro_batch_size=4096, threads=8, **options)
-    backend = TorchTrainBackend(model_path, train, AlgorithmConfig(kl_coef=0.0))
+    options = dict(options)
+    if options.pop("backend", "torch") == "megatron":  # imported only here: megatron-core is an extra
+        from rlflow.engines.cluster.addresses import free_port
+        from rlflow.engines.train.megatron.backend import MegatronTrainBackend
+
+        train = TrainConfig(device=device, precision="bf16", lr=1e-6, micro_batch_size=4096, threads=8)
+        backend = MegatronTrainBackend(model_path, train, AlgorithmConfig(kl_coef=0.0), MegatronConfig(**options),
+                                       rank=0, world_size=1, dist_url=f"tcp://127.0.0.1:{free_port()}")
+    else:
+        from rlflow.engines.train.torch_backend import TorchTrainBackend
+
+        train = TrainConfig(device=device, precision="bf16", lr=1e-6, micro_batch_size=4096, threads=8, **options)
+        backend = TorchTrainBackend(model_path, train, AlgorithmConfig(kl_coef=0.0))
     times = []
     for _ in range(steps + 1):
         _sync(device)

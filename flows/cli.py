@@ -13,7 +13,8 @@
     rlflow data make --task sort --num-digits 4 --train data/sort4/train.jsonl --eval data/sort4/eval.jsonl \
         [--sft data/sort4/sft.jsonl]
     rlflow data gsm8k --input gsm8k/main/train-00000-of-00001.parquet --out data/gsm8k/train.jsonl
-    rlflow serve [--prefect-port 4200] [--mlflow-port 5000] [--no-deploy]
+    rlflow init [DIR]                                     prefect.yaml + the demo recipes, into DIR (default: .)
+    rlflow serve [--prefect-port 4200] [--mlflow-port 5000] [--no-deploy]   from the project directory
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from rlflow.engines.core.config import (
     read_recipe,
 )
 from rlflow.engines.core.trace_render import load_trace, render
+from rlflow.flows.project import ProjectError
 
 # The subcommands import what only they need when they run, so `rlflow --help` and light commands start in
 # a fraction of a second: torch, transformers, Ray, Prefect and MLflow take seconds to import, the run store
@@ -293,11 +295,22 @@ def _debug_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-every", type=int, metavar="N", help="log a trace timeline to MLflow every N steps")
 
 
+def cmd_init(args) -> int:
+    """Write a starting prefect.yaml and the recipes it names into a project directory."""
+    from rlflow.flows.project import init_project
+
+    for path in init_project(Path(args.directory)):
+        print(f"wrote {path}")
+    print("next: `rlflow serve` in that directory (Prefect + MLflow UIs, the deployments of prefect.yaml)")
+    return 0
+
+
 def cmd_serve(args) -> int:
-    """Prefect server + MLflow server + a process worker (and the deployments of prefect.yaml), until Ctrl-C."""
+    """Prefect server + MLflow server + a process worker (and the deployments of ./prefect.yaml), until Ctrl-C or
+    SIGTERM."""
     from rlflow.flows.serve import serve  # deferred: httpx, and Prefect must not be imported before its defaults
 
-    return serve(args.prefect_port, args.mlflow_port, deploy=not args.no_deploy)
+    return serve(args.prefect_port, args.mlflow_port, deploy=not args.no_deploy, project=Path.cwd())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -357,7 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     gsm.add_argument("--instruction", default=None, help="text appended to each question (default: ask for "
                      "step-by-step reasoning and a final line '#### <answer>')")
     gsm.set_defaults(fn=cmd_data_gsm8k)
-    serve = sub.add_parser("serve", help="local Prefect server, MLflow server and worker (the UIs on a laptop)")
+    init = sub.add_parser("init", help="write a starting prefect.yaml and recipes into a project directory")
+    init.add_argument("directory", nargs="?", default=".", help="project directory (default: the current one)")
+    init.set_defaults(fn=cmd_init)
+    serve = sub.add_parser("serve", help="local Prefect server, MLflow server and worker (the UIs on a laptop), "
+                           "for the project in the current directory")
     serve.add_argument("--prefect-port", type=int, default=4200)
     serve.add_argument("--mlflow-port", type=int, default=5000)
     serve.add_argument("--no-deploy", action="store_true", help="do not run `prefect deploy --all`")
@@ -369,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except RecipeError as e:
+    except (RecipeError, ProjectError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -30,14 +30,13 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
-from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
 from rlflow.engines.cluster.groups import worker_runtime_env
-from rlflow.engines.core.config import EvalSamplingConfig, EvaluationConfig, resolve_config
+from rlflow.engines.core.config import EvalSamplingConfig, EvaluationConfig, public_tree, resolve_config
 from rlflow.engines.data.rewards import load_reward_fn
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.session.evaluation import eval_rows, generate_and_reward, merge_and_score, shard_bounds
@@ -163,7 +162,7 @@ def evaluate_datasets(cfg: EvaluationConfig, model_dir: str) -> tuple[dict[str, 
     e = cfg.eval
     plan = {}
     for d in e.datasets:
-        rows = eval_rows(d, e)
+        rows = eval_rows(d, e, cfg.storage.fsspec_options(d.path))
         plan[d.key] = [(start, rows[start:stop]) for start, stop in shard_bounds(len(rows), e.shards)]
     with shard_runner(e, sum(map(len, plan.values()))) as runner, shard_task_settings(e):
         futures = {name: [runner.submit(evaluate_shard, {"cfg": cfg, "model_dir": model_dir, "dataset": name,
@@ -203,18 +202,19 @@ def report(cfg: EvaluationConfig, source: dict, per_dataset: dict[str, dict], sa
     return "\n".join(lines)
 
 
-@flow(name="evaluate", log_prints=True)
+@flow(name="evaluate", log_prints=True, validate_parameters=False)  # a part of `config` is no EvaluationConfig
 def evaluate(
     config: EvaluationConfig | None = None, recipe: str | None = None, overrides: list[str] | None = None
 ) -> dict[str, float]:
-    """Evaluate a checkpoint on held-out datasets; returns `<dataset>/<metric>` values.
+    """Evaluate a checkpoint on held-out datasets; returns `eval/<dataset>/<metric>` values (the
+    names it logs to MLflow, where they make the run's `eval` chart section).
 
     Args:
-        config: The whole configuration tree (EvaluationConfig). Leave empty to use `recipe`.
+        config: The configuration tree (EvaluationConfig), whole or in part: deep-merged over `recipe`
+            (docs/deployments.md). A deployment's run form opens with its recipe here.
         recipe: A recipe file relative to the working directory, read as the CLI reads it
-            (e.g. deployments/eval-sort-tiny.yaml). Leave empty when `config` is given.
-        overrides: KEY.PATH=VALUE changes applied on top of `config` or `recipe`
-            (e.g. checkpoint=runs/sort-tiny/checkpoints/49).
+            (e.g. deployments/eval-sort-tiny.yaml): the base that `config` merges into.
+        overrides: KEY.PATH=VALUE changes applied last (e.g. checkpoint=runs/sort-tiny/checkpoints/49).
     """
     cfg = resolve_config(EvaluationConfig, config, recipe, overrides)
     workdir = tempfile.mkdtemp(prefix=f"rlflow-eval-{cfg.name}-")
@@ -225,15 +225,13 @@ def evaluate(
         tags = {"rlflow.kind": "evaluation", "rlflow.checkpoint": source.get("checkpoint_uri", cfg.checkpoint)}
         if training_run:
             tags |= {"rlflow.training_run_id": training_run, "mlflow.parentRunId": training_run}
-        if flow_run.id:
-            tags["prefect.flow_run_id"] = flow_run.id
-        recipe_json = cfg.model_dump(mode="json", exclude={"storage": {"key", "secret"}})
+        recipe_json = public_tree(cfg)
         tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.name, recipe_json, tags,
                           policy=cfg.tracking.retry_policy(), timeout_s=cfg.tracking.timeout_s)
         status = "FAILED"
         try:
             per_dataset, samples = evaluate_datasets(cfg, source["model_dir"])
-            metrics = {f"{name}/{k}": v for name, m in per_dataset.items() for k, v in m.items()}
+            metrics = {f"eval/{name}/{k}": v for name, m in per_dataset.items() for k, v in m.items()}
             tracker.log_metrics(metrics, step=int(source.get("step", 0)))
             tracker.log_table(samples, "samples/eval.json")
             markdown = report(cfg, source, per_dataset, samples, tracker.url)

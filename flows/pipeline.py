@@ -23,6 +23,7 @@ from rlflow.engines.core.config import (
     PipelineConfig,
     RLConfig,
     load_recipe,
+    public_tree,
     resolve_config,
 )
 from rlflow.engines.store.run_store import RunStore
@@ -80,18 +81,18 @@ def eval_mlflow_run(tracking_uri: str, experiment: str, prefect_flow_run_id: str
     return runs[0]
 
 
-@flow(name="pipeline", log_prints=True)
+@flow(name="pipeline", log_prints=True, validate_parameters=False)  # a part of `config` is no PipelineConfig
 def pipeline(
     config: PipelineConfig | None = None, recipe: str | None = None, overrides: list[str] | None = None
 ) -> dict:
     """Train a recipe, evaluate its last checkpoint, register it if the metric earns it.
 
     Args:
-        config: The whole configuration tree (PipelineConfig). Leave empty to use `recipe`.
+        config: The configuration tree (PipelineConfig), whole or in part: deep-merged over `recipe`
+            (docs/deployments.md). A deployment's run form opens with its recipe here.
         recipe: A recipe file relative to the working directory, read as the CLI reads it
-            (e.g. deployments/pipeline-sort-tiny.yaml). Leave empty when `config` is given.
-        overrides: KEY.PATH=VALUE changes applied on top of `config` or `recipe`
-            (e.g. registry.threshold=0.8).
+            (e.g. deployments/pipeline-sort-tiny.yaml): the base that `config` merges into.
+        overrides: KEY.PATH=VALUE changes applied last (e.g. registry.threshold=0.8).
     """
     cfg = resolve_config(PipelineConfig, config, recipe, overrides)
     train = load_recipe(cfg.train_recipe, cfg.train_overrides)  # the same file the training stage reads
@@ -105,18 +106,17 @@ def pipeline(
     checkpoint = store.uri("checkpoints", step)
 
     evaluation = eval_config(cfg, train, checkpoint)
-    params = evaluation.model_dump(mode="json", exclude={"storage": {"key", "secret"}})  # credentials: worker's env
+    params = public_tree(evaluation)  # credentials: the worker's environment
     eval_run = run_stage(cfg.eval_deployment, {"config": params, "recipe": None, "overrides": None}, "evaluate",
                          f"{train.name}-eval-step{step}")
     mlflow_run = eval_mlflow_run(train.tracking.uri, train.tracking.experiment, str(eval_run.id))
 
     dataset = cfg.registry.dataset or evaluation.eval.datasets[0].key
-    metric_key = f"{dataset}/{cfg.registry.metric}"
+    metric_key = f"eval/{dataset}/{cfg.registry.metric}"  # as the evaluate flow names it
     logged = mlflow_run.data.metrics
-    if metric_key.replace("/", ".") not in logged:
-        raise ValueError(f"registry.metric: {metric_key!r} was not measured; the evaluation logged "
-                         f"{sorted(k.replace('.', '/', 1) for k in logged)}")
-    value = logged[metric_key.replace("/", ".")]
+    if metric_key not in logged:
+        raise ValueError(f"registry.metric: {metric_key!r} was not measured; the evaluation logged {sorted(logged)}")
+    value = logged[metric_key]
     register = register_model.with_options(flow_run_name=f"{train.name}-register-step{step}")
     result = register(checkpoint, metric_key, value, mlflow_run.info.run_id, cfg.registry, train.tracking.uri,
                       train.storage, mlflow_run.data.tags.get("rlflow.training_run_id"))

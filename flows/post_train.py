@@ -45,18 +45,18 @@ class CheckpointSchedule:
         self.since = self.clock()
 
 
-@flow(name="post-train", log_prints=True)
+@flow(name="post-train", log_prints=True, validate_parameters=False)  # a part of `config` is no RLConfig
 def post_train(
     config: RLConfig | None = None, recipe: str | None = None, overrides: list[str] | None = None
 ) -> dict[str, float]:
     """Run (or resume) an RL run and return its last step's metrics.
 
     Args:
-        config: The whole configuration tree (RLConfig). Leave empty to use `recipe`.
+        config: The configuration tree (RLConfig), whole or in part: deep-merged over `recipe`
+            (docs/deployments.md). A deployment's run form opens with its recipe here.
         recipe: A recipe file relative to the working directory, read as the CLI reads it
-            (e.g. deployments/sort-tiny.yaml). Leave empty when `config` is given.
-        overrides: KEY.PATH=VALUE changes applied on top of `config` or `recipe`
-            (e.g. train.steps=20).
+            (e.g. deployments/sort-tiny.yaml): the base that `config` merges into.
+        overrides: KEY.PATH=VALUE changes applied last (e.g. train.steps=20).
     """
     config = resolve_config(RLConfig, config, recipe, overrides)
     run: RunContext = open_run(config)

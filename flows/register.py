@@ -1,21 +1,55 @@
 """Register an evaluated checkpoint in the MLflow model registry, if its metric earns it.
 
-The model version's files are the checkpoint's Hugging Face export (safetensors weights, config.json,
-tokenizer files; what `rlflow export` writes), logged as artifacts of the evaluation's MLflow run under
-`model/`: no pickle, and `AutoModelForCausalLM.from_pretrained` loads a downloaded version as it is.
+The model version is the checkpoint's Hugging Face export (what `rlflow export` writes) logged with MLflow's
+transformers flavor as a text-generation model of the evaluation run: safetensors weights and tokenizer files
+(no pickle) with an MLmodel, so `mlflow.transformers.load_model` gives a pipeline and `mlflow.pyfunc.load_model`
+a model whose `predict(prompts, params={"max_new_tokens": n})` generates.
 """
 
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
+import mlflow
+import mlflow.transformers
+import safetensors
+import tokenizers
+import torch
+import transformers
+from huggingface_hub import ModelCard
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
+from mlflow.models import ModelSignature
+from mlflow.models.model import ModelInfo
 from mlflow.tracking import MlflowClient
+from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 from prefect import flow
 
 from rlflow.engines.core.config import RegisterConfig, StorageConfig
+from rlflow.engines.models.hf import load_tokenizer
 from rlflow.engines.store.run_store import locate_checkpoint
+
+# prompts in, generated text out; generation settings per call (the pipeline's generate() keyword arguments)
+SIGNATURE = ModelSignature(
+    inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
+    params=ParamSchema([ParamSpec("max_new_tokens", "long", 64), ParamSpec("do_sample", "boolean", False),
+                        ParamSpec("temperature", "double", 1.0)]),
+)
+
+
+def log_hf_model(tracking_uri: str, run_id: str, model_dir: str | Path, description: str) -> ModelInfo:
+    """Log a Hugging Face causal-LM directory as run `run_id`'s text-generation model (transformers flavor).
+    Requirements are the installed versions, given rather than inferred (inference loads the model again in a
+    subprocess); the model card is given so nothing is fetched from the Hub."""
+    mlflow.set_tracking_uri(tracking_uri)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
+    requirements = [f"{m.__name__}=={m.__version__.split('+')[0]}" for m in (transformers, torch, tokenizers,
+                                                                             safetensors)]
+    return mlflow.transformers.log_model(
+        {"model": model, "tokenizer": load_tokenizer(model_dir)}, name="model", task="text-generation",
+        signature=SIGNATURE, pip_requirements=requirements, model_card=ModelCard(description), run_id=run_id,
+    )
 
 
 def should_register(value: float, best: float | None, cfg: RegisterConfig) -> tuple[bool, str]:
@@ -62,15 +96,16 @@ def register_model(
         return {"registered": False, "version": None, "reason": reason}
     store, step = locate_checkpoint(checkpoint, storage)
     with tempfile.TemporaryDirectory() as tmp:
-        client.log_artifacts(eval_run_id, str(store.export_model(step, tmp)), "model")
+        logged = log_hf_model(tracking_uri, eval_run_id, store.export_model(step, tmp),
+                              f"rlflow checkpoint {checkpoint}: {metric_key} = {value:.4g}")
     if not any(m.name == cfg.model_name for m in client.search_registered_models(f"name = '{cfg.model_name}'")):
         client.create_registered_model(cfg.model_name, description="Hugging Face exports of rlflow checkpoints")
     tags = {"rlflow.checkpoint": checkpoint, "rlflow.metric": metric_key, "rlflow.metric_value": str(value),
-            "rlflow.eval_run_id": eval_run_id, "rlflow.format": "huggingface-safetensors"}
+            "rlflow.eval_run_id": eval_run_id, "rlflow.format": "mlflow-transformers"}
     if training_run_id:
         tags["rlflow.training_run_id"] = training_run_id
-    source = f"{client.get_run(eval_run_id).info.artifact_uri}/model"
-    mv = client.create_model_version(cfg.model_name, source, run_id=eval_run_id, tags=tags,
-                                     description=f"{checkpoint}: {metric_key} = {value:.4g} ({reason})")
+    mv = client.create_model_version(cfg.model_name, logged.model_uri, run_id=eval_run_id, tags=tags,
+                                     description=f"{checkpoint}: {metric_key} = {value:.4g} ({reason})",
+                                     model_id=logged.model_id)
     print(f"registered {checkpoint} as version {mv.version} of {cfg.model_name}: {metric_key} {reason}")
     return {"registered": True, "version": int(mv.version), "reason": reason}

@@ -1,4 +1,5 @@
-"""Local services for a laptop: a Prefect server, an MLflow server and a process worker (`rlflow serve`).
+"""Local services for a laptop: a Prefect server, an MLflow server and a process worker (`rlflow serve`), for the
+project directory it starts in (prefect.yaml and recipes: `rlflow init`).
 
 The tests start the same services with the same functions. Each service is a child process in its own
 process group, stopped by signalling that group (never by name).
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
+from rlflow.flows.project import require_prefect_file
+
+REPO = Path(__file__).resolve().parent.parent  # the checkout, in an editable install (tests, bench)
 WORK_POOL = "rlflow-process"  # the pool prefect.yaml's deployments use
 
 
@@ -37,16 +40,19 @@ class Services:
         return proc
 
     def stop(self, timeout: float = 20) -> None:
+        """One at a time, newest first: the worker while the Prefect server still answers it (signalled together,
+        the worker retried the gone server until it was killed, 20 s later), then MLflow, then Prefect."""
         for proc in reversed(self.procs):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-        for proc in reversed(self.procs):
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            with contextlib.suppress(ProcessLookupError):  # a child left in the group (mlflow's job runner)
+                os.killpg(proc.pid, signal.SIGKILL)
         self.procs.clear()
 
 
@@ -103,12 +109,19 @@ def start_prefect_server(svc: Services, port: int, home: Path | None = None, log
     return api
 
 
-def start_mlflow_server(svc: Services, port: int, backend_uri: str, artifacts: Path, log: Path | None = None) -> str:
-    """`mlflow server` with a model registry (SQL backend) and artifacts served over HTTP; returns its URI."""
+def launch_mlflow_server(svc: Services, port: int, backend_uri: str, artifacts: Path, log: Path | None = None
+                         ) -> tuple[subprocess.Popen, str]:
+    """`mlflow server` with a model registry (SQL backend) and artifacts served over HTTP, not yet answering (it
+    takes 10-20 s: `rlflow serve` starts Prefect and deploys meanwhile); returns the process and its URI."""
     proc = svc.start([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
                       "--backend-store-uri", backend_uri, "--artifacts-destination", str(artifacts),
                       "--workers", "1"], dict(os.environ), log)
-    uri = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def start_mlflow_server(svc: Services, port: int, backend_uri: str, artifacts: Path, log: Path | None = None) -> str:
+    """launch_mlflow_server, then wait until it answers; returns its URI."""
+    proc, uri = launch_mlflow_server(svc, port, backend_uri, artifacts, log)
     wait_http(f"{uri}/health", proc, "mlflow server")
     svc.mlflow_uri = uri
     return uri
@@ -149,24 +162,41 @@ def start_worker(svc: Services, api_url: str, checkout: Path = REPO, pool: str =
                      log, cwd=checkout)
 
 
-def serve(prefect_port: int = 4200, mlflow_port: int = 5000, deploy: bool = True, checkout: Path = REPO) -> int:
-    """Start everything, print where it is, and run until Ctrl-C."""
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def serve(prefect_port: int = 4200, mlflow_port: int = 5000, deploy: bool = True, project: Path | None = None) -> int:
+    """Start everything for the project directory `project` (default: the current one; its prefect.yaml, recipes,
+    data, run store, MLflow database and logs), print where it is, and run until Ctrl-C, SIGTERM or SIGHUP, each of
+    which stops every service started here (a signal handler turns SIGTERM and SIGHUP into Ctrl-C, so the
+    `finally` below runs; Python's default for them would exit at once and leave the servers holding their
+    ports)."""
+    project = (project or Path.cwd()).resolve()
+    if deploy:
+        require_prefect_file(project)
     svc = Services()
-    logs = checkout / ".rlflow-serve"
+    logs = project / ".rlflow-serve"
     logs.mkdir(exist_ok=True)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
     try:
+        mlflow, uri = launch_mlflow_server(svc, mlflow_port, f"sqlite:///{project / 'mlflow.db'}",
+                                           project / "mlartifacts", log=logs / "mlflow-server.log")
         api = start_prefect_server(svc, prefect_port, log=logs / "prefect-server.log")
-        print(f"Prefect UI      http://127.0.0.1:{prefect_port}   (API {api})")
-        uri = start_mlflow_server(svc, mlflow_port, f"sqlite:///{checkout / 'mlflow.db'}", checkout / "mlartifacts",
-                                  log=logs / "mlflow-server.log")
-        print(f"MLflow UI       {uri}   (use it in recipes: tracking.uri={uri})")
+        print(f"Prefect UI      http://127.0.0.1:{prefect_port}   (API {api})", flush=True)
         ensure_work_pool(api)
         if deploy:
-            deploy_all(api, checkout)
-            print("deployments     post-train/post-train, evaluate/evaluate, pipeline/pipeline (from prefect.yaml)")
-        start_worker(svc, api, checkout, log=logs / "worker.log")
-        print(f"worker          pool {WORK_POOL}, runs flows in {checkout}; logs in {logs}")
-        print(f"Ctrl-C stops all. In another shell: export PREFECT_API_URL={api}")
+            deploy_all(api, project)
+            print(f"deployments     post-train/post-train, evaluate/evaluate, pipeline/pipeline (from "
+                  f"{project / 'prefect.yaml'})", flush=True)
+        wait_http(f"{uri}/health", mlflow, "mlflow server")
+        svc.mlflow_uri = uri
+        print(f"MLflow UI       {uri}   (use it in recipes: tracking.uri={uri})", flush=True)
+        start_worker(svc, api, project, log=logs / "worker.log")
+        print(f"worker          pool {WORK_POOL}, runs flows in {project}; logs in {logs}", flush=True)
+        print(f"Ctrl-C stops all. In another shell: export PREFECT_API_URL={api}", flush=True)
         while all(p.poll() is None for p in svc.procs):
             time.sleep(1)
         print("a service exited; see the logs in", logs, file=sys.stderr)
@@ -174,4 +204,8 @@ def serve(prefect_port: int = 4200, mlflow_port: int = 5000, deploy: bool = True
     except KeyboardInterrupt:
         return 0
     finally:
+        for sig in handlers:  # a second Ctrl-C must not cut the shutdown short
+            signal.signal(sig, signal.SIG_IGN)
         svc.stop()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)

@@ -53,6 +53,9 @@ class RetryingClient(MlflowClient):
             "create_experiment", lambda: super(RetryingClient, self).create_experiment(name, *args, **kwargs)
         )
 
+    def set_experiment_tag(self, *args: Any, **kwargs: Any) -> None:
+        self._call("set_experiment_tag", lambda: super(RetryingClient, self).set_experiment_tag(*args, **kwargs))
+
     def search_experiments(self, *args: Any, **kwargs: Any) -> Any:
         return self._call("search_experiments", lambda: super(RetryingClient, self).search_experiments(*args, **kwargs))
 

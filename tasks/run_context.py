@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlflow.engines.core.config import RLConfig
+from rlflow.engines.core.config import RLConfig, public_tree
 from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.store.run_store import RunStore
@@ -98,7 +98,7 @@ def shared_dir(cfg: RLConfig) -> str | None:
 
 def stored_config(cfg: RLConfig) -> dict:
     """The resolved recipe as persisted and logged: credentials are left out, never written anywhere."""
-    return cfg.model_dump(mode="json", exclude={"storage": {"key", "secret"}})
+    return public_tree(cfg)
 
 
 def open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any] = RLSession.create) -> RunContext:

@@ -4,21 +4,31 @@ A step's metrics are written synchronously (one log_batch call per step): once l
 stored, so a kill right after a step loses none of them. Continuing a run after a resume, a step rerun after the
 checkpoint is not logged again: MLflow keeps every point it is sent and cannot delete one, so the points the
 interrupted attempt logged for that step stay, once (on CPU the rerun reproduces them bit for bit).
+Metric names keep their `/` (`rollout/reward_mean`): MLflow's UI puts each prefix before the first `/` in its
+own chart section (docs/metrics.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import subprocess
 from typing import Any
 
 import mlflow
 from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
 from mlflow.utils.time import get_current_time_millis
+from prefect.runtime import deployment, flow_run
 
 from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.retry import RetryPolicy
 from rlflow.tasks.mlflow_client import RetryingClient
+
+# MLflow 3 opens an experiment in its GenAI view unless this tag says it holds model development (training) runs
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -32,6 +42,49 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def ensure_experiment(client: MlflowClient, name: str) -> str:
+    """The id of experiment `name`, created if missing, tagged to open in MLflow's classic ML view (an experiment
+    someone already gave a kind keeps it)."""
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+    if EXPERIMENT_KIND_TAG not in exp.tags:
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return exp.experiment_id
+
+
+def recipe_hash(recipe: dict) -> str:
+    """sha256 of the resolved recipe as canonical JSON: two runs with the same hash ran the same settings."""
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def git_commit(path: str | None = None) -> str | None:
+    """HEAD of the git checkout the run is started from (the user's project), if it is one."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path or os.getcwd(), capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def run_tags(recipe: dict | None = None) -> dict[str, str]:
+    """Where a run came from: git commit, Prefect flow run (id and UI link), deployment, recipe hash; each only
+    when known (a run outside Prefect has no flow run)."""
+    tags: dict[str, str] = {}
+    if commit := git_commit():
+        tags["mlflow.source.git.commit"] = commit
+    if run_id := flow_run.id:
+        tags["prefect.flow_run_id"] = run_id
+        if (url := flow_run.ui_url) and url.startswith(("http://", "https://")):
+            tags["prefect.flow_run_url"] = url
+        if name := deployment.name:
+            tags["prefect.deployment"] = f"{flow_run.flow_name}/{name}"
+    if recipe is not None:
+        tags["rlflow.recipe_hash"] = recipe_hash(recipe)
+    return tags
+
+
 class Tracker:
     """One MLflow run. Pass `run_id` to continue a run (a resumed training run logs into the same one)."""
 
@@ -41,10 +94,10 @@ class Tracker:
         mlflow.set_tracking_uri(uri)
         self.client = RetryingClient(uri, policy or RetryPolicy(), timeout_s)
         self.recorded: set[tuple[str, int]] = set()  # (key, step) points an interrupted attempt already logged
-        exp = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        self.experiment_id = ensure_experiment(self.client, experiment)
+        tags = run_tags(recipe) | (tags or {})
         if run_id is None:
-            run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags or {})
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
             self.run_id = run.info.run_id
             if recipe is not None:
                 params = {k: str(v)[:6000] for k, v in flatten(recipe).items()}
@@ -56,6 +109,8 @@ class Tracker:
         else:
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
+            # the flow run resuming it (a new one, or a retry of the same): the tags say the latest
+            self.client.log_batch(run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in tags.items()])
 
     @classmethod
     def for_training(cls, cfg: RLConfig, run_id: str | None = None) -> Tracker:
@@ -74,8 +129,8 @@ class Tracker:
         """Write one step's metrics, each (key, step) once per run (the client's log_batch: mlflow.log_metrics
         would first load the whole run, params and tags included, every step)."""
         ts = get_current_time_millis()
-        batch = [Metric(key, float(v), ts, step) for k, v in metrics.items()
-                 if math.isfinite(float(v)) and (key := k.replace("/", "."), step) not in self.recorded]
+        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items()
+                 if math.isfinite(float(v)) and (k, step) not in self.recorded]
         if batch:
             self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
 

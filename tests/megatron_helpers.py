@@ -63,14 +63,15 @@ def parallel_worker(rank: int, world: int, tp: int, pp: int, url: str, model_dir
     from rlflow.engines.train.megatron.hf_config import spec_from_hf
     from rlflow.engines.train.megatron.model_build import build_model, load_hf_weights, stage_params, transformer_config
 
-    mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp)
+    mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp, packing=True)  # packed THD across ranks
     backend = MegatronTrainBackend(model_dir, train_config(), AlgorithmConfig(), mcfg, rank=rank, world_size=world,
                                    dist_url=url)
     results: dict = {"round_trip": {}}
     with cpu_shim():
         for family, path in hf_dirs.items():
             spec = spec_from_hf(AutoConfig.from_pretrained(path))
-            model = build_model(spec, transformer_config(spec, mcfg, torch.float32, "cpu"), use_te=False)
+            model = build_model(spec, transformer_config(spec, mcfg, torch.float32, "cpu"), use_te=False,
+                                attention=mcfg.attention)
             load_hf_weights(model, spec, path)
             exported = WeightExporter(spec, stage_params(model), fused_norms=False).gather(list(_hf_names(path)))
             if rank == 0:

@@ -48,7 +48,7 @@ def assert_same(a: RolloutBatch, b: RolloutBatch) -> None:
     for name in ("prompt", "label", "prompt_ids", "text", "response", "metadata"):
         assert getattr(a, name) == getattr(b, name), name
     for name in ("group", "output_ids", "output_logprobs", "loss_mask", "lengths", "has_logprobs", "stopped",
-                 "weight_version", "carried"):
+                 "weight_version", "carried", "baseline"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
     assert np.array_equal(a.fn_reward, b.fn_reward, equal_nan=True)
     assert (a.reward is None) == (b.reward is None)
@@ -78,7 +78,7 @@ def test_tables_written_before_the_later_columns_read_with_their_defaults() -> N
     assert b.output_logprobs.dtype == np.float32 and b.output_logprobs.tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0,
                                                                                      -6.0, -7.0]
     assert b.group.tolist() == [0, 0, 1, 1] and b.label == [1, 1, 2, 2]
-    assert b.loss_mask.tolist() == [1.0] * 7 and b.has_logprobs.all() and not b.carried.any()
+    assert b.loss_mask.tolist() == [1.0] * 7 and b.has_logprobs.all() and not b.carried.any() and not b.baseline.any()
     assert np.isnan(b.fn_reward).all() and b.text == [None] * 4 and b.reward is None and b.response is None
 
 

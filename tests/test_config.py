@@ -147,7 +147,22 @@ def test_algorithm_recipes_are_valid(name, expected):
         ({"kl_estimator": "k4"}, r"algorithm\.kl_estimator: .*'low_var_kl'"),
         ({"is_correction": "mis"}, r"algorithm\.is_correction: .*'none', 'tis' or 'icepop'"),
         ({"clip_ratio_c": 1.0}, r"algorithm\.clip_ratio_c: .*greater than 1"),
-        ({"advantage": "rloo", "normalize_std": True}, r"algorithm: .*normalize_std applies to grpo / dr_grpo only"),
+        ({"advantage": "rloo", "normalize_std": True},
+         r"algorithm: .*normalize_std applies to grpo / dr_grpo / grpo_passk only"),
+        ({"is_level": "sequence"}, r"algorithm: .*is_level / is_batch_normalize .* set is_correction to tis or icepop"),
+        ({"is_batch_normalize": True}, r"algorithm: .*is_level / is_batch_normalize"),
+        ({"is_correction": "tis", "is_level": "seq"}, r"algorithm\.is_level: .*'token' or 'sequence'"),
+        ({"rejection": "token", "reject_low": 1.2}, r"algorithm: .*reject_low \(1.2\) must be <= 1 <= reject_high"),
+        ({"rejection": "seq_sum_k1"}, r"algorithm\.rejection: .*'sequence' or 'geometric'"),
+        ({"passk_k": 3}, r"algorithm: .*passk_k apply to advantage 'passk' only \(advantage is 'grpo'\)"),
+        ({"advantage": "passk", "passk_k": 0}, r"algorithm\.passk_k: .*greater than or equal to 1"),
+        ({"advantage": "passk", "passk_k": 5}, r"algorithm\.passk_k \(5\) must be at most rollout\.samples_per_prompt "
+                                              r"\(4\)"),
+        ({"kl_ctrl": "adaptive", "kl_coef": 0.1},
+         r"algorithm: .*kl_ctrl: adaptive .* needs kl_in: reward and a starting kl_coef > 0"),
+        ({"kl_ctrl": "adaptive", "kl_in": "reward"}, r"algorithm: .*kl_ctrl: adaptive .*kl_coef 0.0"),
+        ({"kl_ctrl": "adaptive", "kl_in": "reward", "kl_coef": 0.1, "kl_horizon": 0},
+         r"algorithm\.kl_horizon: .*greater than 0"),
         ({"policy_loss": "gspo", "clip_ratio_c": 3.0}, r"algorithm: .*clip_ratio_c .* 'ppo' only"),
         ({"policy_loss": "cispo", "clip_ratio_c": 3.0}, r"algorithm: .*clip_ratio_c .* 'ppo' only"),
         ({"policy_loss": "sppo"}, r"algorithm\.policy_loss: .*'cispo', 'gmpo', 'sapo', 'clip_cov' or 'kl_cov'"),
@@ -234,7 +249,7 @@ def test_gpu_placement_recipes_load(tmp_path):
     assert split.rollout.precision == "bf16" and split.weight_sync.transport == "nccl"
 
 
-@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk", "passk"])
 def test_a_group_estimator_with_one_sample_per_prompt_is_refused(tmp_path, advantage):
     raw = small_recipe(tmp_path, algorithm={"advantage": advantage}, rollout={"samples_per_prompt": 1})
     with pytest.raises(RecipeError) as e:
@@ -243,3 +258,22 @@ def test_a_group_estimator_with_one_sample_per_prompt_is_refused(tmp_path, advan
                      r"prompt.*use advantage reinforce_pp", e.value.problems[0]), e.value.problems
     raw["algorithm"] = {"advantage": "reinforce_pp"}  # a batch baseline needs no group
     assert load_recipe(write(tmp_path, raw)).rollout.samples_per_prompt == 1
+
+
+def test_remax_settings_are_checked(tmp_path):
+    """ReMax adds a greedy sample per prompt: the step's batch counts it, greedy rollouts would make every
+    advantage 0, and dynamic sampling does not generate it."""
+    raw = small_recipe(tmp_path, algorithm={"advantage": "remax"}, rollout={"samples_per_prompt": 1})
+    cfg = load_recipe(write(tmp_path, raw))  # one sample and its greedy baseline: a valid ReMax step
+    assert cfg.step_samples == 2 * cfg.rollout.prompts_per_step
+    for rollout, problem in [
+        ({"temperature": 0.0}, r"remax compares sampled responses with the greedy one; with rollout.temperature 0"),
+        ({"dynamic_sampling": {"enabled": True}}, r"remax adds a greedy sample .* dynamic sampling"),
+        ({"samples_per_prompt": 2}, r"the step's samples, rollout.prompts_per_step \* \(rollout.samples_per_prompt "
+                                    r"\+ 1 greedy baseline\) = \d+, must divide evenly"),
+    ]:
+        raw["rollout"] = {"prompts_per_step": 8, "samples_per_prompt": 1, "max_new_tokens": 4} | rollout
+        raw["train"] = {"steps": 3, "threads": 1, "mini_batches": 16}  # 8 prompts x 2 fit; 8 x (2 + 1) do not
+        with pytest.raises(RecipeError) as e:
+            load_recipe(write(tmp_path, raw))
+        assert re.search(problem, e.value.problems[0]), e.value.problems

@@ -122,7 +122,8 @@ def test_load_errors(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"d\.jsonl: row 1 \(line 1\): expected a JSON object, got list"):
         load_prompts(_jsonl(tmp_path, ["[1, 2]"]))
 
-    with pytest.raises(DataError, match=r'row 1 \(line 1\): "prompt" must be a string, got int'):
+    with pytest.raises(DataError, match=r'row 1 \(line 1\): "prompt" must be a string or a list of chat messages, '
+                       "got int"):
         load_prompts(_jsonl(tmp_path, [json.dumps({"prompt": 5, "label": "1"})]))
 
     with pytest.raises(DataError, match=r"d\.jsonl: data file is empty"):
@@ -176,3 +177,90 @@ def test_cursor_same_seed_same_walk_and_refuses_other_size() -> None:
     assert PromptCursor(50, 8, seed=5).next_batch() != PromptCursor(50, 8, seed=4).next_batch()
     with pytest.raises(ValueError, match="saved over 50 prompts"):
         PromptCursor(49, 8, seed=4).load_state_dict(a.state_dict())
+
+
+def _verl_rows() -> list[dict]:
+    """Rows as verl's data preprocessing writes them (e.g. its gsm8k.py)."""
+    return [
+        {"data_source": "openai/gsm8k", "ability": "math",
+         "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i}+1=?"}],
+         "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+         "extra_info": {"split": "train", "index": i}}
+        for i in range(3)
+    ]
+
+
+def test_verl_parquet_rows(tmp_path: Path) -> None:
+    p = tmp_path / "verl.parquet"
+    pq.write_table(pa.Table.from_pylist(_verl_rows()), str(p))
+    rows = load_prompts(str(p))
+    assert len(rows) == 3 and rows[2]["label"] == "3" and rows[2]["prompt"] == "2+1=?"
+    assert rows[0]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "0+1=?"}]
+    assert rows[1]["meta"] == {"data_source": "openai/gsm8k", "ability": "math", "extra_info": {"split": "train",
+                               "index": 1}, "reward_model": {"style": "rule", "ground_truth": "2"}}
+    # a dotted label_key reaches into a nested column
+    assert load_prompts(str(p), label_key="extra_info.index")[2]["label"] == 2
+
+
+def test_trl_rows(tmp_path: Path) -> None:
+    """TRL's prompt-completion (text or conversational) and conversational `messages` rows."""
+    text = _jsonl(tmp_path, [json.dumps({"prompt": "S21=", "completion": "12", "id": 7})])
+    assert list(load_prompts(text)) == [{"prompt": "S21=", "label": "12", "meta": {"id": 7}}]
+    conv = tmp_path / "conv.jsonl"
+    conv.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}],
+                                "completion": [{"role": "assistant", "content": "hello"}]}) + "\n")
+    assert load_prompts(str(conv))[0] == {"prompt": "hi", "label": "hello", "meta": {},
+                                          "messages": [{"role": "user", "content": "hi"}]}
+    msgs = tmp_path / "msgs.parquet"
+    turns = [{"role": "system", "content": "s"}, {"role": "user", "content": "2+2"},
+             {"role": "assistant", "content": "4"}]
+    pq.write_table(pa.Table.from_pylist([{"messages": turns}]), str(msgs))
+    row = load_prompts(str(msgs))[0]
+    assert row["label"] == "4" and row["messages"] == [{"role": "system", "content": "s"},
+                                                       {"role": "user", "content": "2+2"}]
+    from rlflow.engines.data.prompts import load_pairs
+
+    assert load_pairs(str(msgs))[0]["response"] == "4"  # SFT reads the same rows
+
+    bad = _jsonl(tmp_path, [json.dumps({"prompt": [{"role": "user"}], "label": "1"})])
+    with pytest.raises(DataError, match=r'row 1 \(line 1\): "prompt" item 0 must be a chat message'):
+        load_prompts(bad)
+
+
+def test_chat_prompts_render_through_the_template(tmp_path: Path, tiny_model_dir: str) -> None:
+    from rlflow.engines.models.hf import encode_prompt, load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    p = tmp_path / "verl.parquet"
+    pq.write_table(pa.Table.from_pylist(_verl_rows()), str(p))
+    row = load_prompts(str(p))[0]
+    ids = encode_prompt(tok, row["messages"])
+    assert ids == tok(tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True),
+                      add_special_tokens=False)["input_ids"]
+    assert ids != encode_prompt(tok, row["prompt"])  # the system message is in, the template applied
+
+
+def test_prompt_file_on_object_storage(s3_bucket, tmp_path: Path) -> None:
+    import s3fs
+
+    from rlflow.engines.core.config import StorageConfig
+
+    root, endpoint = s3_bucket
+    url = f"{root}/data/train.parquet"
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
+    with fs.open(url, "wb") as f:
+        pq.write_table(pa.Table.from_pylist(_verl_rows()), f)
+    options = StorageConfig(uri=str(tmp_path), endpoint_url=endpoint).fsspec_options(url)  # a local store, s3 data
+    rows = load_prompts(url, storage_options=options)
+    assert [r["label"] for r in rows] == ["1", "2", "3"]
+    with pytest.raises(DataError, match=f"data file not found: {root}/data/missing.parquet"):
+        load_prompts(f"{root}/data/missing.parquet", storage_options=options)
+
+
+def test_rows_are_read_when_taken(tmp_path: Path) -> None:
+    """The file stays a memory-mapped table: rows are Python objects only once taken (large files)."""
+    p = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"prompt": [f"S{i}=" for i in range(20_000)], "label": ["x"] * 20_000}), str(p))
+    rows = load_prompts(str(p))
+    assert len(rows) == 20_000 and rows[19_999]["prompt"] == "S19999=" and not isinstance(rows, list)
+    assert [r["prompt"] for r in rows[5:7]] == ["S5=", "S6="]

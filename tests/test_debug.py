@@ -97,7 +97,7 @@ def test_rollout_only_scores_batches_and_trains_nothing(original):
     assert store.committed_steps() == []  # nothing trained, nothing to checkpoint
     assert all(store.load_rollout(s) is not None for s in range(STEPS))  # batches kept for a train-only replay
     client, run_id = _mlflow_run(cfg)
-    assert [m.step for m in client.get_metric_history(run_id, "rollout.reward_mean")] == list(range(STEPS))
+    assert [m.step for m in client.get_metric_history(run_id, "rollout/reward_mean")] == list(range(STEPS))
 
 
 def test_rollout_only_in_the_bare_loop_leaves_the_weights_unchanged(tmp_path):

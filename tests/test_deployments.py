@@ -18,6 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rlflow.engines.cluster.addresses import free_port
+from rlflow.engines.core.config import EvaluationConfig, PipelineConfig, RLConfig, load_recipe, public_tree
 from rlflow.flows.serve import (
     REPO,
     Services,
@@ -29,6 +30,8 @@ from rlflow.flows.serve import (
 )
 
 DEPLOYMENTS = ("post-train/post-train", "evaluate/evaluate", "pipeline/pipeline")
+FLOW_CONFIGS = {"rlflow.flows.post_train:post_train": RLConfig, "rlflow.flows.evaluate:evaluate": EvaluationConfig,
+                "rlflow.flows.pipeline:pipeline": PipelineConfig}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +76,10 @@ def test_deployments_and_their_parameter_schema(deployed):
         assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory":
                                  {"directory": "{{ $RLFLOW_HOME }}"}}]
         assert (REPO / d.parameters["recipe"]).is_file()
+        # the run form's prefill: the recipe, read by the build step at deploy time (docs/deployments.md)
+        model = FLOW_CONFIGS[d.entrypoint]
+        assert d.parameters["config"] == public_tree(load_recipe(REPO / d.parameters["recipe"], model=model))
+        assert not d.enforce_parameter_schema  # a part of `config` is merged by the flow, not refused by the server
     schemas = {name: d.parameter_openapi_schema for name, d in deployments.items()}
     train = schemas["post-train/post-train"]
     assert set(train["properties"]) == {"config", "recipe", "overrides"}

@@ -74,9 +74,9 @@ def test_demo_learns_and_is_tracked(tmp_path):
     run = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])[0]
     assert run.info.status == "FINISHED"
     assert run.data.params["train.lr"] == str(cfg.train.lr)
-    logged = client.get_metric_history(run.info.run_id, "rollout.reward_mean")
+    logged = client.get_metric_history(run.info.run_id, "rollout/reward_mean")
     assert [m.step for m in logged] == list(range(100))
-    for key in ("train.loss", "train.grad_norm", "time.rollout", "time.train", "eval.reward_mean"):
+    for key in ("train/loss", "train/grad_norm", "time/rollout", "time/train", "eval/reward_mean"):
         assert client.get_metric_history(run.info.run_id, key), key
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"recipe.json", "samples"} <= artifacts

@@ -20,6 +20,8 @@ from rlflow.engines.core.config import (
     RLConfig,
     StorageConfig,
     config_from_dict,
+    load_recipe,
+    public_tree,
     resolve_config,
 )
 from rlflow.engines.data.rewards import load_reward_fn
@@ -86,11 +88,35 @@ def test_resolve_config_from_recipe_or_tree(tmp_path):
     again = resolve_config(RLConfig, tree, None, ["train.lr=0.5"])
     assert again.train.lr == 0.5 and again.storage.secret.get_secret_value() == "s3cr3t"
     assert resolve_config(RLConfig, tree, None, None) is tree
-    assert resolve_config(RLConfig, tree, str(recipe), None) is tree  # a deployment's default recipe yields
+    assert resolve_config(RLConfig, tree, str(recipe), None) == tree  # a whole tree sets every key of the recipe
     with pytest.raises(RecipeError, match="one of them is required"):
         resolve_config(RLConfig, None, None, ["train.steps=3"])
     with pytest.raises(RecipeError, match="train.stepz: unknown key"):
         resolve_config(RLConfig, None, str(recipe), ["train.stepz=3"])
+
+
+def test_a_partial_config_deep_merges_over_the_recipe(tmp_path):
+    """The merge rule of docs/deployments.md: recipe file < config (mappings key by key, anything else replaced,
+    lists too) < overrides. Before it, a `config` replaced the recipe whole: `{"train": {"steps": 5}}` alone was
+    an RLConfig without data, model or reward of the recipe (or no valid one at all)."""
+    recipe = Path(__file__).resolve().parent.parent / "deployments" / "sort-tiny.yaml"
+    base = load_recipe(recipe)
+    part = {"train": {"steps": 5, "betas": [0.8, 0.9]}, "data": {"generate": {"num_train": 100}}, "seed": 7}
+    cfg = resolve_config(RLConfig, part, str(recipe), ["train.steps=6"])
+    assert cfg.train.steps == 6 and cfg.train.betas == (0.8, 0.9) and cfg.seed == 7  # overrides > config > recipe
+    assert cfg.data.generate.num_train == 100 and cfg.data.generate.num_digits == 4  # nested: key by key
+    assert cfg.train.lr == base.train.lr and cfg.model == base.model and cfg.name == "sort-tiny"  # the rest: recipe
+    with_form = public_tree(base) | {"name": "exp-7"}  # the run form sends the whole tree, one field changed
+    assert resolve_config(RLConfig, with_form, str(recipe), None) == base.model_copy(update={"name": "exp-7"})
+    assert resolve_config(RLConfig, None, str(recipe), None) == base
+    for bad, field in (("train.steps=5", "config: expected a mapping"), (3, "recipe: expected a recipe file"),
+                       ("train.steps=5", "overrides: expected a list")):
+        args = {"config": part, "recipe": str(recipe), "overrides": None}
+        args[field.split(":")[0]] = bad
+        with pytest.raises(RecipeError, match=field):
+            resolve_config(RLConfig, **args)
+    with pytest.raises(RecipeError, match="train.steps: Input should be a valid integer"):
+        resolve_config(RLConfig, {"train": {"steps": "many"}}, str(recipe), None)
 
 
 def fake_checkpoint(store: RunStore, step: int, model_dir: str, mlflow_run_id: str = "abc") -> str:
@@ -141,14 +167,16 @@ def test_evaluate_flow_on_a_store_checkpoint(tmp_path, tiny_model_dir):
     uri = fake_checkpoint(store, 4, tiny_model_dir, mlflow_run_id=training)
     metrics = evaluate(eval_config(tmp_path, f"file://{tmp_path}/runs/r"))
 
-    assert set(metrics) == {f"{d}/{k}" for d in ("sort3", "again") for k in
+    assert set(metrics) == {f"eval/{d}/{k}" for d in ("sort3", "again") for k in
                             ("accuracy", "reward_mean", "response_len_mean", "num_prompts", "pass_at_1", "pass_at_3")}
-    assert metrics["sort3/num_prompts"] == 6 and 0 < metrics["sort3/response_len_mean"] <= 4
-    assert metrics["sort3/pass_at_1"] == pytest.approx(metrics["sort3/accuracy"])  # pass@1 is the mean accuracy
+    assert metrics["eval/sort3/num_prompts"] == 6 and 0 < metrics["eval/sort3/response_len_mean"] <= 4
+    assert metrics["eval/sort3/pass_at_1"] == pytest.approx(metrics["eval/sort3/accuracy"])  # pass@1: mean accuracy
     exp = client.get_experiment_by_name("rlflow").experiment_id
     run = client.search_runs([exp], "tags.`rlflow.kind` = 'evaluation'")[0]
     assert run.data.tags["rlflow.training_run_id"] == training and run.data.tags["rlflow.checkpoint"] == uri
-    assert run.data.metrics["sort3.pass_at_3"] == pytest.approx(metrics["sort3/pass_at_3"])
+    # under the run's `eval` chart section in MLflow's UI, as it returns them
+    assert run.data.metrics["eval/sort3/pass_at_3"] == pytest.approx(metrics["eval/sort3/pass_at_3"])
+    assert run.data.tags["prefect.flow_run_id"] and len(run.data.tags["rlflow.recipe_hash"]) == 64
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"report.md", "recipe.json", "samples"}
     report = Path(client.download_artifacts(run.info.run_id, "report.md", str(tmp_path))).read_text()
     assert "| sort3 |" in report and "(step 4)" in report
@@ -305,7 +333,7 @@ def test_pipeline_names_its_stage_runs_after_the_run_and_step(tmp_path, tiny_mod
         else:
             exp = client.get_experiment_by_name("rlflow") or client.get_experiment(client.create_experiment("rlflow"))
             run = client.create_run(exp.experiment_id, tags={"prefect.flow_run_id": str(run_id)})
-            client.log_metric(run.info.run_id, "eval.accuracy", 0.5)
+            client.log_metric(run.info.run_id, "eval/eval/accuracy", 0.5)
         return SimpleNamespace(id=run_id, name=flow_run_name, state=Completed())
 
     monkeypatch.setattr(pipeline_flow, "run_deployment", run_deployment)
@@ -353,8 +381,48 @@ def test_register_logs_the_hf_export_and_gates_versions(tmp_path, tiny_model_dir
 
     versions = {v.version: v for v in client.search_model_versions("name = 'm'")}
     assert set(versions) == {1, 2} and versions[2].tags["rlflow.metric_value"] == "0.6"
-    local = Path(client.download_artifacts(eval_run, "model", str(tmp_path / "dl")))
-    assert sorted(p.name for p in local.iterdir()) == sorted(p.name for p in Path(tiny_model_dir).iterdir())
-    from transformers import AutoModelForCausalLM
+    # a version loads back through MLflow's own loaders (it has an MLmodel): a pipeline, and a pyfunc that generates
+    import mlflow
 
-    AutoModelForCausalLM.from_pretrained(local)  # the registered files load as they are
+    mlflow.set_tracking_uri(uri)
+    try:
+        pipe = mlflow.transformers.load_model("models:/m/2")
+        assert pipe.task == "text-generation" and pipe.model.num_parameters() > 0
+        out = mlflow.pyfunc.load_model("models:/m/1").predict(["S123="], params={"max_new_tokens": 3})
+        assert len(out) == 1 and out[0].startswith("S123=") and 5 < len(out[0]) <= 8  # char tokenizer: <= 3 chars
+        assert pipe.tokenizer.get_vocab() == load_tokenizer(tiny_model_dir).get_vocab()
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+def verl_source_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """A verl compute_score: full marks only when the row's own columns arrive with each sample."""
+    return float(data_source == "openai/gsm8k" and extra_info["index"] == int(ground_truth) - 1)
+
+
+def test_a_verl_parquet_file_trains_as_it_is(tmp_path, chat_model_dir):
+    """verl's rows (chat-message prompts, reward_model.ground_truth, data_source, extra_info) in the RL loop: the
+    messages reach the model through the chat template, and verl's compute_score gets each sample's columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlflow.engines.models.hf import encode_prompt
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "system", "content": "S"},
+                                                       {"role": "user", "content": f"{i}+1"}],
+             "reward_model": {"style": "rule", "ground_truth": str(i + 1)}, "extra_info": {"index": i}}
+            for i in range(8)]
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "train.parquet"))
+    cfg = config_from_dict(small_recipe(
+        tmp_path, model={"path": chat_model_dir}, cluster={"use_ray": False, "colocate": False},
+        data={"train_path": str(tmp_path / "train.parquet"), "eval_path": None, "generate": None},
+        reward={"fn": "tests.test_evaluation:verl_source_reward"}, debug={"mode": "rollout_only"}))
+    session = RLSession.create(cfg, chat_model_dir, use_ray=False)
+    try:
+        session.rollout(0)
+        assert session.reward(0)["rollout/reward_mean"] == 1.0
+        st = session._state(0)
+        first = st.rows[int(st.batch.group[0])]
+        assert st.batch.prompt_ids[0] == encode_prompt(session.tokenizer, first["messages"])
+    finally:
+        session.shutdown()

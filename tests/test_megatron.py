@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
@@ -21,7 +22,7 @@ from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.train.megatron.checkpoint import optimizer_state
 from rlflow.engines.train.megatron.hf_config import UnsupportedModel, spec_from_hf
-from rlflow.engines.train.megatron.microbatch import micro_batches, restore_width
+from rlflow.engines.train.megatron.microbatch import Micro, gather_rows, micro_batches, plan_micro_batches
 from rlflow.engines.train.megatron.weights import (
     hf_to_megatron_state,
     megatron_to_hf_state,
@@ -123,9 +124,23 @@ def test_micro_batches_keep_to_the_token_budget():
         assert rows <= 3 and (rows == 1 or rows * width <= 24)
         assert width == int(p["attention_mask"].sum(-1).max())  # cut to the group's longest row
     assert torch.equal(torch.cat([p["attention_mask"].sum(-1) for p in parts]), lengths)  # order kept
-    rebuilt = restore_width([p["input_ids"] for p in parts], batch["input_ids"].shape[1])
-    assert torch.equal(rebuilt * batch["attention_mask"], batch["input_ids"] * batch["attention_mask"])
+    padded = plan_micro_batches(batch, max_rows=3, max_tokens=24, packed=False)
+    rebuilt = gather_rows([(m.rows, m.batch["input_ids"]) for m in padded], 8, batch["input_ids"].shape[1])
+    assert torch.equal(rebuilt.long() * batch["attention_mask"], batch["input_ids"] * batch["attention_mask"])
     assert all(p["input_ids"].shape[1] % 4 == 0 for p in micro_batches(batch, 3, 0, multiple=4))
+
+
+def test_packed_micro_batches_keep_to_the_token_budget_and_cover_every_row():
+    batch = toy_batch(n=8)
+    lengths = batch["attention_mask"].sum(-1)
+    micro = plan_micro_batches(batch, max_rows=4, max_tokens=20, packed=True)
+    assert sorted(r for m in micro for r in m.rows) == list(range(8))
+    for m in micro:
+        assert len(m.rows) <= 4 and (len(m.rows) == 1 or len(m.packed.input_ids) <= 20)
+        assert len(m.packed.input_ids) == int(lengths[m.rows].sum())  # no padding in the stream
+        assert torch.equal(m.packed.unpack(m.packed.input_ids), m.batch["input_ids"] * m.batch["attention_mask"])
+    rebuilt = gather_rows([(m.rows, m.batch["input_ids"]) for m in micro], 8, batch["input_ids"].shape[1])
+    assert torch.equal(rebuilt.long() * batch["attention_mask"], batch["input_ids"] * batch["attention_mask"])
 
 
 # ----------------------------------------------------------------------------- megatron-core on CPU
@@ -164,9 +179,36 @@ def test_gptmodel_round_trip_and_logits_match_hf(hf_models, mcore, family):
     with torch.no_grad():
         hf_logits = ref(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         with backend_context(backend):
-            logits = backend._run(backend.model, batch)
+            logits = backend._run(backend.model, Micro(list(range(len(batch["input_ids"]))), batch))
     mask = batch["attention_mask"].bool()
     assert (logits[mask] - hf_logits[mask]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_and_packed_attention_match_megatrons_unfused(hf_models, mcore, family):
+    """The SDPA core attention (padded rows, and packed THD streams) computes what megatron's own
+    DotProductAttention computes, and the backend's logprobs agree across the three (fp32, CPU)."""
+    path = hf_models[family][0]
+    batch = toy_batch()
+    mask = batch["attention_mask"].bool()
+    results = {}
+    for attention, packing in (("unfused", False), ("sdpa", False), ("sdpa", True)):
+        backend = _backend(path, megatron=MegatronConfig(attention=attention, packing=packing,
+                                                         micro_batch_tokens=30))
+        core = backend.core.decoder.layers[0].self_attention.core_attention
+        assert type(core).__name__ == ("DotProductAttention" if attention == "unfused" else "SDPAttention")
+        results[attention, packing] = backend.forward_logprobs(batch)
+    ref = results["unfused", False]
+    for key, lp in results.items():
+        assert (lp - ref)[mask].abs().max() < 1e-5, key
+    assert (results["sdpa", True][~mask] == 0).all()  # packed: padding never ran
+
+
+def test_fused_attention_refuses_what_it_does_not_compute(hf_models, mcore):
+    with pytest.raises(ValueError, match="attention_dropout"):
+        _backend(hf_models["llama"][0], megatron=MegatronConfig(transformer={"attention_dropout": 0.1}))
+    with pytest.raises(ValidationError, match="megatron.packing: true needs megatron.attention: sdpa"):
+        MegatronConfig(attention="unfused", packing=True)
 
 
 def backend_context(backend):
@@ -175,20 +217,21 @@ def backend_context(backend):
     return device_context(backend.device)
 
 
-@pytest.mark.parametrize("algo, budget", [
-    (AlgorithmConfig(clip_high=0.28), 20),
+@pytest.mark.parametrize("algo, budget, packing", [
+    (AlgorithmConfig(clip_high=0.28), 20, True),
+    (AlgorithmConfig(clip_high=0.28), 20, False),  # padded micro-batches take the packed ones' step
     # per-token metrics (approx_kl, clip_frac) of a sequence-mean loss depend on the micro-batch grouping in
     # both backends, so this case groups rows as the torch backend does
-    (AlgorithmConfig(loss_agg="seq_mean_token_mean", kl_coef=0.1, entropy_coef=0.01), 0),
+    (AlgorithmConfig(loss_agg="seq_mean_token_mean", kl_coef=0.1, entropy_coef=0.01), 0, True),
     # token_sum: the micro-batches' sums add up unscaled (and so do the loss metrics), the token means still average
-    (AlgorithmConfig(loss_agg="token_sum", entropy_coef=0.01), 20),
+    (AlgorithmConfig(loss_agg="token_sum", entropy_coef=0.01), 20, True),
 ])
-def test_backend_matches_torch_backend(hf_models, mcore, algo, budget):
+def test_backend_matches_torch_backend(hf_models, mcore, algo, budget, packing):
     """Same logprobs, metrics and updates as TorchTrainBackend over 2 iterations x 2 mini-batches (micro-batches
     of at most 3 rows on both sides, and at most `budget` tokens on the Megatron side)."""
     path = hf_models["llama"][0]
     torch_be = TorchTrainBackend(path, train_config(), algo)
-    mega = _backend(path, train_config(), algo, MegatronConfig(micro_batch_tokens=budget))
+    mega = _backend(path, train_config(), algo, MegatronConfig(micro_batch_tokens=budget, packing=packing))
     batch = toy_batch()
     mask = batch["attention_mask"].bool()
     for _ in range(2):
@@ -200,6 +243,26 @@ def test_backend_matches_torch_backend(hf_models, mcore, algo, budget):
         for k in m_t:  # a loss near 0 sums per-token terms of ~0.1-1 that nearly cancel: its fp32 rounding in
             # two different kernels (packed vs Megatron's padded) is ~1e-6 absolute, whatever the loss's size
             assert m_m[k] == pytest.approx(m_t[k], rel=1e-4, abs=5e-6), k
+    assert_same_weights(dict(torch_be.named_tensors()), dict(mega.named_tensors()))
+
+
+def test_backend_matches_torch_backend_with_whole_batch_is_weights(hf_models, mcore):
+    """Sequence-level TIS with the session's whole-batch weights (is_weights) and the rollout engine's logprobs
+    in the batch: both backends pass them to rl_loss alike (same metrics and update)."""
+    path = hf_models["llama"][0]
+    algo = AlgorithmConfig(is_correction="tis", is_level="sequence", is_batch_normalize=True)
+    torch_be = TorchTrainBackend(path, train_config(), algo)
+    mega = _backend(path, train_config(), algo, MegatronConfig(micro_batch_tokens=20))
+    batch = toy_batch()
+    lp = torch_be.forward_logprobs(batch)
+    gen = torch.Generator().manual_seed(0)
+    weights = (0.5 + torch.rand(lp.shape, generator=gen)) * batch["loss_mask"]
+    step = {**batch, "old_logprobs": lp, "rollout_logprobs": lp + 0.05 * torch.randn(lp.shape, generator=gen),
+            "is_weights": weights}
+    m_t, m_m = global_metrics(torch_be.train_step(step)), global_metrics(mega.train_step(step))
+    assert set(m_t) == set(m_m) and "is_weight_mean" in m_t
+    for k in m_t:
+        assert m_m[k] == pytest.approx(m_t[k], rel=1e-4, abs=5e-6), k
     assert_same_weights(dict(torch_be.named_tensors()), dict(mega.named_tensors()))
 
 

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = {"flows": "rlflow.flows", "tasks": "rlflow.tasks", "engines": "rlflow.engines", "examples": "rlflow.examples"}
+FOLDERS = {"flows": "rlflow.flows", "tasks": "rlflow.tasks", "engines": "rlflow.engines", "examples": "rlflow.examples",
+           "deployments": "rlflow.deployments"}
 
 
 def test_every_package_folder_is_installed_under_rlflow() -> None:
@@ -38,3 +40,30 @@ def test_backends_import_without_ray_prefect_or_mlflow(tmp_path: Path) -> None:
             "import rlflow.engines.train.torch_backend, rlflow.engines.rollout.torch_backend")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_rlflow_init_from_a_plain_install(tmp_path: Path) -> None:
+    """A wheel (what a plain `pip install` unpacks) carries prefect.yaml and the recipes as rlflow.deployments, and
+    its `rlflow init` writes them into a project directory: nothing is read from a checkout."""
+    import shutil
+    import zipfile
+
+    src = tmp_path / "src"
+    for folder in FOLDERS:  # the sources a clean clone has, built outside the checkout (no build/ left in it)
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True)
+    wheel = next((tmp_path / "dist").glob("rlflow-*.whl"))
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")  # a pure-Python wheel's install is its unpacked files
+    project = tmp_path / "project"
+    project.mkdir()
+    code = "import rlflow.flows.cli as c, rlflow.deployments as d; print(d.__file__); c.main(['init'])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[0].startswith(str(tmp_path / "site"))  # the wheel's package, not the checkout
+    for name in ("prefect.yaml", "deployments/sort-tiny.yaml", "deployments/eval-sort-tiny.yaml",
+                 "deployments/pipeline-sort-tiny.yaml"):
+        assert (project / name).read_text() == (REPO / "deployments" / Path(name).name).read_text(), name

@@ -143,3 +143,30 @@ def test_compute_rewards_wraps_exceptions_and_checks_lengths() -> None:
         compute_rewards(fails, ["a"], ["1"], ["1"], {"scale": 1})
     with pytest.raises(ValueError, match="1 prompts, 2 responses and 1 labels differ"):
         compute_rewards(sort_reward, ["a"], ["1", "2"], ["1"], {})
+
+
+def verl_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """A reward written for verl (its default_compute_score signature), used unchanged."""
+    assert data_source == "gsm8k" and extra_info["split"] == "train"
+    return {"score": float(solution_str.strip() == ground_truth), "acc": 1.0}
+
+
+def test_verl_compute_score_gets_each_samples_columns():
+    metas = [{"data_source": "gsm8k", "extra_info": {"split": "train", "index": i}} for i in range(2)]
+    assert compute_rewards(verl_compute_score, ["p", "q"], ["3", "5"], ["3", "4"], {}, metas) == [1.0, 0.0]
+    with pytest.raises(RewardError, match=r'returned a dict without "score" at index 0'):
+        compute_rewards(lambda data_source, solution_str, ground_truth: {"s": 1}, ["p"], ["3"], ["3"], {}, metas[:1])
+
+
+def test_extra_columns_reach_a_batch_reward():
+    def named(prompts, responses, labels, difficulty):
+        return [float(d) for d in difficulty]
+
+    def any_kw(prompts, responses, labels, **kw):
+        return [float(len(kw["tags"][i])) for i in range(len(prompts))]
+
+    metas = [{"difficulty": 2, "tags": ["a"]}, {"difficulty": 3, "tags": ["a", "b"]}]
+    assert compute_rewards(named, ["p", "q"], ["", ""], ["", ""], {}, metas) == [2.0, 3.0]  # only what it names
+    assert compute_rewards(any_kw, ["p", "q"], ["", ""], ["", ""], {}, metas) == [1.0, 2.0]
+    with pytest.raises(RewardError, match=r"reward.kwargs: \['difficulty'\] are also data columns"):
+        compute_rewards(named, ["p", "q"], ["", ""], ["", ""], {"difficulty": 1}, metas)

@@ -104,7 +104,7 @@ def test_sft_flow_learns_tracks_and_resumes(tmp_path):
     client = MlflowClient(cfg.tracking.uri)
     runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # one MLflow run, continued
-    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "train.loss")] == list(range(14))
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")] == list(range(14))
     mlflow.set_tracking_uri(None)
 
 

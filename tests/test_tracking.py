@@ -1,80 +1,75 @@
-"""MLflow tracking across kills and resumes: a step's metrics are stored when logged, and each step is logged once."""
+"""MLflow conventions of a run: chart sections by metric prefix, the classic ML experiment view, provenance tags."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
-import textwrap
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlflow.tasks.tracking import Tracker
+from rlflow.tasks.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, Tracker, recipe_hash
 
 
-def _history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
-    return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))
+@pytest.fixture
+def uri(tmp_path) -> str:
+    return f"sqlite:///{tmp_path}/mlflow.db"
 
 
-def test_metrics_are_stored_when_log_metrics_returns(tmp_path):
-    """A process killed right after logging a step (os._exit: no atexit flush) keeps that step's metrics."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    code = textwrap.dedent(f"""
-        import os
-        from rlflow.tasks.tracking import Tracker
-        t = Tracker({uri!r}, "e", "r")
-        print(t.run_id, flush=True)
-        t.log_metrics({{"train/loss": 0.5, "rollout/reward_mean": 0.25}}, step=7)
-        os._exit(0)
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    run_id = out.stdout.split()[0]
-    assert _history(uri, run_id, "train.loss") == [(7, 0.5)]
-    assert _history(uri, run_id, "rollout.reward_mean") == [(7, 0.25)]
+def test_metric_names_keep_their_stage_prefix(uri):
+    """MLflow's UI makes a chart section of each prefix before the first `/`: a `.` would put every metric in one."""
+    tracker = Tracker(uri, "exp", "run", {"a": 1})
+    tracker.log_metrics({"rollout/reward_mean": 0.5, "train/loss": 1.0, "eval/sort/accuracy": 0.25}, step=3)
+    tracker.finish()
+    logged = MlflowClient(uri).get_run(tracker.run_id).data.metrics
+    assert logged == {"rollout/reward_mean": 0.5, "train/loss": 1.0, "eval/sort/accuracy": 0.25}
 
 
-def test_a_resumed_run_logs_each_step_once(tmp_path):
-    """Steps 3 and 4 ran, then the process died; the run resumes from the checkpoint at step 2 and reruns them:
-    MLflow keeps one point per step (it cannot delete the first); the new step 5, and keys new at a rerun step,
-    are logged."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    first = Tracker(uri, "e", "r")
-    for step in range(5):
-        first.log_metrics({"train/loss": 1.0 / (step + 1)}, step)
-    resumed = Tracker(uri, "e", "r", run_id=first.run_id)
-    resumed.resume_after(2)
-    for step in range(3, 6):
-        resumed.log_metrics({"train/loss": 1.0 / (step + 1), "time/checkpoint": 0.1}, step)
-    assert _history(uri, first.run_id, "train.loss") == [(s, 1.0 / (s + 1)) for s in range(6)]
-    assert [s for s, _ in _history(uri, first.run_id, "time.checkpoint")] == [3, 4, 5]
+def test_experiment_opens_in_the_classic_ml_view(uri):
+    client = MlflowClient(uri)
+    Tracker(uri, "new", "run").finish()
+    assert client.get_experiment_by_name("new").tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+
+    old = client.create_experiment("made-before")  # e.g. by an earlier rlflow: gets the tag
+    Tracker(uri, "made-before", "run").finish()
+    assert client.get_experiment(old).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+
+    client.create_experiment("chosen", tags={EXPERIMENT_KIND_TAG: "genai_development"})  # a user's choice stays
+    Tracker(uri, "chosen", "run").finish()
+    assert client.get_experiment_by_name("chosen").tags[EXPERIMENT_KIND_TAG] == "genai_development"
 
 
-@pytest.mark.slow  # ~30 s; in CI, test_resume.py's trials check the same (each step once) through real kills
-def test_a_flow_retry_logs_each_step_once(tmp_path, monkeypatch):
-    """The first attempt logs steps 0-2 and fails in step 3; its retry resumes from the checkpoint at step 1 and
-    reruns step 2: the MLflow run has every metric once per step, timings included."""
-    from rlflow.engines.core.config import config_from_dict
-    from rlflow.engines.store.run_store import RunStore
-    from rlflow.flows.post_train import post_train
-    from tests.conftest import small_recipe
+def test_runs_are_tagged_with_where_they_came_from(uri, tmp_path, monkeypatch):
+    repo = tmp_path / "project"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    monkeypatch.chdir(repo)
+    # Prefect's runtime reads these when set (as in a deployment's flow run)
+    monkeypatch.setenv("PREFECT__RUNTIME__FLOW_RUN__ID", "0b3c")
+    monkeypatch.setenv("PREFECT__RUNTIME__FLOW_RUN__UI_URL", "http://127.0.0.1:4200/runs/flow-run/0b3c")
+    monkeypatch.setenv("PREFECT__RUNTIME__FLOW_RUN__FLOW_NAME", "post-train")
+    monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__NAME", "sort-tiny")
+    recipe = {"name": "r", "train": {"lr": 1e-3}}
+    tracker = Tracker(uri, "exp", "run", recipe, {"rlflow.run": "r"})
+    tags = MlflowClient(uri).get_run(tracker.run_id).data.tags
+    assert tags["mlflow.source.git.commit"] == head
+    assert tags["prefect.flow_run_id"] == "0b3c"
+    assert tags["prefect.flow_run_url"] == "http://127.0.0.1:4200/runs/flow-run/0b3c"
+    assert tags["prefect.deployment"] == "post-train/sort-tiny"
+    assert tags["rlflow.recipe_hash"] == recipe_hash(recipe) != recipe_hash({"name": "r", "train": {"lr": 2e-3}})
+    assert tags["rlflow.run"] == "r"
 
-    raw = small_recipe(
-        tmp_path,
-        cluster={"use_ray": False},
-        train={"steps": 4, "threads": 1},
-        eval={"every": 0},
-        checkpoint={"every": 2},
-        rollout={"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 1},
-    )
-    cfg = config_from_dict(raw)
-    monkeypatch.setenv("RLFLOW_FAULT", "train:3:before:raise")
-    post_train.with_options(retries=1, retry_delay_seconds=0)(cfg)
-    run_id = RunStore(cfg.storage, cfg.name).read_json("status.json")["mlflow_run_id"]
-    client = MlflowClient(cfg.tracking.uri)
-    keys = client.get_run(run_id).data.metrics
-    assert "train.loss" in keys and "time.checkpoint" in keys
-    for key in keys:
-        steps = sorted(m.step for m in client.get_metric_history(run_id, key))
-        assert steps == sorted(set(steps)), f"{key}: {steps}"
-    assert [s for s, _ in _history(cfg.tracking.uri, run_id, "train.loss")] == [0, 1, 2, 3]
+    # resumed by another flow run: the run's tags name the latest one
+    monkeypatch.setenv("PREFECT__RUNTIME__FLOW_RUN__ID", "9f1d")
+    Tracker(uri, "exp", "run", recipe, run_id=tracker.run_id).finish()
+    assert MlflowClient(uri).get_run(tracker.run_id).data.tags["prefect.flow_run_id"] == "9f1d"
+
+
+def test_no_prefect_tags_outside_a_flow_run(uri, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not a git checkout either
+    tracker = Tracker(uri, "exp", "run", {"a": 1})
+    tags = MlflowClient(uri).get_run(tracker.run_id).data.tags
+    assert not any(k.startswith("prefect.") for k in tags) and "mlflow.source.git.commit" not in tags
+    assert tags["rlflow.recipe_hash"] == recipe_hash({"a": 1})

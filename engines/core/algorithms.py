@@ -7,6 +7,8 @@ Nothing here holds state or does I/O, so each function is tested against numbers
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum", "seq_mean_token_sum")
@@ -18,6 +20,8 @@ GSPO_SEQ_LOG_RATIO_MAX = 10.0  # GSPO's sequence log-ratio is clamped above at t
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov")
 IS_CORRECTIONS = ("none", "tis", "icepop")
+IS_LEVELS = ("token", "sequence")
+REJECTIONS = ("none", "token", "sequence", "geometric")
 
 
 # ----------------------------------------------------------------------------- logits -> per-token quantities
@@ -48,15 +52,18 @@ def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- advantages
 #
-# Sequence-level estimators take rewards [N] laid out group by group (N = num_groups * group_size, consecutive
-# samples share a prompt) and return one advantage per sample [N]; the loss broadcasts it over the response.
+# Sequence-level estimators take rewards [N] and the samples' groups, and return one advantage per sample [N]; the
+# loss broadcasts it over the response. `groups` is either group ids [N] (any ints: groups may differ in size and
+# their samples need not be consecutive) or an int G, shorthand for consecutive groups of G (ids arange(N) // G).
 # Token-level ones (REINFORCE++, GAE) take per-token rewards [B, T] and a mask and return [B, T].
-# Every estimator returns float32, and exactly 0 (never NaN, never a rounding error) where there is no signal.
+# Every estimator returns float32, and exactly 0 (never NaN, never a rounding error) where there is no signal:
+# a group whose rewards are all equal, and a group of one sample (nothing to compare it with).
+
+Groups = int | torch.Tensor
 
 
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
-) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, groups: Groups, normalize_std: bool = True, eps: float = 1e-6
+                     ) -> torch.Tensor:
     """Advantage of each sample relative to the other samples of its prompt (no value model).
 
     GRPO (normalize_std=True): (r - group mean) / (group std + eps), with the unbiased sample std (correction=1,
@@ -64,30 +71,129 @@ def group_advantages(
     over-weights groups that are almost all right or all wrong.
     A group whose rewards are all equal carries no signal and gets exactly 0.
     """
-    r = _groups(rewards, group_size, "group_advantages")
-    adv = r - r.mean(dim=1, keepdim=True)
-    if normalize_std and group_size > 1:
-        adv = adv / (r.std(dim=1, keepdim=True) + eps)
-    return _zero_equal_groups(adv, r).reshape(-1)
+    g = _group_stats(rewards, groups, "group_advantages")
+    adv = g.r - g.mean[g.idx]
+    if normalize_std:
+        adv = adv / (g.std[g.idx] + eps)
+    return g.zero_flat(adv)
 
 
-def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """RLOO: r_i minus the mean reward of the *other* samples of its prompt, = G / (G - 1) * (r_i - group mean).
+def rloo_advantages(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """RLOO: r_i minus the mean reward of the *other* samples of its prompt, = n / (n - 1) * (r_i - group mean)
+    for a group of n.
 
     The baseline does not depend on the sample it is subtracted from, so the policy gradient stays unbiased
-    (GRPO's own-group mean includes r_i and shrinks every advantage by (G - 1) / G). A group of one has no other
+    (GRPO's own-group mean includes r_i and shrinks every advantage by (n - 1) / n). A group of one has no other
     sample to compare with and gets 0, like an all-equal group.
     """
-    r = _groups(rewards, group_size, "rloo_advantages")
-    if group_size == 1:
-        return torch.zeros_like(r).reshape(-1)
-    loo_mean = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
-    return _zero_equal_groups(r - loo_mean, r).reshape(-1)
+    g = _group_stats(rewards, groups, "rloo_advantages")
+    n = g.count[g.idx]
+    loo_mean = (g.sum[g.idx] - g.r) / (n - 1).clamp(min=1)
+    return g.zero_flat(g.r - loo_mean)
 
 
-def reinforce_pp_baseline_advantages(
-    rewards: torch.Tensor, group_size: int, mask: torch.Tensor, eps: float = 1e-6
-) -> torch.Tensor:
+def opo_advantages(rewards: torch.Tensor, groups: Groups, lengths: torch.Tensor) -> torch.Tensor:
+    """OPO (Hao et al. 2025, "On-Policy RL with Optimal reward baseline"): r_i - b with the length-weighted group
+    mean b = sum_j(len_j * r_j) / sum_j(len_j) over the prompt's samples.
+
+    With the policy held exactly on-policy, the gradient variance is smallest for a baseline weighted by each
+    sample's squared gradient norm, which grows with its length: OPO takes the length as that weight. `lengths`
+    [N] are the samples' trained-on response tokens. No std division. A group whose responses are all empty
+    falls back to the plain mean.
+    """
+    g = _group_stats(rewards, groups, "opo_advantages")
+    lengths = lengths.float().reshape(-1)
+    if lengths.shape != g.r.shape:
+        raise ValueError(f"opo_advantages: lengths has shape {tuple(lengths.shape)}; expected ({g.r.numel()},)")
+    len_sum = torch.zeros_like(g.sum).index_add_(0, g.idx, lengths)
+    weighted = torch.zeros_like(g.sum).index_add_(0, g.idx, lengths * g.r)
+    baseline = torch.where(len_sum > 0, weighted / len_sum.clamp(min=1e-12), g.mean)
+    return g.zero_flat(g.r - baseline[g.idx])
+
+
+def grpo_passk_advantages(rewards: torch.Tensor, groups: Groups, normalize_std: bool = True, eps: float = 1e-6
+                          ) -> torch.Tensor:
+    """GRPO for pass@k (verl's grpo_passk, after arXiv 2503.19595): in each group only the best sample gets an
+    advantage, r_max - r_second_max (divided by the group's unbiased reward std + eps with normalize_std); every
+    other sample gets 0.
+
+    pass@n of a group counts only its best response, so only that response is reinforced, by its margin over
+    the runner-up: the policy is pushed to make at least one of its n samples good instead of all of them
+    (more exploration than GRPO). A tie for the best (all-equal groups included) gives 0 to all. The first
+    best in batch order is the one rewarded.
+    """
+    g = _group_stats(rewards, groups, "grpo_passk_advantages")
+    order = torch.argsort(g.r, descending=True, stable=True)
+    order = order[torch.argsort(g.idx[order], stable=True)]  # group by group, best first within each
+    first = torch.ones_like(order, dtype=torch.bool)
+    first[1:] = g.idx[order][1:] != g.idx[order][:-1]
+    best = order[first]  # one per group, in group order
+    second = torch.full_like(g.sum, float("nan"))
+    runner = torch.zeros_like(first)
+    runner[1:] = first[:-1] & ~first[1:]  # the sample right after a group's best, when the group has one
+    second[g.idx[order][runner]] = g.r[order][runner]
+    margin = torch.nan_to_num(g.r[best] - second[g.idx[best]], nan=0.0)
+    if normalize_std:
+        margin = margin / (g.std[g.idx[best]] + eps)
+    adv = torch.zeros_like(g.r)
+    adv[best] = margin
+    return g.zero_flat(adv)
+
+
+def passk_advantages(rewards: torch.Tensor, groups: Groups, k: int, threshold: float = 1.0) -> torch.Tensor:
+    """Pass@k training with analytic advantages (Chen et al. 2025, "Pass@k Training for Adaptively Balancing
+    Exploration and Exploitation of Large Reasoning Models", arXiv:2508.10751): the group's reward is pass@k, the
+    chance that k of its n samples drawn without replacement hold a correct one, and each sample gets its
+    expected advantage under that reward.
+
+    A sample is correct when its reward >= threshold; with n_neg wrong samples in a group of n:
+    mean = 1 - C(n_neg, k) / C(n, k), std = sqrt(mean (1 - mean)),
+    A_correct = (1 - mean) / std, A_wrong = (1 - mean - C(n_neg - 1, k - 1) / C(n - 1, k - 1)) / std.
+    k = 1 is GRPO on 0/1 rewards (with the population std). A group whose pass@k is 0 or 1 (all wrong, or
+    fewer than k wrong) gets 0. Every group must hold at least k samples.
+    """
+    g = _group_stats(rewards, groups, "passk_advantages")
+    if k < 1:
+        raise ValueError(f"passk_advantages: k must be >= 1, got {k}")
+    wrong = g.r < threshold
+    n_wrong = torch.zeros_like(g.count).index_add_(0, g.idx, wrong.float())
+    a_pos = torch.zeros_like(g.count)
+    a_neg = torch.zeros_like(g.count)
+    for i, (n, neg) in enumerate(zip(g.count.int().tolist(), n_wrong.int().tolist(), strict=True)):
+        if n < k:
+            raise ValueError(f"passk_advantages: a group of {n} samples is smaller than k = {k}")
+        mean = 1.0 - math.comb(neg, k) / math.comb(n, k)
+        if mean in (0.0, 1.0):
+            continue
+        std = math.sqrt(mean * (1.0 - mean))
+        a_pos[i] = (1.0 - mean) / std
+        a_neg[i] = (1.0 - mean - (math.comb(neg - 1, k - 1) / math.comb(n - 1, k - 1) if neg else 0.0)) / std
+    return torch.where(wrong, a_neg[g.idx], a_pos[g.idx])
+
+
+def remax_advantages(rewards: torch.Tensor, groups: Groups, baseline: torch.Tensor) -> torch.Tensor:
+    """ReMax (Li et al. 2023, arXiv:2310.10505): r - r_greedy, the reward of the group's greedy response as the
+    baseline of the group's sampled responses; the greedy sample itself (baseline [N] true) gets 0.
+
+    The greedy response is what the policy would answer without exploration, so a sample beats the baseline
+    when sampling found something better than the policy's own mode. Needs no value model, and one sample per
+    prompt already has a baseline. Every group must hold exactly one baseline sample.
+    """
+    g = _group_stats(rewards, groups, "remax_advantages")
+    base = torch.as_tensor(baseline, device=g.r.device).bool().reshape(-1)
+    if base.shape != g.r.shape:
+        raise ValueError(f"remax_advantages: baseline has shape {tuple(base.shape)}; expected ({g.r.numel()},)")
+    per_group = torch.zeros_like(g.count).index_add_(0, g.idx[base], torch.ones_like(g.r[base]))
+    if (per_group != 1).any():
+        raise ValueError(f"remax_advantages: every group needs exactly one baseline (greedy) sample; "
+                         f"found {per_group.int().tolist()} per group")
+    b = torch.zeros_like(g.count)
+    b[g.idx[base]] = g.r[base]
+    return torch.where(base, 0.0, g.r - b[g.idx])
+
+
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, groups: Groups, mask: torch.Tensor, eps: float = 1e-6
+                                     ) -> torch.Tensor:
     """REINFORCE++-baseline as verl and OpenRLHF compute it: r - group mean, broadcast over the response tokens,
     then whitened (token-weighted mean and std) over every response token of the batch [B, T].
 
@@ -96,20 +202,26 @@ def reinforce_pp_baseline_advantages(
     weights each sample by its length, and subtracts the token mean, so with ragged lengths a sample's sign can
     differ from its centred reward's. `reinforce_pp_baseline_seq_advantages` is the per-sample variant.
     """
-    r = _groups(rewards, group_size, "reinforce_pp_baseline_advantages")
-    centered = _zero_equal_groups(r - r.mean(dim=1, keepdim=True), r).reshape(-1)
+    g = _group_stats(rewards, groups, "reinforce_pp_baseline_advantages")
+    centered = g.zero_flat(g.r - g.mean[g.idx])
     return masked_whiten(_per_token(centered, mask.float()), mask, eps)
 
 
-def reinforce_pp_baseline_seq_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+def reinforce_pp_baseline_seq_advantages(rewards: torch.Tensor, groups: Groups, eps: float = 1e-6) -> torch.Tensor:
     """REINFORCE++-baseline over samples [N]: r - group mean, divided by the std of those centred values over
     the batch's samples (each sample once, unbiased; no mean subtracted). All-equal groups are exactly 0 and an
     all-zero batch stays 0. Unlike the token-whitened form, a sample's length does not change its advantage."""
-    r = _groups(rewards, group_size, "reinforce_pp_baseline_seq_advantages")
-    centered = _zero_equal_groups(r - r.mean(dim=1, keepdim=True), r).reshape(-1)
+    g = _group_stats(rewards, groups, "reinforce_pp_baseline_seq_advantages")
+    centered = g.zero_flat(g.r - g.mean[g.idx])
     if centered.numel() < 2 or not centered.any():
         return centered
     return centered / (centered.std() + eps)
+
+
+def equal_reward_groups(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """bool [number of groups]: which groups' rewards are all equal (no group-relative signal), groups in the
+    order of their sorted ids."""
+    return _group_stats(rewards, groups, "equal_reward_groups").flat
 
 
 def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -137,6 +249,19 @@ def kl_reward_penalty(
     """
     kl = kl_penalty(logprobs.detach().float(), ref_logprobs.float(), estimator)
     return _masked(kl_coef * kl, mask).detach()
+
+
+def adaptive_kl_coef(kl_coef: float, current_kl: float, target: float, horizon: int, n_steps: int) -> float:
+    """The next KL coefficient of PPO's adaptive KL controller (Ziegler et al. 2019, as verl's AdaptiveKLController).
+
+    error = clip(current_kl / target - 1, -0.2, 0.2) and kl_coef * (1 + error * n_steps / horizon): the
+    coefficient grows while the measured KL is above the target and shrinks below it, by at most 20% per
+    `horizon` samples. n_steps is the samples the KL was measured on (the step's batch size).
+    """
+    if target <= 0 or horizon <= 0:
+        raise ValueError(f"adaptive_kl_coef: target ({target}) and horizon ({horizon}) must be > 0")
+    error = min(max(current_kl / target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * n_steps / horizon)
 
 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
@@ -346,6 +471,8 @@ def importance_weights(
     tis_cap: float = 2.0,
     icepop_low: float = 0.5,
     icepop_high: float = 5.0,
+    level: str = "token",
+    batch_normalize: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token weights [B, T] correcting for the rollout engine sampling from a slightly different policy.
 
@@ -356,32 +483,106 @@ def importance_weights(
       tis:    min(ratio, tis_cap), truncated importance sampling: corrects the bias, bounds the variance.
       icepop: ratio inside [icepop_low, icepop_high], 0 outside: tokens on which the engines disagree too much
               are dropped from the gradient altogether (IcePop's two-sided mask).
-    Metrics (masked token means): is_weight_mean, is_ratio_mean (raw ratio), mismatch_kl (k3 estimate of
-    KL(rollout || train)), plus is_clip_frac (tis: share truncated) or is_mask_frac (icepop: share dropped).
+    level "token" takes each token's own ratio; "sequence" the sequence's, exp(sum of its tokens' log-ratios)
+    (clamped to +-LOG_RATIO_CLAMP), truncated or masked as a whole and given to every token of the sequence:
+    unbiased for the sequence's likelihood, at a higher variance (verl's rollout_is: sequence).
+    batch_normalize divides the weights by their mean over the batch (over tokens at token level, over
+    non-empty sequences at sequence level), so they average 1 and only re-weight (verl's
+    rollout_is_batch_normalize); a batch whose weights are all 0 stays 0. Normalise over the whole step's batch,
+    not a micro-batch, or the result depends on how the batch was split.
+    Metrics (masked token means): is_weight_mean, is_ratio_mean (raw token ratio), mismatch_kl (k3 estimate of
+    KL(rollout || train)), plus is_clip_frac (tis: share truncated) or is_mask_frac (icepop: share dropped), at
+    the chosen level, counted over tokens.
     A token whose rollout logprob is not finite (an engine that returned none for it) gets ratio 1.
     """
     if mode not in IS_CORRECTIONS:
         raise ValueError(f"importance_weights: unknown mode {mode!r}; expected one of {', '.join(IS_CORRECTIONS)}")
+    if level not in IS_LEVELS:
+        raise ValueError(f"importance_weights: unknown level {level!r}; expected one of {', '.join(IS_LEVELS)}")
     valid = mask > 0
     log_ratio, _ = _log_ratio(train_logprobs.detach(), rollout_logprobs, valid)  # unknown: ratio 1
     ratio = log_ratio.exp()
+    level_ratio = ratio
+    if level == "sequence":
+        level_ratio = _per_token(_seq_log_ratio(log_ratio, valid).exp(), ratio)
     metrics: dict[str, torch.Tensor] = {}
     if mode == "tis":
-        weights = ratio.clamp(max=tis_cap)
-        metrics["is_clip_frac"] = masked_mean((ratio > tis_cap).float(), mask)
+        weights = level_ratio.clamp(max=tis_cap)
+        metrics["is_clip_frac"] = masked_mean((level_ratio > tis_cap).float(), mask)
     elif mode == "icepop":
-        inside = (ratio >= icepop_low) & (ratio <= icepop_high)
-        weights = torch.where(inside, ratio, 0.0)
+        inside = (level_ratio >= icepop_low) & (level_ratio <= icepop_high)
+        weights = torch.where(inside, level_ratio, 0.0)
         metrics["is_mask_frac"] = masked_mean((~inside).float(), mask)
     else:
         weights = torch.ones_like(ratio)
     weights = torch.where(valid, weights, 0.0)
+    if batch_normalize and mode != "none":
+        if level == "sequence":
+            rows = valid.any(-1)
+            first = valid.int().argmax(-1)  # every token of a row has its weight: take one
+            seq_w = weights.gather(-1, first.unsqueeze(-1)).squeeze(-1)
+            mean = seq_w[rows].sum() / rows.sum().clamp(min=1)
+        else:
+            mean = masked_mean(weights, mask)
+        if mean > 0:
+            weights = weights / mean
     metrics |= {
         "is_weight_mean": masked_mean(weights, mask),
         "is_ratio_mean": masked_mean(ratio, mask),
         "mismatch_kl": masked_mean(ratio - log_ratio - 1, mask),
     }
     return weights, metrics
+
+
+def rejection_mask(
+    train_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    level: str,
+    low: float,
+    high: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Which response tokens to keep [B, T] (float 0/1, 0 off the mask) when tokens or whole sequences whose
+    train/rollout ratio leaves [low, high] are rejected: rejection sampling against the rollout/train mismatch.
+
+    Unlike an IcePop weight of 0, a rejected token leaves the loss mask itself (multiply the loss mask by the
+    result before the loss), so it is not in any denominator either, as verl's rollout_rs removes it from the
+    response mask.
+      none:      keep every token.
+      token:     drop the tokens whose ratio p_train / p_rollout is outside the bounds.
+      sequence:  drop a whole sequence when its ratio exp(sum of log-ratios) is outside (verl's seq_sum_k1).
+      geometric: drop a whole sequence when its per-token geometric mean ratio exp(mean log-ratio) is outside
+                 (verl's seq_mean_k1): length-normalised, so long sequences are not rejected for their length.
+    A token whose rollout logprob is not finite counts as ratio 1. Metrics: reject_token_frac (share of response
+    tokens dropped) and reject_seq_frac (share of non-empty sequences that lost at least one token).
+    """
+    if level not in REJECTIONS:
+        raise ValueError(f"rejection_mask: unknown level {level!r}; expected one of {', '.join(REJECTIONS)}")
+    valid = mask > 0
+    log_ratio, _ = _log_ratio(train_logprobs.detach(), rollout_logprobs, valid)
+    if level == "token":
+        stat = log_ratio.exp()
+    elif level == "sequence":
+        stat = _per_token(_seq_log_ratio(log_ratio, valid).exp(), log_ratio)
+    elif level == "geometric":
+        mean_log_ratio = torch.where(valid, log_ratio, 0.0).sum(-1) / valid.sum(-1).clamp(min=1)
+        stat = _per_token(mean_log_ratio.exp(), log_ratio)
+    else:
+        stat = torch.ones_like(log_ratio)
+    keep = valid & (stat >= low) & (stat <= high)
+    rows = valid.any(-1)
+    dropped_rows = (valid & ~keep).any(-1)
+    metrics = {
+        "reject_token_frac": masked_mean((valid & ~keep).float(), mask),
+        "reject_seq_frac": dropped_rows[rows].float().sum() / rows.sum().clamp(min=1),
+    }
+    return keep.float(), metrics
+
+
+def _seq_log_ratio(log_ratio: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Each sequence's log-ratio [B]: the sum of its tokens' (already 0 off the mask), clamped so exp() stays
+    finite."""
+    return torch.where(valid, log_ratio, 0.0).sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 # ----------------------------------------------------------------------------- losses
@@ -714,6 +915,8 @@ def rl_loss(
     tis_cap: float = 2.0,
     icepop_low: float = 0.5,
     icepop_high: float = 5.0,
+    is_level: str = "token",
+    is_weights: torch.Tensor | None = None,
     sapo_tau_pos: float = 1.0,
     sapo_tau_neg: float = 1.05,
     clip_cov_ratio: float = 2e-4,
@@ -735,16 +938,21 @@ def rl_loss(
     against, and `rollout_logprobs` the behaviour policy that sampled the tokens. Without correction a backend
     passes the rollout engine's logprobs as old_logprobs and no rollout_logprobs. With is_correction "tis" or
     "icepop" it passes its own recomputed logprobs of the pre-update weights as old_logprobs and the rollout
-    engine's as rollout_logprobs; importance_weights(old, rollout) then multiply the policy loss only (the KL and
-    entropy terms are not about the sampled actions' returns). Given rollout_logprobs with "none", the mismatch
-    is measured and not corrected.
+    engine's as rollout_logprobs; importance_weights(old, rollout) at is_level then multiply the policy loss only
+    (the KL and entropy terms are not about the sampled actions' returns). Given rollout_logprobs with "none",
+    the mismatch is measured and not corrected. `is_weights` [B, T], weights already computed over the whole
+    step's batch (the session does, for batch normalisation), replace the ones computed here; the measurements
+    are still taken from rollout_logprobs.
     Metrics: those of the policy loss, of importance_weights (when rollout_logprobs are given), pg_loss,
     kl (when computed), entropy (when given), loss.
     """
     weights, is_metrics = None, {}
     if rollout_logprobs is not None:
         weights, is_metrics = importance_weights(old_logprobs, rollout_logprobs, mask, is_correction,
-                                                 tis_cap, icepop_low, icepop_high)
+                                                 tis_cap, icepop_low, icepop_high, level=is_level)
+        if is_weights is not None:
+            weights = torch.where(mask > 0, is_weights.detach().to(weights.dtype), 0.0)
+            is_metrics["is_weight_mean"] = masked_mean(weights, mask)
         if is_correction == "none":
             weights = None
     elif is_correction != "none":
@@ -891,19 +1099,43 @@ def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return advantages.unsqueeze(-1).expand_as(like) if advantages.dim() == 1 else advantages
 
 
-def _groups(rewards: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
-    n = rewards.numel()
-    if group_size < 1 or n % group_size:
-        raise ValueError(
-            f"{name}: {n} rewards do not split into groups of {group_size}; "
-            "N must be num_groups * group_size, laid out group by group"
-        )
-    return rewards.float().reshape(-1, group_size)
+class _GroupStats:
+    """Per-group sums, counts, means, unbiased stds [G] of rewards [N], and each sample's group index idx [N]
+    (0..G-1, groups ordered by id). A group of one has std 0 and counts as all-equal (`flat`)."""
+
+    def __init__(self, r: torch.Tensor, idx: torch.Tensor, num: int):
+        self.r, self.idx = r, idx
+        self.count = torch.zeros(num, dtype=r.dtype, device=r.device).index_add_(0, idx, torch.ones_like(r))
+        self.sum = torch.zeros_like(self.count).index_add_(0, idx, r)
+        self.mean = self.sum / self.count.clamp(min=1)
+        sq = torch.zeros_like(self.count).index_add_(0, idx, (r - self.mean[idx]).pow(2))
+        self.std = (sq / (self.count - 1).clamp(min=1)).sqrt()
+        lo = torch.full_like(self.count, torch.inf).scatter_reduce(0, idx, r, "amin")
+        hi = torch.full_like(self.count, -torch.inf).scatter_reduce(0, idx, r, "amax")
+        self.flat = lo == hi
+
+    def zero_flat(self, adv: torch.Tensor) -> torch.Tensor:
+        """Exactly 0 for samples of all-equal groups (r - mean can be a rounding error, not 0)."""
+        return adv.masked_fill(self.flat[self.idx], 0.0)
 
 
-def _zero_equal_groups(adv: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """Exactly 0 for groups whose rewards are all equal (r - mean can be a rounding error, not 0)."""
-    return adv.masked_fill((r == r[:, :1]).all(dim=1, keepdim=True), 0.0)
+def _group_stats(rewards: torch.Tensor, groups: Groups, name: str) -> _GroupStats:
+    r = rewards.float().reshape(-1)
+    n = r.numel()
+    if isinstance(groups, int):
+        if groups < 1 or n % groups:
+            raise ValueError(
+                f"{name}: {n} rewards do not split into groups of {groups}; "
+                "N must be num_groups * group_size, laid out group by group (or pass group ids)"
+            )
+        idx = torch.arange(n, device=r.device) // groups
+        return _GroupStats(r, idx, n // groups)
+    ids = torch.as_tensor(groups, device=r.device)
+    if ids.shape != (n,) or ids.is_floating_point():
+        raise ValueError(f"{name}: group ids must be integers of shape ({n},), one per reward; "
+                         f"got {ids.dtype} of shape {tuple(ids.shape)}")
+    uniq, idx = torch.unique(ids, return_inverse=True)
+    return _GroupStats(r, idx, uniq.numel())
 
 
 def _check_mode(mode: str) -> None:

@@ -38,6 +38,7 @@ ROLLOUT_SCHEMA = pa.schema([
     ("stopped", pa.bool_()),  # finished by a stop condition, not by length or abort
     ("weight_version", pa.int64()),  # weights that generated it; -1: not known
     ("carried", pa.bool_()),  # dynamic sampling: the group was carried over from an earlier step
+    ("baseline", pa.bool_()),  # ReMax: the group's greedy sample, rewarded as its baseline, never trained on
     ("response", pa.string()),  # the text the reward saw
     ("reward", pa.float64()),
 ])
@@ -85,6 +86,7 @@ class RolloutBatch:
     stopped: np.ndarray  # bool [N]
     weight_version: np.ndarray  # int64 [N], -1 where not known
     carried: np.ndarray  # bool [N]
+    baseline: np.ndarray  # bool [N]: a ReMax greedy baseline sample (its loss mask is all 0)
     response: list[str] | None = None  # set by the reward stage
     reward: np.ndarray | None = None  # float64 [N], set by the reward stage
     metadata: dict[str, str] = field(default_factory=dict)  # persisted in the table's schema metadata
@@ -114,6 +116,7 @@ class RolloutBatch:
             weight_version=np.array([-1 if s.weight_version is None else s.weight_version for s in samples],
                                     dtype=np.int64),  # -1: not known (a rollout function that gives no logprobs)
             carried=np.array([bool(s.metadata.get("carried")) for s in samples], dtype=bool),
+            baseline=np.array([bool(s.metadata.get("remax_baseline")) for s in samples], dtype=bool),
         )
 
     # ---- views -------------------------------------------------------------------------------------------
@@ -166,7 +169,7 @@ class RolloutBatch:
             **{name: getattr(self, name)[tokens] for name in _TOKEN_FIELDS},
             lengths=self.lengths[idx], has_logprobs=self.has_logprobs[idx], fn_reward=self.fn_reward[idx],
             text=[self.text[i] for i in pick], stopped=self.stopped[idx], weight_version=self.weight_version[idx],
-            carried=self.carried[idx],
+            carried=self.carried[idx], baseline=self.baseline[idx],
             response=None if self.response is None else [self.response[i] for i in pick],
             reward=None if self.reward is None else self.reward[idx],
             metadata=dict(self.metadata),
@@ -215,6 +218,7 @@ class RolloutBatch:
             "stopped": self.stopped,
             "weight_version": self.weight_version,
             "carried": self.carried,
+            "baseline": self.baseline,
             "response": pa.array(self.response if scored else [None] * len(self), type=pa.string()),
             "reward": pa.array(self.reward if scored else [None] * len(self), type=pa.float64()),
         }, schema=ROLLOUT_SCHEMA.with_metadata(meta or None))
@@ -252,6 +256,7 @@ class RolloutBatch:
             stopped=np.array(table.column("stopped").to_pylist(), dtype=bool),
             weight_version=np.array(table.column("weight_version").to_pylist(), dtype=np.int64),
             carried=np.array(column("carried", [False] * n), dtype=bool),
+            baseline=np.array(column("baseline", [False] * n), dtype=bool),
             response=column("response", None) if scored else None,
             reward=np.array(reward, dtype=np.float64) if scored else None,
             metadata=meta,

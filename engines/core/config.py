@@ -7,7 +7,6 @@ Every section forbids unknown keys, so a typo is an error that names the field, 
 
 from __future__ import annotations
 
-import logging
 import tempfile
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -46,7 +45,9 @@ class BuiltinTaskConfig(Section):
 
 
 class DataConfig(Section):
-    train_path: str = Field(..., description="Prompt file for training: .jsonl or .parquet.")
+    train_path: str = Field(
+        ..., description="Prompt file for training: .jsonl, .json or .parquet; a path or an s3:// URL (reached with "
+        "`storage`'s endpoint and credentials). Plain, verl and TRL rows (docs/data.md).")
     eval_path: str | None = Field(None, description="Held-out prompt file; empty disables eval.")
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     label_key: str = Field("label", description="Column holding what the reward checks against.")
@@ -144,7 +145,8 @@ class RewardConfig(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the reward.")
 
 
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp_baseline_seq")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp_baseline_seq", "opo",
+                    "grpo_passk", "passk")
 
 
 # the settings of one policy loss: changed from their defaults with another loss, they would do nothing
@@ -159,17 +161,31 @@ class AlgorithmConfig(Section):
     """Advantage estimator, policy loss, KL, entropy and rollout/train mismatch correction (docs/algorithms.md)."""
 
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "reinforce_pp_baseline_seq",
-                       "gae"] = Field(
+                       "opo", "grpo_passk", "passk", "remax", "gae"] = Field(
         "grpo",
         description="grpo: (r - mean) / std per group; dr_grpo: r - mean; rloo: r - mean of the group's other "
         "samples; reinforce_pp: discounted token returns whitened over the batch (no group needed); "
         "reinforce_pp_baseline: r - group mean, whitened over the batch's response tokens (verl, OpenRLHF); "
-        "reinforce_pp_baseline_seq: r - group mean, divided by its std over the batch's samples; gae: PPO with a "
+        "reinforce_pp_baseline_seq: r - group mean, divided by its std over the batch's samples; opo: r - the "
+        "length-weighted mean reward of the group (OPO's optimal baseline); grpo_passk: only each group's best "
+        "sample is reinforced, by its margin over the runner-up (pass@n training, verl's grpo_passk); passk: "
+        "analytic pass@k advantages for binary rewards (passk_k; Pass@k Training); remax: r - the "
+        "reward of the prompt's greedy response, generated as one extra sample per prompt (ReMax); gae: PPO "
+        "with a "
         "critic (the critic section), generalised advantage estimation over the critic's token values, whitened "
-        "over the batch.",
+        "over the batch. Group estimators take groups by the samples' group ids: groups may differ in size.",
     )
     normalize_std: bool | None = Field(
-        None, description="Override std normalisation of grpo / dr_grpo (default: grpo yes, dr_grpo no)."
+        None, description="Override std normalisation of grpo / dr_grpo / grpo_passk (default: grpo and grpo_passk "
+        "yes, dr_grpo no)."
+    )
+    passk_k: int = Field(
+        2, ge=1, description="passk: the k of pass@k the group's reward is (at most rollout.samples_per_prompt). "
+        "1 is GRPO on 0/1 rewards; a larger k rewards exploration (a prompt counts as solved by any of k samples).",
+    )
+    passk_threshold: float = Field(
+        1.0, description="passk: a sample counts as correct when its reward is >= this (1: fully correct, as "
+        "rollout/accuracy counts).",
     )
     gamma: float = Field(
         1.0, gt=0.0, le=1.0,
@@ -239,6 +255,16 @@ class AlgorithmConfig(Section):
         description="k1: log-ratio; k2: squared log-ratio / 2; k3: the low-variance estimator q/p - log(q/p) - 1, "
         "clamped to [-10, 10] as verl's; low_var_kl: verl's name for the same k3.",
     )
+    kl_ctrl: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="fixed: kl_coef throughout. adaptive: PPO's adaptive KL controller (kl_in: reward "
+        "only, as verl's kl_ctrl): kl_coef is the starting value, then each step it is multiplied by "
+        "1 + clip(KL / kl_target - 1, -0.2, 0.2) * batch size / kl_horizon, with KL the batch's mean per-token KL; "
+        "the coefficient is saved with each checkpoint.",
+    )
+    kl_target: float = Field(0.1, gt=0.0, description="adaptive kl_ctrl: the KL per token the coefficient steers "
+                             "toward (verl's target_kl).")
+    kl_horizon: int = Field(10000, gt=0, description="adaptive kl_ctrl: samples over which the coefficient may "
+                            "change by the full 20% (verl's horizon).")
     kl_in: Literal["loss", "reward"] = Field(
         "loss",
         description="loss: kl_coef * KL is added to the loss; reward: kl_coef * per-token KL is subtracted from "
@@ -251,6 +277,24 @@ class AlgorithmConfig(Section):
         "tis_cap); icepop drops tokens whose ratio is outside [icepop_low, icepop_high]. Either costs one "
         "extra forward pass per step (the train engine's logprobs before the update).",
     )
+    is_level: Literal["token", "sequence"] = Field(
+        "token", description="Ratio the is_correction weight is taken from: each token's own, or the sequence's "
+        "exp(sum of token log-ratios) given to all its tokens (verl's rollout_is: sequence; unbiased, higher "
+        "variance: raise tis_cap).",
+    )
+    is_batch_normalize: bool = Field(
+        False, description="Divide the importance weights by their mean over the step's batch (tokens, or "
+        "sequences at sequence level), so they only re-weight (verl's rollout_is_batch_normalize).",
+    )
+    rejection: Literal["none", "token", "sequence", "geometric"] = Field(
+        "none", description="Rejection of mismatched rollouts (verl's rollout_rs): drop from the loss mask the "
+        "tokens (token), whole sequences by their ratio exp(sum log-ratio) (sequence, verl's seq_sum_k1) or by "
+        "their geometric-mean ratio exp(mean log-ratio) (geometric, verl's seq_mean_k1) whose p_train / "
+        "p_rollout is outside [reject_low, reject_high]. Combines with is_correction; costs the same extra "
+        "forward pass.",
+    )
+    reject_low: float = Field(0.5, gt=0.0, description="rejection: smallest ratio kept (at most 1).")
+    reject_high: float = Field(2.0, gt=0.0, description="rejection: largest ratio kept (at least 1).")
     tis_cap: float = Field(2.0, gt=0.0, description="TIS: upper bound of the importance weight.")
     icepop_low: float = Field(0.5, gt=0.0, description="IcePop: smallest p_train / p_rollout kept.")
     icepop_high: float = Field(5.0, gt=0.0, description="IcePop: largest p_train / p_rollout kept.")
@@ -264,10 +308,14 @@ class AlgorithmConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> AlgorithmConfig:
-        if self.normalize_std is not None and self.advantage not in ("grpo", "dr_grpo"):
-            raise ValueError(f"normalize_std applies to grpo / dr_grpo only, not advantage {self.advantage!r}")
+        if self.normalize_std is not None and self.advantage not in ("grpo", "dr_grpo", "grpo_passk"):
+            raise ValueError(f"normalize_std applies to grpo / dr_grpo / grpo_passk only, not advantage "
+                             f"{self.advantage!r}")
         if self.clip_ratio_c is not None and self.policy_loss != "ppo":
             raise ValueError("clip_ratio_c (dual clip) applies to policy_loss 'ppo' only")
+        changed = [k for k in ("passk_k", "passk_threshold") if getattr(self, k) != type(self).model_fields[k].default]
+        if changed and self.advantage != "passk":
+            raise ValueError(f"{', '.join(changed)} apply to advantage 'passk' only (advantage is {self.advantage!r})")
         for loss, keys in _POLICY_LOSS_KEYS.items():
             changed = [k for k in keys if getattr(self, k) != type(self).model_fields[k].default]
             if changed and self.policy_loss != loss:
@@ -278,7 +326,22 @@ class AlgorithmConfig(Section):
             raise ValueError(f"clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub})")
         if self.icepop_low >= self.icepop_high:
             raise ValueError(f"icepop_low ({self.icepop_low}) must be below icepop_high ({self.icepop_high})")
+        if self.is_correction == "none" and (self.is_level != "token" or self.is_batch_normalize):
+            raise ValueError("is_level / is_batch_normalize shape the is_correction weights: set is_correction "
+                             "to tis or icepop")
+        if not self.reject_low <= 1.0 <= self.reject_high or self.reject_low == self.reject_high:
+            raise ValueError(f"reject_low ({self.reject_low}) must be <= 1 <= reject_high ({self.reject_high}), "
+                             "and below it: a token the engines agree on (ratio 1) must be kept")
+        if self.kl_ctrl == "adaptive" and (self.kl_in != "reward" or self.kl_coef <= 0):
+            raise ValueError("kl_ctrl: adaptive steers the KL penalty in the reward: it needs kl_in: reward and "
+                             f"a starting kl_coef > 0 (got kl_in {self.kl_in!r}, kl_coef {self.kl_coef})")
         return self
+
+    @property
+    def corrects_rollout(self) -> bool:
+        """Whether the step needs the train engine's logprobs of the pre-update weights against the rollout's:
+        importance weights or rejection."""
+        return self.is_correction != "none" or self.rejection != "none"
 
     def loss_kwargs(self) -> dict[str, Any]:
         """rl_loss's keyword arguments from this config, so every train backend passes the same ones."""
@@ -287,7 +350,7 @@ class AlgorithmConfig(Section):
             "kl_coef": self.kl_coef if self.kl_in == "loss" else 0.0, "kl_estimator": self.kl_estimator,
             "entropy_coef": self.entropy_coef, "policy": self.policy_loss, "clip_ratio_c": self.clip_ratio_c,
             "is_correction": self.is_correction, "tis_cap": self.tis_cap,
-            "icepop_low": self.icepop_low, "icepop_high": self.icepop_high,
+            "icepop_low": self.icepop_low, "icepop_high": self.icepop_high, "is_level": self.is_level,
             "sapo_tau_pos": self.sapo_tau_pos, "sapo_tau_neg": self.sapo_tau_neg,
             "clip_cov_ratio": self.clip_cov_ratio, "clip_cov_lb": self.clip_cov_lb, "clip_cov_ub": self.clip_cov_ub,
             "kl_cov_ratio": self.kl_cov_ratio, "kl_cov_coef": self.kl_cov_coef,
@@ -422,11 +485,22 @@ class MegatronConfig(Section):
     tensor_parallel: int = Field(1, gt=0, description="Tensor-parallel size.")
     pipeline_parallel: int = Field(1, gt=0, description="Pipeline-parallel size.")
     micro_batch_tokens: int = Field(
-        0, ge=0, description="Token budget of one micro-batch (rows x padded length); 0: train.micro_batch_size rows."
+        0, ge=0, description="Token budget of one micro-batch: summed sample lengths when packed, rows x padded "
+        "length otherwise; 0: train.micro_batch_size rows."
+    )
+    packing: bool = Field(
+        False, description="Run each micro-batch's samples as one token stream (megatron's THD layout, attention "
+        "kept within each sample): no padding work, but CPU-bound in megatron-core's THD rotary today, so slower "
+        "on an H100 than right-padded rows (false; docs/benchmarks.md)."
     )
     use_distributed_optimizer: bool = Field(True, description="Shard optimizer state over data-parallel ranks.")
     transformer_engine: bool | None = Field(
         None, description="Build layers from Transformer Engine; empty: when it is installed."
+    )
+    attention: Literal["sdpa", "unfused"] = Field(
+        "sdpa", description="Core attention of the local (no Transformer Engine) layer spec: 'sdpa' runs torch's "
+        "fused flash / memory-efficient kernels; 'unfused' megatron's DotProductAttention (materialises the score "
+        "matrix; the reference). Ignored when Transformer Engine layers are used."
     )
     transformer: dict[str, Any] = Field(
         default_factory=dict, description="Extra TransformerConfig keyword arguments (override the derived ones)."
@@ -441,6 +515,14 @@ class MegatronConfig(Section):
     @property
     def model_parallel(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel
+
+    @model_validator(mode="after")
+    def _packing_needs_an_attention_that_packs(self) -> MegatronConfig:
+        if self.packing and self.attention == "unfused" and not self.transformer_engine:
+            raise ValueError("megatron.packing: true needs megatron.attention: sdpa (or Transformer Engine); "
+                             "megatron's unfused DotProductAttention cannot run packed sequences. Set "
+                             "megatron.packing: false to train the unfused attention on padded rows")
+        return self
 
 
 class ClusterConfig(Section):
@@ -522,16 +604,12 @@ class StorageConfig(Section):
     def retry_policy(self) -> RetryPolicy:
         return RetryPolicy(retries=self.retries, deadline_s=self.deadline_s)
 
-    def fsspec_options(self) -> dict[str, Any]:
-        """Keyword arguments for fsspec; empty for local paths. Secrets appear here and nowhere else.
-
-        botocore tries each request once (and the run store sets s3fs's `retries` to 1): the run store's
-        RetryPolicy is the only retry layer."""
-        if not self.uri.startswith(("s3://", "s3a://")):
+    def fsspec_options(self, uri: str | None = None) -> dict[str, Any]:
+        """Keyword arguments for fsspec to reach `uri` (default: the store's root): these settings serve any
+        s3:// file of the run (data files too); empty for local paths. Secrets appear here and nowhere else."""
+        if not (uri or self.uri).startswith(("s3://", "s3a://")):
             return {}
-        opts: dict[str, Any] = {"config_kwargs": {
-            "retries": {"total_max_attempts": 1, "mode": "standard"},
-            "connect_timeout": self.timeout_s, "read_timeout": self.timeout_s}}
+        opts: dict[str, Any] = {}
         client: dict[str, Any] = {}
         if self.endpoint_url:
             client["endpoint_url"] = self.endpoint_url
@@ -543,6 +621,16 @@ class StorageConfig(Section):
             opts["profile"] = self.profile
         if self.key and self.secret:
             opts["key"], opts["secret"] = self.key.get_secret_value(), self.secret.get_secret_value()
+        return opts
+
+    def run_store_options(self) -> dict[str, Any]:
+        """fsspec_options for the run store: botocore tries each request once (and the run store sets s3fs's
+        `retries` to 1), so the run store's RetryPolicy is the only retry layer. Data files keep the clients'
+        own retries: they are read once, outside that layer."""
+        opts = self.fsspec_options()
+        if self.uri.startswith(("s3://", "s3a://")):
+            opts["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"},
+                                     "connect_timeout": self.timeout_s, "read_timeout": self.timeout_s}
         return opts
 
 
@@ -659,10 +747,21 @@ class RLConfig(Section):
                              "the samples of one prompt, and 1 sample per prompt gives every sample advantage 0 "
                              "(no policy gradient): sample 2 or more per prompt, or use advantage reinforce_pp "
                              "(batch baseline) or gae (a critic)")
-        batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if self.algorithm.advantage == "passk" and self.algorithm.passk_k > self.rollout.samples_per_prompt:
+            raise ValueError(f"algorithm.passk_k ({self.algorithm.passk_k}) must be at most "
+                             f"rollout.samples_per_prompt ({self.rollout.samples_per_prompt}): pass@k draws k of a "
+                             "prompt's samples")
+        if self.algorithm.advantage == "remax":
+            if self.rollout.temperature == 0:
+                raise ValueError("algorithm.advantage: remax compares sampled responses with the greedy one; with "
+                                 "rollout.temperature 0 they are the same (every advantage 0): sample at > 0")
+            if self.rollout.dynamic_sampling.enabled:
+                raise ValueError("algorithm.advantage: remax adds a greedy sample to every group; dynamic sampling "
+                                 "(rollout.dynamic_sampling) does not generate it: use one or the other")
+        batch = self.step_samples
         if batch % (self.data_parallel_size * self.train.mini_batches) != 0:
             raise ValueError(
-                f"train: rollout.prompts_per_step * rollout.samples_per_prompt = {batch} must divide evenly "
+                f"train: the step's samples, {self._step_samples_text} = {batch}, must divide evenly "
                 f"into {self.data_parallel_size} data-parallel workers x train.mini_batches "
                 f"({self.train.mini_batches})"
             )
@@ -698,7 +797,7 @@ class RLConfig(Section):
             raise ValueError("critic: the critic runs on train.backend 'torch' only (megatron has no value head yet)")
         if batch % (self.critic.num_workers * self.train.mini_batches) != 0:
             raise ValueError(
-                f"critic.num_workers: rollout.prompts_per_step * rollout.samples_per_prompt = {batch} must divide "
+                f"critic.num_workers: the step's samples, {self._step_samples_text} = {batch}, must divide "
                 f"evenly into {self.critic.num_workers} critic workers x train.mini_batches ({self.train.mini_batches})"
             )
         if self.critic.freeze_policy_steps >= self.train.steps:
@@ -778,6 +877,18 @@ class RLConfig(Section):
         if d.mode and self.cluster.colocate:
             raise ValueError(f"debug.mode: {d.mode} starts one kind of worker; cluster.colocate pairs train and "
                              "rollout workers (set it to false)")
+
+    @property
+    def step_samples(self) -> int:
+        """Samples in a step's batch: prompts x samples per prompt, plus one greedy baseline per prompt (remax)."""
+        extra = 1 if self.algorithm.advantage == "remax" else 0
+        return self.rollout.prompts_per_step * (self.rollout.samples_per_prompt + extra)
+
+    @property
+    def _step_samples_text(self) -> str:
+        if self.algorithm.advantage == "remax":
+            return "rollout.prompts_per_step * (rollout.samples_per_prompt + 1 greedy baseline)"
+        return "rollout.prompts_per_step * rollout.samples_per_prompt"
 
     @property
     def rollout_device(self) -> str:
@@ -999,23 +1110,53 @@ def config_from_dict(raw: dict, source: str = "<config>", model: type[M] | None 
         raise RecipeError(source, _format_errors(e)) from None
 
 
-def resolve_config(model: type[M], config: M | None, recipe: str | None, overrides: list[str] | None) -> M:
-    """A flow's configuration from its parameters: the whole tree (`config`, what the UI form fills in), or a
-    recipe file (`recipe`, relative to the working directory) read with the CLI's loader; `overrides`
-    ('a.b=value', as `--set`) apply on top of either. A given `config` wins over `recipe`: a deployment's
-    default `recipe` stays in the parameters of a run started with a config."""
-    if config is not None:
-        if recipe:
-            logging.getLogger("rlflow").warning("config given: the recipe %s is not read", recipe)
-        if not overrides:
-            return config
-        raw = config.model_dump(mode="json", exclude_unset=False, round_trip=True)
-        for section, secret_fields in _secrets(config).items():  # model_dump masks SecretStr values
-            raw[section].update(secret_fields)
-        return config_from_dict(apply_overrides(raw, overrides), source="config", model=model)
-    if not recipe:
+def resolve_config(model: type[M], config: M | dict | None, recipe: str | None, overrides: list[str] | None) -> M:
+    """A flow's configuration from its parameters, by the merge rule of docs/deployments.md: the recipe file
+    (`recipe`, relative to the working directory, read with the CLI's loader) is the base; a given `config` (the
+    whole tree, as the UI's run form sends it, or any part of it, as an API call may) is deep-merged over it:
+    mappings key by key, any other value (a list too) replacing the recipe's; `overrides` ('a.b=value', as
+    `--set`) apply last. The flows take their parameters unvalidated (a part of the tree is not a valid tree),
+    so each parameter's type is checked here."""
+    if recipe is not None and not isinstance(recipe, str):
+        raise RecipeError("parameters", [f"recipe: expected a recipe file path (a string), got {recipe!r}"])
+    if overrides is not None and not (isinstance(overrides, list) and all(isinstance(o, str) for o in overrides)):
+        raise RecipeError("parameters", [f"overrides: expected a list of KEY.PATH=VALUE strings, got {overrides!r}"])
+    if isinstance(config, model) and not recipe and not overrides:
+        return config
+    if config is None and not recipe:
         raise RecipeError("parameters", ["config or recipe: one of them is required"])
-    return load_recipe(recipe, overrides, model=model)
+    raw = read_recipe(recipe) if recipe else {}
+    if config is not None:
+        raw = deep_merge(raw, _tree(config))
+    source = " + ".join(filter(None, [recipe, None if config is None else "config"]))
+    return config_from_dict(apply_overrides(raw, overrides or []), source=source, model=model)
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    """`over` merged into a copy of `base`: where both hold a mapping, key by key; otherwise `over`'s value."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _tree(config: BaseModel | dict) -> dict:
+    """A `config` parameter as a plain tree: a model dumped whole, its credentials kept (model_dump masks them)."""
+    if isinstance(config, dict):
+        return config
+    if not isinstance(config, BaseModel):
+        raise RecipeError("parameters", [f"config: expected a mapping of sections (the configuration tree), "
+                                         f"got {type(config).__name__} {config!r}"])
+    raw = config.model_dump(mode="json", exclude_unset=False, round_trip=True)
+    for section, secret_fields in _secrets(config).items():
+        raw[section].update(secret_fields)
+    return raw
+
+
+def public_tree(config: BaseModel) -> dict:
+    """A config as JSON without credentials: what is stored, logged, and given as a flow's `config` parameter
+    (a deployment's default, a pipeline's stage run); the worker's environment gives the credentials."""
+    return config.model_dump(mode="json", exclude={"storage": {"key", "secret"}})
 
 
 def _secrets(config: BaseModel) -> dict[str, dict[str, str]]:

@@ -1,73 +1,235 @@
-"""Prompt files (.jsonl or .parquet) and a resumable, deterministic walk over them in batches."""
+"""Prompt files and a resumable, deterministic walk over them in batches.
+
+Files are read with Hugging Face `datasets` (JSON lines or parquet; a local path or an fsspec URL such as
+s3://, with `storage_options`): it converts a file once to a memory-mapped Arrow table in its cache, and rows
+are read from it when a step takes them, so a large file never sits in memory as Python objects. Rows come in
+the formats verl and TRL users have (docs/data.md): plain `prompt`/`label`; verl's `prompt` as chat messages
+with `reward_model.ground_truth`, `data_source`, `extra_info`; TRL's `prompt`/`completion` and `messages`.
+"""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from collections.abc import Iterator, Sequence
+from pathlib import PurePosixPath
 from typing import Any
 
+import fsspec
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
+
+JSON_SUFFIXES, PARQUET_SUFFIXES = (".jsonl", ".json"), (".parquet",)
+# where a label is found when `label_key` is left at "label" and the row has none: verl's ground truth, TRL's
+# completion (prompt-completion rows); TRL `messages` rows give the last assistant turn
+LABEL_FALLBACKS = ("reward_model.ground_truth", "completion")
+DEFAULT_LABEL_KEYS = ("label", "response")  # data.label_key's and sft.response_key's defaults
 
 
 class DataError(ValueError):
     """A prompt file that cannot be used; the message names the file and what was expected."""
 
 
-def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
+class _RowError(ValueError):
+    """What is wrong with one row; the caller adds the file and the row's position."""
+
+
+def _get(obj: dict, key: str) -> Any:
+    """obj[key], following a dotted key into nested objects (`reward_model.ground_truth`); None when absent."""
+    if obj.get(key) is not None or "." not in key:
+        return obj.get(key)
+    for part in key.split("."):
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj
+
+
+def _messages(value: Any, field: str) -> list[dict]:
+    """Chat messages as [{"role", "content"}, ...]; the nulls a column union adds to each message are dropped."""
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise _RowError(f'"{field}" item {i} must be a chat message {{"role": str, "content": str}}, got {m!r}')
+        out.append({k: v for k, v in m.items() if v is not None})
+    if not out:
+        raise _RowError(f'"{field}" is an empty list of chat messages')
+    return out
+
+
+def _text(value: Any, field: str) -> Any:
+    """A label given as chat messages (TRL's conversational completion) is its messages' text."""
+    if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        return "".join(m["content"] for m in _messages(value, field))
+    return value
+
+
+def normalize_row(obj: Any, prompt_key: str, label_key: str) -> dict:
+    """One data row as {"prompt": text, "label", "meta": the other columns} (+ "messages" when the prompt is
+    chat messages: the model sees them through the tokenizer's chat template; "prompt" is then the last user
+    message, what tables and rewards show)."""
+    if not isinstance(obj, dict):
+        raise _RowError(f"expected a JSON object, got {type(obj).__name__}")
+    present = [k for k, v in obj.items() if v is not None]
+    used = {prompt_key, label_key}  # columns a dotted key reaches into stay in meta (verl's reward_model.style)
+    prompt, label, label_found = _get(obj, prompt_key), _get(obj, label_key), _get(obj, label_key) is not None
+    conversation = None
+    if prompt is None and prompt_key == "prompt" and isinstance(obj.get("messages"), list):  # TRL conversational
+        conversation, used = _messages(obj["messages"], "messages"), used | {"messages"}
+        if conversation[-1]["role"] == "assistant":
+            conversation, last = conversation[:-1], conversation[-1]["content"]
+            if not label_found and label_key in DEFAULT_LABEL_KEYS:
+                label, label_found = last, True
+        prompt = conversation
+    if not label_found and label_key in DEFAULT_LABEL_KEYS:
+        for key in LABEL_FALLBACKS:
+            if (label := _get(obj, key)) is not None:
+                label_found, used = True, used | {key}
+                break
+    for key, found in ((prompt_key, prompt is not None), (label_key, label_found)):
+        if not found:
+            raise _RowError(f'missing key "{key}"; keys present: ' + (", ".join(f'"{k}"' for k in present) or "none"))
+    row: dict[str, Any] = {}
+    if isinstance(prompt, list):
+        row["messages"] = _messages(prompt, prompt_key)
+        users = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        prompt = users[-1] if users else row["messages"][-1]["content"]
+    elif not isinstance(prompt, str):
+        raise _RowError(f'"{prompt_key}" must be a string or a list of chat messages, got {type(prompt).__name__}')
+    meta = {k: v for k, v in obj.items() if k not in used and v is not None}
+    return {"prompt": prompt, "label": _text(label, label_key), "meta": meta, **row}
+
+
+def _fs(path: str, storage_options: dict | None):
+    return fsspec.core.url_to_fs(path, **(storage_options or {}))[0]
+
+
+def _jsonl_problem(path: str, storage_options: dict | None) -> str | None:
+    """Why a JSON-lines file cannot be a table of rows, naming the line; only read when loading it failed or
+    gave no usable rows (datasets' own errors name no line)."""
+    types: dict[str, tuple[str, int]] = {}
+    row = 0
+    with _fs(path, storage_options).open(path, "r", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
+            row += 1
             try:
-                rows.append((lineno, json.loads(line)))
+                obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}: bad JSON on line {lineno}: {e.msg} (column {e.colno})") from None
-    return rows
+                return f"bad JSON on line {lineno}: {e.msg} (column {e.colno})"
+            if not isinstance(obj, dict):
+                return f"row {row} (line {lineno}): expected a JSON object, got {type(obj).__name__}"
+            for k, v in obj.items():
+                if v is None:
+                    continue
+                seen = types.setdefault(k, (type(v).__name__, lineno))
+                if seen[0] != type(v).__name__:
+                    return (f'"{k}" is {seen[0]} on line {seen[1]} but {type(v).__name__} on line {lineno}: '
+                            "a column holds one type")
+    return None
 
 
-def _read_parquet(path: Path) -> list[tuple[int, Any]]:
+def _line_of(path: str, storage_options: dict | None, row: int) -> int:
+    """The line of a JSON-lines file holding its `row`-th row (blank lines hold none)."""
+    with _fs(path, storage_options).open(path, "r", encoding="utf-8") as f:
+        seen = 0
+        for lineno, line in enumerate(f, start=1):
+            seen += bool(line.strip())
+            if seen == row:
+                return lineno
+    return row
+
+
+def _parquet_problem(path: str, storage_options: dict | None) -> str | None:
+    """Why datasets could not read a parquet file: not parquet at all, or no rows (an error in datasets)."""
     try:
-        table = pq.read_table(str(path))
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(f"{path}: not a readable parquet file: {e}") from None
-    return [(i, row) for i, row in enumerate(table.to_pylist(), start=1)]
+        with _fs(path, storage_options).open(path, "rb") as f:
+            rows = pq.ParquetFile(f).metadata.num_rows
+    except Exception as e:
+        return f"not a readable parquet file: {e}"
+    return "data file is empty, expected at least one row" if rows == 0 else None
 
 
-def _row(path: Path, where: str, obj: Any, prompt_key: str, label_key: str) -> dict:
-    if not isinstance(obj, dict):
-        raise DataError(f"{path}: {where}: expected a JSON object, got {type(obj).__name__}")
-    for key in (prompt_key, label_key):
-        if key not in obj:
-            present = ", ".join(f'"{k}"' for k in obj) or "none"
-            raise DataError(f'{path}: missing key "{key}" in {where}; keys present: {present}')
-    prompt = obj[prompt_key]
-    if not isinstance(prompt, str):
-        raise DataError(f'{path}: {where}: "{prompt_key}" must be a string, got {type(prompt).__name__}')
-    meta = {k: v for k, v in obj.items() if k not in (prompt_key, label_key)}
-    return {"prompt": prompt, "label": obj[label_key], "meta": meta}
+def _read(path: str, storage_options: dict | None):
+    """The file as a datasets.Dataset (memory-mapped Arrow). Raises DataError naming the file."""
+    import datasets  # seconds to import: only where a file is read
 
-
-def load_prompts(path: str, prompt_key: str = "prompt", label_key: str = "label") -> list[dict]:
-    """Rows as {"prompt", "label", "meta"}; "meta" holds the other columns. Raises DataError naming file and row."""
-    p = Path(path)
-    if not p.is_file():
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    suffix = PurePosixPath(path.split("?")[0]).suffix
+    if suffix not in JSON_SUFFIXES + PARQUET_SUFFIXES:
+        raise DataError(f"{path}: unknown extension {suffix!r}; expected .jsonl, .json or .parquet")
+    try:
+        exists = _fs(path, storage_options).isfile(path)
+    except Exception as e:  # a bad URL or unreachable store
+        raise DataError(f"data file {path}: cannot reach it: {type(e).__name__}: {e}") from None
+    if not exists:
         raise DataError(f"data file not found: {path}")
-    if p.suffix == ".jsonl":
-        raw, unit = _read_jsonl(p), "line"
-    elif p.suffix == ".parquet":
-        raw, unit = _read_parquet(p), None
-    else:
-        raise DataError(f"{path}: unknown extension {p.suffix!r}; expected .jsonl or .parquet")
-    if not raw:
-        raise DataError(f"{path}: data file is empty, expected at least one row")
-    out = []
-    for row_no, (pos, obj) in enumerate(raw, start=1):
-        where = f"row {row_no}" + (f" (line {pos})" if unit else "")
-        out.append(_row(p, where, obj, prompt_key, label_key))
-    return out
+    builder = "json" if suffix in JSON_SUFFIXES else "parquet"
+    try:
+        return datasets.load_dataset(builder, data_files=path, split="train", storage_options=storage_options)
+    except Exception as e:
+        if builder == "json":
+            problem = _jsonl_problem(path, storage_options)
+            if problem is None and not any(line.strip() for line in _fs(path, storage_options).open(path, "r")):
+                problem = "data file is empty, expected at least one row"
+        else:
+            problem = _parquet_problem(path, storage_options)
+        raise DataError(f"{path}: {problem or f'cannot read it: {type(e).__name__}: {e.__cause__ or e}'}") from None
+
+
+class PromptRows(Sequence):
+    """The rows of a prompt file, checked once on opening and normalized (normalize_row) when taken."""
+
+    def __init__(self, path: str, prompt_key: str = "prompt", label_key: str = "label",
+                 storage_options: dict | None = None):
+        self.path, self.prompt_key, self.label_key = path, prompt_key, label_key
+        self._table = _read(path, storage_options)
+        if len(self._table) == 0:
+            raise DataError(f"{path}: data file is empty, expected at least one row")
+        for i, batch in enumerate(self._table.iter(batch_size=1024)):
+            for j, obj in enumerate(_rows_of(batch)):
+                try:
+                    normalize_row(obj, prompt_key, label_key)
+                except _RowError as e:
+                    row = i * 1024 + j + 1
+                    json_file = PurePosixPath(path).suffix in JSON_SUFFIXES
+                    if json_file and (problem := _jsonl_problem(path, storage_options)):
+                        raise DataError(f"{path}: {problem}") from None
+                    where = f"row {row}" + (f" (line {_line_of(path, storage_options, row)})" if json_file else "")
+                    msg = str(e)
+                    if msg.startswith("missing key"):
+                        key, present = msg.split("; ", 1)
+                        raise DataError(f"{path}: {key} in {where}; {present}") from None
+                    raise DataError(f"{path}: {where}: {msg}") from None
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return normalize_row(self._table[int(i)], self.prompt_key, self.label_key)
+
+    def __iter__(self) -> Iterator[dict]:
+        for batch in self._table.iter(batch_size=1024):
+            for obj in _rows_of(batch):
+                yield normalize_row(obj, self.prompt_key, self.label_key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(self) == len(other) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _rows_of(batch: dict[str, list]) -> list[dict]:
+    keys = list(batch)
+    return [dict(zip(keys, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+
+
+def load_prompts(path: str, prompt_key: str = "prompt", label_key: str = "label",
+                 storage_options: dict | None = None) -> PromptRows:
+    """Rows as {"prompt", "label", "meta"} ("meta" holds the other columns; "messages" chat prompts).
+    Raises DataError naming the file, the row (and line) and the field."""
+    return PromptRows(path, prompt_key, label_key, storage_options)
 
 
 class PromptCursor:
@@ -127,11 +289,14 @@ class PromptCursor:
         self._perm = None
 
 
-def load_pairs(path: str, prompt_key: str = "prompt", response_key: str = "response") -> list[dict]:
-    """SFT rows as {"prompt", "response"} (both strings). Raises DataError naming the file, row and key."""
+def load_pairs(path: str, prompt_key: str = "prompt", response_key: str = "response",
+               storage_options: dict | None = None) -> list[dict]:
+    """SFT rows as {"prompt", "response"} (+ "messages" for chat prompts); TRL's prompt-completion and
+    `messages` rows too. Raises DataError naming the file, row and key."""
     out = []
-    for i, row in enumerate(load_prompts(path, prompt_key, response_key), start=1):
+    for i, row in enumerate(load_prompts(path, prompt_key, response_key, storage_options), start=1):
         if not isinstance(row["label"], str):
             raise DataError(f'{path}: row {i}: "{response_key}" must be a string, got {type(row["label"]).__name__}')
-        out.append({"prompt": row["prompt"], "response": row["label"]})
+        out.append({"prompt": row["prompt"], "response": row["label"]} | (
+            {"messages": row["messages"]} if "messages" in row else {}))
     return out

@@ -1,7 +1,10 @@
 """Reward functions: built-in verifiers for the built-in tasks, and loading and calling a user's reward.
 
 A reward is f(prompts, responses, labels, **kwargs) -> list[float], called once per batch so a user's
-function can batch its own work (a judge model, a sandbox); it may be sync or async.
+function can batch its own work (a judge model, a sandbox); it may be sync or async. The data rows' other
+columns reach it as keyword arguments, one list per column, for each column it names (all with **kwargs).
+A verl reward, compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float or
+{"score": float, ...}, is called once per sample with those columns.
 """
 
 from __future__ import annotations
@@ -114,23 +117,70 @@ def _validate(name: str, result: Any, n: int) -> list[float]:
     return out
 
 
+def _parameters(fn: RewardFn) -> tuple[set[str], bool]:
+    """The keyword parameters fn names, and whether it takes **kwargs."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: pass only what every reward takes
+        return set(), False
+    return {p.name for p in params}, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def is_verl_style(fn: RewardFn) -> bool:
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info): one sample per call."""
+    return {"solution_str", "ground_truth"} <= _parameters(fn)[0]
+
+
+def _verl_score(name: str, result: Any, i: int) -> Any:
+    if isinstance(result, dict):  # verl lets compute_score return {"score": ..., other metrics}
+        if "score" not in result:
+            raise RewardError(f"reward.fn: {name} returned a dict without \"score\" at index {i}: {sorted(result)}")
+        return result["score"]
+    return result
+
+
+def _columns(fn: RewardFn, metas: Sequence[dict], kwargs: dict[str, Any]) -> dict[str, list]:
+    """The rows' other columns fn asks for, one list per column (None where a row has none)."""
+    names, any_kw = _parameters(fn)
+    keys = list(dict.fromkeys(k for m in metas for k in m))
+    wanted = [k for k in keys if any_kw or k in names]
+    clash = sorted(set(wanted) & set(kwargs))
+    if clash:
+        raise RewardError(f"reward.kwargs: {clash} are also data columns; rename one (columns reach the reward "
+                          "as keyword arguments)")
+    return {k: [m.get(k) for m in metas] for k in wanted if k not in ("prompts", "responses", "labels")}
+
+
 def compute_rewards(
     fn: RewardFn,
     prompts: Sequence[str],
     responses: Sequence[str],
     labels: Sequence[Any],
     kwargs: dict[str, Any],
+    metas: Sequence[dict] | None = None,
 ) -> list[float]:
-    """Call fn once on the whole batch, awaiting it if async, and check it gave one finite number per prompt."""
+    """Call fn once on the whole batch (a verl compute_score once per sample), awaiting it if async, and check it
+    gave one finite number per prompt. `metas`: each sample's other data columns (the row's "meta")."""
     if not len(prompts) == len(responses) == len(labels):
         raise ValueError(
             f"compute_rewards: {len(prompts)} prompts, {len(responses)} responses and {len(labels)} labels differ"
         )
+    metas = list(metas) if metas is not None else [{}] * len(prompts)
     name = _name(fn)
     try:
-        result = fn(list(prompts), list(responses), list(labels), **kwargs)
-        if inspect.isawaitable(result):
-            result = _run_awaitable(result)
+        if is_verl_style(fn):
+            result = []
+            extra = "extra_info" in _parameters(fn)[0]
+            for i, (r, lab, m) in enumerate(zip(responses, labels, metas, strict=True)):
+                info = {"extra_info": m.get("extra_info")} if extra else {}
+                one = fn(data_source=m.get("data_source"), solution_str=r, ground_truth=lab, **info, **kwargs)
+                result.append(_verl_score(name, _run_awaitable(one) if inspect.isawaitable(one) else one, i))
+        else:
+            result = fn(list(prompts), list(responses), list(labels), **_columns(fn, metas, kwargs), **kwargs)
+            if inspect.isawaitable(result):
+                result = _run_awaitable(result)
+    except RewardError:
+        raise
     except Exception as e:
         raise RewardError(f"reward.fn: {name} raised {type(e).__name__}: {e}") from e
     return _validate(name, result, len(prompts))

@@ -108,15 +108,22 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return tok
 
 
-def encode_prompt(tokenizer, prompt: str, chat_template: bool = False) -> list[int]:
+def prompt_input(row: dict) -> str | list[dict]:
+    """What a data row gives the model: its chat messages (verl and TRL conversational rows), else its text."""
+    return row.get("messages") or row["prompt"]
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool = False) -> list[int]:
     """Token ids of a prompt. With chat_template the prompt is one user message in the tokenizer's chat template,
-    ending with the generation prompt; the template writes its own special tokens, so none are added twice."""
-    if not chat_template:
+    ending with the generation prompt; the template writes its own special tokens, so none are added twice.
+    A prompt given as chat messages always goes through the chat template, whatever chat_template says."""
+    if isinstance(prompt, str) and not chat_template:
         return tokenizer(prompt)["input_ids"]
     if not tokenizer.chat_template:
-        raise ValueError(f"data.chat_template: the tokenizer of {tokenizer.name_or_path} has no chat template")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+        what = "data.chat_template" if isinstance(prompt, str) else "a prompt given as chat messages"
+        raise ValueError(f"{what}: the tokenizer of {tokenizer.name_or_path} has no chat template")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -75,23 +75,37 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, p
     if packed is None:
         raise RuntimeError(f"attn_implementation {ATTENTION!r} needs the packed layout (call it through PackedLM)")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, heads, D]
-    half = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else (
-        torch.get_autocast_dtype("cuda") if q.is_cuda and torch.is_autocast_enabled("cuda") else None)
-    if q.is_cuda and varlen_attn is not None and half is not None:  # flash kernels take 16-bit inputs only
-        out = _varlen(q.to(half), k.to(half), v.to(half), packed.cu_seqlens, packed.max_len, scaling)
-    else:
-        out = _padded_sdpa(q, k, v, packed, scaling)
+    out = causal_varlen_attention(q, k, v, packed.cu_seqlens, packed.max_len, scaling, packed.rows, packed.cols)
     return out.unsqueeze(0), None
 
 
-def _padded_sdpa(q, k, v, packed: PackedRows, scale):
+def causal_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_len: int, scale: float | None = None, rows: torch.Tensor | None = None,
+                            cols: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of packed samples, each seeing only itself: q [T, H, D], k/v [T, KV, D] (KV divides H),
+    sample i at tokens cu_seqlens[i]:cu_seqlens[i+1]; returns [T, H, D]. Shared by every backend that packs.
+
+    On CUDA with 16-bit inputs (or under autocast): torch's variable-length flash attention. Elsewhere one exact
+    SDPA call over the samples re-padded; `rows`/`cols` (each token's sample and position) are derived from
+    cu_seqlens when not given."""
+    half = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else (
+        torch.get_autocast_dtype("cuda") if q.is_cuda and torch.is_autocast_enabled("cuda") else None)
+    if q.is_cuda and varlen_attn is not None and half is not None:  # flash kernels take 16-bit inputs only
+        return _varlen(q.to(half), k.to(half), v.to(half), cu_seqlens, max_len, scale)
+    if rows is None or cols is None:
+        lengths = cu_seqlens.diff().long()
+        rows = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths)
+        cols = torch.arange(q.shape[0], device=q.device) - cu_seqlens.long()[rows]
+    return _padded_sdpa(q, k, v, len(cu_seqlens) - 1, max_len, rows, cols, scale)
+
+
+def _padded_sdpa(q, k, v, samples: int, max_len: int, rows, cols, scale):
     """The exact fallback: the samples back in their right-padded rows, [samples, heads, max_len, D], for one
     causal SDPA call (padding sits after each sample's tokens, so the causal mask alone keeps every real query
     off it)."""
-    rows, cols = packed.rows, packed.cols
 
     def padded(x):
-        out = x.new_zeros(len(packed.cu_seqlens) - 1, packed.max_len, *x.shape[1:])
+        out = x.new_zeros(samples, max_len, *x.shape[1:])
         out[rows, cols] = x
         return out.transpose(1, 2)
 

@@ -17,7 +17,7 @@ from rlflow.engines.core.config import EvalDatasetConfig, EvalSamplingConfig
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.data.prompts import load_prompts
 from rlflow.engines.data.rewards import RewardFn, compute_rewards
-from rlflow.engines.models.hf import encode_prompt
+from rlflow.engines.models.hf import encode_prompt, prompt_input
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend, split_packed
 
 CORRECT = 1.0  # a sample is correct when its reward reaches this (the built-in rewards give 1.0 for a match)
@@ -49,9 +49,9 @@ def score(rewards: list[float], lengths: list[int] | np.ndarray, n: int, ks: lis
     return out
 
 
-def eval_rows(dataset: EvalDatasetConfig, cfg: EvalSamplingConfig) -> list[dict]:
+def eval_rows(dataset: EvalDatasetConfig, cfg: EvalSamplingConfig, storage_options: dict | None = None) -> list[dict]:
     """The prompts of `dataset` that are evaluated (the first `max_prompts`), with their labels."""
-    return load_prompts(dataset.path, dataset.prompt_key, dataset.label_key)[: cfg.max_prompts]
+    return load_prompts(dataset.path, dataset.prompt_key, dataset.label_key, storage_options)[: cfg.max_prompts]
 
 
 def shard_bounds(num_prompts: int, shards: int) -> list[tuple[int, int]]:
@@ -76,13 +76,14 @@ def generate_and_reward(engine: TorchRolloutBackend, reward_fn: RewardFn, reward
     template or not as `cfg.chat_template` says (the evaluate flow resolves an empty value before this)."""
     n = cfg.samples_per_prompt
     tok = engine.tokenizer
-    prompt_ids = [ids for r in rows for ids in [encode_prompt(tok, r["prompt"], bool(cfg.chat_template))] * n]
+    prompt_ids = [ids for r in rows for ids in [encode_prompt(tok, prompt_input(r), bool(cfg.chat_template))] * n]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
     gen = engine.generate_packed(prompt_ids, params, seed=cfg.seed, first_index=first_prompt * n)
     responses = tok.batch_decode(split_packed(gen, "output_ids"), skip_special_tokens=True)
     prompts = [r["prompt"] for r in rows for _ in range(n)]
     labels = [r["label"] for r in rows for _ in range(n)]
-    rewards = compute_rewards(reward_fn, prompts, responses, labels, reward_kwargs)
+    metas = [r.get("meta", {}) for r in rows for _ in range(n)]
+    rewards = compute_rewards(reward_fn, prompts, responses, labels, reward_kwargs, metas)
     logged = range(max(0, min(len(rows), cfg.samples_logged - first_prompt)))  # the dataset's first samples_logged
     samples = [
         {"dataset": dataset_key, "prompt": prompts[i * n], "response": responses[i * n], "label": str(labels[i * n]),

@@ -39,7 +39,7 @@ def _data_problems(cfg: RLConfig) -> list[str]:
         if not path or (generated and not Path(path).exists()):
             continue  # written by data.generate when the run starts
         try:
-            load_prompts(path, cfg.data.prompt_key, cfg.data.label_key)
+            load_prompts(path, cfg.data.prompt_key, cfg.data.label_key, cfg.storage.fsspec_options(path))
         except DataError as e:
             problems.append(f"{field}: {e}")
     return problems
@@ -50,7 +50,7 @@ def _sft_problems(cfg: RLConfig) -> list[str]:
     if not sft_path or (cfg.sft.generate is not None and not Path(sft_path).exists()):
         return []
     try:
-        load_pairs(sft_path, cfg.data.prompt_key, cfg.sft.response_key)
+        load_pairs(sft_path, cfg.data.prompt_key, cfg.sft.response_key, cfg.storage.fsspec_options(sft_path))
     except DataError as e:
         return [f"sft.train_path: {e}"]
     return []

@@ -28,7 +28,7 @@ from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
 from rlflow.engines.data.prompts import load_prompts
 from rlflow.engines.data.rewards import compute_rewards, load_reward_fn
-from rlflow.engines.models.hf import encode_prompt, load_tokenizer
+from rlflow.engines.models.hf import encode_prompt, load_tokenizer, prompt_input
 from rlflow.engines.rollout.dynamic_sampling import collect_groups
 from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, load_rollout_fn
 from rlflow.engines.rollout.router import RolloutRouter
@@ -57,6 +57,9 @@ class StepState:
     values: torch.Tensor | None = None  # [N, L] the critic's, aligned with the packed batch (with a critic)
     returns: torch.Tensor | None = None  # [N, L] GAE's value targets for the critic
     behaviour_logprobs: torch.Tensor | None = None  # the train engine's, for samples that came without logprobs
+    keep: torch.Tensor | None = None  # [N, L] 0 on the tokens rollout correction rejected (algorithm.rejection)
+    is_weights: torch.Tensor | None = None  # [N, L] importance weights computed over the whole batch
+    kl_coef: float | None = None  # the KL-in-reward coefficient this step used (adaptive kl_ctrl moves it)
 
 
 
@@ -73,12 +76,16 @@ class RLSession:
         self.rollout_fn = load_rollout_fn(cfg.rollout.fn)
         self._fn_tokenizer = load_tokenizer(model_path)  # rollout functions' own: HF tokenizers are not thread-safe
         self.runner: RolloutRunner | None = None  # runs rollout_fn against the router (set by create)
-        self.prompts = PromptSource(load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.label_key),
-                                    cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle, self._fn_tokenizer)
+        data, options = cfg.data, cfg.storage.fsspec_options
+        train_rows = load_prompts(data.train_path, data.prompt_key, data.label_key, options(data.train_path))
+        self.prompts = PromptSource(train_rows, cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle,
+                                    self._fn_tokenizer)
         self.eval_rows = (
-            load_prompts(cfg.data.eval_path, cfg.data.prompt_key, cfg.data.label_key) if cfg.data.eval_path else []
+            load_prompts(data.eval_path, data.prompt_key, data.label_key, options(data.eval_path))
+            if data.eval_path else []
         )
         self.weight_version = 0  # of the trainer's weights: the number of syncs so far
+        self.kl_coef = cfg.algorithm.kl_coef  # KL-in-reward coefficient of the next step (adaptive: it moves)
         self._dp_ranks: list[int] | None = None
         # steps in flight: with one-step-off async, step k+1's rollout runs (in another thread) while step k
         # trains, so two steps can be open at once
@@ -148,12 +155,28 @@ class RLSession:
             rows = self.prompts.take(step)
             prompts = self._prompt_samples(rows, self.cfg.rollout.samples_per_prompt, self._seed(step))
             groups = self.runner.run(prompts, self._sampling(self.cfg.rollout.temperature))
+            if self.cfg.algorithm.advantage == "remax":
+                groups = self._with_greedy_baselines(rows, groups, step)
         batch = RolloutBatch.from_samples(prompts, groups)
         if self.cfg.rollout.dynamic_sampling.enabled:  # its prompts do not follow from the cursor: store both
             batch.metadata = self.prompts.batch_metadata(step)
         self._open(StepState(step, rows, batch))
         metrics |= batch.metrics()
         return metrics | {"rollout/tokens_per_s": metrics["rollout/tokens"] / (time.perf_counter() - t0)}
+
+    def _with_greedy_baselines(self, rows: list[dict], groups: list[list[Sample]], step: int
+                               ) -> list[list[Sample]]:
+        """ReMax: each group with one more sample, the prompt's greedy response (temperature 0, through the same
+        rollout function), marked as the baseline and with an all-0 loss mask: it is rewarded like the others
+        and never trained on."""
+        prompts = self._prompt_samples(rows, 1, 2**61 + self._seed(step))  # seeds apart (greedy needs none)
+        greedy = self.runner.run(prompts, self._sampling(0.0))
+        for group, extra in zip(groups, greedy, strict=True):
+            base = extra[0]
+            base.metadata["remax_baseline"] = True
+            base.loss_mask = [0] * len(base.response_ids)
+            group.append(base)
+        return groups
 
     def _dynamic_groups(self, step: int) -> tuple[list[PromptSample], list[list[Sample]], dict[str, float]]:
         """Dynamic sampling (engines/rollout/dynamic_sampling.py): prompts_per_step groups whose rewards differ, taking
@@ -179,7 +202,8 @@ class RLSession:
                 s.response = text
             given = np.array([np.nan if s.reward is None else s.reward for s in samples])
             return await asyncio.to_thread(self._rewards, [prompt.prompt] * len(samples), texts,
-                                           [prompt.label] * len(samples), given)
+                                           [prompt.label] * len(samples), given,
+                                           [prompt.row.get("meta", {})] * len(samples))
 
         collected = self.runner.submit(collect_groups(
             self.rollout_fn, self.runner.name, self.runner.router_url, self._sampling(r.temperature),
@@ -226,13 +250,18 @@ class RLSession:
         st = self._state(step)
         b = st.batch
         responses = self._responses(b.split("output_ids"), b.text)
-        st.batch = b.with_rewards(responses, self._rewards(b.prompt, responses, b.label, b.fn_reward))
-        rewards = torch.tensor(st.batch.reward, dtype=torch.float32)
-        return {
+        metas = [st.rows[g].get("meta", {}) for g in b.group]  # the rows' other columns, for the reward
+        st.batch = b.with_rewards(responses, self._rewards(b.prompt, responses, b.label, b.fn_reward, metas))
+        all_rewards = torch.tensor(st.batch.reward, dtype=torch.float32)
+        rewards = all_rewards[torch.as_tensor(~b.baseline)]  # ReMax's greedy baselines are not the policy's samples
+        metrics = {
             "rollout/reward_mean": float(rewards.mean()),
             "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "rollout/accuracy": float((rewards >= 1.0).float().mean()),
         }
+        if b.baseline.any():
+            metrics["rollout/greedy_reward_mean"] = float(all_rewards[torch.as_tensor(b.baseline)].mean())
+        return metrics
 
     def advantages(self, step: int) -> dict[str, float]:
         """Rewards -> advantages: overlong shaping and KL-in-reward first, then the recipe's estimator.
@@ -243,7 +272,7 @@ class RLSession:
         the returns the critic trains on.
         """
         st = self._state(step)
-        algo, group = self.cfg.algorithm, st.batch.group_size()
+        algo, groups = self.cfg.algorithm, torch.as_tensor(st.batch.group)
         rewards = scored = torch.tensor(st.batch.reward, dtype=torch.float32)
         metrics = {}
         if algo.overlong_buffer and algo.overlong_penalty:
@@ -254,17 +283,23 @@ class RLSession:
             metrics |= {"adv/overlong_penalty": float(pen.mean()), "adv/overlong_frac": float((pen < 0).float().mean())}
         kl_in_reward = algo.kl_in == "reward" and algo.kl_coef > 0
         token_level = algo.advantage in TOKEN_ADVANTAGES or self.critic_group is not None
-        st.train_logprobs, mask, penalty = None, None, None
-        if kl_in_reward or token_level:
+        st.train_logprobs, st.keep, st.is_weights, mask, penalty = None, None, None, None, None
+        if kl_in_reward or token_level or algo.corrects_rollout:
             batch = self._pack(st, torch.zeros(len(rewards)))
             mask = batch["loss_mask"]
             penalty = torch.zeros_like(mask)
+            if algo.corrects_rollout:  # the train engine's logprobs become PPO's old policy (with_train_logprobs)
+                st.train_logprobs = self._train_logprobs(batch)
+                metrics |= self._rollout_correction(st, batch)
+                mask = mask * st.keep
             if kl_in_reward:
-                policy = batch["old_logprobs"]  # the behaviour policy: the rollout engine's, or with IS correction
-                if algo.is_correction != "none":  # the train engine's, which PPO's ratio is also taken against
-                    st.train_logprobs = policy = self._train_logprobs(batch)
+                # the behaviour policy: the rollout engine's, or with correction the train engine's, which PPO's
+                # ratio is also taken against
+                policy = batch["old_logprobs"] if st.train_logprobs is None else st.train_logprobs
                 ref = self._train_logprobs(batch, reference=True)
-                penalty = algorithms.kl_reward_penalty(policy, ref, mask, algo.kl_coef, algo.kl_estimator)
+                kl = algorithms.kl_reward_penalty(policy, ref, mask, 1.0, algo.kl_estimator)
+                metrics |= self._kl_in_reward(st, kl, mask)
+                penalty = st.kl_coef * kl
                 metrics["adv/kl_penalty"] = float(penalty.sum(-1).mean())
         if token_level:
             token_rewards = algorithms.outcome_token_rewards(rewards, mask) - penalty
@@ -284,27 +319,66 @@ class RLSession:
             elif algo.advantage == "reinforce_pp":
                 st.advantages = algorithms.reinforce_pp_advantages(token_rewards, mask, algo.gamma)
             else:
-                st.advantages = algorithms.reinforce_pp_baseline_advantages(rewards, group, mask)
+                st.advantages = algorithms.reinforce_pp_baseline_advantages(rewards, groups, mask)
             abs_mean = float(algorithms.masked_mean(st.advantages.abs(), mask))
         else:
-            st.advantages = self._sequence_advantages(rewards, group)
+            st.advantages = self._sequence_advantages(st, rewards, groups)
             abs_mean = float(st.advantages.abs().mean())
         if rewards is not scored:
             metrics["adv/shaped_reward_mean"] = float(rewards.mean())
-        groups = rewards.view(-1, group)
         return metrics | {
             "adv/abs_mean": abs_mean,
-            "adv/zero_std_groups": float((groups == groups[:, :1]).all(dim=1).float().mean()),
+            "adv/zero_std_groups": float(algorithms.equal_reward_groups(rewards, groups).float().mean()),
         }
 
-    def _sequence_advantages(self, rewards: torch.Tensor, group: int) -> torch.Tensor:
+    def _sequence_advantages(self, st: StepState, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         algo = self.cfg.algorithm
         if algo.advantage in ("grpo", "dr_grpo"):
             normalize = algo.normalize_std if algo.normalize_std is not None else algo.advantage == "grpo"
-            return algorithms.group_advantages(rewards, group, normalize)
+            return algorithms.group_advantages(rewards, groups, normalize)
+        if algo.advantage == "passk":
+            return algorithms.passk_advantages(rewards, groups, algo.passk_k, algo.passk_threshold)
+        if algo.advantage == "grpo_passk":
+            return algorithms.grpo_passk_advantages(rewards, groups, algo.normalize_std is not False)
         if algo.advantage == "rloo":
-            return algorithms.rloo_advantages(rewards, group)
-        return algorithms.reinforce_pp_baseline_seq_advantages(rewards, group)
+            return algorithms.rloo_advantages(rewards, groups)
+        if algo.advantage == "remax":
+            return algorithms.remax_advantages(rewards, groups, torch.as_tensor(st.batch.baseline))
+        if algo.advantage == "opo":  # lengths: the response tokens each sample trains on
+            trained = torch.from_numpy(st.batch.loss_mask.astype(np.float32))
+            sample = torch.from_numpy(np.repeat(np.arange(len(st.batch)), st.batch.lengths))
+            lengths = torch.zeros(len(st.batch)).index_add_(0, sample, trained)
+            return algorithms.opo_advantages(rewards, groups, lengths)
+        return algorithms.reinforce_pp_baseline_seq_advantages(rewards, groups)
+
+    def _rollout_correction(self, st: StepState, batch: TrainBatch) -> dict[str, float]:
+        """Rejection mask and importance weights of the step over its whole batch (batch normalisation needs
+        all of it; a micro-batch would give another mean): the train stage hands both to the workers."""
+        algo = self.cfg.algorithm
+        mask, rollout = batch["loss_mask"], batch["old_logprobs"]
+        st.keep, metrics = algorithms.rejection_mask(st.train_logprobs, rollout, mask, algo.rejection,
+                                                     algo.reject_low, algo.reject_high)
+        if algo.is_correction != "none":
+            st.is_weights, is_metrics = algorithms.importance_weights(
+                st.train_logprobs, rollout, mask * st.keep, algo.is_correction, algo.tis_cap, algo.icepop_low,
+                algo.icepop_high, level=algo.is_level, batch_normalize=algo.is_batch_normalize)
+            metrics |= is_metrics
+        return {f"rollout_corr/{k}": float(v) for k, v in metrics.items()}
+
+    def _kl_in_reward(self, st: StepState, kl: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+        """Fix the step's KL-in-reward coefficient and, with adaptive kl_ctrl, move the next step's by the KL
+        measured here (mean over samples of the per-token mean). A retried stage reuses the step's coefficient,
+        so the controller moves once per step."""
+        algo = self.cfg.algorithm
+        if st.kl_coef is None:
+            st.kl_coef = self.kl_coef
+        out = {"adv/kl_coef": st.kl_coef}
+        if algo.kl_ctrl == "adaptive":
+            current = float((kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean())
+            self.kl_coef = algorithms.adaptive_kl_coef(st.kl_coef, current, algo.kl_target, algo.kl_horizon,
+                                                       len(kl))
+            out["adv/kl_mean"] = current
+        return out
 
     def train(self, step: int) -> dict[str, float]:
         st = self._state(step)
@@ -323,6 +397,10 @@ class RLSession:
         batch = self._pack(st, st.advantages)
         if st.train_logprobs is not None:
             batch = with_train_logprobs(batch, st.train_logprobs)
+        if st.keep is not None:  # rejected tokens leave the loss mask (and every denominator)
+            batch["loss_mask"] = batch["loss_mask"] * st.keep
+        if st.is_weights is not None:
+            batch["is_weights"] = st.is_weights
         t0 = time.perf_counter()
         critic = self._submit_critic_step(st, batch)  # the critic trains beside the policy (other actors)
         metrics = {"train/staleness_mean": float(staleness.mean()), "train/staleness_max": float(staleness.max())}
@@ -366,7 +444,7 @@ class RLSession:
         groups = self.runner.run(prompts, self._sampling(self.cfg.eval.temperature))
         b = RolloutBatch.from_samples(prompts, [g[:1] for g in groups])
         responses = self._responses(b.split("output_ids"), b.text)
-        rewards = self._rewards(b.prompt, responses, b.label, b.fn_reward)
+        rewards = self._rewards(b.prompt, responses, b.label, b.fn_reward, [r.get("meta", {}) for r in rows])
         samples = [
             {"step": step, "prompt": r["prompt"], "response": s, "label": str(r["label"]), "reward": w}
             for r, s, w in zip(rows, responses, rewards, strict=True)
@@ -415,7 +493,10 @@ class RLSession:
         self.tokenizer.save_pretrained(Path(path) / "model")  # so model/ loads with transformers as it is
         if self.critic_group is not None:
             self.critic_group.call(CriticBackend.save, str(Path(path) / "critic"))
-        return self.prompts.state_after(step) | {"weight_version": self.weight_version}
+        state = self.prompts.state_after(step) | {"weight_version": self.weight_version}
+        if self.cfg.algorithm.kl_ctrl == "adaptive":  # the controller's state: resume must continue from it
+            state["kl_coef"] = self.kl_coef
+        return state
 
     def load(self, path: str | Path, controller_state: dict) -> None:
         self.train_group.call(TrainBackend.load, str(path))
@@ -423,6 +504,7 @@ class RLSession:
             self.critic_group.call(CriticBackend.load, str(Path(path) / "critic"))
         self.prompts.load_state(controller_state)
         self.weight_version = controller_state["weight_version"]
+        self.kl_coef = controller_state.get("kl_coef", self.cfg.algorithm.kl_coef)
         if self.weight_transport is not None:
             self.weight_transport.resend(self.weight_version)
 
@@ -481,7 +563,7 @@ class RLSession:
             raise RuntimeError(f"step {step}: no rollout in flight (run the rollout stage first)")
         return self._states[step]
 
-    def _encode(self, prompt: str) -> list[int]:
+    def _encode(self, prompt: str | list[dict]) -> list[int]:
         with self._tokenizer_lock:
             return encode_prompt(self.tokenizer, prompt, self.cfg.data.chat_template)
 
@@ -492,7 +574,7 @@ class RLSession:
                 "top_k": r.top_k or -1, "stop": list(r.stop)}
 
     def _prompt_samples(self, rows: list[dict], n: int, seed: int) -> list[PromptSample]:
-        return [PromptSample(index=i, prompt=r["prompt"], label=r["label"], prompt_ids=self._encode(r["prompt"]),
+        return [PromptSample(index=i, prompt=r["prompt"], label=r["label"], prompt_ids=self._encode(prompt_input(r)),
                              n=n, seed=seed + i * n, row=r, tokenizer=self._fn_tokenizer) for i, r in enumerate(rows)]
 
     def _responses(self, output_ids: list, texts: list[str | None]) -> list[str]:
@@ -507,13 +589,15 @@ class RLSession:
             out[i] = text
         return out
 
-    def _rewards(self, prompts: list[str], responses: list[str], labels: list, given: np.ndarray) -> list[float]:
-        """The recipe's reward for every sample whose rollout function did not score it (NaN in `given`)."""
+    def _rewards(self, prompts: list[str], responses: list[str], labels: list, given: np.ndarray,
+                 metas: list[dict]) -> list[float]:
+        """The recipe's reward for every sample whose rollout function did not score it (NaN in `given`); `metas`:
+        each sample's row's other columns."""
         todo = np.flatnonzero(np.isnan(given)).tolist()
         out = given.astype(float).tolist()
         if todo:
             scored = compute_rewards(self.reward_fn, [prompts[i] for i in todo], [responses[i] for i in todo],
-                                     [labels[i] for i in todo], self.cfg.reward.kwargs)
+                                     [labels[i] for i in todo], self.cfg.reward.kwargs, [metas[i] for i in todo])
             for i, r in zip(todo, scored, strict=True):
                 out[i] = r
         return out

@@ -21,7 +21,7 @@ from rlflow.engines.core.batch import ROLLOUT_SCHEMA, RolloutBatch, pack_samples
 from rlflow.engines.core.config import RLConfig, TrainConfig
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.data.prompts import PromptCursor, load_pairs
-from rlflow.engines.models.hf import encode_prompt
+from rlflow.engines.models.hf import encode_prompt, prompt_input
 from rlflow.engines.session.rl import RLSession
 
 # rejection sampling's round table (<run>/rounds/<round>/samples.parquet): a scored rollout batch and which
@@ -77,8 +77,8 @@ def tokenize_pairs(tokenizer, pairs: list[dict], chat_template: bool, add_eos: b
     """Prompts tokenized as the rollout engine tokenizes them (models.hf.encode_prompt),
     responses without special tokens, then EOS so the model learns where an answer ends."""
     prompts = [p["prompt"] for p in pairs]
-    if chat_template:
-        prompt_ids = [encode_prompt(tokenizer, p, True) for p in prompts]
+    if chat_template or any("messages" in p for p in pairs):
+        prompt_ids = [encode_prompt(tokenizer, prompt_input(p), chat_template) for p in pairs]
     else:
         prompt_ids = tokenizer(prompts)["input_ids"]
     eos = [tokenizer.eos_token_id] if add_eos else []
@@ -97,7 +97,8 @@ class SFTSession:
         if not rejection:
             if not self.cfg.sft.train_path:
                 raise ValueError("sft.train_path: `rlflow sft` needs a prompt/response file")
-            pairs = load_pairs(self.cfg.sft.train_path, self.cfg.data.prompt_key, self.cfg.sft.response_key)
+            pairs = load_pairs(self.cfg.sft.train_path, self.cfg.data.prompt_key, self.cfg.sft.response_key,
+                               self.cfg.storage.fsspec_options(self.cfg.sft.train_path))
             self.set_examples(self.tokenize(pairs), self.cfg.data.seed)
 
     @classmethod

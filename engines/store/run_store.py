@@ -58,7 +58,7 @@ def missing_bucket(err: BaseException) -> bool:
 class RunStore:
     def __init__(self, storage: StorageConfig | str, run: str, backoff_s: float = 0.5):
         storage = StorageConfig(uri=storage) if isinstance(storage, str) else storage
-        self.fs, root_path = fsspec.core.url_to_fs(storage.uri, **storage.fsspec_options())
+        self.fs, root_path = fsspec.core.url_to_fs(storage.uri, **storage.run_store_options())
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.protocol = "file" if protocol in ("file", "local") else protocol
         if self.protocol in ("s3", "s3a"):

@@ -182,7 +182,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         advantages were computed with)."""
         if self.ref_model is not None and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
-        if self.role == "policy" and self.algo.is_correction != "none" and "rollout_logprobs" not in batch:
+        if self.role == "policy" and self.algo.corrects_rollout and "rollout_logprobs" not in batch:
             batch = with_train_logprobs(batch, self.forward_logprobs(batch))
         t0 = time.perf_counter()
         self.model.train()
@@ -247,6 +247,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         return algorithms.rl_loss(
             logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], norm_len=self.norm_len,
             ref_logprobs=micro.get("ref_logprobs"), rollout_logprobs=micro.get("rollout_logprobs"),
+            is_weights=micro.get("is_weights"),
             entropy=entropy if self.algo.entropy_coef else entropy.detach(), **self.algo.loss_kwargs(),
         )
 

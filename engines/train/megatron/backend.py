@@ -23,9 +23,11 @@ from typing import Any
 import megatron.core
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from safetensors.torch import load_file, save_file
@@ -49,7 +51,7 @@ from rlflow.engines.train.megatron.cpu import device_context
 from rlflow.engines.train.megatron.export import WeightExporter
 from rlflow.engines.train.megatron.hf_config import spec_from_hf
 from rlflow.engines.train.megatron.logprobs import token_logprobs
-from rlflow.engines.train.megatron.microbatch import micro_batches, restore_width
+from rlflow.engines.train.megatron.microbatch import Micro, gather_rows, plan_micro_batches
 from rlflow.engines.train.megatron.model_build import (
     build_model,
     init_parallel,
@@ -138,11 +140,11 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         # the metric names rl_loss reports for this algorithm (every rank must reduce the same vector)
         self.metric_keys = sorted(self._rl_loss(*[torch.zeros(1, 1)] * 4, ref=torch.zeros(1, 1),
                                                 entropy=torch.zeros(1, 1),
-                                                rollout=torch.zeros(1, 1) if algorithm.is_correction != "none" else None
+                                                rollout=torch.zeros(1, 1) if algorithm.corrects_rollout else None
                                                 )[1])
 
     def _load_core(self) -> torch.nn.Module:
-        core = build_model(self.spec, self.tf_config, self.use_te)
+        core = build_model(self.spec, self.tf_config, self.use_te, self.mcfg.attention)
         load_hf_weights(core, self.spec, self.model_path, fused_norms=self.use_te)
         return core
 
@@ -172,22 +174,54 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
     def _dev(self) -> str:
         return f"cuda:{torch.cuda.current_device()}" if self.device == "cuda" else "cpu"
 
-    def _run(self, model: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
-        """Logits [B, L, V/tp] on the last stage, hidden states on earlier ones (causal mask, right padding)."""
-        ids = mb["input_ids"].to(self._dev())
+    def _run(self, model: torch.nn.Module, micro: Micro) -> torch.Tensor:
+        """Logits [B, L, V/tp] on the last stage, hidden states on earlier ones. Packed: one stream [1, T] in
+        megatron's THD layout (positions restart per sample, attention stays within each); padded: right-padded
+        rows under a causal mask."""
+        if micro.packed is not None:
+            p = micro.packed
+            ids, pos, cu = p.input_ids, p.position_ids, p.cu_seqlens
+            pad = -len(ids) % self._multiple()  # sequence parallelism splits the stream: a dummy sample fills it
+            if pad:
+                ids, pos = F.pad(ids, (0, pad)), F.pad(pos, (0, pad))
+                cu = torch.cat([cu, cu[-1:] + pad])
+            longest = max(p.max_len, pad)
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                     max_seqlen_kv=longest)
+            return model(ids[None], pos[None], None, packed_seq_params=params)
+        ids = micro.batch["input_ids"].to(self._dev())
         width = ids.shape[1]
         pos = torch.arange(width, device=ids.device).unsqueeze(0).expand_as(ids)
         # True = masked out; given explicitly (megatron's default causal mask is built on "cuda")
         mask = torch.ones(width, width, dtype=torch.bool, device=ids.device).triu(1).view(1, 1, width, width)
         return model(ids, pos, mask)
 
-    def _micro(self, batch: TrainBatch) -> list[TrainBatch]:
-        multiple = self.tp if self.tf_config.sequence_parallel else 1
-        return micro_batches(batch, self.cfg.micro_batch_size, self.mcfg.micro_batch_tokens, multiple)
+    def _token_logprobs(self, logits: torch.Tensor, micro: Micro, temperature: float, entropy: str
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """token_logprobs of the micro-batch's rows, [rows, width] right-padded whatever layout ran."""
+        if micro.packed is None:
+            return token_logprobs(logits, micro.batch["input_ids"], temperature, entropy)
+        p = micro.packed
+        n = len(p.input_ids)  # the stream's own tokens (a sequence-parallel pad follows them)
+        logp, ent = token_logprobs(logits[:, :n], p.input_ids[None], temperature, entropy)
+        first = torch.zeros(n, dtype=torch.bool, device=logp.device)
+        first[p.cu_seqlens[:-1].long()] = True  # a sample's first token has no logprob (it read the previous one)
 
-    def _on_dev(self, micro: list[TrainBatch]) -> list[TrainBatch]:
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            return p.unpack(torch.where(first, torch.zeros_like(x[0]), x[0]))
+
+        return rows(logp), rows(ent) if ent is not None else None
+
+    def _multiple(self) -> int:
+        return self.tp if self.tf_config.sequence_parallel else 1
+
+    def _micro(self, batch: TrainBatch) -> list[Micro]:
+        return plan_micro_batches(batch, self.cfg.micro_batch_size, self.mcfg.micro_batch_tokens,
+                                  self.mcfg.packing, self._multiple())
+
+    def _on_dev(self, micro: list[Micro]) -> list[Micro]:
         """All micro-batches to the device at once: a copy per micro-batch would wait for the GPU each time."""
-        return [{k: v.to(self._dev(), non_blocking=True) for k, v in part.items()} for part in micro]
+        return [m.to(self._dev()) for m in micro]
 
     @_on_device
     @torch.no_grad()
@@ -200,61 +234,61 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         model.eval()
         micro, width = self._on_dev(self._micro(batch)), batch["input_ids"].shape[1]
         if self.pp == 1:
-            parts = [token_logprobs(self._run(model, mb), mb["input_ids"].to(self._dev()), self.temperature)[0]
-                     for mb in micro]
+            parts = [(m.rows, self._token_logprobs(self._run(model, m), m, self.temperature, "none")[0])
+                     for m in micro]
         else:
             parts = self._pipeline(model, micro, forward_only=True)
-        n = batch_size(batch)
-        out = (restore_width(parts, width) if parts else torch.zeros(n, width, device=self._dev())).float()
+        out = gather_rows(parts, batch_size(batch), width, self._dev())  # zeros off the last pipeline stage
         return self._to_last_stage_value(out).cpu()
 
-    def _pipeline(self, model: torch.nn.Module, micro: list[TrainBatch], forward_only: bool) -> list:
-        """megatron's pipeline schedule over `micro`; returns what the loss function reported, per micro-batch,
-        on the last stage ([] elsewhere)."""
+    def _pipeline(self, model: torch.nn.Module, micro: list[Micro], forward_only: bool) -> list:
+        """megatron's pipeline schedule over `micro` (stages exchange shapes: variable_seq_lengths); returns what
+        the loss function reported, per micro-batch, on the last stage ([] elsewhere)."""
 
         def step(data_iterator, chunk):
-            mb = next(data_iterator)
-            return self._run(chunk, mb), functools.partial(self._pipeline_loss, mb)
+            m = next(data_iterator)
+            return self._run(chunk, m), functools.partial(self._pipeline_loss, m)
 
+        packed = micro[0].packed is not None
         return get_forward_backward_func()(
             forward_step_func=step, data_iterator=iter(micro), model=[model], num_microbatches=len(micro),
-            seq_length=max(mb["input_ids"].shape[1] for mb in micro),
-            micro_batch_size=max(batch_size(mb) for mb in micro),
+            seq_length=max(len(m.packed.input_ids) if packed else m.batch["input_ids"].shape[1] for m in micro),
+            micro_batch_size=1 if packed else max(batch_size(m.batch) for m in micro),
             forward_only=forward_only, collect_non_loss_data=forward_only,
         )
 
-    def _pipeline_loss(self, mb: TrainBatch, output: torch.Tensor, non_loss_data: bool = False):
-        if non_loss_data:  # forward only: the logprobs themselves
-            return token_logprobs(output, mb["input_ids"].to(output.device), self.temperature)[0]
-        loss, vec = self._loss(mb, output)
-        return loss, mb["loss_mask"].sum().int().to(output.device), {"metrics": vec}
+    def _pipeline_loss(self, micro: Micro, output: torch.Tensor, non_loss_data: bool = False):
+        if non_loss_data:  # forward only: the logprobs themselves, with the rows they belong to
+            return micro.rows, self._token_logprobs(output, micro, self.temperature, "none")[0]
+        loss, vec = self._loss(micro, output)
+        return loss, micro.batch["loss_mask"].sum().int().to(output.device), {"metrics": vec}
 
     # ---- training ------------------------------------------------------------------------------------
-    def _rl_loss(self, logprobs, old_logprobs, advantages, mask, *, ref, entropy, rollout=None):
+    def _rl_loss(self, logprobs, old_logprobs, advantages, mask, *, ref, entropy, rollout=None, is_weights=None):
         """The shared objective with exactly the torch backend's arguments (AlgorithmConfig.loss_kwargs)."""
         return algorithms.rl_loss(
             logprobs, old_logprobs, advantages, mask, norm_len=self.norm_len, ref_logprobs=ref,
-            rollout_logprobs=rollout, entropy=entropy, **self.algo.loss_kwargs(),
+            rollout_logprobs=rollout, is_weights=is_weights, entropy=entropy, **self.algo.loss_kwargs(),
         )
 
     def _keys(self) -> list[str]:
         """The metric names the current loss reports, in the order every rank reduces them."""
         return list(SFT_METRICS) if self._sft else self.metric_keys
 
-    def _loss(self, mb: TrainBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loss(self, micro: Micro, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this micro-batch's loss x its loss scale, its metrics weighted as algorithms.scale_metrics weighs them,
         as one float64 vector)."""
         dev = logits.device
-        mb = {k: v.to(dev) for k, v in mb.items()}
+        mb = {k: v.to(dev) for k, v in micro.batch.items()}
         if self._sft:  # the model's own distribution (temperature 1); entropy is only logged
-            logprobs, entropy = token_logprobs(logits, mb["input_ids"], 1.0, "metric")
+            logprobs, entropy = self._token_logprobs(logits, micro, 1.0, "metric")
             loss, metrics = algorithms.sft_loss(logprobs, mb["loss_mask"], "token_mean", entropy=entropy)
         else:
-            logprobs, entropy = token_logprobs(logits, mb["input_ids"], self.temperature,
-                                               "loss" if self.algo.entropy_coef else "metric")
+            logprobs, entropy = self._token_logprobs(logits, micro, self.temperature,
+                                                     "loss" if self.algo.entropy_coef else "metric")
             loss, metrics = self._rl_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
                                           ref=mb.get("ref_logprobs"), entropy=entropy,
-                                          rollout=mb.get("rollout_logprobs"))
+                                          rollout=mb.get("rollout_logprobs"), is_weights=mb.get("is_weights"))
         scaled = algorithms.scale_metrics(metrics, mb["loss_scale"], mb["share"])
         vec = torch.stack([scaled[k] for k in self._keys()])
         return loss * mb["loss_scale"].float(), vec
@@ -266,7 +300,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         t0 = time.perf_counter()
         if self.ref_model is not None and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
-        if self.algo.is_correction != "none" and "rollout_logprobs" not in batch:
+        if self.algo.corrects_rollout and "rollout_logprobs" not in batch:
             batch = with_train_logprobs(batch, self.forward_logprobs(batch))
         self.model.train()
         per_mb = batch_size(batch) // self.cfg.mini_batches
@@ -297,7 +331,8 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         total = self._dp_all_reduce(algorithms.aggregation_weight(mb["loss_mask"], mode).double().to(dev))
         micro = self._micro(mb)
         for part in micro:
-            part["loss_scale"], part["share"] = algorithms.micro_batch_scales(part["loss_mask"], total.cpu(), mode)
+            part.batch["loss_scale"], part.batch["share"] = algorithms.micro_batch_scales(
+                part.batch["loss_mask"], total.cpu(), mode)
         micro = self._on_dev(micro)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -1,23 +1,76 @@
-"""Micro-batches by token budget: consecutive rows, each group cut to its own longest row.
+"""Micro-batches for the Megatron backend: packed (padding-free, the default) or padded.
 
-A train batch is right-padded to its longest sequence; a micro-batch of short rows does not need those columns.
-Cutting them keeps the work per micro-batch near the budget whatever the length mix. Losses are scaled by each
-micro-batch's share of the mini-batch, so the grouping does not change the update.
+Packed: samples are grouped by summed length within a token budget (engines/train/microbatch.py, the grouping
+the torch backend uses) and run as one token stream in megatron's THD layout, each sample attending to itself
+only, so a micro-batch costs what its tokens cost. Padded: consecutive rows cut to their group's longest row,
+within rows x width <= budget. Either way a micro-batch also keeps its rows right-padded, which is the layout the
+losses and results use. Losses are scaled by each micro-batch's share of the mini-batch, so the grouping does not
+change the update.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from rlflow.engines.core.batch import TrainBatch
+from rlflow.engines.models.packed import PackedRows
+from rlflow.engines.train.microbatch import token_budget_groups
+
+
+@dataclass
+class Micro:
+    """One micro-batch: which rows of the batch it holds, those rows right-padded to their longest, and (packed
+    mode) their tokens as one stream."""
+
+    rows: list[int]
+    batch: TrainBatch
+    packed: PackedRows | None = None
+
+    def to(self, device: str) -> Micro:
+        batch = {k: v.to(device, non_blocking=True) for k, v in self.batch.items()}
+        return Micro(self.rows, batch, self.packed.to(device) if self.packed is not None else None)
+
+
+def plan_micro_batches(batch: TrainBatch, max_rows: int, max_tokens: int = 0, packed: bool = True,
+                       multiple: int = 1) -> list[Micro]:
+    """The batch's rows in micro-batches of at most `max_rows` rows and `max_tokens` tokens (0: no token cap):
+    summed lengths when packed, rows x padded width otherwise. `multiple`: padded widths round up to it
+    (sequence parallelism splits the sequence over TP ranks; a packed stream is padded when it runs)."""
+    if not packed:
+        return [Micro(list(range(a, b)), _cut(batch, a, b, w))
+                for a, b, w in _consecutive(batch, max_rows, max_tokens, multiple)]
+    lengths = [max(int(n), 1) for n in batch["attention_mask"].sum(-1).tolist()]
+    out = []
+    for rows in token_budget_groups(lengths, max_tokens, max_rows):
+        index = torch.tensor(rows)
+        width = max(lengths[i] for i in rows)
+        part = {k: v[index][:, :width] if v.dim() == 2 else v[index] for k, v in batch.items()}
+        out.append(Micro(rows, part, PackedRows.from_padded(part["input_ids"], part["attention_mask"])))
+    return out
+
+
+def gather_rows(parts: list[tuple[list[int], torch.Tensor]], n: int, width: int, device: str | None = None
+                ) -> torch.Tensor:
+    """Per-micro-batch [rows, w] results back into one [n, width] tensor (zeros past each row's width)."""
+    out = torch.zeros(n, width, device=device)
+    for rows, values in parts:
+        w = min(values.shape[1], width)
+        out[torch.tensor(rows, device=out.device)[:, None], torch.arange(w, device=out.device)] = \
+            values[:, :w].float().to(out.device)
+    return out
 
 
 def micro_batches(batch: TrainBatch, max_rows: int, max_tokens: int = 0, multiple: int = 1) -> list[TrainBatch]:
-    """Rows in order, grouped so that rows <= max_rows and rows x width <= max_tokens (0: no token cap).
+    """Padded mode: rows in order, grouped so that rows <= max_rows and rows x width <= max_tokens (0: no token
+    cap); width is the group's longest row rounded up to `multiple`. A row longer than max_tokens on its own
+    gets a group of its own."""
+    return [_cut(batch, a, b, w) for a, b, w in _consecutive(batch, max_rows, max_tokens, multiple)]
 
-    width is the group's longest row rounded up to `multiple` (sequence parallelism splits the sequence over
-    TP ranks). A row longer than max_tokens on its own gets a group of its own.
-    """
+
+def _consecutive(batch: TrainBatch, max_rows: int, max_tokens: int, multiple: int) -> list[tuple[int, int, int]]:
     lengths = batch["attention_mask"].sum(-1).tolist()
     groups: list[tuple[int, int, int]] = []  # (start, stop, width)
     start, width = 0, 0
@@ -30,7 +83,7 @@ def micro_batches(batch: TrainBatch, max_rows: int, max_tokens: int = 0, multipl
         width = w
     if lengths:
         groups.append((start, len(lengths), width))
-    return [_cut(batch, a, b, w) for a, b, w in groups]
+    return groups
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -44,13 +97,6 @@ def _cut(batch: TrainBatch, start: int, stop: int, width: int) -> TrainBatch:
     for k, v in batch.items():
         v = v[start:stop]
         if v.dim() == 2 and v.shape[1] == full:
-            v = v[:, :width] if width <= full else torch.nn.functional.pad(v, (0, width - full))
+            v = v[:, :width] if width <= full else F.pad(v, (0, width - full))
         out[k] = v
     return out
-
-
-def restore_width(parts: list[torch.Tensor], width: int) -> torch.Tensor:
-    """Per-micro-batch [rows, w] results back into one [N, width] tensor (zeros past each group's width)."""
-    out = [torch.nn.functional.pad(p, (0, width - p.shape[1])) if p.shape[1] < width else p[:, :width]
-           for p in parts]
-    return torch.cat(out)

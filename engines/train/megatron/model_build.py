@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from safetensors import safe_open
 
 from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.core.config import MegatronConfig
+from rlflow.engines.train.megatron.attention import local_layer_spec
 from rlflow.engines.train.megatron.hf_config import ModelSpec
 from rlflow.engines.train.megatron.weights import Rule, check_tensor_parallel, model_rules, to_megatron
 
@@ -82,7 +82,7 @@ def transformer_config(spec: ModelSpec, cfg: MegatronConfig, dtype: torch.dtype,
     return TransformerConfig(**(kwargs | cfg.transformer))
 
 
-def build_model(spec: ModelSpec, config: TransformerConfig, use_te: bool) -> GPTModel:
+def build_model(spec: ModelSpec, config: TransformerConfig, use_te: bool, attention: str) -> GPTModel:
     """This pipeline stage's GPTModel with megatron's random init (load_hf_weights overwrites every weight)."""
     if use_te:
         # needs Transformer Engine, which only use_te runs have
@@ -90,7 +90,7 @@ def build_model(spec: ModelSpec, config: TransformerConfig, use_te: bool) -> GPT
 
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     else:
-        layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+        layer_spec = local_layer_spec(spec.qk_norm, attention)
     return GPTModel(config=config, transformer_layer_spec=layer_spec,
                     pre_process=parallel_state.is_pipeline_first_stage(),
                     post_process=parallel_state.is_pipeline_last_stage(), **spec.gpt_kwargs())

@@ -1,0 +1,101 @@
+"""Rollout correction beyond token TIS/IcePop: sequence-level and batch-normalised importance weights, and
+token / sequence / geometric rejection masks, against numbers worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlflow.engines.core import algorithms as A
+
+LN2 = math.log(2.0)
+# ratios p_train / p_rollout: row 0: 1, 2, 0.5 (sequence: exp(0 + ln2 - ln2) = 1); row 1: 4, 1, padding
+# (sequence: 4). The padding holds garbage that must never show.
+ROLLOUT = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -1.0, float("inf")]])
+TRAIN = ROLLOUT.nan_to_num(posinf=0.0) + torch.tensor([[0.0, LN2, -LN2], [2 * LN2, 0.0, float("nan")]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def test_sequence_tis_by_hand():
+    w, m = A.importance_weights(TRAIN, ROLLOUT, MASK, "tis", tis_cap=2.0, level="sequence")
+    # row 0: min(1, 2) = 1 on each token; row 1: min(4, 2) = 2 on each token
+    assert torch.allclose(w, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]), atol=1e-6)
+    assert m["is_clip_frac"].item() == pytest.approx(2 / 5)  # row 1's two tokens
+    assert m["is_weight_mean"].item() == pytest.approx(7 / 5, abs=1e-6)
+    assert m["is_ratio_mean"].item() == pytest.approx((1 + 2 + 0.5 + 4 + 1) / 5, abs=1e-6)  # token ratios
+
+
+def test_sequence_icepop_by_hand():
+    w, m = A.importance_weights(TRAIN, ROLLOUT, MASK, "icepop", icepop_low=0.5, icepop_high=3.0, level="sequence")
+    # row 1's sequence ratio 4 is outside [0.5, 3]: the whole sequence is dropped (token level would keep its 1)
+    assert torch.allclose(w, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]), atol=1e-6)
+    assert m["is_mask_frac"].item() == pytest.approx(2 / 5)
+
+
+def test_batch_normalised_weights_by_hand():
+    # token TIS weights 1, 2, 0.5, 2, 1: mean 6.5 / 5 = 1.3 -> each divided by 1.3
+    w, m = A.importance_weights(TRAIN, ROLLOUT, MASK, "tis", tis_cap=2.0, batch_normalize=True)
+    expected = torch.tensor([[1.0, 2.0, 0.5], [2.0, 1.0, 0.0]]) / 1.3
+    assert torch.allclose(w, expected, atol=1e-6)
+    assert m["is_weight_mean"].item() == pytest.approx(1.0, abs=1e-6)
+    # sequence TIS weights 1 and 2: the mean over sequences is 1.5 (over tokens it would be 7/5)
+    w, _ = A.importance_weights(TRAIN, ROLLOUT, MASK, "tis", tis_cap=2.0, level="sequence", batch_normalize=True)
+    assert torch.allclose(w, torch.tensor([[2 / 3, 2 / 3, 2 / 3], [4 / 3, 4 / 3, 0.0]]), atol=1e-6)
+
+
+def test_batch_normalise_leaves_all_zero_weights_and_none_alone():
+    w, _ = A.importance_weights(TRAIN, ROLLOUT, MASK, "icepop", icepop_low=10.0, icepop_high=20.0, batch_normalize=True)
+    assert torch.equal(w, torch.zeros(2, 3))
+    w, _ = A.importance_weights(TRAIN, ROLLOUT, MASK, "none", batch_normalize=True)
+    assert torch.equal(w, MASK)
+    with pytest.raises(ValueError, match="unknown level 'seq'.*token, sequence"):
+        A.importance_weights(TRAIN, ROLLOUT, MASK, "tis", level="seq")
+
+
+@pytest.mark.parametrize(
+    "level, low, high, keep, token_frac, seq_frac",
+    [
+        # token: ratios 1, 2, 0.5 | 4, 1 -> only the 4 is outside [0.5, 2] (bounds are inclusive)
+        ("token", 0.5, 2.0, [[1, 1, 1], [0, 1, 0]], 1 / 5, 1 / 2),
+        # sequence: ratios 1 | 4 -> row 1 goes
+        ("sequence", 0.5, 2.0, [[1, 1, 1], [0, 0, 0]], 2 / 5, 1 / 2),
+        ("sequence", 0.5, 4.5, [[1, 1, 1], [1, 1, 0]], 0.0, 0.0),
+        # geometric: exp(mean log-ratio) = 1 | exp(ln4 / 2) = 2 -> row 1 stays under 2.1, goes under 1.9
+        ("geometric", 0.5, 2.1, [[1, 1, 1], [1, 1, 0]], 0.0, 0.0),
+        ("geometric", 0.5, 1.9, [[1, 1, 1], [0, 0, 0]], 2 / 5, 1 / 2),
+        ("none", 0.5, 2.0, [[1, 1, 1], [1, 1, 0]], 0.0, 0.0),
+    ],
+)
+def test_rejection_masks_by_hand(level, low, high, keep, token_frac, seq_frac):
+    got, m = A.rejection_mask(TRAIN, ROLLOUT, MASK, level, low, high)
+    assert torch.equal(got, torch.tensor(keep, dtype=torch.float32))
+    assert m["reject_token_frac"].item() == pytest.approx(token_frac)
+    assert m["reject_seq_frac"].item() == pytest.approx(seq_frac)
+
+
+def test_rejection_treats_unknown_rollout_logprobs_as_agreement():
+    rollout = ROLLOUT.clone()
+    rollout[1, 0] = -float("inf")  # the engine gave no logprob for the token of ratio 4
+    keep, _ = A.rejection_mask(TRAIN, rollout, MASK, "token", 0.5, 2.0)
+    assert torch.equal(keep, MASK)
+    with pytest.raises(ValueError, match="unknown level 'seq_sum_k1'"):
+        A.rejection_mask(TRAIN, ROLLOUT, MASK, "seq_sum_k1", 0.5, 2.0)
+
+
+def test_rl_loss_uses_given_weights_and_still_measures():
+    """Weights computed over the whole batch (is_weights) replace the micro-batch's own; the mismatch metrics
+    still come from the logprobs."""
+    logprobs = TRAIN.nan_to_num().clone().requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0])
+    given = torch.tensor([[0.5, 1.0, 2.0], [3.0, 0.25, 9.0]])
+    kw = {"clip_low": 0.2, "clip_high": 0.2, "loss_agg": "token_mean", "is_correction": "tis"}
+    loss, m = A.rl_loss(logprobs, TRAIN.nan_to_num(), adv, MASK, rollout_logprobs=ROLLOUT, is_weights=given, **kw)
+    # on-policy (ratio 1): per-token loss -A * w = -0.5, -1, -2 | 3, 0.25 -> mean over 5 tokens = -0.25 / 5
+    assert loss.item() == pytest.approx(-0.25 / 5, abs=1e-6)
+    assert m["is_weight_mean"].item() == pytest.approx((0.5 + 1 + 2 + 3 + 0.25) / 5)
+    assert m["is_clip_frac"].item() == pytest.approx(1 / 5)  # measured: token ratio 4 > 2
+    seq, _ = A.rl_loss(logprobs, TRAIN.nan_to_num(), adv, MASK, rollout_logprobs=ROLLOUT, is_level="sequence", **kw)
+    # sequence TIS weights 1 | 2: -1 * 3 + 2 * 2 = 1 -> 1 / 5
+    assert seq.item() == pytest.approx(1 / 5, abs=1e-6)

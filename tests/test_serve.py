@@ -1,0 +1,248 @@
+"""A user's project directory: `rlflow init` writes it, `rlflow serve` (a subprocess, on free ports) deploys it and
+runs its flows there; the post-train deployment's run form, driven in Chromium, opens with the recipe and a run
+started from it uses the recipe plus the one field changed; SIGTERM on `rlflow serve` stops every service it started.
+
+One `rlflow serve` serves the module (a Prefect server, an MLflow server, a deploy and a worker take most of a
+minute to start on a loaded 2-core machine); the SIGTERM test stops it, so it comes last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlflow.engines.cluster.addresses import free_port
+from rlflow.engines.core.config import EvaluationConfig, PipelineConfig, RLConfig, load_recipe, public_tree
+from tests.test_deployments import wait_final
+
+RECIPES = {
+    "post-train/post-train": ("deployments/sort-tiny.yaml", RLConfig),
+    "evaluate/evaluate": ("deployments/eval-sort-tiny.yaml", EvaluationConfig),
+    "pipeline/pipeline": ("deployments/pipeline-sort-tiny.yaml", PipelineConfig),
+}
+
+
+def rlflow(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`rlflow ARGS` as a user types it (the environment's script)."""
+    script = Path(sys.executable).with_name("rlflow")
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "rlflow.flows.cli"]
+    return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_init_writes_a_project_and_never_overwrites(tmp_path):
+    done = rlflow("init", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
+    assert written == {"prefect.yaml", *(recipe for recipe, _ in RECIPES.values())}
+    for recipe, model in RECIPES.values():
+        load_recipe(tmp_path / recipe, model=model)  # each is a valid recipe of its flow
+    deployments = yaml.safe_load((tmp_path / "prefect.yaml").read_text())["deployments"]
+    assert [d["entrypoint"] for d in deployments] == [
+        "rlflow.flows.post_train:post_train",
+        "rlflow.flows.evaluate:evaluate",
+        "rlflow.flows.pipeline:pipeline",
+    ]
+
+    (tmp_path / "prefect.yaml").write_text("# mine\n")
+    (tmp_path / "deployments/eval-sort-tiny.yaml").unlink()
+    again = rlflow("init", cwd=tmp_path)
+    assert again.returncode == 2 and "not overwriting" in again.stderr and "prefect.yaml" in again.stderr, again.stderr
+    assert (tmp_path / "prefect.yaml").read_text() == "# mine\n"
+    assert not (tmp_path / "deployments/eval-sort-tiny.yaml").exists()  # nothing written when it refuses
+
+
+def test_serve_without_a_project_says_to_init(tmp_path):
+    done = rlflow("serve", "--prefect-port", str(free_port()), "--mlflow-port", str(free_port()), cwd=tmp_path)
+    assert done.returncode == 2 and "rlflow init" in done.stderr and str(tmp_path) in done.stderr, done.stderr
+
+
+def tiny_train_recipe(project: Path, mlflow_uri: str) -> None:
+    """The init's post-train recipe cut to a two-step run of a one-layer model, tracked in serve's MLflow."""
+    path = project / "deployments/sort-tiny.yaml"
+    raw = yaml.safe_load(path.read_text())
+    raw["model"] |= {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1}
+    raw["data"] |= {"eval_path": None, "generate": {"task": "sort", "num_digits": 4, "num_train": 200}}
+    raw["rollout"] |= {"prompts_per_step": 4, "samples_per_prompt": 2}
+    raw["train"] |= {"steps": 2, "mini_batches": 1, "epochs": 1, "threads": 1}
+    raw |= {"name": "form-run", "cluster": {"use_ray": False}, "tracking": {"uri": mlflow_uri}}
+    path.write_text(yaml.safe_dump(raw))
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a container's PID 1 may never reap an orphan)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`rlflow init` + `rlflow serve` in a fresh project directory, the way a user starts them."""
+    project = tmp_path_factory.mktemp("project")
+    assert rlflow("init", cwd=project).returncode == 0
+    prefect_port, mlflow_port = free_port(), free_port()
+    mlflow_uri = f"http://127.0.0.1:{mlflow_port}"
+    tiny_train_recipe(project, mlflow_uri)
+    env = os.environ | {
+        "PREFECT_HOME": str(project / ".prefect"),
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("PREFECT_API_URL", None)
+    log = project / "serve.log"
+    script = Path(sys.executable).with_name("rlflow")
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "rlflow.flows.cli"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*cmd, "serve", "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)],
+            cwd=project,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 300
+    while "Ctrl-C stops all" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"rlflow serve did not come up:\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+    tree = descendants(proc.pid)
+    yield {
+        "proc": proc,
+        "project": project,
+        "api": f"http://127.0.0.1:{prefect_port}/api",
+        "ui": f"http://127.0.0.1:{prefect_port}",
+        "ports": (prefect_port, mlflow_port),
+        "log": log,
+    }
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    for pid in tree | descendants(proc.pid):
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_init_project_deploys_with_each_recipe_as_the_default_config(served):
+    """`prefect deploy` (run by serve) accepts the init's prefect.yaml from a directory that is not the checkout,
+    and each deployment's default `config` is its recipe, the run form's prefill."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    with SyncPrefectClient(served["api"]) as client:
+        for name, (recipe, model) in RECIPES.items():
+            d = client.read_deployment_by_name(name)
+            assert d.parameters["recipe"] == recipe and not d.enforce_parameter_schema
+            assert d.parameters["config"] == public_tree(load_recipe(served["project"] / recipe, model=model)), name
+            assert d.entrypoint.startswith("rlflow.flows.")
+
+
+def form_field(scope, *labels: str):
+    """The run form's field under the nested labels (e.g. "Train", "Steps"): each a property of the one before."""
+    for label in labels:
+        scope = scope.locator(
+            f"xpath=.//span[@class='schema-form-property__label' and normalize-space()='{label} (Optional)']"
+            "/ancestor::div[contains(concat(' ', @class, ' '), ' schema-form-property ')][1]"
+        ).first
+    return scope
+
+
+def drive_run_form(ui: str, deployment_id: str, chromium: str) -> None:
+    """Open the deployment's Custom run form, check it shows the recipe, set train.steps 2 -> 1 and submit."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1200})
+            page.goto(f"{ui}/deployments/deployment/{deployment_id}/run", timeout=60_000)
+            steps = form_field(page, "Train", "Steps").locator("input")
+            expect(steps).to_have_value("2", timeout=60_000)  # the recipe's, not RLConfig's default (100)
+            expect(form_field(page, "Name").locator("textarea, input").first).to_have_value("form-run")
+            expect(form_field(page, "Model", "Hidden Size").locator("input")).to_have_value("32")
+            expect(form_field(page, "Rollout", "Prompts Per Step").locator("input")).to_have_value("4")
+            steps.fill("1")
+            page.get_by_role("button", name="Submit").click()
+            page.wait_for_url(lambda url: not url.endswith("/run"), timeout=60_000)  # created: the UI moves on
+        finally:
+            browser.close()
+
+
+def test_run_form_opens_with_the_recipe_and_runs_it_with_one_change(served):
+    """Chromium on the post-train deployment's Custom run: the form shows the recipe's values; train.steps 2 -> 1 is
+    submitted; the run's stored config is the recipe with that one change."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium binary: apt-get install -y chromium (.ci/run installs it when it runs as root)")
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import DeploymentFilter
+
+    project = served["project"]
+    with SyncPrefectClient(served["api"]) as client:
+        deployment = client.read_deployment_by_name("post-train/post-train")
+        drive_run_form(served["ui"], str(deployment.id), chromium)
+        deadline = time.monotonic() + 30
+        while not (runs := client.read_flow_runs(deployment_filter=DeploymentFilter(id={"any_": [deployment.id]}))):
+            assert time.monotonic() < deadline, "the form's Submit created no flow run"
+            time.sleep(0.5)
+        assert len(runs) == 1, runs  # the form's
+        run = wait_final(client, runs[0].id, timeout=240)
+    assert run.state.is_completed(), (run.state, (project / ".rlflow-serve/worker.log").read_text()[-3000:])
+    assert run.parameters["recipe"] == "deployments/sort-tiny.yaml" and run.parameters["config"]["train"]["steps"] == 1
+    stored = json.loads((project / "runs/form-run/config.json").read_text())
+    assert stored == public_tree(load_recipe(project / "deployments/sort-tiny.yaml", ["train.steps=1"]))
+    assert (project / "runs/form-run/checkpoints/0/COMMITTED").is_file()  # one step, the last one, checkpointed
+
+
+def test_sigterm_stops_every_service_serve_started(served):
+    """SIGTERM (then an impatient Ctrl-C during the shutdown) on `rlflow serve`: it exits 0 having stopped the
+    Prefect server, the MLflow server (and its uvicorn and job runner) and the worker; their ports are closed.
+    Before, SIGTERM killed serve alone and its services kept their ports."""
+    proc = served["proc"]
+    tree = descendants(proc.pid)
+    assert len(tree) >= 3 and all(port_open(p) for p in served["ports"])
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # must not cut the shutdown short
+    assert proc.wait(60) == 0, served["log"].read_text()[-3000:]
+    print(f"rlflow serve stopped {len(tree)} processes in {time.monotonic() - t0:.1f} s")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and ([p for p in tree if alive(p)] or any(map(port_open, served["ports"]))):
+        time.sleep(0.2)
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for pid in tree if alive(pid)}
+    assert not left, f"still running after rlflow serve exited: {left}"
+    assert not [p for p in served["ports"] if port_open(p)], "a service port is still open"
