@@ -3,7 +3,7 @@
     rlflow run deployments/sort-tiny.yaml [--set train.steps=20 --set tracking.uri=...]
     rlflow sft deployments/sort-tiny-sft.yaml            supervised fine-tuning (flows/sft.py)
     rlflow rejection-sample deployments/sort-tiny-sft.yaml   generate, keep verified, SFT (flows/rejection_sampling.py)
-    rlflow validate deployments/sort-tiny.yaml
+    rlflow validate deployments/sort-tiny.yaml [--offline]   also tries the run store and MLflow
     rlflow runs [--store s3://bucket/runs]
     rlflow resume RUN [--store ...] [--set train.steps=200]
     rlflow export RUN OUT_DIR [--step N] [--store ...]
@@ -59,11 +59,37 @@ def _load(args) -> object:
 
 def cmd_validate(args) -> int:
     cfg = _load(args)
+    if not args.offline:
+        problems = _probe_services(cfg)
+        if problems:
+            raise RecipeError(args.recipe, problems)
     mode = f", debug {cfg.debug.mode}" if cfg.debug.mode else ""
     mode += f", replaying {cfg.debug.replay_run}" if cfg.debug.replay_run else ""
     mode += f"; sft: {cfg.sft.steps} steps" if cfg.sft.train_path else ""
     print(f"{args.recipe}: ok (run '{cfg.name}', {cfg.train.steps} RL steps{mode})")
     return 0
+
+
+def _probe_services(cfg) -> list[str]:
+    """What the run needs from outside, tried once with a short deadline: write, read and delete an object in
+    the run store; one API call to the tracking server. One problem per service, naming its URI."""
+    # deferred: the run store (pyarrow, fsspec) and MLflow (seconds)
+    from rlflow.engines.core.retry import RetryPolicy
+    from rlflow.engines.store.run_store import RunStore, StorageError
+    from rlflow.tasks.mlflow_client import TrackingUnavailable, probe_tracking
+
+    quick = RetryPolicy(retries=1, deadline_s=min(10.0, cfg.storage.deadline_s))
+    storage = cfg.storage.model_copy(update={"retries": quick.retries, "deadline_s": quick.deadline_s})
+    problems = []
+    try:
+        RunStore(storage, cfg.name).probe()
+    except StorageError as e:
+        problems.append(f"storage.uri: the run store {cfg.storage.uri} cannot be used: {e}")
+    try:
+        probe_tracking(cfg.tracking.uri, quick, timeout_s=min(10.0, cfg.tracking.timeout_s))
+    except TrackingUnavailable as e:
+        problems.append(f"tracking.uri: {e}")
+    return problems
 
 
 def cmd_run(args) -> int:
@@ -299,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY.PATH=VALUE",
                        help="override a recipe field, e.g. --set train.steps=20 (repeatable)")
         _debug_flags(p)
+        if name == "validate":
+            p.add_argument("--offline", action="store_true",
+                           help="check the recipe alone; do not try the run store and the tracking server")
         p.set_defaults(fn=fn)
     for name, fn, text in (("resume", cmd_resume, "continue a run from its store"),
                            ("runs", cmd_runs, "list the runs in a store"),

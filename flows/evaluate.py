@@ -226,7 +226,8 @@ def evaluate(
         if training_run:
             tags |= {"rlflow.training_run_id": training_run, "mlflow.parentRunId": training_run}
         recipe_json = public_tree(cfg)
-        tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.name, recipe_json, tags)
+        tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, cfg.name, recipe_json, tags,
+                          policy=cfg.tracking.retry_policy(), timeout_s=cfg.tracking.timeout_s)
         status = "FAILED"
         try:
             per_dataset, samples = evaluate_datasets(cfg, source["model_dir"])

@@ -61,7 +61,7 @@ class RunContext:
     def checkpoint(self, step: int) -> dict[str, float]:
         """Save every worker's state, commit it to the store (marker last), prune old ones.
 
-        Metrics logged so far are flushed first, so a committed step never lacks its metrics.
+        Metrics are written synchronously (tasks/tracking.py), so a committed step never lacks its metrics.
         """
         t0 = time.perf_counter()
         self.tracker.flush()
@@ -115,6 +115,7 @@ def open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any] = RLSes
 def _open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_logs: Callable[[], None]
               ) -> RunContext:
     store = RunStore(cfg.storage, cfg.name)
+    store.probe()  # a missing bucket or a dead endpoint stops the run now, before data and model are prepared
     torn = store.clean_torn()
     if torn:
         log.warning("removed uncommitted leftovers of an interrupted attempt: %s", ", ".join(torn))
@@ -128,7 +129,10 @@ def _open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_
         store.write_json(stored_config(cfg), "config.json")
     # an earlier attempt's MLflow run continues, also when it died before its first checkpoint
     earlier = store.read_json("status.json") if store.exists("status.json") else {}
-    tracker = Tracker.for_training(cfg, run_id=meta["mlflow_run_id"] if meta else earlier.get("mlflow_run_id"))
+    run_id = meta["mlflow_run_id"] if meta else earlier.get("mlflow_run_id")
+    tracker = Tracker.for_training(cfg, run_id=run_id)
+    if run_id is not None:  # steps after the checkpoint run again: what they logged before is not logged twice
+        tracker.resume_after(latest if meta is not None else -1)
     session = make_session(cfg, model_path)
     store.write_json({"status": "running", "mlflow_run_id": tracker.run_id}, "status.json")
     ctx = RunContext(cfg, session, store, tracker, workdir, stop_logs=stop_logs)

@@ -1,6 +1,9 @@
 """MLflow tracking for a run: params from the resolved config, per-step metrics, tables and artifacts.
 
-Metric logging is asynchronous (MLflow's own queue), so tracking never sits on a step's critical path.
+A step's metrics are written synchronously (one log_batch call per step): once log_metrics returns they are
+stored, so a kill right after a step loses none of them. Continuing a run after a resume, a step rerun after the
+checkpoint is not logged again: MLflow keeps every point it is sent and cannot delete one, so the points the
+interrupted attempt logged for that step stay, once (on CPU the rerun reproduces them bit for bit).
 Metric names keep their `/` (`rollout/reward_mean`): MLflow's UI puts each prefix before the first `/` in its
 own chart section (docs/metrics.md).
 """
@@ -21,6 +24,8 @@ from mlflow.utils.time import get_current_time_millis
 from prefect.runtime import deployment, flow_run
 
 from rlflow.engines.core.config import RLConfig
+from rlflow.engines.core.retry import RetryPolicy
+from rlflow.tasks.mlflow_client import RetryingClient
 
 # MLflow 3 opens an experiment in its GenAI view unless this tag says it holds model development (training) runs
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
@@ -84,9 +89,11 @@ class Tracker:
     """One MLflow run. Pass `run_id` to continue a run (a resumed training run logs into the same one)."""
 
     def __init__(self, uri: str, experiment: str, run_name: str, recipe: dict | None = None,
-                 tags: dict[str, str] | None = None, run_id: str | None = None):
+                 tags: dict[str, str] | None = None, run_id: str | None = None, policy: RetryPolicy | None = None,
+                 timeout_s: float = 30):
         mlflow.set_tracking_uri(uri)
-        self.client = MlflowClient(uri)
+        self.client = RetryingClient(uri, policy or RetryPolicy(), timeout_s)
+        self.recorded: set[tuple[str, int]] = set()  # (key, step) points an interrupted attempt already logged
         self.experiment_id = ensure_experiment(self.client, experiment)
         tags = run_tags(recipe) | (tags or {})
         if run_id is None:
@@ -108,14 +115,24 @@ class Tracker:
     @classmethod
     def for_training(cls, cfg: RLConfig, run_id: str | None = None) -> Tracker:
         recipe = cfg.model_dump(mode="json", exclude={"storage": {"key", "secret"}})
-        return cls(cfg.tracking.uri, cfg.tracking.experiment, cfg.name, recipe, {"rlflow.run": cfg.name}, run_id)
+        return cls(cfg.tracking.uri, cfg.tracking.experiment, cfg.name, recipe, {"rlflow.run": cfg.name}, run_id,
+                   cfg.tracking.retry_policy(), cfg.tracking.timeout_s)
+
+    def resume_after(self, step: int) -> None:
+        """The run goes on from its checkpoint at `step` (-1: none): remember which points of later steps the
+        interrupted attempt logged, so the rerun of those steps does not log them a second time."""
+        keys = self.client.get_run(self.run_id).data.metrics
+        self.recorded = {(m.key, m.step) for key in keys for m in self.client.get_metric_history(self.run_id, key)
+                         if m.step > step}
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Queue one step's metrics (the client's log_batch: mlflow.log_metrics would first load the whole run,
-        params and tags included, on the calling thread, every step)."""
+        """Write one step's metrics, each (key, step) once per run (the client's log_batch: mlflow.log_metrics
+        would first load the whole run, params and tags included, every step)."""
         ts = get_current_time_millis()
-        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items() if math.isfinite(float(v))]
-        self.client.log_batch(self.run_id, metrics=batch, synchronous=False)
+        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items()
+                 if math.isfinite(float(v)) and (k, step) not in self.recorded]
+        if batch:
+            self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
 
     def log_table(self, rows: list[dict], artifact_file: str) -> None:
         if rows:

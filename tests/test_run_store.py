@@ -5,7 +5,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from rlflow.engines.store.run_store import RunStore, StorageError, is_transient, list_runs
+from rlflow.engines.core.retry import is_transient
+from rlflow.engines.store.run_store import RunStore, StorageError, list_runs
 
 
 def _ckpt(tmp_path, step: int):

@@ -14,6 +14,8 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from rlflow.engines.core.retry import RetryPolicy
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -577,6 +579,13 @@ class TrackingConfig(Section):
     uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI.")
     experiment: str = "rlflow"
     log_samples: int = Field(8, ge=0, description="Sample rollouts logged as a table each eval.")
+    deadline_s: float = Field(120, gt=0, description="No retry of an MLflow call starts later than this many "
+                              "seconds after its first attempt: an unreachable tracking server stops the run "
+                              "within about this long.")
+    timeout_s: float = Field(30, gt=0, description="Seconds one MLflow HTTP request may take.")
+
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(retries=8, deadline_s=self.deadline_s)
 
 
 class StorageConfig(Section):
@@ -587,6 +596,13 @@ class StorageConfig(Section):
     secret: SecretStr | None = Field(None, description="Secret key (prefer the environment: AWS_SECRET_ACCESS_KEY).")
     region: str | None = None
     retries: int = Field(5, ge=0, description="Retries of a storage call after a transient error (backoff).")
+    deadline_s: float = Field(120, gt=0, description="No retry of a storage call starts later than this many "
+                              "seconds after its first attempt: an unreachable or failing store stops the run "
+                              "within about this long.")
+    timeout_s: float = Field(60, gt=0, description="Seconds one S3 request may take to connect, and to read.")
+
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(retries=self.retries, deadline_s=self.deadline_s)
 
     def fsspec_options(self, uri: str | None = None) -> dict[str, Any]:
         """Keyword arguments for fsspec to reach `uri` (default: the store's root): these settings serve any
@@ -605,6 +621,16 @@ class StorageConfig(Section):
             opts["profile"] = self.profile
         if self.key and self.secret:
             opts["key"], opts["secret"] = self.key.get_secret_value(), self.secret.get_secret_value()
+        return opts
+
+    def run_store_options(self) -> dict[str, Any]:
+        """fsspec_options for the run store: botocore tries each request once (and the run store sets s3fs's
+        `retries` to 1), so the run store's RetryPolicy is the only retry layer. Data files keep the clients'
+        own retries: they are read once, outside that layer."""
+        opts = self.fsspec_options()
+        if self.uri.startswith(("s3://", "s3a://")):
+            opts["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"},
+                                     "connect_timeout": self.timeout_s, "read_timeout": self.timeout_s}
         return opts
 
 

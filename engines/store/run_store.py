@@ -9,16 +9,18 @@ Layout (see docs/architecture.md):
     <root>/<run>/latest                           newest committed step, written after COMMITTED
     <root>/<run>/rounds/<round>/samples.parquet   rejection sampling: a round's scored samples (+ COMMITTED)
 Object stores have no rename, so everything is committed by writing a marker last, never by moving.
-Transient errors (timeouts, 5xx, throttling) are retried with backoff; anything else stops the run
-with a StorageError naming the URI.
+Transient errors (timeouts, 5xx, throttling) are retried with backoff within storage.retries and
+storage.deadline_s (engines/core/retry.py, the only retry layer); anything else stops the run with a
+StorageError naming the URI (a missing bucket: naming the bucket and the endpoint).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
-import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,62 +30,78 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlflow.engines.core.config import RLConfig, StorageConfig
+from rlflow.engines.core.retry import RetriesExhausted
 
 log = logging.getLogger("rlflow.store")
 T = TypeVar("T")
-
-TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-                   "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "503", "500"}
-TRANSIENT_TYPES = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
-                   "ServerDisconnectedError", "ClientOSError", "ResponseStreamingError"}
 
 
 class StorageError(RuntimeError):
     """A storage call that failed for good: the message names the URI and the reason."""
 
 
-def is_transient(err: BaseException, _depth: int = 0) -> bool:
-    """Timeouts, connection drops, 5xx and throttling are worth retrying; missing files and denials are not."""
-    if isinstance(err, TimeoutError | ConnectionError):
-        return True
-    if any(c.__name__ in TRANSIENT_TYPES for c in type(err).__mro__):
-        return True
-    resp = getattr(err, "response", None)
-    if isinstance(resp, dict):
-        code = str(resp.get("Error", {}).get("Code", ""))
-        status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-        return status >= 500 or code in TRANSIENT_CODES
-    cause = err.__cause__ or err.__context__
-    return _depth < 5 and cause is not None and is_transient(cause, _depth + 1)
+def missing_bucket(err: BaseException) -> bool:
+    """s3fs reports a missing bucket as a FileNotFoundError caused by S3's NoSuchBucket."""
+    seen: BaseException | None = err
+    for _ in range(6):
+        if seen is None:
+            return False
+        resp = getattr(seen, "response", None)
+        if isinstance(resp, dict) and resp.get("Error", {}).get("Code") == "NoSuchBucket":
+            return True
+        if "NoSuchBucket" in str(seen) or "bucket does not exist" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class RunStore:
     def __init__(self, storage: StorageConfig | str, run: str, backoff_s: float = 0.5):
         storage = StorageConfig(uri=storage) if isinstance(storage, str) else storage
-        self.fs, root_path = fsspec.core.url_to_fs(storage.uri, **storage.fsspec_options())
+        self.fs, root_path = fsspec.core.url_to_fs(storage.uri, **storage.run_store_options())
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.protocol = "file" if protocol in ("file", "local") else protocol
+        if self.protocol in ("s3", "s3a"):
+            self.fs.retries = 1  # s3fs's own retry loop (a class attribute, 5): the policy below is the only one
         self.root = root_path.rstrip("/")
         self.run = run
         self.run_dir = f"{self.root}/{run}"
-        self.retries, self.backoff_s = storage.retries, backoff_s
+        self.endpoint = storage.endpoint_url
+        self.policy = dataclasses.replace(storage.retry_policy(), backoff_s=backoff_s)
 
     # ---- the one place storage is called ------------------------------------------------------------
     def _call(self, what: str, path: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        for attempt in range(self.retries + 1):
-            try:
-                return fn(*args, **kwargs)
-            except FileNotFoundError:
-                raise
-            except Exception as e:  # noqa: BLE001 - classified below
-                if not is_transient(e) or attempt == self.retries:
-                    kind = "transient error, retries exhausted" if is_transient(e) else "error"
-                    raise StorageError(f"{what} {self._uri(path)} failed ({kind}): {type(e).__name__}: {e}") from e
-                delay = self.backoff_s * 2**attempt
-                log.warning("%s %s: %s; retry %d/%d in %.1fs", what, self._uri(path), e, attempt + 1,
-                            self.retries, delay)
-                time.sleep(delay)
-        raise AssertionError("unreachable")
+        """fn(*args, **kwargs) under the store's RetryPolicy (the only retry layer: s3fs and botocore try once).
+        A missing file stays a FileNotFoundError; every other failure is a StorageError naming the URI."""
+        uri = self._uri(path)
+        try:
+            return self.policy.call(f"{what} {uri}", lambda: fn(*args, **kwargs))
+        except FileNotFoundError as e:
+            if self.protocol != "file" and missing_bucket(e):
+                bucket = self.root.split("/", 1)[0]
+                where = f"endpoint {self.endpoint}" if self.endpoint else "AWS S3"
+                raise StorageError(
+                    f"{what} {uri} failed: bucket {bucket!r} does not exist at {where} "
+                    f"(storage.uri {self._uri(self.root)})"
+                ) from e
+            raise
+        except RetriesExhausted as e:
+            raise StorageError(str(e)) from e.__cause__
+        except Exception as e:  # noqa: BLE001 - a permanent error: say which object and why
+            raise StorageError(f"{what} {uri} failed (error): {type(e).__name__}: {e}") from e
+
+    def probe(self) -> None:
+        """Write, read back and delete a small object at the store's root: a StorageError (naming the URI) if
+        the store cannot hold a run. What `rlflow validate` checks."""
+        path = f"{self.root}/.rlflow-probe-{uuid.uuid4().hex[:12]}"
+        if self.protocol == "file":
+            self._call("mkdir", self.root, self.fs.makedirs, self.root, exist_ok=True)
+        self._call("write", path, self.fs.pipe_file, path, b"rlflow")
+        try:
+            if self._call("read", path, self.fs.cat_file, path) != b"rlflow":
+                raise StorageError(f"read {self._uri(path)}: got other bytes than were written")
+        finally:
+            self._call("delete", path, self.fs.rm, path)
 
     def _uri(self, path: str) -> str:
         return path if self.protocol == "file" else f"{self.protocol}://{path}"
