@@ -490,8 +490,8 @@ class MegatronConfig(Section):
     )
     packing: bool = Field(
         False, description="Run each micro-batch's samples as one token stream (megatron's THD layout, attention "
-        "kept within each sample): no padding work, but CPU-bound in megatron-core's THD rotary today, so slower "
-        "on an H100 than right-padded rows (false; docs/benchmarks.md)."
+        "kept within each sample): no padding work. false: right-padded rows, as fast on an H100 today "
+        "(docs/benchmarks.md)."
     )
     use_distributed_optimizer: bool = Field(True, description="Shard optimizer state over data-parallel ranks.")
     transformer_engine: bool | None = Field(
