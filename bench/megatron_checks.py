@@ -138,6 +138,75 @@ def parity(rank: int, world: int, model_dir: str, device: str, url: str, out: st
     write(out, result)
 
 
+def layer_parity(rank: int, world: int, model_dir: str, device: str, url: str, out: str, seq: int = 1024) -> None:
+    """Where the bf16 gap opens, layer by layer: the hidden state after every decoder layer (and the final norm),
+    and the next-token logprobs, of one random row under each regime, against the HF model in fp32.
+
+    Regimes: HF with bf16 weights (the rollout engines'), HF fp32 weights under bf16 autocast (the torch train
+    backend's), Megatron fp32 (the mapping alone) and Megatron bf16 (Float16Module). Error is relative:
+    ||x - truth|| / ||truth|| over the row's tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlflow.engines.train.megatron.cpu import device_context
+    from rlflow.engines.train.megatron.microbatch import Micro
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    ids = torch.randint(0, cfg.vocab_size, (1, min(seq, cfg.max_position_embeddings)),
+                        generator=torch.Generator().manual_seed(4))
+    dev = "cuda" if device == "cuda" else "cpu"
+
+    def next_logprobs(logits: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None].to(logits.device))[:, 0]
+
+    def hf_states(dtype: torch.dtype, autocast: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(dev)
+        with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
+            o = model(ids.to(dev), output_hidden_states=True)
+        states = [h[0].float() for h in o.hidden_states[1:]]  # after layer 0 .. L-2, then the final norm
+        lp = next_logprobs(o.logits)
+        del model, o
+        free_memory()
+        return states, lp
+
+    def mega_states(precision: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+        train = TrainConfig(device=device, precision=precision, micro_batch_size=1)
+        mega = _mega(model_dir, train, MegatronConfig(), rank, world, url)
+        captured: list[torch.Tensor] = []
+        hooks = [layer.register_forward_hook(lambda _m, _i, o: captured.append(o[0][:, 0].float()))
+                 for layer in mega.core.decoder.layers[:-1]]
+        hooks.append(mega.core.decoder.final_layernorm.register_forward_hook(
+            lambda _m, _i, o: captured.append(o[:, 0].float())))
+        with torch.no_grad(), device_context(mega.device):
+            mega.model.eval()
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            logits = mega._run(mega.model, Micro([0], batch).to(mega._dev()))
+        for h in hooks:
+            h.remove()
+        lp = next_logprobs(logits)
+        del mega
+        free_memory()
+        return captured, lp
+
+    truth, truth_lp = hf_states(torch.float32, False)
+    regimes = {"hf_bf16_weights": hf_states(torch.bfloat16, False), "hf_autocast": hf_states(torch.float32, True),
+               "megatron_fp32": mega_states("fp32"), "megatron_bf16": mega_states("bf16")}
+    result: dict = {"tokens": int(ids.shape[1]), "layers": len(truth), "regimes": {}}
+    for name, (states, lp) in regimes.items():
+        rel = [float((x - t).norm() / t.norm()) for x, t in zip(states, truth, strict=True)]
+        d = (lp - truth_lp).abs()
+        result["regimes"][name] = {"relative_error_per_layer": rel,
+                                   "logprob_max_abs_diff": float(d.max()), "logprob_mean_abs_diff": float(d.mean())}
+        print(f"[layers] {name}: rel. error after layer 0 {rel[0]:.2e}, mid {rel[len(rel) // 2]:.2e}, "
+              f"last layer {rel[-2]:.2e}, final norm {rel[-1]:.2e}; logprobs max {float(d.max()):.2e} "
+              f"mean {float(d.mean()):.2e}", flush=True)
+    a, b = regimes["megatron_bf16"], regimes["hf_bf16_weights"]
+    result["megatron_bf16_vs_hf_bf16_weights"] = {
+        "relative_error_per_layer": [float((x - y).norm() / y.norm()) for x, y in zip(a[0], b[0], strict=True)],
+        "logprob_max_abs_diff": float((a[1] - b[1]).abs().max()),
+        "logprob_mean_abs_diff": float((a[1] - b[1]).abs().mean())}
+    write(out, result)
+
+
 # ----------------------------------------------------------------------------- (2) sort demo
 
 

@@ -10,6 +10,7 @@
     (--shape 0.5b: a ~0.47B Llama; 1.5b: Qwen2-1.5B's dims) and micro-batches (goal >= 0.97x), for each core
     attention of the local spec (--attention sdpa,unfused), with TFLOP/s and MFU;
 (4) layouts: TP=2 and PP=2 against TP=1, loss of the same step (needs 2 GPUs; skipped with a message otherwise).
+(5) layers: where the bf16 gap opens, the hidden state after each layer in each precision regime against fp32;
 
 Each measurement runs in fresh processes with a time limit, so one failure is recorded and the rest still run;
 the JSON is rewritten after every section. No Ray, Prefect or MLflow: the backend classes are driven directly.
@@ -46,7 +47,7 @@ MODEL_15B = dict(arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate
 SHAPES = {"0.5b": MODEL_05B, "1.5b": MODEL_15B}
 MODEL_SMOKE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
-SECTIONS = ("parity", "sort", "throughput", "layouts")
+SECTIONS = ("parity", "sort", "throughput", "layouts", "layers")
 
 
 def _child(name: str, rank: int, world: int, args: tuple) -> None:
@@ -178,7 +179,13 @@ def run_layouts(a, work: Path, model: str, device: str) -> dict:
     return result
 
 
-RUNNERS = {"parity": run_parity, "sort": run_sort, "throughput": run_throughput, "layouts": run_layouts}
+def run_layers(a, work: Path, model: str, device: str) -> dict:
+    spawn("layer_parity", 1, a.timeout, model, device, url(), str(work / "layers.json"))
+    return read(work / "layers.json")
+
+
+RUNNERS = {"parity": run_parity, "sort": run_sort, "throughput": run_throughput, "layouts": run_layouts,
+           "layers": run_layers}
 
 
 # ----------------------------------------------------------------------------- report
