@@ -17,8 +17,16 @@ class DataError(ValueError):
 
 def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    offset = 0  # of the line in the file, in bytes: where a bad byte is, for a hex editor or `dd`
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: line {lineno} is not UTF-8: byte {raw[e.start]:#04x} at offset "
+                                f"{offset + e.start} of the file ({e.reason}); data files must be UTF-8 "
+                                "(convert with e.g. `iconv -f latin1 -t utf-8`)") from None
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
