@@ -194,7 +194,10 @@ def _run(cfg, flow_fn=None, total: int | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from rlflow.flows.post_train import post_train
+    from rlflow.flows.temporary_server import guard_temporary_server
     from rlflow.tasks.run_context import STEP_LISTENERS
+
+    guard_temporary_server()  # without PREFECT_API_URL: the temporary Prefect server dies with this process
 
     flow_fn = flow_fn or post_train
     total = total or cfg.train.steps
