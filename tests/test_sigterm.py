@@ -59,8 +59,13 @@ def test_sigterm_mid_run_ends_the_flow_promptly_and_keeps_it_resumable(tmp_path)
     raw = small_recipe(tmp_path, train={"steps": 200, "threads": 1}, checkpoint={"every": 2}, eval={"every": 0})
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(tmp_path / "p")}
-    proc = subprocess.Popen([sys.executable, "-m", "rlflow.flows.cli", "run", str(tmp_path / "r.yaml")], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlflow.flows.cli", "run", str(tmp_path / "r.yaml")],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     run = tmp_path / "runs" / "t"
     try:
         deadline = time.monotonic() + 300

@@ -50,9 +50,13 @@ def test_sigkilled_flow_leaves_no_temporary_prefect_server(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(small_recipe(tmp_path, cluster={"use_ray": False}, train={"steps": 50})))
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(tmp_path / "prefect")}
-    flow = subprocess.Popen([sys.executable, "-m", "rlflow.flows.cli", "run", str(recipe)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=Path(__file__).resolve().parent.parent)
+    flow = subprocess.Popen(
+        [sys.executable, "-m", "rlflow.flows.cli", "run", str(recipe)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     server = port = None
     try:
         deadline = time.monotonic() + 120
