@@ -6,6 +6,7 @@ exit handlers, so each worker also starts a guard:
 
     python -m rlflow.engines.cluster.process_group <pgid> <grace_s>        (start_guard(pgid, grace_s))
     python -m rlflow.engines.cluster.process_group --pid <pid> <grace_s>  (start_guard(pid, grace_s, group=False))
+    python -m rlflow.engines.cluster.process_group --deadline <pid> <s>   (start_deadline(s): SIGKILL at a deadline)
 
 The guard reads its stdin until EOF. Only the worker holds the pipe's other end, and the kernel closes it
 however the worker ends; the guard then stops the group, as `stop_group` does (with --pid: the one process, as
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -84,11 +86,26 @@ def start_guard(target: int, grace_s: float, group: bool = True) -> subprocess.P
     )
 
 
+def start_deadline(seconds: float) -> subprocess.Popen:
+    """A process that SIGKILLs this one if it is still alive after `seconds` (kernel-level: it works whatever state
+    this interpreter is in, finalizing included). Keep the returned Popen: its stdin is the pipe whose EOF (this
+    process ended) tells the deadline process to leave, so a reused pid is never signalled."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlflow.engines.cluster.process_group", "--deadline", str(os.getpid()), str(seconds)],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+
+
 def main(argv: list[str]) -> None:
-    group = argv[0] != "--pid"
-    target, grace_s = int(argv[-2]), float(argv[-1])
+    target, seconds = int(argv[-2]), float(argv[-1])
+    if argv[0] == "--deadline":
+        ended, _, _ = select.select([sys.stdin], [], [], seconds)  # readable at EOF: the owner ended in time
+        if not ended:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(target, signal.SIGKILL)
+        return
     sys.stdin.buffer.read()  # returns at EOF: the owner closed the pipe or died
-    (stop_group if group else stop_process)(target, grace_s)
+    (stop_group if argv[0] != "--pid" else stop_process)(target, seconds)
 
 
 if __name__ == "__main__":
