@@ -221,8 +221,13 @@ def _run(cfg, flow_fn=None, total: int | None = None) -> int:
     # deferred: Prefect, Ray, torch (seconds), after the defaults above; rich.progress ~50 ms, 1/6 of `--help`
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from rlflow.engines.cluster.termination import bound_exit_on_sigterm
     from rlflow.flows.post_train import post_train
+    from rlflow.flows.temporary_server import guard_temporary_server
     from rlflow.tasks.run_context import STEP_LISTENERS
+
+    guard_temporary_server()  # without PREFECT_API_URL: the temporary Prefect server dies with this process
+    bound_exit_on_sigterm()  # SIGTERM: the run's status is written and the process ends within a deadline
 
     flow_fn = flow_fn or post_train
     total = total or cfg.train.steps

@@ -66,6 +66,36 @@ def test_missing_data_file_names_field_and_file(tmp_path):
     assert e.value.problems == [f"data.train_path: data file not found: {tmp_path / 'nope.jsonl'}"]
 
 
+def test_empty_tracking_uri_is_refused_naming_the_field(tmp_path):
+    for empty in ("", "  "):
+        with pytest.raises(RecipeError) as e:
+            load_recipe(write(tmp_path, small_recipe(tmp_path, tracking={"uri": empty})))
+        assert len(e.value.problems) == 1 and e.value.problems[0].startswith("tracking.uri: "), e.value.problems
+        assert "empty" in e.value.problems[0] and "leave the key out" in e.value.problems[0]
+    raw = small_recipe(tmp_path)
+    del raw["tracking"]
+    assert load_recipe(write(tmp_path, raw)).tracking.uri == "sqlite:///mlflow.db"  # left out: the default
+
+
+def test_max_new_tokens_beyond_the_models_context_names_both_numbers(tmp_path):
+    """model.max_seq_len 16 (small_recipe): 15 new tokens leave a 1-token prompt room, 16 none."""
+    assert check(load_recipe(write(tmp_path, small_recipe(tmp_path, rollout={"max_new_tokens": 15}))))
+    with pytest.raises(RecipeError) as e:
+        check(load_recipe(write(tmp_path, small_recipe(tmp_path, rollout={"max_new_tokens": 40}))))
+    assert e.value.problems == ["rollout.max_new_tokens: 40 does not fit a rollout sequence of 16 tokens "
+                                "(model.max_seq_len), which holds the prompt too"]
+    from rlflow.engines.core.config import ModelConfig
+    from rlflow.engines.models.hf import build_tiny_model
+
+    model = build_tiny_model(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                                         num_kv_heads=2, max_seq_len=24), tmp_path / "model", seed=0)
+    raw = small_recipe(tmp_path, model={"path": str(model)}, rollout={"max_new_tokens": 30})
+    with pytest.raises(RecipeError) as e:
+        check(load_recipe(write(tmp_path, raw)))
+    assert e.value.problems == [f"rollout.max_new_tokens: 30 does not fit a rollout sequence of 24 tokens "
+                                f"(max_position_embeddings in {model / 'config.json'}), which holds the prompt too"]
+
+
 def test_reward_import_failure_names_field(tmp_path):
     cfg = load_recipe(write(tmp_path, small_recipe(tmp_path, reward={"fn": "no_such_module:score"})))
     with pytest.raises(RecipeError) as e:

@@ -130,6 +130,15 @@ def test_load_errors(tmp_path: Path) -> None:
         load_prompts(_jsonl(tmp_path, ["", "  "]))
 
 
+def test_non_utf8_data_names_the_file_line_and_byte(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.jsonl"
+    first = json.dumps({"prompt": "a", "label": "1"}).encode() + b"\n"
+    path.write_bytes(first + '{"prompt": "café", "label": "2"}\n'.encode("latin-1"))
+    offset = len(first) + len(b'{"prompt": "caf')
+    with pytest.raises(DataError, match=rf"latin1\.jsonl: line 2 is not UTF-8: byte 0xe9 at offset {offset} of"):
+        load_prompts(str(path))
+
+
 def test_load_parquet_errors(tmp_path: Path) -> None:
     p = tmp_path / "d.parquet"
     pq.write_table(pa.table({"prompt": ["S1="], "answer": ["1"]}), str(p))
@@ -264,3 +273,22 @@ def test_rows_are_read_when_taken(tmp_path: Path) -> None:
     rows = load_prompts(str(p))
     assert len(rows) == 20_000 and rows[19_999]["prompt"] == "S19999=" and not isinstance(rows, list)
     assert [r["prompt"] for r in rows[5:7]] == ["S5=", "S6="]
+
+
+def test_a_prompt_longer_than_the_context_names_its_data_row(recipe, tmp_path: Path) -> None:
+    """model.max_seq_len 16 (small_recipe): row 6's 31-character prompt (one token a character) does not fit."""
+    from rlflow.engines.session.rl import RLSession
+    from rlflow.engines.session.workers import prepare_model
+
+    train = tmp_path / "train.jsonl"
+    rows = [{"prompt": "S" + "1" * (30 if i == 6 else 3) + "=", "label": "111"} for i in range(1, 9)]
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = recipe(data={"train_path": str(train), "eval_path": None, "generate": None, "shuffle": False},
+                 cluster={"use_ray": False})
+    session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
+    try:
+        with pytest.raises(DataError, match=rf"^{train}: row 6: the prompt is 33 tokens; a rollout sequence holds "
+                                            r"16 \(model\.max_seq_len\)"):
+            session.rollout(0)
+    finally:
+        session.shutdown()

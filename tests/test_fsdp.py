@@ -132,3 +132,37 @@ def test_a_checkpoint_before_the_first_step_keeps_adam_fresh(tiny_model_dir, bat
     want = dict(fresh.named_tensors())
     for trainer in (saved, resumed):
         assert all(torch.equal(t, want[n]) for n, t in trainer.named_tensors())
+
+
+@pytest.mark.parametrize("role", ["policy", "critic"])
+def test_resume_mid_warm_up_applies_the_scheduled_lr(tiny_model_dir, batch, tmp_path, role):
+    """A trainer saved mid-warm-up and loaded into a fresh one applies the schedule's LR at the next optimizer
+    step, not step 0's (issue 28 item 1): its applied LR and weights equal an uninterrupted trainer's, bit for bit.
+    Warm-up over 4 of 8 optimizer steps then cosine decay; the save falls after 2 of them."""
+    from tests.test_critic import _value_batch
+
+    train = TrainConfig(threads=1, lr=1e-2, lr_schedule="cosine", warmup_steps=2, steps=4, mini_batches=2)
+    step = batch if role == "policy" else _value_batch()
+
+    def make() -> TorchTrainBackend:
+        return TorchTrainBackend(tiny_model_dir, train, ALGO, role=role)
+
+    def train_once(trainer: TorchTrainBackend) -> tuple[float, dict[str, float]]:
+        """The LR the next optimizer step applies, and the step's metrics."""
+        applied = trainer.optimizer.param_groups[0]["lr"]
+        data = step if role == "policy" else {**step, "old_values": trainer.forward_values(step)}
+        metrics = trainer.train_step(data)
+        metrics.pop("worker_s")
+        return applied, metrics
+
+    uninterrupted = make()
+    train_once(uninterrupted)
+    uninterrupted.save(tmp_path)
+    resumed = make()
+    resumed.load(tmp_path)
+    for _ in range(2):  # the step right after the resume, then one more (warm-up ends between them)
+        want, got = train_once(uninterrupted), train_once(resumed)
+        assert got[0] == want[0] and got[0] != train.lr / 4  # step 0's warm-up LR is lr / 4
+        assert got[1] == want[1]
+        want_weights = dict(uninterrupted.named_tensors())
+        assert all(torch.equal(t, want_weights[n]) for n, t in resumed.named_tensors())

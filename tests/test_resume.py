@@ -30,6 +30,7 @@ from tests.conftest import small_recipe
 STEPS = 5
 STAGES = ["rollout", "reward", "advantages", "train", "sync-weights", "checkpoint", "evaluate"]
 TIMING = ("time/", "_per_s", "gb_per_s")
+SCHEDULE = {"lr_schedule": "cosine", "warmup_steps": 3}
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +102,11 @@ def data_dir(tmp_path_factory):
 
 def _recipe(tmp_path: Path, data_dir: Path, storage: StorageConfig, name: str, ray: str, off_policy: int = 0,
             ppo: bool = False) -> Path:
-    raw = small_recipe(tmp_path, name=name, train={"steps": STEPS, "threads": 1, "mini_batches": 2},
+    # the demo's schedule (deployments/sort-tiny.yaml: warm-up, then cosine decay) over STEPS: the checkpoint of
+    # step 1 is taken mid-warm-up, step 3's mid-decay, so a resume that restarts the LR at step 0 differs
+    raw = small_recipe(tmp_path, name=name, train={"steps": STEPS, "threads": 1, "mini_batches": 2, **SCHEDULE},
                        algorithm={"advantage": "gae", "lam": 0.95} if ppo else {},
+                       **({"critic": SCHEDULE} if ppo else {}),
                        rollout={"off_policy_steps": off_policy},
                        checkpoint={"every": 2, "keep_last": 2}, eval={"every": 3, "max_prompts": 16},
                        cluster={"address": ray})

@@ -120,10 +120,12 @@ def _const(value):
         ({"a": 1.0, "b": 2.0}, r"returned a dict, expected a list of 2 floats"),
         ("10", r"returned a str"),
         (None, r"returned a NoneType"),
-        ([1.0, math.nan], r"returned nan at index 1, expected a finite number"),
-        ([math.inf, 1.0], r"returned inf at index 0, expected a finite number"),
-        ([1.0, "1"], r"returned '1' \(str\) at index 1, expected a number"),
-        ([None, 1.0], r"returned None \(NoneType\) at index 0"),
+        ([1.0, math.nan], r"returned nan at index 1 \(prompt 'b'\), expected a finite number"),
+        ([math.inf, 1.0], r"returned inf at index 0 \(prompt 'a'\), expected a finite number"),
+        ([1.0, "1"], r"returned '1' \(str\) at index 1 \(prompt 'b'\), expected a number"),
+        ([None, 1.0], r"returned None \(NoneType\) at index 0 \(prompt 'a'\)"),
+        ([1.0, True], r"returned True \(bool\) at index 1 \(prompt 'b'\), expected a number: return floats"),
+        (np.array([False, True]), r"returned False \(bool\) at index 0 \(prompt 'a'\)"),
     ],
 )
 def test_compute_rewards_validates_result(value, message: str) -> None:

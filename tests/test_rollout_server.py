@@ -232,6 +232,45 @@ def test_released_engine_refuses_generation(embedded):
         assert http.post("/update_weights_from_disk", json={"model_path": embedded.model_path}).json()["success"]
 
 
+def test_update_from_disk_reads_only_the_servers_folders(model_dir, tmp_path):
+    """/update_weights_from_disk loads from the model folder and the run's folders it was started with; another
+    folder, '..' out of an allowed one, or a symlink pointing out of one is refused (403) naming the folders."""
+    from safetensors.torch import load_file, save_file
+
+    allowed, outside = tmp_path / "run" / "weights", tmp_path / "elsewhere"
+    for folder in (allowed, outside):
+        folder.mkdir(parents=True)
+        save_file(load_file(str(Path(model_dir) / "model.safetensors")), str(folder / "model.safetensors"))
+    (allowed / "link").symlink_to(outside, target_is_directory=True)
+    backend = TorchRolloutBackend(model_dir, threads=1, batch_size=2, weight_dirs=[str(allowed)])
+    try:
+        with httpx.Client(base_url=backend.start_server(), timeout=60) as http:
+            for path in (outside, allowed / ".." / ".." / "elsewhere", allowed / "link"):
+                r = http.post("/update_weights_from_disk", json={"model_path": str(path), "weight_version": 3})
+                message = r.json()["error"]["message"]
+                assert r.status_code == 403 and f"model_path: {str(path)!r} is outside" in message, r.text
+                assert str(allowed) in message and model_dir in message
+            assert backend.weight_version == 0
+            for version, path in ((1, allowed), (2, model_dir)):
+                r = http.post("/update_weights_from_disk", json={"model_path": str(path), "weight_version": version})
+                assert r.status_code == 200 and r.json()["success"], r.text
+            assert backend.weight_version == 2
+    finally:
+        backend.close()
+
+
+def test_a_runs_servers_may_read_its_weight_sync_and_local_store_folders(tmp_path):
+    from rlflow.engines.core.config import config_from_dict
+    from rlflow.engines.sync.disk import disk_folder, weight_dirs
+    from tests.conftest import small_recipe
+
+    cfg = config_from_dict(small_recipe(tmp_path, weight_sync={"disk_dir": str(tmp_path / "disk")}))
+    assert weight_dirs(cfg) == [f"{tmp_path}/disk/{cfg.name}/weights", f"{tmp_path}/runs/{cfg.name}"]
+    assert disk_folder(cfg).path("weights", "v00000001").startswith(weight_dirs(cfg)[0])
+    s3 = config_from_dict(small_recipe(tmp_path, storage={"uri": "s3://bucket/runs"}))
+    assert weight_dirs(s3) == [disk_folder(s3).path("weights")]  # checkpoints on S3 are not a local folder
+
+
 def test_bad_requests_name_the_field(embedded):
     with httpx.Client(base_url=embedded.server_url(), timeout=60) as http:
         cases = [
@@ -245,7 +284,7 @@ def test_bad_requests_name_the_field(embedded):
             assert r.status_code == 400 and needle in r.json()["error"]["message"], (body, r.text)
         r = http.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["gASVAAAA"]})
         assert r.status_code == 400 and "never unpickles" in r.json()["error"]["message"]
-        r = http.post("/update_weights_from_disk", json={"model_path": "/nonexistent"})
+        r = http.post("/update_weights_from_disk", json={"model_path": embedded.model_path + "/nonexistent"})
         assert r.status_code == 400 and "model_path" in r.json()["error"]["message"]
 
 

@@ -63,8 +63,14 @@ def _launch(model_dir: str, args: dict | None = None, **kwargs) -> SGLangRollout
 
 
 @pytest.fixture(scope="module")
-def worker(model_dir):
-    backend = _launch(model_dir)
+def weight_dir(tmp_path_factory) -> Path:
+    """A folder the worker's server may load weights from (as a run's weight-sync folder)."""
+    return tmp_path_factory.mktemp("sglang_weights")
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir, weight_dir):
+    backend = _launch(model_dir, weight_dirs=[str(weight_dir)])
     yield backend
     backend.close()
 
@@ -196,11 +202,17 @@ def _greedy(worker) -> dict:
     return worker.generate_packed(PROMPTS, GREEDY, seed=0)
 
 
-def test_update_weights_from_disk_changes_generations_and_weight_version(worker, model_dir, tmp_path):
+def test_update_weights_from_disk_changes_generations_and_weight_version(worker, model_dir, weight_dir, tmp_path):
     before = _greedy(worker)
     weights = load_file(str(Path(model_dir) / "model.safetensors"))
-    save_file({"lm_head.weight": -weights["lm_head.weight"]}, str(tmp_path / "bucket-0000.safetensors"))
-    assert worker.update_weights_from_disk(tmp_path, 5) == 5  # a folder with some of the weights
+    negated = {"lm_head.weight": -weights["lm_head.weight"]}
+    save_file(negated, str(tmp_path / "bucket-0000.safetensors"))
+    with pytest.raises(RuntimeError, match="answered 403.*outside the folders"):  # not one of the run's folders
+        worker.update_weights_from_disk(tmp_path, 5)
+    assert worker.server_info()["weight_version"] == str(worker.weight_version)
+    (weight_dir / "v5").mkdir()
+    save_file(negated, str(weight_dir / "v5" / "bucket-0000.safetensors"))
+    assert worker.update_weights_from_disk(weight_dir / "v5", 5) == 5  # a folder with some of the weights
     after = _greedy(worker)
     assert not (after["output_ids"] == before["output_ids"]).all(), "negated logits pick other tokens"
     assert after["weight_version"].tolist() == [5, 5]

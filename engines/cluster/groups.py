@@ -16,6 +16,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from rlflow.engines.cluster.addresses import LOOPBACK, free_port, node_ip
 from rlflow.engines.cluster.placement import Placement, RoleDemand, place
+from rlflow.engines.cluster.termination import bound_exit_on_sigterm
 from rlflow.engines.core.config import ClusterConfig
 from rlflow.engines.core.protocols import bound, missing_methods
 
@@ -228,6 +229,7 @@ def init_ray(cfg: ClusterConfig) -> None:
         os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
                  object_store_memory=cfg.object_store_mb * 1024 * 1024)
+    bound_exit_on_sigterm()  # ray.init replaced the SIGTERM handler with one that has no deadline
 
 
 def worker_runtime_env() -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from rlflow.engines.core.retry import RetryPolicy
 
@@ -576,7 +576,8 @@ class EvalConfig(Section):
 
 
 class TrackingConfig(Section):
-    uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI.")
+    uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (sqlite:///file.db, http(s)://host:port, "
+                     "or a folder); leave the key out for the default, an empty value is an error.")
     experiment: str = "rlflow"
     log_samples: int = Field(8, ge=0, description="Sample rollouts logged as a table each eval.")
     deadline_s: float = Field(120, gt=0, description="No retry of an MLflow call starts later than this many "
@@ -586,6 +587,16 @@ class TrackingConfig(Section):
 
     def retry_policy(self) -> RetryPolicy:
         return RetryPolicy(retries=8, deadline_s=self.deadline_s)
+
+    @field_validator("uri")
+    @classmethod
+    def _not_empty(cls, v: str) -> str:
+        # MLflow reads an empty URI as "use the default", a ./mlruns folder in whatever directory the run starts in:
+        # the metrics would land somewhere nobody looks (an unset environment variable in a template does this)
+        if not v.strip():
+            raise ValueError("empty; expected an MLflow tracking URI (sqlite:///mlflow.db, http://host:5000, a "
+                             "folder), or leave the key out for the default sqlite:///mlflow.db")
+        return v
 
 
 class StorageConfig(Section):

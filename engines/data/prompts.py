@@ -106,8 +106,15 @@ def _jsonl_problem(path: str, storage_options: dict | None) -> str | None:
     gave no usable rows (datasets' own errors name no line)."""
     types: dict[str, tuple[str, int]] = {}
     row = 0
-    with _fs(path, storage_options).open(path, "r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    offset = 0  # of the line in the file, in bytes: where a bad byte is, for a hex editor or `dd`
+    with _fs(path, storage_options).open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"line {lineno} is not UTF-8: byte {raw[e.start]:#04x} at offset {offset + e.start} of the "
+                        f"file ({e.reason}); data files must be UTF-8 (convert with e.g. `iconv -f latin1 -t utf-8`)")
+            offset += len(raw)
             if not line.strip():
                 continue
             row += 1
@@ -185,13 +192,22 @@ class PromptRows(Sequence):
         self._table = _read(path, storage_options)
         if len(self._table) == 0:
             raise DataError(f"{path}: data file is empty, expected at least one row")
+        json_file = PurePosixPath(path).suffix in JSON_SUFFIXES
+        try:
+            self._check(storage_options, json_file)
+        except UnicodeDecodeError as e:  # Arrow's JSON reader keeps invalid UTF-8; decoding a row finds it
+            problem = _jsonl_problem(path, storage_options) if json_file else None
+            raise DataError(f"{path}: {problem or f'is not UTF-8: {e}'}") from None
+
+    def _check(self, storage_options: dict | None, json_file: bool) -> None:
+        """Normalize every row once, so a bad row fails on opening, naming its row (and line)."""
+        path, prompt_key, label_key = self.path, self.prompt_key, self.label_key
         for i, batch in enumerate(self._table.iter(batch_size=1024)):
             for j, obj in enumerate(_rows_of(batch)):
                 try:
                     normalize_row(obj, prompt_key, label_key)
                 except _RowError as e:
                     row = i * 1024 + j + 1
-                    json_file = PurePosixPath(path).suffix in JSON_SUFFIXES
                     if json_file and (problem := _jsonl_problem(path, storage_options)):
                         raise DataError(f"{path}: {problem}") from None
                     where = f"row {row}" + (f" (line {_line_of(path, storage_options, row)})" if json_file else "")

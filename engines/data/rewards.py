@@ -100,7 +100,14 @@ def _run_awaitable(aw: Awaitable[Any]) -> Any:
         return pool.submit(asyncio.run, _await(aw)).result()
 
 
-def _validate(name: str, result: Any, n: int) -> list[float]:
+def _validate(name: str, result: Any, n: int, prompts: Sequence[str] = ()) -> list[float]:
+    """One finite float per prompt; an error names the fn, the index and (given `prompts`) the sample's prompt.
+    A bool is refused: True/False as a reward is usually a pass/fail meant as 1.0/0.0, or a bug (a comparison
+    returned where a score was meant), and float(True) would hide which."""
+
+    def at(i: int) -> str:
+        return f"index {i}" + (f" (prompt {prompts[i][:60]!r})" if i < len(prompts) else "")
+
     if hasattr(result, "tolist") and not isinstance(result, (list, tuple)):  # numpy array, torch tensor
         result = result.tolist()
     if isinstance(result, (str, bytes, dict)) or not isinstance(result, Sequence):
@@ -109,10 +116,13 @@ def _validate(name: str, result: Any, n: int) -> list[float]:
         raise RewardError(f"reward.fn: {name} returned {len(result)} rewards for {n} prompts")
     out = []
     for i, v in enumerate(result):
+        if isinstance(v, bool):
+            raise RewardError(f"reward.fn: {name} returned {v!r} (bool) at {at(i)}, expected a number: return "
+                              "floats (e.g. 1.0 if correct else 0.0)")
         if not isinstance(v, numbers.Real):
-            raise RewardError(f"reward.fn: {name} returned {v!r} ({type(v).__name__}) at index {i}, expected a number")
+            raise RewardError(f"reward.fn: {name} returned {v!r} ({type(v).__name__}) at {at(i)}, expected a number")
         if not math.isfinite(v):
-            raise RewardError(f"reward.fn: {name} returned {v!r} at index {i}, expected a finite number")
+            raise RewardError(f"reward.fn: {name} returned {v!r} at {at(i)}, expected a finite number")
         out.append(float(v))
     return out
 
@@ -183,4 +193,4 @@ def compute_rewards(
         raise
     except Exception as e:
         raise RewardError(f"reward.fn: {name} raised {type(e).__name__}: {e}") from e
-    return _validate(name, result, len(prompts))
+    return _validate(name, result, len(prompts), prompts)

@@ -6,6 +6,7 @@ the same path. The demo's model is built from the recipe (no hub access) with a 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -106,6 +107,31 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def model_context(cfg: ModelConfig) -> tuple[int, str]:
+    """Tokens one sequence of the model holds (prompt + response) and the setting it comes from, for messages:
+    max_position_embeddings of model.path's config.json, or model.max_seq_len of a model the recipe builds."""
+    if not cfg.path:
+        return cfg.max_seq_len, "model.max_seq_len"
+    config = Path(cfg.path) / "config.json"
+    positions = json.loads(config.read_text()).get("max_position_embeddings")
+    if not isinstance(positions, int):
+        raise ValueError(f"model.path: {config} has no max_position_embeddings (the model's context)")
+    return positions, f"max_position_embeddings in {config}"
+
+
+# the embedded rollout engine's context unless its worker is given another (TorchRolloutBackend's context_len)
+EMBEDDED_CONTEXT_LEN = 4096
+
+
+def rollout_context(cfg: ModelConfig, rollout_backend: str) -> tuple[int, str]:
+    """Tokens one rollout sequence holds (prompt + response) and where the number comes from: the model's context,
+    capped by the embedded engine's (an SGLang server takes the model's, unless its args set --context-length)."""
+    context, source = model_context(cfg)
+    if rollout_backend != "sglang" and context > EMBEDDED_CONTEXT_LEN:
+        return EMBEDDED_CONTEXT_LEN, "the embedded rollout engine's context"
+    return context, source
 
 
 def prompt_input(row: dict) -> str | list[dict]:

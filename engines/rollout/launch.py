@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import uvicorn
 
 from rlflow.engines.rollout.server import build_app
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.rollout.weight_routes import WEIGHT_DIRS_ENV
 
 # SGLang's launch_server flags the embedded server takes (names, defaults and meanings from SGLang's server_args);
 # any other flag is refused by name rather than ignored
@@ -24,7 +26,8 @@ DTYPE_FLAGS = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", 
 def main(argv: list[str] | None = None) -> None:
     """Serve one model as `sglang.launch_server` would, with the subset of its flags the embedded engine has:
     --model-path (--model), --host, --port, --dtype, --device, --context-length, --max-running-requests,
-    --random-seed, --api-key (here required on control routes only). Stops on SIGTERM / SIGINT."""
+    --random-seed, --api-key (here required on control routes only); and rlflow's --weight-dir. Stops on
+    SIGTERM / SIGINT."""
     parser = argparse.ArgumentParser(prog="python -m rlflow.engines.rollout.launch", allow_abbrev=False,
                                      description="rlflow's embedded rollout server with SGLang's routes and a "
                                      "subset of sglang.launch_server's flags.")
@@ -46,6 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=None,
                         help="Required as 'Authorization: Bearer <key>' on the control routes (weights, memory, "
                         "aborts, cache, process groups).")
+    parser.add_argument("--weight-dir", dest="weight_dirs", action="append",
+                        default=[d for d in os.environ.get(WEIGHT_DIRS_ENV, "").split(os.pathsep) if d],
+                        help="A folder /update_weights_from_disk may load from besides --model-path (repeat for "
+                        f"more; default: ${WEIGHT_DIRS_ENV}, {os.pathsep}-separated). rlflow's, not SGLang's.")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-")] or unknown
@@ -65,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     kwargs = {"batch_size": args.max_running_requests, "context_len": args.context_length}
     backend = TorchRolloutBackend(args.model_path, device=device, dtype=getattr(torch, dtype_name),
                                   **{k: v for k, v in kwargs.items() if v is not None})
-    server = uvicorn.Server(uvicorn.Config(build_app(backend, args.api_key), host=args.host, port=args.port,
+    app = build_app(backend, args.api_key, args.weight_dirs)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                           log_level="warning", lifespan="off", timeout_keep_alive=30))
     print(f"rlflow embedded rollout server: {args.model_path} ({device}, {dtype_name}) on "
           f"http://{args.host}:{args.port}", flush=True)

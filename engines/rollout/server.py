@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -40,8 +42,9 @@ GENERATE_NO_OP = {"logprob_start_len": -1, "top_logprobs_num": 0, "return_text_i
                   "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
 
 
-def build_app(backend, token: str | None = None) -> FastAPI:
-    """The server's routes; with `token`, control routes need it (http_api.require_token)."""
+def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Path] = ()) -> FastAPI:
+    """The server's routes; with `token`, control routes need it (http_api.require_token). /update_weights_from_disk
+    loads from the backend's model folder and `weight_dirs` only (weight_routes.within)."""
     app = FastAPI(title="rlflow embedded rollout server")
     require_token(app, token)
     client = EngineClient(backend)
@@ -148,7 +151,7 @@ def build_app(backend, token: str | None = None) -> FastAPI:
                                      "memory_released": bool(backend._released)}]}
 
     add_openai_routes(app, backend, client)
-    add_weight_routes(app, backend, client)  # SGLang's weight-update routes (engines/rollout/weight_routes.py)
+    add_weight_routes(app, backend, client, weight_dirs)  # SGLang's weight routes (engines/rollout/weight_routes.py)
     return app
 
 
@@ -207,5 +210,6 @@ def _tags(body: dict) -> None:
 class RolloutServer(BackgroundServer):
     """`build_app(backend)` served from a background thread, on a port the OS picks."""
 
-    def __init__(self, backend, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
-        super().__init__(build_app(backend, token), "rollout server", host, port)
+    def __init__(self, backend, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 weight_dirs: Sequence[str | Path] = ()):
+        super().__init__(build_app(backend, token, weight_dirs), "rollout server", host, port)

@@ -45,13 +45,14 @@ import torch
 from safetensors.torch import save_file
 
 from rlflow.engines.cluster.addresses import free_port
-from rlflow.engines.cluster.process_group import stop_group
+from rlflow.engines.cluster.process_group import start_guard, stop_group
 from rlflow.engines.core.config import SGLangConfig, StorageConfig
 from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.rollout.engine import Generation
 from rlflow.engines.rollout.http_api import auth_headers
 from rlflow.engines.rollout.torch_backend import pack_generations
+from rlflow.engines.rollout.weight_routes import WEIGHT_DIRS_ENV
 from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
 from rlflow.engines.sync.endpoints import DiskReceiver, DistributedReceiver, StoreReceiver
 from rlflow.engines.sync.store import get_bucket
@@ -119,10 +120,12 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         python: str | None = None,
         host: str = "127.0.0.1",
         token: str | None = None,
+        weight_dirs: Iterable[str] = (),
     ):
         """Launch the server on `host` and wait until it answers. `threads` sets the child's OMP_NUM_THREADS
         (unless the environment has it); its log goes to `<log_dir>/server.log` (default: a new temporary
-        folder). `token`: SGLang's --api-key, sent with every request this worker makes."""
+        folder). `token`: SGLang's --api-key, sent with every request this worker makes. `weight_dirs`: the folders
+        the server may load weights from besides the model (with this worker's own; rlflow's launch module only)."""
         self.model_path, self.rank, self.threads = str(model_path), rank, threads
         self.cfg = sglang if isinstance(sglang, SGLangConfig) else SGLangConfig.model_validate(sglang or {})
         self.python = python or sys.executable
@@ -131,6 +134,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         self._released = False
         self._dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"rlflow-sglang-{rank}-"))
         self._dir.mkdir(parents=True, exist_ok=True)
+        self.weight_dirs = [*weight_dirs, str(self._dir)]  # update_weights writes its folders under _dir
         self.log_path = self._dir / "server.log"
         self.proc: subprocess.Popen | None = None
         self._guard: subprocess.Popen | None = None
@@ -168,6 +172,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
             *([f"--api-key={token}"] if token else []),  # one argument: a token may start with "-"
         ]
         env = dict(os.environ)
+        env[WEIGHT_DIRS_ENV] = os.pathsep.join(self.weight_dirs)
         if self.threads and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(self.threads)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes it until close()
@@ -181,13 +186,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
             env=env,
             start_new_session=True,
         )
-        self._guard = subprocess.Popen(
-            [sys.executable, "-m", "rlflow.engines.cluster.process_group", str(self.proc.pid), str(STOP_GRACE_S)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        self._guard = start_guard(self.proc.pid, STOP_GRACE_S)
         self.url = f"http://{host}:{port}"
         self._wait_healthy()
         return self.url

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.core.trace import TraceRecorder
 from rlflow.engines.models.decoder import DecoderLM
-from rlflow.engines.models.hf import load_model, load_tokenizer
+from rlflow.engines.models.hf import EMBEDDED_CONTEXT_LEN, load_model, load_tokenizer
 from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Generation, Request, request_generator
 from rlflow.engines.rollout.http_api import auth_headers
 from rlflow.engines.rollout.server import RolloutServer
@@ -52,11 +52,15 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
 
     def __init__(
         self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None,
-        batch_size: int = 512, context_len: int = 4096, trace: bool = False, rank: int = 0,
+        batch_size: int = 512, context_len: int = EMBEDDED_CONTEXT_LEN, trace: bool = False, rank: int = 0,
+        weight_dirs: Sequence[str] = (),
     ):
+        """`weight_dirs`: folders its server's /update_weights_from_disk may read besides `model_path` (the run's
+        weight-sync and checkpoint folders, engines/sync/disk.py:weight_dirs)."""
         if threads:
             torch.set_num_threads(threads)
         self.model_path, self.device, self.batch_size = model_path, device, batch_size
+        self.weight_dirs = list(weight_dirs)
         self.model = load_model(model_path, dtype=dtype, device=device).eval()
         self.tokenizer = load_tokenizer(model_path)
         self.params = dict(self.model.named_parameters())
@@ -236,7 +240,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         """Serve SGLang's routes for this engine on `host` (port 0: one the OS picks); the URL, built from the
         address bound. With `token`, control routes need it. Later calls return the running server's URL."""
         if self.server is None:
-            self.server, self._token = RolloutServer(self, host, port, token), token
+            self.server, self._token = RolloutServer(self, host, port, token, self.weight_dirs), token
         return self.server.url
 
     def server_url(self) -> str | None:

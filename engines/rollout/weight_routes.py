@@ -1,12 +1,17 @@
 """SGLang's weight-update routes on the embedded server: `/update_weights_from_tensor`,
 `/update_weights_from_disk`, and the distributed pair `/init_weights_update_group` +
 `/update_weights_from_distributed` (+ `/destroy_weights_update_group`), whose other end is the trainer's
-`DistributedWeightSender` (engines/sync/distributed.py). Field names and meanings are SGLang's."""
+`DistributedWeightSender` (engines/sync/distributed.py). Field names and meanings are SGLang's.
+
+`/update_weights_from_disk` loads only from the server's own model folder and the folders it was started with
+(`weight_dirs`: the run's weight-sync and checkpoint folders): a caller holding the control token still cannot
+make the server read whatever the process can (another user's or another run's files)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -24,9 +29,15 @@ from rlflow.engines.sync.distributed import (
     join_weights_update_group,
 )
 
+# the folders a launched server's /update_weights_from_disk may read (os.pathsep-separated), set by the SGLang
+# backend for its server: rlflow's launch module reads it, a real SGLang ignores it
+WEIGHT_DIRS_ENV = "RLFLOW_WEIGHT_DIRS"
 
-def add_weight_routes(app: FastAPI, backend, client: EngineClient) -> None:
-    """SGLang's weight routes on the embedded server of `backend` (a TorchRolloutBackend)."""
+
+def add_weight_routes(app: FastAPI, backend, client: EngineClient, weight_dirs: Sequence[str | Path] = ()) -> None:
+    """SGLang's weight routes on the embedded server of `backend` (a TorchRolloutBackend); `/update_weights_from_disk`
+    reads from backend.model_path and `weight_dirs` only."""
+    roots = [Path(d).resolve() for d in (backend.model_path, *weight_dirs)]
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
@@ -49,7 +60,14 @@ def add_weight_routes(app: FastAPI, backend, client: EngineClient) -> None:
         body = await read_json(request)
         check_fields(body, {"model_path", "load_format", "abort_all_requests", "weight_version"}, {},
                       "/update_weights_from_disk")
-        path = Path(str(body.get("model_path") or ""))
+        if not body.get("model_path"):
+            raise BadRequest("model_path: required (a folder of *.safetensors files)")
+        path = Path(str(body["model_path"]))
+        if not within(path, roots):
+            return JSONResponse({"error": {"message": f"model_path: {str(path)!r} is outside the folders this server "
+                                           f"loads weights from ({', '.join(map(str, roots))}): its model and the "
+                                           "run's weight-sync and checkpoint folders", "code": 403}},
+                                status_code=403)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
         if not files:
             raise BadRequest(f"model_path: no *.safetensors files in {str(path)!r}")
@@ -60,6 +78,12 @@ def add_weight_routes(app: FastAPI, backend, client: EngineClient) -> None:
         return result | {"num_paused_requests": 0} if isinstance(result, dict) else result
 
     add_distributed_routes(app, backend, client)
+
+
+def within(path: Path, roots: Sequence[Path]) -> bool:
+    """`path` is one of `roots` or inside one, after resolving symlinks and '..' (a link out of a root is out)."""
+    resolved = path.resolve()
+    return any(resolved.is_relative_to(root) for root in roots)
 
 
 async def update(backend, client: EngineClient, body: dict, named: dict) -> JSONResponse | dict:

@@ -14,6 +14,7 @@ from transformers import AutoConfig
 from rlflow.engines.core.config import RecipeError, RLConfig, config_from_dict, valid_sections
 from rlflow.engines.data.prompts import DataError, load_pairs, load_prompts
 from rlflow.engines.data.rewards import RewardError, load_reward_fn
+from rlflow.engines.models.hf import rollout_context
 from rlflow.engines.rollout.functions import load_rollout_fn
 from rlflow.engines.store.run_store import StorageError, replay_source
 from rlflow.engines.train.megatron.hf_config import UnsupportedModel, spec_from_hf
@@ -80,6 +81,21 @@ def _replay_problems(cfg: RLConfig) -> list[str]:
     return []
 
 
+def _context_problems(cfg: RLConfig) -> list[str]:
+    """rollout.max_new_tokens within the tokens a rollout sequence holds, with room for a prompt: the engine
+    would otherwise cut every response short without a word."""
+    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+        return []  # reported by _model_problems
+    try:
+        context, source = rollout_context(cfg.model, cfg.rollout.backend)
+    except (ValueError, OSError) as e:
+        return [str(e)]
+    if cfg.rollout.max_new_tokens >= context:
+        return [f"rollout.max_new_tokens: {cfg.rollout.max_new_tokens} does not fit a rollout sequence of {context} "
+                f"tokens ({source}), which holds the prompt too"]
+    return []
+
+
 def _megatron_or_none(cfg: RLConfig) -> list[str]:
     return _megatron_problems(cfg) if cfg.train.backend == "megatron" else []
 
@@ -92,6 +108,7 @@ CHECKS: list[tuple[frozenset[str], Callable[[RLConfig], list[str]]]] = [
     (frozenset({"data", "sft"}), _sft_problems),
     (frozenset({"reward"}), _reward_problems),
     (frozenset({"rollout"}), _rollout_fn_problems),
+    (frozenset({"model", "rollout"}), _context_problems),
     (frozenset({"train", "model", "megatron"}), _megatron_or_none),
     (frozenset({"debug", "storage"}), _replay_problems),
 ]

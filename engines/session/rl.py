@@ -26,9 +26,9 @@ from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import RolloutBatch, TrainBatch, batch_size, select, shard_for_workers
 from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
-from rlflow.engines.data.prompts import load_prompts
+from rlflow.engines.data.prompts import DataError, load_prompts
 from rlflow.engines.data.rewards import compute_rewards, load_reward_fn
-from rlflow.engines.models.hf import encode_prompt, load_tokenizer, prompt_input
+from rlflow.engines.models.hf import encode_prompt, load_tokenizer, prompt_input, rollout_context
 from rlflow.engines.rollout.dynamic_sampling import collect_groups
 from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, load_rollout_fn
 from rlflow.engines.rollout.router import RolloutRouter
@@ -84,6 +84,8 @@ class RLSession:
             load_prompts(data.eval_path, data.prompt_key, data.label_key, options(data.eval_path))
             if data.eval_path else []
         )
+        # tokens a rollout sequence holds: a longer prompt is refused here, naming its data row
+        self.context_len, self._context_source = rollout_context(cfg.model, cfg.rollout.backend)
         self.weight_version = 0  # of the trainer's weights: the number of syncs so far
         self.kl_coef = cfg.algorithm.kl_coef  # KL-in-reward coefficient of the next step (adaptive: it moves)
         self._dp_ranks: list[int] | None = None
@@ -574,8 +576,24 @@ class RLSession:
                 "top_k": r.top_k or -1, "stop": list(r.stop)}
 
     def _prompt_samples(self, rows: list[dict], n: int, seed: int) -> list[PromptSample]:
-        return [PromptSample(index=i, prompt=r["prompt"], label=r["label"], prompt_ids=self._encode(prompt_input(r)),
-                             n=n, seed=seed + i * n, row=r, tokenizer=self._fn_tokenizer) for i, r in enumerate(rows)]
+        samples = [PromptSample(index=i, prompt=r["prompt"], label=r["label"], prompt_ids=self._encode(prompt_input(r)),
+                                n=n, seed=seed + i * n, row=r, tokenizer=self._fn_tokenizer)
+                   for i, r in enumerate(rows)]
+        for s in samples:
+            if len(s.prompt_ids) >= self.context_len:
+                raise DataError(f"{self._data_row(s.row)}: the prompt is {len(s.prompt_ids)} tokens; a rollout "
+                                f"sequence holds {self.context_len} ({self._context_source}), the response "
+                                "included: shorten or drop the prompt, or use a model with a longer context")
+        return samples
+
+    def _data_row(self, row: dict) -> str:
+        """'<file>: row <n>' of a row this session loaded (the first equal one: searched only on the error path;
+        rows are normalized anew each time they are read, so identity would not find it)."""
+        for path, rows in ((self.cfg.data.train_path, self.prompts.rows), (self.cfg.data.eval_path, self.eval_rows)):
+            pos = next((i for i, r in enumerate(rows or []) if r == row), None)
+            if pos is not None:
+                return f"{path}: row {pos + 1}"
+        return f"{self.cfg.data.train_path}: a row carried over by dynamic sampling"
 
     def _responses(self, output_ids: list, texts: list[str | None]) -> list[str]:
         """The text the reward sees: what the rollout function gave, else the decoded response tokens."""

@@ -17,6 +17,7 @@ from rlflow.engines.data.builtin_tasks import write_task_files
 from rlflow.engines.models.hf import DTYPES, build_tiny_model
 from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend, gpus_per_server
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.sync.disk import weight_dirs
 from rlflow.engines.sync.transports import TRANSPORTS
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 
@@ -153,12 +154,15 @@ def critic_kwargs(cfg: RLConfig, model_path: str):
 
 
 def rollout_kwargs(cfg: RLConfig, model_path: str):
+    dirs = weight_dirs(cfg)  # what the servers' /update_weights_from_disk may read
+
     def make(rank: int) -> dict:
         if cfg.rollout.backend == "sglang":
-            return dict(model_path=model_path, sglang=cfg.rollout.sglang, rank=rank, threads=cfg.train.threads)
+            return dict(model_path=model_path, sglang=cfg.rollout.sglang, rank=rank, threads=cfg.train.threads,
+                        weight_dirs=dirs)
         return dict(model_path=model_path, device=cfg.rollout_device, dtype=DTYPES[cfg.rollout.precision],
                     threads=cfg.train.threads, batch_size=cfg.rollout.batch_size,
-                    trace=cfg.debug.trace_every > 0, rank=rank)
+                    trace=cfg.debug.trace_every > 0, rank=rank, weight_dirs=dirs)
 
     return make
 

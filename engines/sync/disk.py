@@ -4,7 +4,7 @@ the whole folder at once (SGLang's /update_weights_from_disk); the folder goes o
 
 from __future__ import annotations
 
-from rlflow.engines.core.config import StorageConfig
+from rlflow.engines.core.config import RLConfig, StorageConfig
 from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.base import WeightTransport
 from rlflow.engines.sync.endpoints import DiskReceiver, StoreSender
@@ -19,6 +19,22 @@ class DiskTransport(WeightTransport):
         disk, run = StorageConfig(uri=self.cfg.weight_sync.disk_dir), self.cfg.name
         for i, names in enumerate(self.source.buckets()):
             self.source.call(StoreSender.put_weights_to_store, disk, run, version, i, names)
-        folder = RunStore(disk, run)
+        folder = disk_folder(self.cfg)
         self.rollout.call(DiskReceiver.update_weights_from_disk, folder.path(*version_dir(version)), version)
         folder.remove(*version_dir(version))
+
+
+def disk_folder(cfg: RLConfig) -> RunStore:
+    """This run's folder under weight_sync.disk_dir: the versions the disk transport writes go under it."""
+    return RunStore(StorageConfig(uri=cfg.weight_sync.disk_dir), cfg.name)
+
+
+def weight_dirs(cfg: RLConfig) -> list[str]:
+    """The folders a rollout server of this run may load weights from over /update_weights_from_disk (besides its
+    model): the disk transport's versions of this run and, with a local run store, the run's folder (checkpoints).
+    Another run's folders and the rest of the file system stay out of reach."""
+    dirs = [disk_folder(cfg).path("weights")]
+    store = RunStore(cfg.storage, cfg.name)
+    if store.protocol == "file":
+        dirs.append(store.run_dir)
+    return dirs

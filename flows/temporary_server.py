@@ -1,0 +1,62 @@
+"""Prefect's temporary API server, tied to the flow process that starts it.
+
+Without PREFECT_API_URL, Prefect runs a flow against a temporary server: a uvicorn child process
+(prefect.server.api.server.SubprocessASGIServer) that it stops from an atexit handler. A flow process killed
+with SIGKILL (the OOM killer, a scheduler, `kill -9`) runs no atexit handler, so the server lived on with its
+port open. Here the server Prefect starts gets a guard (engines/cluster/process_group.py): a small process
+that reads a pipe only this process holds and stops the server when the pipe closes, which the kernel does
+however this process ends.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+
+from rlflow.engines.cluster.process_group import start_guard
+
+STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL: Prefect's own stop() waits as long
+
+
+def guard_temporary_server() -> None:
+    """Make the temporary server Prefect starts for this process (if it starts one: PREFECT_API_URL unset) one
+    that dies with it. Call before the first flow runs; a no-op with an API URL or when already done."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    guarded = _guarded_class()
+    if PREFECT_API_URL.value() or isinstance(SubprocessASGIServer._instances.get(None), guarded):
+        return
+    # Prefect looks its server up as SubprocessASGIServer() (port None): the instance under that key is the one
+    SubprocessASGIServer._instances[None] = guarded()
+
+
+@functools.cache
+def _guarded_class() -> type:
+    """Defined on first use: Prefect's server module is slow to import."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    class GuardedServer(SubprocessASGIServer):
+        """SubprocessASGIServer whose uvicorn process has a guard that stops it when this process ends."""
+
+        _instances: dict = {}  # its own registry: constructing one must not return Prefect's default instance
+        _guard: subprocess.Popen | None = None
+
+        def _run_uvicorn_command(self) -> subprocess.Popen:
+            self._drop_guard()  # a restart (Prefect's port was taken): that process is gone
+            proc = super()._run_uvicorn_command()
+            self._guard = start_guard(proc.pid, STOP_GRACE_S, group=False)
+            return proc
+
+        def stop(self) -> None:
+            self._drop_guard()  # first: no guard may signal the pid once the server is gone (pids are reused)
+            super().stop()
+
+        def _drop_guard(self) -> None:
+            guard, self._guard = self._guard, None
+            if guard is not None:
+                guard.kill()
+                guard.wait()
+                guard.stdin.close()
+
+    return GuardedServer
