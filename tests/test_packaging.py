@@ -67,3 +67,40 @@ def test_rlflow_init_from_a_plain_install(tmp_path: Path) -> None:
     for name in ("prefect.yaml", "deployments/sort-tiny.yaml", "deployments/eval-sort-tiny.yaml",
                  "deployments/pipeline-sort-tiny.yaml"):
         assert (project / name).read_text() == (REPO / "deployments" / Path(name).name).read_text(), name
+
+
+# floors below the tested minor release, each with where it was run
+FLOORS_RUN_ELSEWHERE = {
+    "torch": "2.11: the GPU machine's torch (bench/ runs, docs/benchmarks.md)",
+    "transformers": "5.17: the GPU machine's transformers",
+    "megatron-core": "0.16: the newest for Python 3.11 here; 0.19 on the GPU machine",
+}
+
+
+def test_declared_lower_bounds_are_versions_that_were_tested() -> None:
+    """Every dependency declares a floor, and the floor is the minor release constraints.txt pins (what CI
+    installs), or one named above with where it ran: a floor nothing ran with is not declared."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    pins = {}
+    for line in (root / "constraints.txt").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[name.strip().lower().replace("_", "-")] = Version(version.strip())
+    declared = project["dependencies"] + [d for extra in ("megatron", "math", "dev")
+                                          for d in project["optional-dependencies"][extra]]
+    for text in declared:
+        req = Requirement(text)
+        name = req.name.lower()
+        if name == "rlflow":
+            continue
+        floors = [Version(s.version) for s in req.specifier if s.operator == ">="]
+        assert floors, f"{text}: no lower bound"
+        pin = pins[name]
+        assert floors[0] <= pin, f"{text}: the floor is above what constraints.txt tests ({pin})"
+        if name not in FLOORS_RUN_ELSEWHERE:
+            assert floors[0].release[:2] == pin.release[:2], f"{text}: floor {floors[0]}, tested {pin}"
+        assert req.specifier.contains(pin), f"{text} excludes the tested {pin}"
