@@ -65,10 +65,15 @@ class RunContext:
         """
         t0 = time.perf_counter()
         self.tracker.flush()
-        with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
-            controller = self.session.save(tmp, step)
-            meta = {"step": step, "next_step": step + 1, "mlflow_run_id": self.tracker.run_id, **controller}
-            uri = self.store.commit_checkpoint(step, tmp, meta)
+        meta = {"step": step, "next_step": step + 1, "mlflow_run_id": self.tracker.run_id}
+        if writes_to_store(self.cfg, self.store):  # the workers write their shards into the store themselves
+            target = self.store.begin_checkpoint(step)
+            controller = self.session.save(target, step, storage=self.cfg.storage)
+            uri = self.store.finish_checkpoint(step, meta | controller)  # only once every worker has returned
+        else:
+            with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
+                controller = self.session.save(tmp, step)
+                uri = self.store.commit_checkpoint(step, tmp, meta | controller)
         pruned = self.store.prune(self.cfg.checkpoint.keep_last)
         if not self.cfg.checkpoint.keep_rollouts:
             self.store.prune_rollouts(before_step=step)
@@ -87,6 +92,12 @@ class RunContext:
         self.session.shutdown()
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.stop_logs()
+
+
+def writes_to_store(cfg: RLConfig, store: RunStore) -> bool:
+    """Whether the train workers write (and read back) checkpoints straight in the run store: the torch backend
+    on object storage. A local store keeps the staged folder uploaded by the driver (the same bytes either way)."""
+    return cfg.train.backend == "torch" and store.protocol != "file"
 
 
 def shared_dir(cfg: RLConfig) -> str | None:
@@ -137,9 +148,11 @@ def _open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_
     store.write_json({"status": "running", "mlflow_run_id": tracker.run_id}, "status.json")
     ctx = RunContext(cfg, session, store, tracker, workdir, stop_logs=stop_logs)
     _OPEN[cfg.name] = ctx
+    if meta is not None and writes_to_store(cfg, store):
+        session.load(store.uri("checkpoints", latest), meta, storage=cfg.storage)
+    elif meta is not None:
+        session.load(store.download_checkpoint(latest, workdir / f"resume-{latest}"), meta)
     if meta is not None:
-        local = store.download_checkpoint(latest, workdir / f"resume-{latest}")
-        session.load(local, meta)
         ctx.start_step = meta["next_step"]
         log.info("resuming run %s from committed step %d", cfg.name, latest)
     return ctx

@@ -106,6 +106,13 @@ class RunStore:
     def _uri(self, path: str) -> str:
         return path if self.protocol == "file" else f"{self.protocol}://{path}"
 
+    @classmethod
+    def at(cls, storage: StorageConfig, uri: str) -> RunStore:
+        """A store whose run folder is `uri` itself (e.g. one checkpoint, `<root>/<run>/checkpoints/<step>`):
+        a worker writing or reading that folder gets the same filesystem, options and retry policy."""
+        parent, name = uri.rstrip("/").rsplit("/", 1)
+        return cls(storage.model_copy(update={"uri": parent}), name)
+
     # ---- paths and small files -----------------------------------------------------------------------
     def path(self, *parts: str | int) -> str:
         return "/".join([self.run_dir, *map(str, parts)])
@@ -126,6 +133,26 @@ class RunStore:
     def read_bytes(self, *parts: str | int) -> bytes:
         path = self.path(*parts)
         return self._call("read", path, self.fs.cat_file, path)
+
+    def read_range(self, start: int, end: int, *parts: str | int) -> bytes:
+        """Bytes [start, end) of a file: a ranged GET on object storage, so a reader fetches only its tensors."""
+        path = self.path(*parts)
+        return self._call("read", path, self.fs.cat_file, path, start=start, end=end)
+
+    def upload_file(self, local: str | Path, *parts: str | int) -> None:
+        """A local file into the store, streamed (s3fs: a multipart upload), retried whole on transient errors."""
+        path = self.path(*parts)
+        if self.protocol == "file":
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        self._call("write", path, self.fs.put_file, str(local), path)
+
+    def files(self, *parts: str | int) -> list[str]:
+        """Every file under a folder, as paths relative to it ([] if there is none)."""
+        path = self.path(*parts)
+        if not self._call("stat", path, self.fs.exists, path):
+            return []
+        self.fs.invalidate_cache(path)
+        return sorted(p[len(path) + 1 :] for p in self._call("list", path, self.fs.find, path))
 
     def write_json(self, obj: Any, *parts: str | int) -> None:
         self.write_bytes(json.dumps(obj, indent=1, sort_keys=True).encode(), *parts)
@@ -178,10 +205,21 @@ class RunStore:
     # ---- checkpoints ---------------------------------------------------------------------------------
     def commit_checkpoint(self, step: int, local_dir: str | Path, meta: dict) -> str:
         """Upload a checkpoint written in `local_dir`, then COMMITTED, then `latest`. Returns its URI."""
-        self.remove("checkpoints", step)  # a torn attempt at this step: replace it whole
+        self.begin_checkpoint(step)
         for f in sorted(Path(local_dir).rglob("*")):
             if f.is_file():
                 self.write_bytes(f.read_bytes(), "checkpoints", step, f.relative_to(local_dir).as_posix())
+        return self.finish_checkpoint(step, meta)
+
+    def begin_checkpoint(self, step: int) -> str:
+        """Clear the step's folder (a torn attempt at this step is replaced whole); returns its URI, where the
+        workers then write their shards straight (fsdp.save_checkpoint through fsspec)."""
+        self.remove("checkpoints", step)
+        return self.uri("checkpoints", step)
+
+    def finish_checkpoint(self, step: int, meta: dict) -> str:
+        """meta.json, then COMMITTED, then `latest`: called by the driver only after every worker's save returned,
+        so a checkpoint whose shards are partly written never has its marker. Returns its URI."""
         self.write_json(meta, "checkpoints", step, "meta.json")
         self.write_bytes(str(step).encode(), "checkpoints", step, "COMMITTED")
         self.write_bytes(str(step).encode(), "latest")
