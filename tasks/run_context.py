@@ -18,7 +18,7 @@ from typing import Any
 from rlflow.engines.core.config import RLConfig, public_tree
 from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
-from rlflow.engines.store.run_store import RunStore
+from rlflow.engines.store.run_store import RunStore, workers_write_checkpoints
 from rlflow.tasks.artifacts import TrainingArtifacts
 from rlflow.tasks.run_logs import send_to_prefect, step_log, step_summary
 from rlflow.tasks.tracking import Tracker
@@ -66,7 +66,7 @@ class RunContext:
         t0 = time.perf_counter()
         self.tracker.flush()
         meta = {"step": step, "next_step": step + 1, "mlflow_run_id": self.tracker.run_id}
-        if writes_to_store(self.cfg, self.store):  # the workers write their shards into the store themselves
+        if workers_write_checkpoints(self.cfg):  # the workers write their shards into the store themselves
             target = self.store.begin_checkpoint(step)
             controller = self.session.save(target, step, storage=self.cfg.storage)
             uri = self.store.finish_checkpoint(step, meta | controller)  # only once every worker has returned
@@ -92,12 +92,6 @@ class RunContext:
         self.session.shutdown()
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.stop_logs()
-
-
-def writes_to_store(cfg: RLConfig, store: RunStore) -> bool:
-    """Whether the train workers write (and read back) checkpoints straight in the run store: the torch backend
-    on object storage. A local store keeps the staged folder uploaded by the driver (the same bytes either way)."""
-    return cfg.train.backend == "torch" and store.protocol != "file"
 
 
 def shared_dir(cfg: RLConfig) -> str | None:
@@ -148,7 +142,7 @@ def _open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_
     store.write_json({"status": "running", "mlflow_run_id": tracker.run_id}, "status.json")
     ctx = RunContext(cfg, session, store, tracker, workdir, stop_logs=stop_logs)
     _OPEN[cfg.name] = ctx
-    if meta is not None and writes_to_store(cfg, store):
+    if meta is not None and workers_write_checkpoints(cfg):
         session.load(store.uri("checkpoints", latest), meta, storage=cfg.storage)
     elif meta is not None:
         session.load(store.download_checkpoint(latest, workdir / f"resume-{latest}"), meta)

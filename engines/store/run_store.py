@@ -288,6 +288,13 @@ class RunStore:
                 self.remove("steps", name)
 
 
+def workers_write_checkpoints(cfg: RLConfig) -> bool:
+    """Whether the train workers write (and read back) checkpoints straight in the run store: the torch backend
+    on object storage. A local store keeps the driver's staged folder, uploaded after the save (same files)."""
+    protocol = fsspec.utils.get_protocol(cfg.storage.uri)
+    return cfg.train.backend == "torch" and protocol not in ("file", "local")
+
+
 def list_runs(storage: StorageConfig | str) -> list[dict]:
     """Every run under a store root with its latest committed step and whether it finished."""
     probe = RunStore(storage, "_")
