@@ -91,3 +91,19 @@ def _step_one(trainer: TorchTrainBackend, rows) -> dict[str, float]:
     metrics = trainer.train_step(rows)
     metrics.pop("worker_s")
     return metrics
+
+
+def test_workers_get_the_drivers_credentials_when_the_recipe_names_none(monkeypatch):
+    """Ray workers do not inherit the driver's AWS_* environment: the StorageConfig sent to them carries it (as
+    a recipe's key/secret would); explicit settings, a profile and local stores are left as they are."""
+    from rlflow.engines.store.run_store import worker_storage
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDRIVER")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "driver-secret")
+    sent = worker_storage(StorageConfig(uri="s3://bucket/runs"))
+    assert sent.key.get_secret_value() == "AKIDRIVER" and sent.secret.get_secret_value() == "driver-secret"
+    assert "driver-secret" not in repr(sent)
+    own = StorageConfig(uri="s3://bucket/runs", key="AKIOWN", secret="own")
+    assert worker_storage(own) is own
+    assert worker_storage(StorageConfig(uri="s3://bucket/runs", profile="p")).key is None
+    assert worker_storage(StorageConfig(uri="/tmp/runs")).key is None

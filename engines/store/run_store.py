@@ -20,6 +20,7 @@ import dataclasses
 import io
 import json
 import logging
+import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any, TypeVar
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import SecretStr
 
 from rlflow.engines.core.config import RLConfig, StorageConfig
 from rlflow.engines.core.retry import RetriesExhausted
@@ -293,6 +295,19 @@ def workers_write_checkpoints(cfg: RLConfig) -> bool:
     on object storage. A local store keeps the driver's staged folder, uploaded after the save (same files)."""
     protocol = fsspec.utils.get_protocol(cfg.storage.uri)
     return cfg.train.backend == "torch" and protocol not in ("file", "local")
+
+
+def worker_storage(storage: StorageConfig) -> StorageConfig:
+    """The storage settings the train workers reach the run store with: the driver's own credentials when the
+    recipe names none (workers on other nodes, or under a Ray started elsewhere, lack the driver's AWS_*
+    environment). Kept in memory and sent only to the run's workers; never persisted (stored_config drops them)."""
+    if storage.key or storage.profile or not storage.uri.startswith(("s3://", "s3a://")):
+        return storage
+    key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if not (key and secret):
+        return storage  # the workers' own environment or instance role
+    return storage.model_copy(update={"key": SecretStr(key), "secret": SecretStr(secret),
+                                      "region": storage.region or os.environ.get("AWS_DEFAULT_REGION")})
 
 
 def list_runs(storage: StorageConfig | str) -> list[dict]:
