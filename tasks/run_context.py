@@ -18,7 +18,7 @@ from typing import Any
 from rlflow.engines.core.config import RLConfig, public_tree
 from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
-from rlflow.engines.store.run_store import RunStore
+from rlflow.engines.store.run_store import RunStore, worker_storage, workers_write_checkpoints
 from rlflow.tasks.artifacts import TrainingArtifacts
 from rlflow.tasks.run_logs import send_to_prefect, step_log, step_summary
 from rlflow.tasks.tracking import Tracker
@@ -65,10 +65,15 @@ class RunContext:
         """
         t0 = time.perf_counter()
         self.tracker.flush()
-        with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
-            controller = self.session.save(tmp, step)
-            meta = {"step": step, "next_step": step + 1, "mlflow_run_id": self.tracker.run_id, **controller}
-            uri = self.store.commit_checkpoint(step, tmp, meta)
+        meta = {"step": step, "next_step": step + 1, "mlflow_run_id": self.tracker.run_id}
+        if workers_write_checkpoints(self.cfg):  # the workers write their shards into the store themselves
+            target = self.store.begin_checkpoint(step)
+            controller = self.session.save(target, step, storage=worker_storage(self.cfg.storage))
+            uri = self.store.finish_checkpoint(step, meta | controller)  # only once every worker has returned
+        else:
+            with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
+                controller = self.session.save(tmp, step)
+                uri = self.store.commit_checkpoint(step, tmp, meta | controller)
         pruned = self.store.prune(self.cfg.checkpoint.keep_last)
         if not self.cfg.checkpoint.keep_rollouts:
             self.store.prune_rollouts(before_step=step)
@@ -137,9 +142,11 @@ def _open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_
     store.write_json({"status": "running", "mlflow_run_id": tracker.run_id}, "status.json")
     ctx = RunContext(cfg, session, store, tracker, workdir, stop_logs=stop_logs)
     _OPEN[cfg.name] = ctx
+    if meta is not None and workers_write_checkpoints(cfg):
+        session.load(store.uri("checkpoints", latest), meta, storage=worker_storage(cfg.storage))
+    elif meta is not None:
+        session.load(store.download_checkpoint(latest, workdir / f"resume-{latest}"), meta)
     if meta is not None:
-        local = store.download_checkpoint(latest, workdir / f"resume-{latest}")
-        session.load(local, meta)
         ctx.start_step = meta["next_step"]
         log.info("resuming run %s from committed step %d", cfg.name, latest)
     return ctx

@@ -200,6 +200,24 @@ def test_workers_on_other_nodes_need_a_shared_dir(cluster, tmp_path):
                 if t["name"].startswith("no-shared-dir") and t["state"] != "REMOVED"]
 
 
+def test_workers_on_other_nodes_need_no_shared_dir_with_an_object_store(cluster, tmp_path, s3_bucket,
+                                                                          tiny_model_dir):
+    """With the run store on S3 the train workers write and read checkpoint shards there themselves, and the
+    model is the recipe's model.path: the workers start on other nodes without cluster.shared_dir."""
+    c, _ = cluster
+    root, endpoint = s3_bucket
+    cfg = _cfg(tmp_path, c, "s3-no-shared-dir", cluster={"shared_dir": None}, model={"path": tiny_model_dir},
+               storage={"uri": root, "endpoint_url": endpoint})
+    workers = start_workers(cfg, tiny_model_dir, use_ray=True)
+    try:
+        assert workers.spans_nodes and len(workers.train) == 2
+    finally:
+        workers.shutdown()
+    local = _cfg(tmp_path, c, "file-no-shared-dir", cluster={"shared_dir": None}, model={"path": tiny_model_dir})
+    with pytest.raises(PlacementError, match=r"cluster\.shared_dir: .*\(or use object storage for storage\.uri"):
+        start_workers(local, tiny_model_dir, use_ray=True)
+
+
 def test_a_plan_the_cluster_holds_but_other_jobs_occupy_fails_after_the_timeout(cluster, monkeypatch):
     """The plan reads total resources; what other jobs hold shows only when Ray cannot reserve the bundles:
     that fails after PLACEMENT_TIMEOUT_S with what is available, and nothing stays reserved."""

@@ -542,8 +542,9 @@ class ClusterConfig(Section):
     shared_dir: str | None = Field(
         None, description="A folder every node mounts at the same path (NFS, Lustre, ...): the run's working files go "
         "there (the built model, checkpoints before they are committed to the store, a resumed checkpoint), since "
-        "workers read and write them by path. Required when workers run on other nodes than the driver's; empty: "
-        "the driver's temporary folder.")
+        "workers read and write them by path. Required when workers run on other nodes than the driver's (not "
+        "when train.backend torch checkpoints into an object store and model.path is set); empty: the driver's "
+        "temporary folder.")
     collective_timeout_s: float = Field(
         1800, gt=0, description="How long a torch.distributed collective (train ranks, weight-sync groups) waits for "
         "a peer before it fails the stage: a dead or hung rank ends the step, and the run resumes from its last "

@@ -18,6 +18,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 import torch
 
 from rlflow.engines.core.batch import TrainBatch
+from rlflow.engines.core.config import StorageConfig
 from rlflow.engines.core.sampling import SamplingParams
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -57,11 +58,12 @@ class TrainBackend(Protocol):
 
     def weight_shapes(self) -> dict[str, list[int]]: ...
 
-    def save(self, path: str | Path) -> None:
-        """Model, optimizer, scheduler and RNG state under `path` (safetensors + JSON, no pickle)."""
+    def save(self, path: str | Path, storage: StorageConfig | None = None) -> None:
+        """Model, optimizer, scheduler and RNG state under `path` (safetensors + JSON, no pickle). With `storage`
+        (the torch backend), `path` is a run store folder's URI that every rank writes its shards to itself."""
         ...
 
-    def load(self, path: str | Path) -> None: ...
+    def load(self, path: str | Path, storage: StorageConfig | None = None) -> None: ...
 
     def pid(self) -> int: ...
 
@@ -79,9 +81,9 @@ class CriticBackend(Protocol):
         """Value-loss optimizer steps on this rank's shard (returns and old values in the batch)."""
         ...
 
-    def save(self, path: str | Path) -> None: ...
+    def save(self, path: str | Path, storage: StorageConfig | None = None) -> None: ...
 
-    def load(self, path: str | Path) -> None: ...
+    def load(self, path: str | Path, storage: StorageConfig | None = None) -> None: ...
 
 
 class RolloutBackend(Protocol):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import threading
 import time
 from contextlib import AbstractContextManager
@@ -24,7 +25,7 @@ import torch
 from rlflow.engines.cluster.addresses import LOOPBACK, node_ip
 from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import RolloutBatch, TrainBatch, batch_size, select, shard_for_workers
-from rlflow.engines.core.config import RLConfig
+from rlflow.engines.core.config import RLConfig, StorageConfig
 from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
 from rlflow.engines.data.prompts import DataError, load_prompts
 from rlflow.engines.data.rewards import compute_rewards, load_reward_fn
@@ -36,7 +37,7 @@ from rlflow.engines.session.evaluation import score
 from rlflow.engines.session.prompt_source import PromptSource
 from rlflow.engines.session.timeline import StageTimeline
 from rlflow.engines.session.workers import Workers, start_workers
-from rlflow.engines.store.run_store import replay_source
+from rlflow.engines.store.run_store import RunStore, replay_source
 from rlflow.engines.sync.base import WeightTransport
 from rlflow.engines.sync.transports import make_transport
 from rlflow.engines.train.torch_backend import with_train_logprobs
@@ -486,24 +487,27 @@ class RLSession:
         return {"rollout/workers_restarted": float(self.workers_restarted)} if self.workers_restarted else {}
 
     # ---- checkpoints ---------------------------------------------------------------------------------
-    def save(self, path: str | Path, step: int) -> dict:
+    def save(self, path: str | Path, step: int, storage: StorageConfig | None = None) -> dict:
         """Every worker saves its state into `path`; returns the controller state to store beside it.
 
-        The cursor is saved as it was after `step` took its prompts: with one-step-off async the next
-        step has already taken its own, and a resumed run reuses that batch from the store."""
-        self.train_group.call(TrainBackend.save, str(path))
-        self.tokenizer.save_pretrained(Path(path) / "model")  # so model/ loads with transformers as it is
+        With `storage`, `path` is the checkpoint's folder in that run store (s3:// too) and every worker writes
+        there itself (tasks/run_context.py commits it after this returns). The cursor is saved as it was after
+        `step` took its prompts: with one-step-off async the next step has already taken its own, and a
+        resumed run reuses that batch from the store."""
+        self.train_group.call(TrainBackend.save, *worker_target(path, "", storage))
+        save_tokenizer(self.tokenizer, path, storage)  # so model/ loads with transformers as it is
         if self.critic_group is not None:
-            self.critic_group.call(CriticBackend.save, str(Path(path) / "critic"))
+            self.critic_group.call(CriticBackend.save, *worker_target(path, "critic", storage))
         state = self.prompts.state_after(step) | {"weight_version": self.weight_version}
         if self.cfg.algorithm.kl_ctrl == "adaptive":  # the controller's state: resume must continue from it
             state["kl_coef"] = self.kl_coef
         return state
 
-    def load(self, path: str | Path, controller_state: dict) -> None:
-        self.train_group.call(TrainBackend.load, str(path))
+    def load(self, path: str | Path, controller_state: dict, storage: StorageConfig | None = None) -> None:
+        """Every worker loads its state from `path` (with `storage`: straight from that run store's folder)."""
+        self.train_group.call(TrainBackend.load, *worker_target(path, "", storage))
         if self.critic_group is not None:
-            self.critic_group.call(CriticBackend.load, str(Path(path) / "critic"))
+            self.critic_group.call(CriticBackend.load, *worker_target(path, "critic", storage))
         self.prompts.load_state(controller_state)
         self.weight_version = controller_state["weight_version"]
         self.kl_coef = controller_state.get("kl_coef", self.cfg.algorithm.kl_coef)
@@ -622,6 +626,24 @@ class RLSession:
 
     def _seed(self, step: int) -> int:
         return self.cfg.seed * 1_000_003 + step * 7919
+
+
+def worker_target(path: str | Path, sub: str, storage: StorageConfig | None) -> tuple:
+    """The arguments of a worker's save/load: a local folder, or a run store folder's URI and the storage
+    settings the worker reaches it with (endpoint, credentials)."""
+    target = f"{str(path).rstrip('/')}/{sub}" if sub else str(path)
+    return (target,) if storage is None else (target, storage)
+
+
+def save_tokenizer(tokenizer, path: str | Path, storage: StorageConfig | None) -> None:
+    """The tokenizer's files into the checkpoint's model/ (uploaded when the checkpoint is in a run store)."""
+    if storage is None:
+        tokenizer.save_pretrained(Path(path) / "model")
+        return
+    store = RunStore.at(storage, str(path))
+    with tempfile.TemporaryDirectory(prefix="rlflow-tokenizer-") as tmp:
+        for f in tokenizer.save_pretrained(tmp):
+            store.upload_file(f, "model", Path(f).name)
 
 
 def _answers(url: str) -> bool:

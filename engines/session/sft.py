@@ -18,11 +18,11 @@ import pyarrow as pa
 import torch
 
 from rlflow.engines.core.batch import ROLLOUT_SCHEMA, RolloutBatch, pack_samples, shard_for_workers
-from rlflow.engines.core.config import RLConfig, TrainConfig
+from rlflow.engines.core.config import RLConfig, StorageConfig, TrainConfig
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.data.prompts import PromptCursor, load_pairs
 from rlflow.engines.models.hf import encode_prompt, prompt_input
-from rlflow.engines.session.rl import RLSession
+from rlflow.engines.session.rl import RLSession, save_tokenizer, worker_target
 
 # rejection sampling's round table (<run>/rounds/<round>/samples.parquet): a scored rollout batch and which
 # samples the verifier kept
@@ -204,15 +204,16 @@ class SFTSession:
         return read_round(self.rounds[rnd], self.cfg.rollout.samples_per_prompt)
 
     # ---- checkpoints ---------------------------------------------------------------------------------
-    def save(self, path, step: int) -> dict:
-        """Worker state into `path`; returns the controller state: both data cursors (nothing is in flight)."""
-        self.rl.train_group.call(TrainBackend.save, str(path))
-        self.rl.tokenizer.save_pretrained(f"{path}/model")
+    def save(self, path, step: int, storage: StorageConfig | None = None) -> dict:
+        """Worker state into `path` (with `storage`: that run store's folder, written by the workers); returns the
+        controller state: both data cursors (nothing is in flight)."""
+        self.rl.train_group.call(TrainBackend.save, *worker_target(path, "", storage))
+        save_tokenizer(self.rl.tokenizer, path, storage)
         return {"cursor": self.rl.prompts.cursor.state_dict(), "weight_version": self.rl.weight_version,
                 "sft_cursor": self.cursor.state_dict() if self.cursor else None}
 
-    def load(self, path, controller_state: dict) -> None:
-        self.rl.load(path, controller_state)
+    def load(self, path, controller_state: dict, storage: StorageConfig | None = None) -> None:
+        self.rl.load(path, controller_state, storage)
         if controller_state.get("sft_cursor") and self.cursor is not None:
             self.cursor.load_state_dict(controller_state["sft_cursor"])
 

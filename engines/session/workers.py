@@ -17,6 +17,7 @@ from rlflow.engines.data.builtin_tasks import write_task_files
 from rlflow.engines.models.hf import DTYPES, build_tiny_model
 from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend, gpus_per_server
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.store.run_store import workers_write_checkpoints
 from rlflow.engines.sync.disk import weight_dirs
 from rlflow.engines.sync.transports import TRANSPORTS
 from rlflow.engines.train.torch_backend import TorchTrainBackend
@@ -208,6 +209,13 @@ def _with_server(make, host, token: str):
     return lambda rank: make(rank) | {"host": host(rank), "token": token}
 
 
+def reaches_all_by_store(cfg: RLConfig) -> bool:
+    """A run over several nodes needs no shared folder when nothing goes through the driver's disk: the train
+    workers write and read checkpoints in the (object) run store, the model is the recipe's model.path (which
+    every node must have anyway, not one the driver builds) and weights do not go through disk_dir."""
+    return workers_write_checkpoints(cfg) and bool(cfg.model.path) and cfg.weight_sync.transport != "disk"
+
+
 def ray_workers(cfg: RLConfig, train_cls: type, make_train, make_rollout, make_critic, n_train: int,
                 n_rollout: int) -> Workers:
     """Plan every role on the cluster (a recipe it cannot hold fails here, before any actor starts), reserve
@@ -218,10 +226,11 @@ def ray_workers(cfg: RLConfig, train_cls: type, make_train, make_rollout, make_c
     workers = Workers(LocalWorkerGroup([]), LocalWorkerGroup([]), placements=list(placements.values()),
                       spans_nodes=spans)
     try:
-        if spans and not cfg.cluster.shared_dir:
+        if spans and not cfg.cluster.shared_dir and not reaches_all_by_store(cfg):
             raise PlacementError(
                 "cluster.shared_dir: this run's workers are placed on other nodes than the driver's, and they read "
-                "the model and write checkpoints by path: set a folder every node mounts at the same path")
+                "the model and write checkpoints by path: set a folder every node mounts at the same path (or "
+                "use object storage for storage.uri with train.backend torch and a model.path every node has)")
         train_gpus, rollout_gpus = worker_gpus(cfg)
         train_protocols, rollout_protocols = group_protocols(cfg)
         if n_train:

@@ -20,6 +20,7 @@ import dataclasses
 import io
 import json
 import logging
+import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any, TypeVar
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import SecretStr
 
 from rlflow.engines.core.config import RLConfig, StorageConfig
 from rlflow.engines.core.retry import RetriesExhausted
@@ -106,6 +108,13 @@ class RunStore:
     def _uri(self, path: str) -> str:
         return path if self.protocol == "file" else f"{self.protocol}://{path}"
 
+    @classmethod
+    def at(cls, storage: StorageConfig, uri: str) -> RunStore:
+        """A store whose run folder is `uri` itself (e.g. one checkpoint, `<root>/<run>/checkpoints/<step>`):
+        a worker writing or reading that folder gets the same filesystem, options and retry policy."""
+        parent, name = uri.rstrip("/").rsplit("/", 1)
+        return cls(storage.model_copy(update={"uri": parent}), name)
+
     # ---- paths and small files -----------------------------------------------------------------------
     def path(self, *parts: str | int) -> str:
         return "/".join([self.run_dir, *map(str, parts)])
@@ -126,6 +135,26 @@ class RunStore:
     def read_bytes(self, *parts: str | int) -> bytes:
         path = self.path(*parts)
         return self._call("read", path, self.fs.cat_file, path)
+
+    def read_range(self, start: int, end: int, *parts: str | int) -> bytes:
+        """Bytes [start, end) of a file: a ranged GET on object storage, so a reader fetches only its tensors."""
+        path = self.path(*parts)
+        return self._call("read", path, self.fs.cat_file, path, start=start, end=end)
+
+    def upload_file(self, local: str | Path, *parts: str | int) -> None:
+        """A local file into the store, streamed (s3fs: a multipart upload), retried whole on transient errors."""
+        path = self.path(*parts)
+        if self.protocol == "file":
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        self._call("write", path, self.fs.put_file, str(local), path)
+
+    def files(self, *parts: str | int) -> list[str]:
+        """Every file under a folder, as paths relative to it ([] if there is none)."""
+        path = self.path(*parts)
+        if not self._call("stat", path, self.fs.exists, path):
+            return []
+        self.fs.invalidate_cache(path)
+        return sorted(p[len(path) + 1 :] for p in self._call("list", path, self.fs.find, path))
 
     def write_json(self, obj: Any, *parts: str | int) -> None:
         self.write_bytes(json.dumps(obj, indent=1, sort_keys=True).encode(), *parts)
@@ -178,10 +207,21 @@ class RunStore:
     # ---- checkpoints ---------------------------------------------------------------------------------
     def commit_checkpoint(self, step: int, local_dir: str | Path, meta: dict) -> str:
         """Upload a checkpoint written in `local_dir`, then COMMITTED, then `latest`. Returns its URI."""
-        self.remove("checkpoints", step)  # a torn attempt at this step: replace it whole
+        self.begin_checkpoint(step)
         for f in sorted(Path(local_dir).rglob("*")):
             if f.is_file():
                 self.write_bytes(f.read_bytes(), "checkpoints", step, f.relative_to(local_dir).as_posix())
+        return self.finish_checkpoint(step, meta)
+
+    def begin_checkpoint(self, step: int) -> str:
+        """Clear the step's folder (a torn attempt at this step is replaced whole); returns its URI, where the
+        workers then write their shards straight (fsdp.save_checkpoint through fsspec)."""
+        self.remove("checkpoints", step)
+        return self.uri("checkpoints", step)
+
+    def finish_checkpoint(self, step: int, meta: dict) -> str:
+        """meta.json, then COMMITTED, then `latest`: called by the driver only after every worker's save returned,
+        so a checkpoint whose shards are partly written never has its marker. Returns its URI."""
         self.write_json(meta, "checkpoints", step, "meta.json")
         self.write_bytes(str(step).encode(), "checkpoints", step, "COMMITTED")
         self.write_bytes(str(step).encode(), "latest")
@@ -248,6 +288,26 @@ class RunStore:
         for name in self._list("steps"):
             if name.isdigit() and int(name) <= before_step:
                 self.remove("steps", name)
+
+
+def workers_write_checkpoints(cfg: RLConfig) -> bool:
+    """Whether the train workers write (and read back) checkpoints straight in the run store: the torch backend
+    on object storage. A local store keeps the driver's staged folder, uploaded after the save (same files)."""
+    protocol = fsspec.utils.get_protocol(cfg.storage.uri)
+    return cfg.train.backend == "torch" and protocol not in ("file", "local")
+
+
+def worker_storage(storage: StorageConfig) -> StorageConfig:
+    """The storage settings the train workers reach the run store with: the driver's own credentials when the
+    recipe names none (workers on other nodes, or under a Ray started elsewhere, lack the driver's AWS_*
+    environment). Kept in memory and sent only to the run's workers; never persisted (stored_config drops them)."""
+    if storage.key or storage.profile or not storage.uri.startswith(("s3://", "s3a://")):
+        return storage
+    key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if not (key and secret):
+        return storage  # the workers' own environment or instance role
+    return storage.model_copy(update={"key": SecretStr(key), "secret": SecretStr(secret),
+                                      "region": storage.region or os.environ.get("AWS_DEFAULT_REGION")})
 
 
 def list_runs(storage: StorageConfig | str) -> list[dict]:

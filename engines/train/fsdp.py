@@ -16,23 +16,30 @@ the global token or sequence count of the mini-batch (engines/train/torch_backen
 Checkpoints go through torch.distributed.checkpoint with its Hugging Face storage: every rank writes its own
 shards as safetensors (offsets in the file's metadata, no pickle anywhere), the model's shards are
 consolidated into a plain HF checkpoint (`model/`, loadable by transformers and the rollout engines), and a
-checkpoint loads onto any number of ranks, each reading the slices of its new shards.
+checkpoint loads onto any number of ranks, each reading the slices of its new shards. The same files go either
+into a local folder (torch's HF storage) or straight into a run store folder on any fsspec filesystem, S3
+included (engines/train/dcp_store.py: every rank uploads its own shards, readers fetch byte ranges).
 """
 
 from __future__ import annotations
 
 import shutil
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlflow.engines.models.packed import PackedLM
+from rlflow.engines.store.run_store import RunStore
+from rlflow.engines.train.dcp_store import StoreReader, StoreWriter
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -110,23 +117,69 @@ def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pa
         shutil.rmtree(path / "model", ignore_errors=True)
         shutil.rmtree(path / "optimizer", ignore_errors=True)
     dist.barrier()
+    model_state, optim_state = _state_to_save(model, optimizer)
+    dcp.save(model_state, storage_writer=dcp.HuggingFaceStorageWriter(
+        str(path / "model"), save_distributed=True, enable_consolidation=True))
+    if optim_state is not None:
+        dcp.save(optim_state, storage_writer=dcp.HuggingFaceStorageWriter(
+            str(path / "optimizer"), save_distributed=True))
+    if dist.get_rank() == 0:
+        _save_configs(model, path / "model")
+        shutil.rmtree(path / "model" / "sharded", ignore_errors=True)  # consolidated into model/ above
+        _single_file_name(path / "model")
+    dist.barrier()
+
+
+def save_checkpoint_to_store(model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: RunStore) -> None:
+    """save_checkpoint straight into a run store folder (`RunStore.at(storage, checkpoint URI)`, S3 or local):
+    every rank puts its own shards there through fsspec, nothing is staged on a local disk but rank 0's HF
+    export (the model shards consolidated into `model/`). Collective; the caller commits afterwards."""
+    if dist.get_rank() == 0:
+        store.remove("model")
+        store.remove("optimizer")
+    dist.barrier()
+    model_state, optim_state = _state_to_save(model, optimizer)
+    dcp.save(model_state, storage_writer=StoreWriter(store, "model/sharded"))
+    if optim_state is not None:
+        dcp.save(optim_state, storage_writer=StoreWriter(store, "optimizer"))
+    if dist.get_rank() == 0:
+        _export_from_store(model, store, list(model_state))
+    dist.barrier()
+
+
+def _state_to_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                   ) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """The model's sharded state dict and the optimizer's as flat tensors (None before the first step)."""
     fresh = not optimizer.state
     model_state, optim_state = get_state_dict(model, optimizer)
     if fresh:  # get_state_dict stepped the empty optimizer at lr 0 to make its state: undo that
         optimizer.state.clear()
-    dcp.save(model_state, storage_writer=dcp.HuggingFaceStorageWriter(
-        str(path / "model"), save_distributed=True, enable_consolidation=True))
-    if not fresh:
-        dcp.save(_flat_optimizer_state(optim_state), storage_writer=dcp.HuggingFaceStorageWriter(
-            str(path / "optimizer"), save_distributed=True))
-    if dist.get_rank() == 0:
-        model.config.architectures = [type(model).__name__]  # as save_pretrained records it
-        model.config.save_pretrained(path / "model")
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(path / "model")
-        shutil.rmtree(path / "model" / "sharded", ignore_errors=True)  # consolidated into model/ above
-        _single_file_name(path / "model")
-    dist.barrier()
+        return model_state, None
+    return model_state, _flat_optimizer_state(optim_state)
+
+
+def _save_configs(model: torch.nn.Module, folder: Path) -> None:
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+
+
+def _export_from_store(model: torch.nn.Module, store: RunStore, names: list[str]) -> None:
+    """Rank 0: the model's shards in `model/sharded` consolidated by torch's HF consolidation on a local scratch
+    folder (it writes by seeking into local files), the result uploaded to `model/`, the shards removed."""
+    with tempfile.TemporaryDirectory(prefix="rlflow-export-") as tmp:
+        shards, out = Path(tmp) / "sharded", Path(tmp) / "model"
+        shards.mkdir()
+        out.mkdir()
+        for f in store.files("model/sharded"):
+            (shards / f).write_bytes(store.read_bytes("model/sharded", f))
+        consolidate_safetensors_files(str(shards), str(out), dict.fromkeys(names, 1))
+        _save_configs(model, out)
+        _single_file_name(out)
+        for f in sorted(out.iterdir()):
+            store.upload_file(f, "model", f.name)
+    store.remove("model/sharded")
 
 
 def _single_file_name(folder: Path) -> None:
@@ -142,14 +195,32 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pa
     """Load save_checkpoint's files onto this run's ranks (any number: each reads its shards' slices)."""
     if not any((path / "model").glob("*.safetensors")):
         raise FileNotFoundError(f"checkpoint {path}: no model shards (*.safetensors) in {path / 'model'}")
+    optimizer_saved = any((path / "optimizer").glob("*.safetensors"))
+    _load(model, optimizer, dcp.HuggingFaceStorageReader(str(path / "model")),
+          dcp.HuggingFaceStorageReader(str(path / "optimizer")) if optimizer_saved else None)
+
+
+def load_checkpoint_from_store(model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: RunStore) -> None:
+    """load_checkpoint straight from a run store folder: each rank reads, by byte ranges, only the slices of
+    its own shards (any rank count)."""
+    if not any(f.endswith(".safetensors") and "/" not in f for f in store.files("model")):
+        raise FileNotFoundError(f"checkpoint {store.uri()}: no model shards (*.safetensors) in {store.uri('model')}")
+    optimizer_saved = any(f.endswith(".safetensors") for f in store.files("optimizer"))
+    _load(model, optimizer, StoreReader(store, "model"), StoreReader(store, "optimizer") if optimizer_saved else None)
+
+
+def _load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_reader: StorageReader,
+          optimizer_reader: StorageReader | None) -> None:
+    """The model's and the optimizer's state from their readers; no optimizer reader: saved before the first
+    optimizer step, so the optimizer starts empty."""
     model_state, optim_state = get_state_dict(model, optimizer)  # templates: this run's shards
-    dcp.load(model_state, storage_reader=dcp.HuggingFaceStorageReader(str(path / "model")))
-    if not any((path / "optimizer").glob("*.safetensors")):  # saved before the first optimizer step
+    dcp.load(model_state, storage_reader=model_reader)
+    if optimizer_reader is None:
         set_model_state_dict(model, model_state)
         optimizer.state.clear()
         return
     flat = _flat_optimizer_state(optim_state)
-    dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(path / "optimizer")))
+    dcp.load(flat, storage_reader=optimizer_reader)
     for fqn, state in optim_state["state"].items():
         for key in state:
             state[key] = flat[f"{fqn}.{key}"]

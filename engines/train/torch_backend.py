@@ -33,6 +33,7 @@ from rlflow.engines.core.config import AlgorithmConfig, StorageConfig, TrainConf
 from rlflow.engines.core.protocols import CriticBackend, TrainBackend
 from rlflow.engines.models.hf import DTYPES, load_model, load_value_model
 from rlflow.engines.models.packed import PackedLM, PackedRows
+from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.cuda_ipc import export_ipc_handles
 from rlflow.engines.sync.distributed import DistributedWeightSender
 from rlflow.engines.sync.endpoints import GpuLinkProbe, IpcSender, NcclSender, StoreSender
@@ -311,33 +312,53 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
     def weight_shapes(self) -> dict[str, list[int]]:
         return {n: list(p.shape) for n, p in self.model.named_parameters()}
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, storage: StorageConfig | None = None) -> None:
         """Sharded model and optimizer state (engines/train/fsdp.py: safetensors, the model also consolidated
-        into an HF checkpoint in `model/`), schedule and RNG state as JSON (no pickle). Collective."""
+        into an HF checkpoint in `model/`), schedule and RNG state as JSON (no pickle). Collective.
+
+        With `storage`, `path` is a folder of that run store (a checkpoint's URI, s3:// too) and every rank
+        writes its shards there itself, through fsspec; without it, a local folder."""
+        state = json.dumps({"scheduler": self.scheduler.state_dict() | {"lr_lambdas": None}, "rng": rng_state()})
+        own = f"trainer_rank{self.rank}.json"
+        if storage is not None:
+            store = RunStore.at(storage, str(path))
+            fsdp.save_checkpoint_to_store(self.model, self.optimizer, store)
+            store.write_bytes(state.encode(), own)
+            return
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         fsdp.save_checkpoint(self.model, self.optimizer, path)
-        state = {"scheduler": self.scheduler.state_dict() | {"lr_lambdas": None}, "rng": rng_state()}
-        (path / f"trainer_rank{self.rank}.json").write_text(json.dumps(state))
+        (path / own).write_text(state)
 
-    def load(self, path: str | Path) -> None:
-        """Resume from save(), written by any number of ranks. A rank the checkpoint had no rank of keeps its
-        own RNG (the train step draws no random numbers) and takes rank 0's schedule (the same on every rank)."""
+    def load(self, path: str | Path, storage: StorageConfig | None = None) -> None:
+        """Resume from save(), written by any number of ranks (with `storage`: read straight from that run
+        store's folder `path`). A rank the checkpoint had no rank of keeps its own RNG (the train step draws
+        no random numbers) and takes rank 0's schedule (the same on every rank)."""
+        own = f"trainer_rank{self.rank}.json"
+        if storage is not None:
+            store = RunStore.at(storage, str(path))
+            fsdp.load_checkpoint_from_store(self.model, self.optimizer, store)
+            state = json.loads(store.read_bytes(own if store.exists(own) else "trainer_rank0.json"))
+            self._restore_trainer_state(state, store.exists(own), store.uri(own))
+            return
         path = Path(path)
         if (path / "optimizer.safetensors").is_file():
             raise ValueError(f"checkpoint {path}: written before the FSDP2 backend (optimizer.safetensors, one full "
                              "copy); this backend reads sharded optimizer/ state. Its model/ is a Hugging Face "
                              "checkpoint: start a new run from it with model.path")
         fsdp.load_checkpoint(self.model, self.optimizer, path)
-        own = path / f"trainer_rank{self.rank}.json"
-        state = json.loads((own if own.is_file() else path / "trainer_rank0.json").read_text())
+        state = json.loads(((path / own) if (path / own).is_file() else path / "trainer_rank0.json").read_text())
+        self._restore_trainer_state(state, (path / own).is_file(), path / own)
+
+    def _restore_trainer_state(self, state: dict, own: bool, source: str | Path) -> None:
+        """The schedule at the saved step and, from this rank's own file, its RNG."""
         sched = state["scheduler"]
         sched.pop("lr_lambdas", None)
         self.scheduler.load_state_dict(sched | {"lr_lambdas": [None]})
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
             group["lr"] = lr  # the schedule's rate at the saved step, not the rate at step 0
-        if own.is_file():
-            restore_rng(state, own)
+        if own:
+            restore_rng(state, source)
 
     def data_parallel_rank(self) -> int:
         """Which shard of the data this worker trains on: every worker is a data-parallel copy."""

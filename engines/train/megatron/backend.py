@@ -391,8 +391,10 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
                 "megatron_core": megatron.core.__version__}
 
     @_on_device
-    def save(self, path: str | Path) -> None:
-        """HF model (rank 0), this rank's optimizer shard, and schedule/RNG state: safetensors + JSON. Collective."""
+    def save(self, path: str | Path, storage: StorageConfig | None = None) -> None:
+        """HF model (rank 0), this rank's optimizer shard, and schedule/RNG state: safetensors + JSON. Collective.
+        Local folders only: the run uploads them (`storage` is the torch backend's straight-to-store path)."""
+        _local_only(storage)
         path = Path(path)
         (path / "model").mkdir(parents=True, exist_ok=True)
         weights = self.named_tensors()
@@ -408,8 +410,9 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         dist.barrier()  # the checkpoint is complete only when every rank has written its part
 
     @_on_device
-    def load(self, path: str | Path) -> None:
+    def load(self, path: str | Path, storage: StorageConfig | None = None) -> None:
         """Resume from save(): same model and parallel layout (resharding a checkpoint is not supported)."""
+        _local_only(storage)
         path = Path(path)
         state = json.loads((path / f"trainer_rank{self.rank}.json").read_text())
         if state["layout"] != self._layout_meta():
@@ -429,3 +432,9 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
     def num_parameters(self) -> int:
         """Parameters of the whole model (all stages, all TP shards)."""
         return sum(torch.Size(s).numel() for s in self.exporter.shapes.values())
+
+
+def _local_only(storage: StorageConfig | None) -> None:
+    if storage is not None:
+        raise ValueError("train.backend megatron saves and loads checkpoints in a local folder; writing them "
+                         "straight to the run store is the torch backend's (tasks/run_context.py)")
