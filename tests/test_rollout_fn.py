@@ -85,6 +85,34 @@ def test_a_bad_rollout_function_gets_an_error_naming_the_field(served):
         runner.close()
 
 
+def test_closing_the_runner_releases_a_rollout_in_flight():
+    """A one-step-off rollout still generating when a failed step closes the session gets an error at once; its
+    thread used to wait forever on the stopped loop, and with it the flow's task runner (test_e2e hung)."""
+    import asyncio
+    import threading
+    import time
+
+    async def never(prompt, url, sampling_params):
+        await asyncio.sleep(3600)
+
+    runner = RolloutRunner(never, "http://127.0.0.1:9", num_workers=1)
+    outcome: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            runner.run([PromptSample(index=0, prompt="p", label=None, prompt_ids=[1], n=1, seed=0)], {})
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            outcome.append(e)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(0.2)
+    runner.close()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], RuntimeError) and "rollout runner was closed" in str(outcome[0])
+
+
 def test_dynamic_sampling_aborts_the_rest_and_loses_no_finished_sample(served):
     """Over-sampled prompts, slots for only 8 requests: once 3 informative groups are kept, what still runs
     is aborted. Every finished sample the rollout function returned is in the batch or carried over, and with

@@ -17,6 +17,7 @@ rollout worker, so a step's 64 x 8 single-turn samples cost a couple of HTTP req
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import inspect
 import itertools
@@ -264,8 +265,9 @@ class RolloutRunner:
         self._thread.start()
 
     def run(self, prompts: list[PromptSample], sampling_params: dict) -> list[list[Sample]]:
-        """Every prompt's group, in prompt order (blocks the calling thread)."""
-        return asyncio.run_coroutine_threadsafe(self._run(prompts, sampling_params), self.loop).result()
+        """Every prompt's group, in prompt order (blocks the calling thread; raises if the runner closes
+        meanwhile)."""
+        return self.submit(self._run(prompts, sampling_params))
 
     async def _run(self, prompts: list[PromptSample], sampling_params: dict) -> list[list[Sample]]:
         groups = await asyncio.gather(*(self.fn(p, self.router_url, dict(sampling_params)) for p in prompts))
@@ -273,10 +275,21 @@ class RolloutRunner:
 
     def submit(self, coro) -> Any:
         """Run a coroutine on the runner's loop and wait for it (dynamic sampling drives its own)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        except concurrent.futures.CancelledError:
+            raise RuntimeError(f"rollout function {self.name}: stopped, the rollout runner was closed while it "
+                               "generated (the run is shutting down)") from None
 
     def close(self) -> None:
+        """Cancel what is still generating (a one-step-off rollout when a step failed: its thread waits on this
+        loop and would wait forever once the loop stops), close the HTTP sessions, stop the loop."""
+
         async def _close() -> None:
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
             for key in [k for k in _BATCHERS if k[0] == id(self.loop)]:
                 await _BATCHERS.pop(key).close()
 
