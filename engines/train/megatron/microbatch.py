@@ -28,20 +28,12 @@ class Micro:
     rows: list[int]
     batch: TrainBatch
     packed: PackedRows | None = None
-
-    @property
-    def cu_seqlens_host(self) -> torch.Tensor:
-        """The packed stream's sample boundaries on the CPU (set when planned, kept there by `to`)."""
-        return self._cu_host
-
-    def __post_init__(self) -> None:
-        self._cu_host = self.packed.cu_seqlens.cpu() if self.packed is not None else None
+    cu_seqlens_host: torch.Tensor | None = None  # packed: the sample boundaries, kept on the CPU by `to`
 
     def to(self, device: str) -> Micro:
         batch = {k: v.to(device, non_blocking=True) for k, v in self.batch.items()}
-        moved = Micro(self.rows, batch, self.packed.to(device) if self.packed is not None else None)
-        moved._cu_host = self._cu_host
-        return moved
+        packed = self.packed.to(device) if self.packed is not None else None
+        return Micro(self.rows, batch, packed, self.cu_seqlens_host)
 
 
 def plan_micro_batches(batch: TrainBatch, max_rows: int, max_tokens: int = 0, packed: bool = True,
@@ -58,7 +50,8 @@ def plan_micro_batches(batch: TrainBatch, max_rows: int, max_tokens: int = 0, pa
         index = torch.tensor(rows)
         width = max(lengths[i] for i in rows)
         part = {k: v[index][:, :width] if v.dim() == 2 else v[index] for k, v in batch.items()}
-        out.append(Micro(rows, part, PackedRows.from_padded(part["input_ids"], part["attention_mask"])))
+        packed_rows = PackedRows.from_padded(part["input_ids"], part["attention_mask"])
+        out.append(Micro(rows, part, packed_rows, packed_rows.cu_seqlens.clone()))
     return out
 
 
