@@ -34,7 +34,7 @@ from rlflow.engines.core.config import (
     read_recipe,
 )
 from rlflow.engines.core.trace_render import load_trace, render
-from rlflow.flows.project import ProjectError
+from rlflow.flows.project import ProjectError, init_project
 
 # The subcommands import what only they need when they run, so `rlflow --help` and light commands start in
 # a fraction of a second: torch, transformers, Ray, Prefect and MLflow take seconds to import, the run store
@@ -302,8 +302,6 @@ def _debug_flags(p: argparse.ArgumentParser) -> None:
 
 def cmd_init(args) -> int:
     """Write a starting prefect.yaml and the recipes it names into a project directory."""
-    from rlflow.flows.project import init_project
-
     for path in init_project(Path(args.directory)):
         print(f"wrote {path}")
     print("next: `rlflow serve` in that directory (Prefect + MLflow UIs, the deployments of prefect.yaml)")

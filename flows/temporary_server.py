@@ -21,6 +21,7 @@ STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL: Prefect's own stop() waits as long
 def guard_temporary_server() -> None:
     """Make the temporary server Prefect starts for this process (if it starts one: PREFECT_API_URL unset) one
     that dies with it. Call before the first flow runs; a no-op with an API URL or when already done."""
+    # Prefect's server module takes seconds to import: only a run that may start a temporary server pays it
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
 
@@ -34,7 +35,7 @@ def guard_temporary_server() -> None:
 @functools.cache
 def _guarded_class() -> type:
     """Defined on first use: Prefect's server module is slow to import."""
-    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.server.api.server import SubprocessASGIServer  # slow to import: see above
 
     class GuardedServer(SubprocessASGIServer):
         """SubprocessASGIServer whose uvicorn process has a guard that stops it when this process ends."""

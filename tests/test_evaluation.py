@@ -189,7 +189,7 @@ def test_evaluate_flow_on_an_hf_directory(tmp_path, tiny_model_dir):
     from rlflow.flows.evaluate import evaluate
 
     metrics = evaluate(eval_config(tmp_path, tiny_model_dir, training_run_id=None))
-    assert metrics["again/num_prompts"] == 6
+    assert metrics["eval/again/num_prompts"] == 6
 
 
 def parity_reward(prompts, responses, labels, **kw) -> list[float]:
@@ -221,7 +221,7 @@ def test_sharded_evaluation_equals_unsharded(tmp_path, tiny_model_dir):
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     one, one_samples = run()
-    assert 0 < one["sort3/accuracy"] < 1 and one["sort3/pass_at_1"] < one["sort3/pass_at_3"]  # not trivial
+    assert 0 < one["eval/sort3/accuracy"] < 1 and one["eval/sort3/pass_at_1"] < one["eval/sort3/pass_at_3"]
     assert len(one_samples) == 2 * 4  # samples_logged per dataset
     on_ray, ray_samples = run(shards=2, shard_runner="ray")
     assert on_ray == one and ray_samples == one_samples
