@@ -1,4 +1,4 @@
-"""Micro-batches for the Megatron backend: packed (padding-free, the default) or padded.
+"""Micro-batches for the Megatron backend: padded (the default) or packed (padding-free, `megatron.packing`).
 
 Packed: samples are grouped by summed length within a token budget (engines/train/microbatch.py, the grouping
 the torch backend uses) and run as one token stream in megatron's THD layout, each sample attending to itself
