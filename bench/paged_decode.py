@@ -143,14 +143,66 @@ def decode_step(batch: int = 256, span: int = 512) -> dict:
     return result
 
 
+def inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torch.Tensor):
+    """The engine's torch path for unfiltered rows (ContinuousBatchEngine._sample): log-softmax, exp, float64
+    cumulative sum, one searchsorted per row."""
+    logp = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
+    cdf = logp.exp().cumsum(-1, dtype=torch.float64)
+    tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+def sampling(batch: int = 256, vocab: int = 151936) -> dict:
+    """The Triton exponential-race sampler (engines/models/sampling_triton.py): exact distribution, exact
+    log-probabilities, greedy rows, per-row determinism, and its time against the torch inverse-CDF path."""
+    from rlflow.engines.models.sampling_triton import race_sample
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    # distribution: 2^18 rows of the same 10 logits at T=0.7, each with its own seed
+    draws = 1 << 18
+    z = torch.randn(10, generator=g) * 2
+    logits = z.repeat(draws, 1).to(dev)
+    temperature = torch.full((draws,), 0.7, device=dev)
+    seeds = torch.randint(0, 2**62, (draws,), generator=g).to(dev)
+    tokens, logprobs = race_sample(logits, temperature, seeds)
+    want = torch.softmax(z / 0.7, -1)
+    freq = torch.bincount(tokens.cpu(), minlength=10).double() / draws
+    sigma = (want * (1 - want) / draws).sqrt()
+    exact = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, tokens[:, None])[:, 0]
+    again, _ = race_sample(logits, temperature, seeds)
+    perm = torch.randperm(draws, generator=g).to(dev)
+    shuffled, _ = race_sample(logits[perm], temperature[perm], seeds[perm])
+    greedy, greedy_logp = race_sample(logits[:4], torch.zeros(4, device=dev), seeds[:4])
+    result = {
+        "max_freq_dev_sigmas": float(((freq - want.double()) / sigma.double()).abs().max()),
+        "max_abs_logprob_err": float((logprobs - exact).abs().max()),
+        "deterministic": bool(torch.equal(tokens, again)),
+        "batch_independent": bool(torch.equal(tokens[perm], shuffled)),
+        "greedy_is_argmax": bool((greedy.cpu() == z.argmax()).all()),
+        "greedy_logprob_err": float((greedy_logp.cpu() - torch.log_softmax(z, -1)[z.argmax()]).abs().max()),
+    }
+    big = torch.randn(batch, vocab, device=dev, dtype=torch.bfloat16) * 3
+    temps = torch.full((batch,), 0.9, device=dev)
+    row_seeds = torch.randint(0, 2**62, (batch,), device=dev)
+    uniforms = torch.rand(batch, device=dev, dtype=torch.float64)
+    result |= {"batch": batch, "vocab": vocab,
+               "triton_race_s": timed(lambda: race_sample(big, temps, row_seeds)),
+               "torch_inverse_cdf_s": timed(lambda: inverse_cdf(big, uniforms, temps))}
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--page", type=int, default=16)
     parser.add_argument("--out", default="paged_decode.json")
-    parser.add_argument("--sections", default="attention,step")
+    parser.add_argument("--sections", default="attention,step,sampling")
     args = parser.parse_args(argv)
     link = copy_bandwidth()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gb_per_s": link, "cases": []}
+    if "sampling" in args.sections:
+        results["sampling"] = sampling()
+        print(json.dumps(results["sampling"]), flush=True)
     if "step" in args.sections:
         step = decode_step()
         step["ideal_s_at_copy_bw"] = step["bytes"] / (link * 1e9)

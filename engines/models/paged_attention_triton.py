@@ -9,6 +9,7 @@ online softmax. When there are too few (sequence, head) pairs to fill the GPU, e
 several programs and a second kernel merges their partial results (flash-decoding). The split count depends only
 on the batch size, never on the lengths, so a CUDA graph captured for a batch size stays valid as sequences grow.
 
+It is registered as a torch custom op, so a decode step compiled by torch.compile calls it as one opaque node.
 The signature matches `engines.models.paged_attention.paged_decode_attention`, whose torch path is the reference
 the tests compare against.
 """
@@ -105,6 +106,7 @@ def num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     return max(1, min(16, -(-2 * sms // pairs)))
 
 
+@torch.library.custom_op("rlflow::paged_decode_attention", mutates_args=())
 def paged_decode_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                   page_table: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D]; k_pool/v_pool [P, KV, page, D]; page_table int32 [B, max_pages]; lengths int32 [B] (keys
@@ -134,3 +136,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
         out.stride(0), out.stride(1), HEAD_DIM=dim, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
     )
     return out
+
+
+@paged_decode_attention_triton.register_fake
+def _(q, k_pool, v_pool, page_table, lengths, scale):
+    """Shapes for torch.compile, which then treats the kernel as one opaque op inside a compiled decode step."""
+    return torch.empty_like(q)
