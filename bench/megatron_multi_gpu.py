@@ -42,7 +42,7 @@ import torch
 
 from bench import megatron_checks as checks
 from bench.megatron_gpu import MODEL_SMOKE, versions
-from bench.ranks import rank_result, run_and_collect, run_ranks, step_figures, sync
+from bench.ranks import rank_result, run_and_collect, run_ranks, step_figures, sync, time_left
 from bench.train_scale import PEAK_TFLOPS, QWEN2_1_5B, QWEN2_5_7B, flops_per_step, workload
 from rlflow.engines.cluster.addresses import free_port
 
@@ -153,37 +153,37 @@ def throughput_rank(
     dist.destroy_process_group()
 
 
-def run_parity(a, model: str, cfg: dict, layouts: list[str], work: Path) -> dict:
+def run_layout(a, rank_fn, name: str, target: str, *args) -> dict:
+    """rank_fn on --gpus ranks under layout `name`, within --timeout and --deadline: the layout, the ranks' dicts,
+    the error that ended the run (None if none), wall seconds."""
+    tp, pp = parse_layout(name)
+    limit = time_left(a.timeout, a.end)
+    if limit < 10:
+        return {"tp": tp, "pp": pp, "error": f"skipped: past --deadline {a.deadline:.0f} s", "ranks": []}
+    t0 = time.perf_counter()
+    url = f"tcp://127.0.0.1:{free_port()}"
+    ranks, error = run_and_collect(rank_fn, a.gpus, limit, target, a.model, tp, pp, *args, url, limit)
+    return {
+        "tp": tp,
+        "pp": pp,
+        "dp": a.gpus // (tp * pp),
+        "error": error,
+        "wall_s": time.perf_counter() - t0,
+        "ranks": ranks,
+        "peak_gib_per_rank": [x.get("peak_gib") for x in ranks],
+    }
+
+
+def run_parity(a, cfg: dict, layouts: list[str], work: Path, out: dict, save) -> None:
     from safetensors.torch import load_file
 
-    out: dict = {"rows": 8, "seq": a.parity_seq, "tolerance": PARITY_TOLERANCE, "layouts": {}}
+    out |= {"rows": 8, "seq": a.parity_seq, "tolerance": PARITY_TOLERANCE, "layouts": {}}
     logprobs: dict[str, torch.Tensor] = {}
     for name in layouts:
-        tp, pp = parse_layout(name)
         target = str(work / f"parity_{name}")
-        t0 = time.perf_counter()
-        ranks, error = run_and_collect(
-            parity_rank,
-            a.gpus,
-            a.timeout,
-            target,
-            model,
-            tp,
-            pp,
-            cfg["vocab_size"],
-            a.parity_seq,
-            f"tcp://127.0.0.1:{free_port()}",
-            float(a.timeout),
-        )
-        r = {
-            "tp": tp,
-            "pp": pp,
-            "error": error,
-            "wall_s": time.perf_counter() - t0,
-            "peak_gib_per_rank": [x.get("peak_gib") for x in ranks],
-            "tf32_matmul": ranks[0].get("tf32_matmul") if ranks else None,
-        }
-        if error is None:
+        r = run_layout(a, parity_rank, name, target, cfg["vocab_size"], a.parity_seq)
+        r["tf32_matmul"] = r["ranks"][0].get("tf32_matmul") if r["ranks"] else None
+        if r["error"] is None:
             saved = load_file(target + ".safetensors")
             logprobs[name] = saved["logprobs"]
             mask = saved["mask"].bool()
@@ -198,21 +198,21 @@ def run_parity(a, model: str, cfg: dict, layouts: list[str], work: Path) -> dict
                 "pass": bool(d.max() <= PARITY_TOLERANCE),
             }
         out["layouts"][name] = r
+        save()
         print(
             f"[parity] {name}: " + json.dumps({k: r.get(k) for k in ("vs", "max_abs_diff", "pass", "error")}),
             flush=True,
         )
-    return out
 
 
-def run_throughput(a, model: str, cfg: dict, layouts: list[str], work: Path) -> dict:
+def run_throughput(a, cfg: dict, layouts: list[str], work: Path, out: dict, save) -> None:
     job = {k: getattr(a, k) for k in ("samples", "prompt", "response_min", "response_max", "steps")}
     mopts = {"micro_batch_tokens": a.micro_batch_tokens, "packing": a.packing}
     lengths = workload(cfg["vocab_size"], a.gpus * a.samples, a.prompt, a.response_min, a.response_max)[
         "attention_mask"
     ].sum(-1)
     flops = flops_per_step(cfg, lengths)
-    out: dict = {
+    out |= {
         "samples": a.gpus * a.samples,
         "useful_tokens": int(lengths.sum()),
         "flops_per_step": flops,
@@ -220,34 +220,12 @@ def run_throughput(a, model: str, cfg: dict, layouts: list[str], work: Path) -> 
         "layouts": {},
     }
     for name in layouts:
-        tp, pp = parse_layout(name)
-        t0 = time.perf_counter()
-        ranks, error = run_and_collect(
-            throughput_rank,
-            a.gpus,
-            a.timeout,
-            str(work / f"throughput_{name}"),
-            model,
-            tp,
-            pp,
-            mopts,
-            cfg,
-            job,
-            f"tcp://127.0.0.1:{free_port()}",
-            float(a.timeout),
-        )
-        r = {
-            "tp": tp,
-            "pp": pp,
-            "dp": a.gpus // (tp * pp),
-            "error": error,
-            "wall_s": time.perf_counter() - t0,
-            "ranks": ranks,
-            "peak_gib_per_rank": [x.get("peak_gib") for x in ranks],
-        }
-        if error is None and len(ranks) == a.gpus and all("step_s" in x for x in ranks):
+        r = run_layout(a, throughput_rank, name, str(work / f"throughput_{name}"), mopts, cfg, job)
+        ranks = r["ranks"]
+        if r["error"] is None and len(ranks) == a.gpus and all("step_s" in x for x in ranks):
             r |= step_figures(ranks, a.steps, out["useful_tokens"], flops, PEAK_TFLOPS)
         out["layouts"][name] = r
+        save()
         print(
             f"[throughput] {name}: "
             + json.dumps(
@@ -258,7 +236,6 @@ def run_throughput(a, model: str, cfg: dict, layouts: list[str], work: Path) -> 
             ),
             flush=True,
         )
-    return out
 
 
 SECTIONS = {"parity": run_parity, "throughput": run_throughput}
@@ -284,8 +261,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--micro-batch-tokens", type=int, default=8192, help="megatron.micro_batch_tokens")
     p.add_argument("--packing", action="store_true", help="megatron.packing (THD); default: padded rows")
     p.add_argument("--timeout", type=int, default=240, help="seconds per (layout, section) run, loading included")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=570,
+        help="seconds for the whole script: a run that would start later is skipped, one that would end later gets "
+        "less than --timeout (default: under a 10-minute device call)",
+    )
     p.add_argument("--out", type=Path, required=True, help="JSON results (rewritten after each section)")
     a = p.parse_args(argv)
+    a.end = time.monotonic() + a.deadline
     if a.smoke:
         a.shape, a.samples, a.prompt, a.response_min, a.response_max, a.parity_seq = "smoke", 4, 16, 4, 48, 32
         a.steps, a.micro_batch_tokens = min(a.steps, 2), 256
@@ -313,18 +298,21 @@ def main(argv: list[str] | None = None) -> dict:
         "visible_gpus": visible,
         "shape": a.shape,
         "model": cfg,
-        "config": {k: str(v) for k, v in vars(a).items()},
+        "config": {k: str(v) for k, v in vars(a).items() if k != "end"},
         "sections": {},
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(Path(tmp) / "model")
+        a.model = str(Path(tmp) / "model")
         t0 = time.perf_counter()
-        run_ranks(_build, 1, a.timeout, cfg, model)
+        run_ranks(_build, 1, time_left(a.timeout, a.end), cfg, a.model)
         print(f"[megatron_multi_gpu] built a random {a.shape} model in {time.perf_counter() - t0:.0f} s", flush=True)
-        for name in sections:
-            report["sections"][name] = SECTIONS[name](a, model, cfg, layouts, Path(tmp))
+
+        def save() -> None:
             a.out.write_text(json.dumps(report, indent=1))
+
+        for name in sections:
+            SECTIONS[name](a, cfg, layouts, Path(tmp), report["sections"].setdefault(name, {}), save)
     return report
 
 

@@ -66,27 +66,27 @@ def run_ranks(target: Callable, world: int, timeout: float, *args) -> None:
 
 @contextmanager
 def rank_result(out: str, rank: int) -> Iterator[dict]:
-    """The dict a rank fills with its figures, written to `out`.<rank>.json however the rank ends: with its peak GPU
-    memory, and on running out of memory an "error" naming it before the exception goes on (the rank exits, the
-    launcher stops the rest; read_results then names the cause instead of "rank exited with 1")."""
+    """The dict a rank fills with its figures, written to `out`.<rank>.json however the rank ends: with its GPU
+    (rank r takes GPU r % visible, as rlflow's process-group setup does) and peak memory, and on an exception an
+    "error" naming it before the exception goes on (the rank exits, the launcher stops the rest;
+    run_and_collect then reports an out-of-memory rank's error instead of "rank exited with 1")."""
     cuda = torch.cuda.is_available()
-    result: dict = {
-        "rank": rank,
-        "device": torch.cuda.get_device_name(rank % torch.cuda.device_count())
-        if cuda
-        else platform.processor() or "cpu",
-    }
+    gpu = rank % torch.cuda.device_count() if cuda else None
     if cuda:
-        torch.cuda.reset_peak_memory_stats(rank % torch.cuda.device_count())
+        torch.cuda.set_device(gpu)
+        torch.cuda.reset_peak_memory_stats(gpu)
+    result: dict = {"rank": rank, "device": torch.cuda.get_device_name(gpu) if cuda else platform.processor() or "cpu"}
     try:
         yield result
-    except torch.OutOfMemoryError as e:
-        result["error"] = f"out of memory: {str(e).splitlines()[0]}"
+    except BaseException as e:
+        first = (str(e).splitlines() or [""])[0]
+        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        result["error"] = f"out of memory: {first}" if oom else f"{type(e).__name__}: {first}"
         raise
     finally:
         if cuda:
-            result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+            result["peak_gib"] = torch.cuda.max_memory_allocated(gpu) / 2**30
+            result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(gpu) / 2**30
         Path(f"{out}.{rank}.json").write_text(json.dumps(result))
 
 
@@ -99,7 +99,7 @@ def run_and_collect(target: Callable, world: int, timeout: float, out: str, *arg
     except (RuntimeError, TimeoutError) as e:
         error = str(e)
     ranks = [json.loads(p.read_text()) for r in range(world) if (p := Path(f"{out}.{r}.json")).exists()]
-    oom = next((r for r in ranks if "out of memory" in r.get("error", "")), None)
+    oom = next((r for r in ranks if r.get("error", "").startswith("out of memory")), None)
     if oom is not None:
         error = f"rank {oom['rank']}: {oom['error']}"
     return ranks, error
@@ -132,3 +132,9 @@ def step_figures(
         "loss": ranks[0].get("loss"),
         "peak_gib_per_rank": [r.get("peak_gib") for r in ranks],
     }
+
+
+def time_left(timeout: float, end: float) -> float:
+    """The time limit of the next run: --timeout, or less where the script's --deadline (monotonic `end`) is
+    nearer, so that a few slow or hung runs cannot take the whole device budget."""
+    return min(timeout, end - time.monotonic())

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from bench.ranks import rank_result, run_and_collect, run_ranks, step_figures, sync
+from bench.ranks import rank_result, run_and_collect, run_ranks, step_figures, sync, time_left
 from bench.train_scale import PEAK_TFLOPS, SHAPES, VARIANTS, build_model, flops_per_step, workload
 from rlflow.engines.cluster.addresses import free_port
 
@@ -102,20 +102,23 @@ def run_one(a, model: str, cfg: dict, variant: str, n: int, work: Path) -> dict:
     visible = torch.cuda.device_count() if torch.cuda.is_available() else n  # CPU: any number of gloo ranks
     if n > visible:
         return {"gpus": n, "error": f"skipped: needs {n} GPUs, this machine shows {visible}"}
+    limit = time_left(a.timeout, a.end)
+    if limit < 10:
+        return {"gpus": n, "error": f"skipped: past --deadline {a.deadline:.0f} s"}
     out = work / f"{variant}_n{n}"
     job = {k: getattr(a, k) for k in ("samples", "prompt", "response_min", "response_max", "steps")}
     t0 = time.perf_counter()
     ranks, error = run_and_collect(
         train_rank,
         n,
-        a.timeout,
+        limit,
         str(out),
         model,
         cfg,
         TORCH_VARIANTS[variant],
         job,
         f"tcp://127.0.0.1:{free_port()}",
-        float(a.timeout),
+        limit,
     )
     lengths = workload(cfg["vocab_size"], n * a.samples, a.prompt, a.response_min, a.response_max)[
         "attention_mask"
@@ -150,8 +153,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--response-min", type=int, default=64)
     p.add_argument("--response-max", type=int, default=1792)
     p.add_argument("--timeout", type=int, default=300, help="seconds per (variant, N) run, model loading included")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=570,
+        help="seconds for the whole script: a run that would start later is skipped, one that would end later gets "
+        "less than --timeout (default: under a 10-minute device call)",
+    )
     p.add_argument("--out", type=Path, required=True, help="JSON results (rewritten after each run)")
     a = p.parse_args(argv)
+    a.end = time.monotonic() + a.deadline
     if a.smoke:
         a.shape, a.samples, a.prompt, a.response_min, a.response_max = "smoke", 4, 16, 4, 48
         a.steps = min(a.steps, 2)
@@ -179,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(Path(tmp) / "model")
         t0 = time.perf_counter()
-        run_ranks(_build, 1, a.timeout, cfg, model)
+        run_ranks(_build, 1, time_left(a.timeout, a.end), cfg, model)
         print(f"[train_multi_gpu] built a random {a.shape} model in {time.perf_counter() - t0:.0f} s", flush=True)
         for variant in variants:
             runs = report["runs"].setdefault(variant, {})

@@ -33,7 +33,7 @@ def test_a_rank_out_of_memory_ends_the_run_at_once_and_is_the_reported_error(tmp
 
 def test_train_multi_gpu_smoke_runs_one_and_two_ranks(tmp_path):
     out = tmp_path / "train.json"
-    report = train_multi_gpu.main(["--smoke", "--gpus", "1,2", "--steps", "1", "--out", str(out)])
+    report = train_multi_gpu.main(["--smoke", "--gpus", "1,2", "--steps", "1", "--deadline", "1800", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     runs = report["runs"]["rlflow-8k"]
     for n in ("1", "2"):
@@ -69,7 +69,7 @@ def test_layouts_parse_and_bad_ones_are_named():
 def test_megatron_multi_gpu_smoke_runs_every_layout(tmp_path):
     pytest.importorskip("megatron.core")
     out = tmp_path / "megatron.json"
-    report = megatron_multi_gpu.main(["--smoke", "--steps", "1", "--out", str(out)])
+    report = megatron_multi_gpu.main(["--smoke", "--steps", "1", "--deadline", "3000", "--out", str(out)])
     parity, throughput = report["sections"]["parity"], report["sections"]["throughput"]
     for name in ("tp1", "tp2", "pp2"):
         p = parity["layouts"][name]
