@@ -1,8 +1,10 @@
 """The Megatron backend on N GPUs of one host, per parallel layout: fp32 log-prob parity and bf16 MFU. Commands:
 
     PYTHONUNBUFFERED=1 python -m bench.megatron_multi_gpu --out bench/results/megatron_multi_gpu.json
-    PYTHONUNBUFFERED=1 python -m bench.megatron_multi_gpu --shape 7b --steps 2 --timeout 420 \\
-        --out bench/results/megatron_multi_gpu_7b.json
+    PYTHONUNBUFFERED=1 python -m bench.megatron_multi_gpu --shape 7b --sections parity --timeout 240 \\
+        --out bench/results/megatron_multi_gpu_7b_parity.json
+    PYTHONUNBUFFERED=1 python -m bench.megatron_multi_gpu --shape 7b --sections throughput --layouts tp2,pp2 \\
+        --micro-batch-tokens 4096 --timeout 270 --out bench/results/megatron_multi_gpu_7b.json
     python -m bench.megatron_multi_gpu --smoke --out /tmp/megatron_multi_gpu_smoke.json   # CPU, gloo
 
 Every layout (--layouts, default tp1,tp2,pp2) runs on the same --gpus ranks (default 2): tp1 is data parallel
@@ -18,9 +20,12 @@ the result and the others stopped), nccl on GPUs, gloo on CPUs, the same code:
   group the same one, as the RL session feeds them), one warm-up step then the median of --steps; useful tokens/s
   in all and per GPU, MFU on useful tokens (train_scale.flops_per_step over N x the dense bf16 peak, H100 989
   TFLOP/s), peak memory per rank.
-Shapes: --shape 1.5b (Qwen2-1.5B dims, default) or 7b (Qwen2.5-7B dims), random weights. 7B in bf16 with
-Megatron's fp32 gradient buffer and distributed Adam needs about 15 + 30 + 90/DP GB per model-parallel rank: tp1
-on 80 GB H100s is expected to report out of memory, tp2 and pp2 halve the weights and gradients.
+Shapes: --shape 1.5b (Qwen2-1.5B dims, default) or 7b (Qwen2.5-7B dims), random weights. Memory of the 7B in
+bf16 training: bf16 weights and the fp32 gradient buffer (6 bytes a parameter) split over the TP x PP ranks, fp32
+main weights and Adam state (12 bytes) split over all ranks by the distributed optimizer: on two 80 GB H100s about
+91 GB a rank at tp1 and 68 GB at tp2 / pp2 before activations and logits, so expect "out of memory" results
+(recorded, the run goes on); the fp32 parity section (weights and gradient buffer, 8 bytes a parameter over the
+TP x PP ranks) fits: `--shape 7b --sections parity`.
 
 On CPU (--smoke: a toy Llama shape, gloo) every layout runs, tensor and pipeline parallel included: megatron-core
 0.16's TP and PP paths run on gloo with the local layer spec (tests/test_megatron.py trains TP=2 and PP=2 on CPU).

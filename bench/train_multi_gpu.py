@@ -1,7 +1,7 @@
 """The native trainer (TorchTrainBackend, FSDP2) on N GPUs of one host: weak scaling of the RL workload. Commands:
 
     PYTHONUNBUFFERED=1 python -m bench.train_multi_gpu --gpus 1,2 --out bench/results/train_multi_gpu.json
-    PYTHONUNBUFFERED=1 python -m bench.train_multi_gpu --shape 7b --gpus 1,2 --steps 2 --timeout 420 \\
+    PYTHONUNBUFFERED=1 python -m bench.train_multi_gpu --shape 7b --gpus 2 --steps 2 --timeout 480 \\
         --variants rlflow-8k-ckpt --out bench/results/train_multi_gpu_7b.json
     python -m bench.train_multi_gpu --smoke --out /tmp/train_multi_gpu_smoke.json   # CPU, gloo: checks the script
 
@@ -22,7 +22,10 @@ at N over that at 1 GPU (the same variant), and peak allocated memory per rank. 
 and is recorded as its result ("out of memory"), as is a run past --timeout seconds (its processes are killed; the
 backend's collective timeout is the same, so no rank waits longer on a dead peer). 7B on one 80 GB H100: its fp32
 weights, gradients and Adam state alone are 122 GB, so N=1 is expected to report out of memory without
-`rlflow-*-offload` (which puts them in host memory); on 2 GPUs each rank holds half.
+`rlflow-*-offload` (which puts them in host memory), hence `--gpus 2` above (`--gpus 1` alone records that); on
+2 GPUs each rank holds half. Expected wall time on two H100s: the 1.5b default about 3 minutes (model build, then
+each N loads the model and runs 1 + 3 steps of a few seconds); the 7b command about 5 (loading 7B weights in fp32
+on the host takes a minute or two per rank).
 """
 
 from __future__ import annotations
