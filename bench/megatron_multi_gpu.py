@@ -47,9 +47,8 @@ import torch
 
 from bench import megatron_checks as checks
 from bench.megatron_gpu import MODEL_SMOKE, versions
-from bench.ranks import rank_result, run_and_collect, run_ranks, step_figures, sync, time_left
+from bench.ranks import rank_result, rendezvous, run_and_collect, run_ranks, step_figures, sync, time_left
 from bench.train_scale import PEAK_TFLOPS, QWEN2_1_5B, QWEN2_5_7B, flops_per_step, workload
-from rlflow.engines.cluster.addresses import free_port
 
 SHAPES = {"1.5b": dict(arch="qwen2", **QWEN2_1_5B), "7b": dict(arch="qwen2", **QWEN2_5_7B), "smoke": MODEL_SMOKE}
 PARITY_TOLERANCE = 1e-5  # fp32, the target
@@ -166,7 +165,7 @@ def run_layout(a, rank_fn, name: str, target: str, *args) -> dict:
     if limit < 10:
         return {"tp": tp, "pp": pp, "error": f"skipped: past --deadline {a.deadline:.0f} s", "ranks": []}
     t0 = time.perf_counter()
-    url = f"tcp://127.0.0.1:{free_port()}"
+    url = rendezvous(target)
     ranks, error = run_and_collect(rank_fn, a.gpus, limit, target, a.model, tp, pp, *args, url, limit)
     return {
         "tp": tp,

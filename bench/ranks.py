@@ -138,3 +138,11 @@ def time_left(timeout: float, end: float) -> float:
     """The time limit of the next run: --timeout, or less where the script's --deadline (monotonic `end`) is
     nearer, so that a few slow or hung runs cannot take the whole device budget."""
     return min(timeout, end - time.monotonic())
+
+
+def rendezvous(out: str) -> str:
+    """The init_method of one run's process group: a file next to its results, new for each run, so no two runs
+    (nor a port another process takes between being picked and bound, as with tcp://) can meet by mistake."""
+    path = Path(f"{out}.rendezvous")
+    path.unlink(missing_ok=True)
+    return f"file://{path.resolve()}"

@@ -41,9 +41,8 @@ from pathlib import Path
 
 import torch
 
-from bench.ranks import rank_result, run_and_collect, run_ranks, step_figures, sync, time_left
+from bench.ranks import rank_result, rendezvous, run_and_collect, run_ranks, step_figures, sync, time_left
 from bench.train_scale import PEAK_TFLOPS, SHAPES, VARIANTS, build_model, flops_per_step, workload
-from rlflow.engines.cluster.addresses import free_port
 
 # the native trainer's variants (baseline is a plain one-process loop; megatron-* is bench/megatron_multi_gpu.py)
 TORCH_VARIANTS = {k: v for k, v in VARIANTS.items() if k.startswith("rlflow-")}
@@ -120,7 +119,7 @@ def run_one(a, model: str, cfg: dict, variant: str, n: int, work: Path) -> dict:
         cfg,
         TORCH_VARIANTS[variant],
         job,
-        f"tcp://127.0.0.1:{free_port()}",
+        rendezvous(str(out)),
         limit,
     )
     lengths = workload(cfg["vocab_size"], n * a.samples, a.prompt, a.response_min, a.response_max)[
