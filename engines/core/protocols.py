@@ -122,7 +122,10 @@ class RolloutBackend(Protocol):
         """Give the weights' (and KV cache's) GPU memory back while a colocated trainer trains."""
         ...
 
-    def resume_memory_occupation(self) -> None: ...
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Take the memory back: SGLang's kinds `tags` ('weights', 'kv_cache', 'cuda_graph'), None: all. A weight
+        update takes the weights first; the session takes the rest before generating."""
+        ...
 
     def drain_trace(self) -> list[dict]:
         """Trace events recorded since the last drain (Chrome-trace dicts)."""

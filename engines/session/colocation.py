@@ -5,8 +5,10 @@ with the next weight sync. With train.offload_during_rollout (on when colocated)
 other way: the order of one step is
 
     train step -> trainer parks its optimizer state (the weights stay: the sync reads them)
-    -> weight sync (the rollout engine allocates its weights, then its KV cache as it generates)
-    -> trainer parks its weights -> evaluate, next rollout -> rollout engine releases -> trainer onloads -> ...
+    -> weight sync (the rollout engine takes back its weights' memory only)
+    -> trainer parks its weights -> the engine takes back its KV cache (SGLang: and CUDA graphs; the embedded
+    engine allocates its cache as it generates) -> evaluate, next rollout -> the engine releases
+    -> trainer onloads -> ...
 
 Every stage that needs the train workers asks for them here (`for_training`, or `resident` when the rollout
 engine must keep its weights: checkpoints, a resend to a restarted worker) and every stage that generates asks
@@ -57,8 +59,11 @@ class ColocatedMemory:
         self._park(keep_weights=True)
 
     def for_rollout(self) -> None:
-        """The rollout engine is about to generate: the trainer parks what it may."""
+        """The rollout engine is about to generate: the trainer parks what it may, then the engine takes back
+        the rest of its memory (the sync took its weights' already): KV cache and CUDA graphs."""
         self._park(keep_weights=self.keeps_weights)
+        if self.colocated:
+            self.rollout.call(RolloutBackend.resume_memory_occupation, ["kv_cache", "cuda_graph"])
 
     def take_metrics(self) -> dict[str, float]:
         """time/offload, time/onload (driver's seconds, summed since the last call) and what moved."""
