@@ -93,16 +93,20 @@ def _loop(session: RLSession, steps: int, check=None) -> list[dict]:
     return history
 
 
-def test_colocated_loop_parks_the_trainer_while_the_rollout_engine_runs(recipe, tmp_path):
+@pytest.mark.parametrize("correction", ["none", "tis"])
+def test_colocated_loop_parks_the_trainer_while_the_rollout_engine_runs(recipe, tmp_path, correction):
     """The RL loop with cluster.colocate (forced on CPU, where the recipe check refuses it, so the same session
-    code runs here): the trainer is parked from the sync to the next train stage and resident while it trains,
-    the rollout engine released while the trainer runs, a checkpoint onloads; every metric of the run equals
-    the run without colocation, and the moves are timed."""
+    code runs here): the trainer is parked from the sync until it is needed (the train stage, or advantages
+    when rollout correction needs its logprobs) and resident while it runs, the rollout engine released while
+    the trainer runs, a checkpoint onloads; every metric of the run equals the run without colocation, and
+    the moves are timed."""
     cfg = recipe(
         train={"steps": 2, "threads": 1},
         rollout={"prompts_per_step": 4, "samples_per_prompt": 2, "max_new_tokens": 4},
         eval={"max_prompts": 4},
+        algorithm={"is_correction": correction},
     )
+    needs_trainer = ("advantages", "train") if correction != "none" else ("train",)
     colocated = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"colocate": True})})
     assert colocated.offloads_trainer and not cfg.offloads_trainer
     prepare_data(cfg)
@@ -119,10 +123,8 @@ def test_colocated_loop_parks_the_trainer_while_the_rollout_engine_runs(recipe, 
     def check(stage: str) -> None:
         parked = trainer._parked_weights.parked
         assert trainer._parked_optimizer.parked == (parked and bool(trainer.optimizer.state)), stage
-        if stage in ("rollout", "reward", "sync_weights"):
-            assert parked and not engine._released, stage
-        else:  # advantages (nothing of the trainer's needed here: still parked) and train
-            assert parked == (stage == "advantages") and (stage == "advantages") != engine._released, stage
+        trainer_turn = stage in needs_trainer
+        assert parked != trainer_turn and engine._released == trainer_turn, stage
 
     try:
         got = _loop(session, 2, check)
