@@ -13,6 +13,9 @@ whether the parked state came back bit for bit (a float64 sum of every parameter
 before and after), and the next step's loss and grad norm against a trainer of the same seed that never
 offloaded (run afterwards in the same process; deterministic algorithms on, so they should match exactly).
 
+The park/onload cycle runs twice: the first pins the host buffers (cudaHostAlloc of the state's size, seconds),
+the second reuses them, as every later step of a run does; compare `cycles[1]` for the steady state.
+
 `--device cpu --size smoke` runs a tiny model on the CPU to check the script itself (no memory figures).
 """
 
