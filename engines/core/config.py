@@ -439,6 +439,12 @@ class TrainConfig(Section):
         "the host (the optimizer steps there) and each layer is copied to the GPU when it runs; trains models "
         "whose state does not fit on the GPUs, at the cost of host-device copies.",
     )
+    offload_during_rollout: bool | None = Field(
+        None, description="cluster.colocate: the train workers park their optimizer state and weights in pinned "
+        "host memory (and drop the last step's gradients) while the rollout engine sharing their GPU generates, "
+        "and take them back before they run again; logged as time/offload and time/onload. Empty: on when "
+        "colocated. With weight_sync.transport cuda_ipc the weights stay (the rollout engine maps them).",
+    )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="Compute dtype of training; master weights, gradient reduction and optimizer state "
         "stay fp32 (torch backend: FSDP2's mixed-precision policy).",
@@ -868,6 +874,9 @@ class RLConfig(Section):
             if section.num_workers % section.nodes:
                 raise ValueError(f"{name}.nodes: {name}.num_workers ({section.num_workers}) must split evenly over "
                                  f"{section.nodes} nodes")
+        if self.train.offload_during_rollout and not self.cluster.colocate:
+            raise ValueError("train.offload_during_rollout: parks the trainer's state while a rollout engine uses "
+                             "its GPU; it needs cluster.colocate: true (separate GPUs keep it where it is)")
         if self.cluster.colocate:
             if self.rollout.nodes != self.train.nodes:
                 raise ValueError(f"cluster.colocate: rollout.nodes ({self.rollout.nodes}) must equal train.nodes "
@@ -911,6 +920,12 @@ class RLConfig(Section):
     @property
     def rollout_device(self) -> str:
         return self.rollout.device or self.train.device
+
+    @property
+    def offloads_trainer(self) -> bool:
+        """Whether the train workers park their state in host memory while their colocated rollout engine runs
+        (train.offload_during_rollout; empty: whenever colocated)."""
+        return self.cluster.colocate and self.train.offload_during_rollout is not False
 
     @property
     def data_parallel_size(self) -> int:
