@@ -47,7 +47,7 @@ def test_single_turn_over_http_equals_the_engine_called_directly(served):
     """The default rollout goes through the router, batched; every sample is what the engine generates for
     the same prompt and sampling seed, tokens and logprobs."""
     backends, url = served
-    runner = RolloutRunner(single_turn, url, num_workers=2, token=TOKEN)
+    runner = RolloutRunner(single_turn, url, [b.server_url() for b in backends], token=TOKEN)
     try:
         prompts = _prompts(backends[0], ["S123=", "S907=", "R55="], n=3)
         groups = runner.run(prompts, PARAMS)
@@ -77,7 +77,7 @@ def test_a_bad_rollout_function_gets_an_error_naming_the_field(served):
     with pytest.raises(TypeError, match=r"rollout\.fn: .* must be an async function"):
         load_rollout_fn("tests.test_rollout_fn:rollout_that_is_not_async")
     backends, url = served
-    runner = RolloutRunner(_three_samples, url, num_workers=2, token=TOKEN)
+    runner = RolloutRunner(_three_samples, url, [b.server_url() for b in backends], token=TOKEN)
     try:
         with pytest.raises(ValueError, match=r"returned 3 samples for prompt 0; expected 2"):
             runner.run(_prompts(backends[0], ["S1="], n=2), PARAMS)
@@ -95,7 +95,7 @@ def test_closing_the_runner_releases_a_rollout_in_flight():
     async def never(prompt, url, sampling_params):
         await asyncio.sleep(3600)
 
-    runner = RolloutRunner(never, "http://127.0.0.1:9", num_workers=1)
+    runner = RolloutRunner(never, "http://127.0.0.1:9", ["http://127.0.0.1:9"])
     outcome: list[BaseException] = []
 
     def generate() -> None:
@@ -132,7 +132,7 @@ def test_dynamic_sampling_aborts_the_rest_and_loses_no_finished_sample(served):
 
     supply = iter(_prompts(backends[0], [f"S{i:03d}=" for i in range(40)], n=2))
     long = PARAMS | {"max_new_tokens": 24, "ignore_eos": True}
-    runner = RolloutRunner(recording, url, num_workers=2, token=TOKEN)
+    runner = RolloutRunner(recording, url, [b.server_url() for b in backends], token=TOKEN)
     try:
         def collect(carry):
             return runner.submit(collect_groups(
