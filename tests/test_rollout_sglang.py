@@ -357,18 +357,21 @@ def test_transport_gives_the_embedded_engine_the_trainers_weights(recipe, tmp_pa
 def test_sglang_backend_runs_rl_steps(recipe, tmp_path, transport):
     """Two RL steps whose rollouts come from the launched server (the worker's /generate) and whose weights
     reach it through /update_weights_from_disk, or a weight-update group and /update_weights_from_distributed;
-    the server then generates what the trainer's weights give."""
-    rollout = {"backend": "sglang", "sglang": {"launch_module": EMBEDDED, "args": {"random-seed": 0}}}
+    the server then generates what the trainer's weights give. The server holds bfloat16 weights (the trainer
+    float32): the distributed transport broadcasts the server's dtype. sglang-router fronts it (installed here)."""
+    rollout = {"backend": "sglang", "sglang": {"launch_module": EMBEDDED, "args": {"random-seed": 0, "dtype": "bfloat16"}}}
     with _session_run(recipe, tmp_path, f"{transport}-sglang", transport, rollout=rollout) as (session, trained,
                                                                                                 metrics):
         worker = session.rollout_group.workers[0]
         pid = worker.server_pid()
         assert isinstance(worker, SGLangRolloutBackend)
-        assert session.server_urls == [worker.server_url()] and session.router is not None
+        assert session.server_urls == [worker.server_url()] and session.router.kind == "sglang-router"
+        if transport == "distributed":
+            assert metrics[-1]["sync/bytes"] == sum(t.numel() * 2 for t in trained.values()), "bfloat16, not fp32"
         assert metrics[0]["rollout/tokens"] > 0 and metrics[-1]["sync/weight_version"] == 2.0
         assert worker.server_info()["weight_version"] == "2"
         served = worker.generate_packed(PROMPTS, GREEDY, seed=0)
-        reference = TorchRolloutBackend(session.model_path, threads=1, batch_size=4)
+        reference = TorchRolloutBackend(session.model_path, threads=1, batch_size=4, dtype=torch.bfloat16)
         try:
             reference.update_weights(trained.items(), 2)
             expected = reference.generate_packed(PROMPTS, GREEDY, seed=0)

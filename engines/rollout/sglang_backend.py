@@ -149,6 +149,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         self._http = httpx.Client(timeout=httpx.Timeout(None, connect=10))
         self._host, self._token = host, token
         self._weight_bytes = safetensors_bytes(self.model_path)
+        self._update_bytes = 0  # received by the buckets of the update in progress (end_weight_update counts them)
         atexit.register(self.close)
         self.start_server(host, token=token)
 
@@ -338,6 +339,8 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         refused because requests still run is skipped, as SGLang's own per-update flush is."""
         self._resume(["kv_cache", "cuda_graph"])
         self._post("/flush_cache", ok=(200, 400))
+        if self._update_bytes:
+            self._weight_bytes, self._update_bytes = self._update_bytes, 0
 
     # ---- weights ---------------------------------------------------------------------------------------
     def update_weights_from_disk(self, path: str | Path, version: int) -> int:
@@ -351,7 +354,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         answer = r.json()
         if not answer.get("success", False):
             raise RuntimeError(f"rollout.sglang: /update_weights_from_disk {path}: {answer.get('message')}")
-        self._weight_bytes = safetensors_bytes(path)
+        self._update_bytes += safetensors_bytes(path)
         self.weight_version = version
         self.last_update_s = time.perf_counter() - t0
         return version
@@ -401,7 +404,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         t0 = time.perf_counter()
         self._resume(["weights"])
         self._post("/update_weights_from_distributed", update_request(names, dtypes, shapes, version, group_name))
-        self._weight_bytes = sum(math.prod(s) * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes, strict=True))
+        self._update_bytes += sum(math.prod(s) * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes, strict=True))
         self.weight_version = version
         self.last_update_s = time.perf_counter() - t0
         return version
@@ -421,7 +424,8 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         return server_dtype(self.server_info().get("dtype"), self.model_path)
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights the last update loaded (the model's at first), as stored on disk."""
+        """Bytes the last whole update delivered, all its buckets (the model's files at first): as stored on disk,
+        or as broadcast in the server's dtype."""
         return self._weight_bytes
 
     def last_update_seconds(self) -> float:
