@@ -310,11 +310,11 @@ def test_generate_logprobs_match_the_train_backend_also_after_a_tensor_update(em
             assert all(o["meta_info"]["weight_version"] == version for o in outs)
             return [o | {"prompt_ids": p} for o, p in zip(outs, [p for p in prompts for _ in range(2)], strict=True)]
 
-        train_lp, served_lp = _train_logprobs(trainer, sample("0"), pad)
+        train_lp, served_lp = _train_logprobs(trainer, sample("default"), pad)  # a fresh server, as SGLang says
         assert (train_lp - served_lp).abs().max() <= 1e-5
 
         # one training step, the new weights sent as base64 safetensors, then the two agree again
-        outs = sample("0")
+        outs = sample("default")
         batch = pack_samples([o["prompt_ids"] for o in outs], [o["output_ids"] for o in outs],
                              [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs],
                              torch.linspace(-1, 1, len(outs)), pad)
