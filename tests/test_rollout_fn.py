@@ -355,7 +355,8 @@ def test_sglang_router_fronts_embedded_workers(tmp_path):
 
         new = backends[2].start_server(token=TOKEN)
         router.replace(0, new)
-        assert [w.url for w in router.workers] == [new, urls[1]] and sorted(router.registered()) == sorted([new, urls[1]])
+        assert [w.url for w in router.workers] == [new, urls[1]]
+        assert sorted(router.registered()) == sorted([new, urls[1]]), "the old server is no longer registered"
     finally:
         runner.close()
         router.stop()

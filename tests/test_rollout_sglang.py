@@ -31,8 +31,8 @@ from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.core.config import ModelConfig
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.core.sampling import SamplingParams
-from rlflow.engines.models.hf import build_tiny_model
 from rlflow.engines.core.sglang_args import gpus_per_server
+from rlflow.engines.models.hf import build_tiny_model
 from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend, server_args
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.sync.distributed import (
@@ -250,7 +250,8 @@ def test_release_and_resume_memory_occupation(worker, model_dir):
     worker._http.event_hooks["request"].append(lambda r: sent.append((r.url.path, json.loads(r.content or b"{}"))))
     worker.release_memory_occupation()
     # slime's order: drain and flush, release every tag; the weights back before the update, the rest after it
-    assert sent == [("/flush_cache", {}), ("/release_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]})]
+    release = ("/release_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]})
+    assert sent == [("/flush_cache", {}), release]
     assert worker.server_info()["internal_states"][0]["memory_released"] is True
     with pytest.raises(RuntimeError, match="released"):
         _greedy(worker)
@@ -359,7 +360,8 @@ def test_sglang_backend_runs_rl_steps(recipe, tmp_path, transport):
     reach it through /update_weights_from_disk, or a weight-update group and /update_weights_from_distributed;
     the server then generates what the trainer's weights give. The server holds bfloat16 weights (the trainer
     float32): the distributed transport broadcasts the server's dtype. sglang-router fronts it (installed here)."""
-    rollout = {"backend": "sglang", "sglang": {"launch_module": EMBEDDED, "args": {"random-seed": 0, "dtype": "bfloat16"}}}
+    args = {"random-seed": 0, "dtype": "bfloat16"}
+    rollout = {"backend": "sglang", "sglang": {"launch_module": EMBEDDED, "args": args}}
     with _session_run(recipe, tmp_path, f"{transport}-sglang", transport, rollout=rollout) as (session, trained,
                                                                                                 metrics):
         worker = session.rollout_group.workers[0]

@@ -85,8 +85,12 @@ def test_server_dtype_follows_sglangs_auto_rule(tmp_path):
 # ---- flags -----------------------------------------------------------------------------------------------------
 def test_args_are_spelled_as_sglangs_parser_takes_them():
     args = SGLangConfig.model_validate({"args": {"tp_size": 2, "--mem_fraction_static": 0.8, "dp": 1}}).args
-    assert args == {"tensor-parallel-size": 2, "mem-fraction-static": 0.8, "data-parallel-size": 1,
-                    "enable-deterministic-inference": True}
+    assert args == {
+        "tensor-parallel-size": 2,
+        "mem-fraction-static": 0.8,
+        "data-parallel-size": 1,
+        "enable-deterministic-inference": True,
+    }
     assert SGLangConfig.model_validate({"args": args}).args == args, "normalising twice changes nothing"
     assert "enable-deterministic-inference" not in normalise_args({"tp-size": 1})
     assert SGLangConfig.model_validate({"deterministic": False}).args == {"enable-deterministic-inference": False}
@@ -94,14 +98,17 @@ def test_args_are_spelled_as_sglangs_parser_takes_them():
     assert custom.args == {"my-flag": 1}, "a custom launcher's flags are re-spelled, not checked"
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    ({"pp": 2}, r"args\.pp: --pp is ambiguous in SGLang's parser \(it could be --pipeline-parallel-size, "),
-    ({"tp-sizee": 2}, r"args\.tp-sizee: --tp-sizee is not a launch_server flag of sglang 0\.5\.10\.post1"),
-    ({"enable-memory-saver": "yes"}, r"--enable-memory-saver is a switch: true or false"),
-    ({"tp-size": 1, "tensor_parallel_size": 2}, r"'tp-size' and 'tensor_parallel_size' are the same flag"),
-    ({"model": "/elsewhere"}, r"args\.model: --model-path is set by the rollout worker"),
-    ({"enable-deterministic-inference": False}, r"contradicts rollout\.sglang\.deterministic: True"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"pp": 2}, r"args\.pp: --pp is ambiguous in SGLang's parser \(it could be --pipeline-parallel-size, "),
+        ({"tp-sizee": 2}, r"args\.tp-sizee: --tp-sizee is not a launch_server flag of sglang 0\.5\.10\.post1"),
+        ({"enable-memory-saver": "yes"}, r"--enable-memory-saver is a switch: true or false"),
+        ({"tp-size": 1, "tensor_parallel_size": 2}, r"'tp-size' and 'tensor_parallel_size' are the same flag"),
+        ({"model": "/elsewhere"}, r"args\.model: --model-path is set by the rollout worker"),
+        ({"enable-deterministic-inference": False}, r"contradicts rollout\.sglang\.deterministic: True"),
+    ],
+)
 def test_args_sglang_would_refuse_are_refused_at_validation(args, message):
     with pytest.raises(ValueError, match=message):
         SGLangConfig.model_validate({"args": args})
@@ -114,7 +121,11 @@ def test_pipeline_stages_cannot_join_one_weight_update_group(recipe):
     rollout = {"backend": "sglang", "sglang": {"args": {"tp-size": 2, "pp-size": 2}}}
     with pytest.raises(ValueError, match="pipeline-parallel-size > 1 cannot take weights over"):
         recipe(rollout=rollout, weight_sync={"transport": "distributed"})
-    assert recipe(rollout=rollout, weight_sync={"transport": "disk", "disk_dir": "/tmp/w"}).rollout.sglang.args[
-        "pipeline-parallel-size"] == 2
+    assert (
+        recipe(rollout=rollout, weight_sync={"transport": "disk", "disk_dir": "/tmp/w"}).rollout.sglang.args[
+            "pipeline-parallel-size"
+        ]
+        == 2
+    )
     with pytest.raises(ValueError, match="data-parallel-size > 1 cannot take weights"):
         weight_update_ranks({"data-parallel-size": 2})

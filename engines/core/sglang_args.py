@@ -70,9 +70,11 @@ def resolve_flag(key: str, where: str = "rollout.sglang.args") -> str:
     if len(prefixed) == 1:
         return prefixed[0]
     if prefixed:
-        raise ValueError(f"{where}.{key}: {option} is ambiguous in SGLang's parser (it could be "
-                         f"{', '.join(prefixed[:8])}{', ...' if len(prefixed) > 8 else ''}); write the full flag "
-                         f"name (flags of {source})")
+        raise ValueError(
+            f"{where}.{key}: {option} is ambiguous in SGLang's parser (it could be "
+            f"{', '.join(prefixed[:8])}{', ...' if len(prefixed) > 8 else ''}); write the full flag "
+            f"name (flags of {source})"
+        )
     close = difflib.get_close_matches(option, list(flags), n=3)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise ValueError(f"{where}.{key}: {option} is not a launch_server flag of {source}{hint}")
@@ -92,8 +94,10 @@ def normalise_args(args: dict[str, Any], check: bool = True, where: str = "rollo
         if name in out:
             raise ValueError(f"{where}: {given_as[name]!r} and {key!r} are the same flag ({option}); give it once")
         if option in WORKER_FLAGS:
-            raise ValueError(f"{where}.{key}: {option} is set by the rollout worker (its model, address and control "
-                             "token); leave it out")
+            raise ValueError(
+                f"{where}.{key}: {option} is set by the rollout worker (its model, address and control "
+                "token); leave it out"
+            )
         if check and flags[option][1] == "switch" and not isinstance(value, bool) and value is not None:
             raise ValueError(f"{where}.{key}: {option} is a switch: true or false, got {value!r}")
         out[name], given_as[name] = value, str(key)
@@ -117,13 +121,17 @@ def weight_update_ranks(args: dict[str, Any]) -> int:
     `rank_offset + tp_rank` (0.5.10.post1 and 0.5.23, model runner), so pipeline stages, or data-parallel replicas
     each with their own TP ranks, would take the same ranks: refused."""
     if _size(args, PP) > 1:
-        raise ValueError("rollout.sglang.args: pipeline-parallel-size > 1 cannot take weights over "
-                         "weight_sync.transport 'distributed': SGLang joins the group as rank_offset + tp_rank from "
-                         "every pipeline stage, so the stages' ranks collide; use 'disk' (or 'ray' / 'store')")
+        raise ValueError(
+            "rollout.sglang.args: pipeline-parallel-size > 1 cannot take weights over "
+            "weight_sync.transport 'distributed': SGLang joins the group as rank_offset + tp_rank from "
+            "every pipeline stage, so the stages' ranks collide; use 'disk' (or 'ray' / 'store')"
+        )
     if _size(args, DP) > 1 and not args.get("enable-dp-attention"):
-        raise ValueError("rollout.sglang.args: data-parallel-size > 1 cannot take weights over weight_sync.transport "
-                         "'distributed': each replica joins as rank_offset + tp_rank and their ranks collide; run one "
-                         "server per replica (rollout.num_workers) or use 'disk'")
+        raise ValueError(
+            "rollout.sglang.args: data-parallel-size > 1 cannot take weights over weight_sync.transport "
+            "'distributed': each replica joins as rank_offset + tp_rank and their ranks collide; run one "
+            "server per replica (rollout.num_workers) or use 'disk'"
+        )
     return _size(args, TP)
 
 

@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.rollout.http_api import (
-    BackgroundServer,
     MEMORY_TAGS,
+    BackgroundServer,
     BadRequest,
     EngineClient,
     body_error,

@@ -50,9 +50,9 @@ from safetensors.torch import save_file
 from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.cluster.process_group import start_guard, stop_group
 from rlflow.engines.core.config import SGLangConfig, StorageConfig
-from rlflow.engines.core.sglang_args import server_dtype, weight_update_ranks
 from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
+from rlflow.engines.core.sglang_args import server_dtype, weight_update_ranks
 from rlflow.engines.rollout.engine import Generation
 from rlflow.engines.rollout.http_api import MEMORY_TAGS, auth_headers, parse_weight_version
 from rlflow.engines.rollout.torch_backend import pack_generations
@@ -108,9 +108,15 @@ def generation_from_item(prompt: list[int], item: dict) -> Generation:
     token its filters had ruled out) as JSON null, and a fresh server's weight_version is "default" (version 0)."""
     meta = item["meta_info"]
     logprobs = [-math.inf if x[0] is None else float(x[0]) for x in meta.get("output_token_logprobs") or []]
-    return Generation(prompt, list(item["output_ids"]), logprobs, meta["finish_reason"],
-                      parse_weight_version(meta.get("weight_version"), "meta_info.weight_version"),
-                      rid=str(meta.get("id", "")), meta=meta)
+    return Generation(
+        prompt,
+        list(item["output_ids"]),
+        logprobs,
+        meta["finish_reason"],
+        parse_weight_version(meta.get("weight_version"), "meta_info.weight_version"),
+        rid=str(meta.get("id", "")),
+        meta=meta,
+    )
 
 
 class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, DistributedReceiver):
@@ -136,7 +142,9 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         self.weight_version = 0
         self.last_update_s = 0.0
         self._released: set[str] = set()  # SGLang memory tags released and not resumed yet
-        self._loaded_dir: Path | None = None  # a weights folder of this worker's the server loaded last (its model_path)
+        self._loaded_dir: Path | None = (
+            None  # a weights folder of this worker's the server loaded last (its model_path)
+        )
         self._dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"rlflow-sglang-{rank}-"))
         self._dir.mkdir(parents=True, exist_ok=True)
         self.weight_dirs = [*weight_dirs, str(self._dir)]  # update_weights writes its folders under _dir
@@ -328,9 +336,11 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
             if r.status_code == 200:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rollout.sglang: {self.url} still runs requests after "
-                                   f"{self.cfg.drain_timeout_s:g} s (rollout.sglang.drain_timeout_s); its memory "
-                                   f"cannot be released while they run. Last /flush_cache: {r.text[:200]}")
+                raise TimeoutError(
+                    f"rollout.sglang: {self.url} still runs requests after "
+                    f"{self.cfg.drain_timeout_s:g} s (rollout.sglang.drain_timeout_s); its memory "
+                    f"cannot be released while they run. Last /flush_cache: {r.text[:200]}"
+                )
             time.sleep(0.05)
 
     def end_weight_update(self) -> None:
@@ -349,8 +359,9 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         model_path: the folder must stay until the next update (the disk transport and `update_weights` keep it)."""
         t0 = time.perf_counter()
         self._resume(["weights"])
-        r = self._post("/update_weights_from_disk",
-                       {"model_path": str(path), "weight_version": str(version), "flush_cache": False})
+        r = self._post(
+            "/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version), "flush_cache": False}
+        )
         answer = r.json()
         if not answer.get("success", False):
             raise RuntimeError(f"rollout.sglang: /update_weights_from_disk {path}: {answer.get('message')}")
@@ -404,7 +415,9 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         t0 = time.perf_counter()
         self._resume(["weights"])
         self._post("/update_weights_from_distributed", update_request(names, dtypes, shapes, version, group_name))
-        self._update_bytes += sum(math.prod(s) * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes, strict=True))
+        self._update_bytes += sum(
+            math.prod(s) * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes, strict=True)
+        )
         self.weight_version = version
         self.last_update_s = time.perf_counter() - t0
         return version

@@ -54,8 +54,16 @@ class SGLangRouter:
 
     kind = "sglang-router"
 
-    def __init__(self, worker_urls: list[str], host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 policy: str = "round_robin", timeout_s: float = 60, log_dir: str | None = None):
+    def __init__(
+        self,
+        worker_urls: list[str],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        policy: str = "round_robin",
+        timeout_s: float = 60,
+        log_dir: str | None = None,
+    ):
         if not worker_urls:
             raise ValueError("SGLangRouter: worker_urls is empty")
         if not sglang_router_installed():
@@ -64,13 +72,27 @@ class SGLangRouter:
         port = port or free_port()
         self.url = f"http://{host}:{port}"
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="rlflow-sglang-router-")) / "router.log"
-        command = [sys.executable, "-m", ROUTER_MODULE, "--host", host, "--port", str(port), "--policy", policy,
-                   "--log-level", "warn", "--health-check-interval-secs", "5"]
+        command = [
+            sys.executable,
+            "-m",
+            ROUTER_MODULE,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--policy",
+            policy,
+            "--log-level",
+            "warn",
+            "--health-check-interval-secs",
+            "5",
+        ]
         if token:  # its worker API then needs the token; generation stays open, as the workers' is
             command += ["--control-plane-api-keys", f"rlflow:rlflow-run:admin:{token}"]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - the router writes it until stop()
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         self._guard = start_guard(self.proc.pid, STOP_GRACE_S)
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(30, connect=5), headers=auth_headers(token))
         self.urls: list[str] = []
@@ -85,7 +107,9 @@ class SGLangRouter:
 
     # ---- workers -----------------------------------------------------------------------------------------
     def _add(self, url: str) -> None:
-        r = self._http.post("/workers", json={"url": url.rstrip("/"), **({"api_key": self.token} if self.token else {})})
+        r = self._http.post(
+            "/workers", json={"url": url.rstrip("/"), **({"api_key": self.token} if self.token else {})}
+        )
         if r.status_code not in (200, 201, 202):
             raise RuntimeError(f"sglang-router: POST /workers {url} answered {r.status_code}: {r.text[:300]}")
         self.urls.append(url.rstrip("/"))
@@ -128,16 +152,20 @@ class SGLangRouter:
         deadline = time.monotonic() + self.timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"sglang-router exited with code {self.proc.returncode} before it could {what}; "
-                                   f"the end of its log {self.log_path}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"sglang-router exited with code {self.proc.returncode} before it could {what}; "
+                    f"the end of its log {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 if check():
                     return
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"sglang-router did not {what} within {self.timeout_s:g} s; the end of its log "
-                                   f"{self.log_path}:\n{self.log_tail()}")
+                raise TimeoutError(
+                    f"sglang-router did not {what} within {self.timeout_s:g} s; the end of its log "
+                    f"{self.log_path}:\n{self.log_tail()}"
+                )
             time.sleep(0.05)
 
     def log_tail(self) -> str:
