@@ -271,6 +271,24 @@ def test_release_and_resume_memory_occupation(worker, model_dir):
     assert _greedy(worker)["output_ids"].tolist() == before["output_ids"].tolist()
 
 
+def test_release_waits_until_running_requests_finish(worker, model_dir):
+    """SGLang releases memory only on an idle server (it asserts it): the worker drains first, so a release that
+    meets a running request waits for it instead of failing."""
+    long = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(worker.generate, [[1, 4, 5]], long, 0)
+        deadline = time.monotonic() + 30
+        while not running.done() and time.monotonic() < deadline:
+            if worker.server_info()["internal_states"][0]["num_requests"]:
+                break
+            time.sleep(0.005)
+        worker.release_memory_occupation()
+        assert len(running.result(timeout=60)[0].output_ids) == 40, "the request ran to its end"
+    assert worker.server_info()["internal_states"][0]["memory_released"] is True
+    worker.update_weights_from_disk(model_dir, 12)
+    worker.end_weight_update()
+
+
 def test_distributed_weight_update_over_gloo(worker, model_dir):
     """SGLang's /init_weights_update_group + /update_weights_from_distributed, with this process as the
     trainer's rank 0 and the launched server as rank 1 of a gloo group (nccl on GPUs)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,9 +49,14 @@ def test_the_sglang_worker_against_recorded_answers(tiny_model_dir, tmp_path, le
     """The SGLang worker launched in front of a process answering with SGLang's recorded shapes: generation,
     /server_info and /model_info (or the deprecated /get_* names on an older server), the server's dtype resolved
     from `auto` as SGLang does (a float32 checkpoint is served in float16), a disk update and its model_path."""
-    sglang = {"launch_module": "tests.sglang_fixture_server", "args": {"legacy-info": legacy}, "startup_timeout_s": 60}
+    python = tmp_path / "sglang-env-python"  # rollout.sglang.python: the interpreter of SGLang's own environment
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    sglang = {"python": str(python), "launch_module": "tests.sglang_fixture_server", "args": {"legacy-info": legacy},
+              "startup_timeout_s": 60}
     worker = SGLangRolloutBackend(tiny_model_dir, sglang, threads=1, log_dir=str(tmp_path))
     try:
+        assert worker.command[:3] == [str(python), "-m", "tests.sglang_fixture_server"]
         from rlflow.engines.core.sampling import SamplingParams
 
         gens = worker.generate([[1, 4, 5, 6], [1, 9, 8]], SamplingParams(max_new_tokens=3), seed=0)
