@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from rlflow.engines.core.retry import RetryPolicy
+from rlflow.engines.core.sglang_args import DETERMINISTIC, normalise_args, weight_update_ranks
 
 
 class Section(BaseModel):
@@ -63,24 +64,47 @@ class DataConfig(Section):
     )
 
 
-class SGLangConfig(Section):
-    """rollout.backend: sglang. Each rollout worker runs `python -m <launch_module> --model-path <model> --host
-    127.0.0.1 --port <free port> <args>` on the GPUs Ray gave it (docs/rollout.md)."""
+# launch modules whose flags are SGLang's (the stand-in takes a subset of them, with the same names)
+SGLANG_LAUNCHERS = ("sglang.launch_server", "rlflow.engines.rollout.launch")
 
+
+class SGLangConfig(Section):
+    """rollout.backend: sglang. Each rollout worker runs `<python> -m <launch_module> --model-path <model> --host
+    <its address> --port <free port> <args>` on the GPUs Ray gave it (docs/rollout.md)."""
+
+    python: str | None = Field(
+        None, description="The interpreter that runs the server: an environment with SGLang installed (it pins its "
+        "own torch and transformers, so it rarely fits rlflow's). Empty: this interpreter. Weight transports across "
+        "two environments: docs/rollout.md.")
     launch_module: str = Field("sglang.launch_server", description="Module started with `python -m` as the server.")
     args: dict[str, Any] = Field(
         default_factory=dict,
-        description="SGLang's launch_server options, passed through untouched: `mem-fraction-static: 0.8` -> "
-        "`--mem-fraction-static 0.8`; true -> the bare flag; false or null -> left out; a list -> its values after "
-        "one flag. model-path, host and port are set by the worker.",
+        description="SGLang's launch_server flags: `mem-fraction-static: 0.8` -> `--mem-fraction-static 0.8`; true "
+        "-> the bare flag; false or null -> left out; a list -> its values after one flag. Names are checked against "
+        "SGLang's flags at validation and written canonically (`tp_size`/`tp-size` -> `tensor-parallel-size`; an "
+        "ambiguous one such as `pp` is refused). model-path, host, port and api-key are set by the worker.",
     )
+    deterministic: bool = Field(
+        True, description="Launch with --enable-deterministic-inference: SGLang honours a request's sampling_seed "
+        "only then (a retried request, or a rerun, gives the same tokens). false: SGLang's faster sampling and "
+        "attention kernels, and sampling_seed is ignored.")
     startup_timeout_s: float = Field(600, gt=0, description="Seconds to wait for the server's /health to answer 200.")
+    drain_timeout_s: float = Field(
+        120, gt=0, description="Colocated: seconds to wait for running requests to finish before the server's memory "
+        "is released (SGLang releases only an idle server).")
 
     @model_validator(mode="after")
     def _check_args(self) -> SGLangConfig:
-        taken = {"model-path", "model", "host", "port"} & {k.lstrip("-").replace("_", "-") for k in self.args}
-        if taken:
-            raise ValueError(f"rollout.sglang.args: {sorted(taken)} are set by the rollout worker; leave them out")
+        checked = self.launch_module in SGLANG_LAUNCHERS  # a custom launcher's flags are its own: only re-spelled
+        args = normalise_args(self.args, check=checked)
+        if checked:
+            given = args.get(DETERMINISTIC)
+            if given is not None and bool(given) != self.deterministic:
+                raise ValueError(f"rollout.sglang.args.{DETERMINISTIC}: {given} contradicts rollout.sglang."
+                                 f"deterministic: {self.deterministic}; set deterministic only")
+            args[DETERMINISTIC] = self.deterministic
+        self.args.clear()  # in place: assigning would validate the model again (validate_assignment)
+        self.args.update(args)
         return self
 
 
@@ -110,6 +134,10 @@ class RolloutConfig(Section):
         "torch", description="Rollout engine: the embedded PyTorch generator, or an SGLang server per worker "
         "(rollout.sglang).")
     sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="The SGLang backend's server.")
+    router: Literal["auto", "sglang-router", "rlflow"] = Field(
+        "auto", description="The router in front of the workers' servers. auto: sglang-router (pip install "
+        "'rlflow[router]') for backend sglang where it is installed, else rlflow's own (engines/rollout/router.py), "
+        "which also serves the embedded engine: it takes a batched /generate, sglang-router only one item a request.")
     num_workers: int = Field(1, gt=0)
     nodes: int = nodes_field("rollout workers")
     prompts_per_step: int = Field(64, gt=0)
@@ -868,6 +896,8 @@ class RLConfig(Section):
             if self.rollout.backend == "torch" and not self.cluster.use_ray:
                 raise ValueError("weight_sync.transport: distributed with the embedded engine needs cluster.use_ray: "
                                  "true (its server and train rank 0 join one process group from two processes)")
+            if self.rollout.backend == "sglang":
+                weight_update_ranks(self.rollout.sglang.args)  # refuses ranks that would collide (pipeline stages)
         if transport == "cuda_ipc" and not self.cluster.colocate:
             raise ValueError("weight_sync.transport: cuda_ipc needs cluster.colocate: true (a shared GPU)")
         for name, section in (("train", self.train), ("rollout", self.rollout), ("critic", self.critic)):

@@ -118,6 +118,11 @@ class RolloutBackend(Protocol):
 
     def last_update_seconds(self) -> float: ...
 
+    def end_weight_update(self) -> None:
+        """A weight update's last bucket has arrived (called once per update, after all of them): what waits for the
+        whole update happens here (SGLang: the prefix cache is flushed once)."""
+        ...
+
     def release_memory_occupation(self) -> None:
         """Give the weights' (and KV cache's) GPU memory back while a colocated trainer trains."""
         ...

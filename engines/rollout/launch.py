@@ -26,7 +26,8 @@ DTYPE_FLAGS = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", 
 def main(argv: list[str] | None = None) -> None:
     """Serve one model as `sglang.launch_server` would, with the subset of its flags the embedded engine has:
     --model-path (--model), --host, --port, --dtype, --device, --context-length, --max-running-requests,
-    --random-seed, --api-key (here required on control routes only); and rlflow's --weight-dir. Stops on
+    --random-seed, --enable-deterministic-inference (always on here), --api-key (here required on control routes
+    only); and rlflow's --weight-dir. Stops on
     SIGTERM / SIGINT."""
     parser = argparse.ArgumentParser(prog="python -m rlflow.engines.rollout.launch", allow_abbrev=False,
                                      description="rlflow's embedded rollout server with SGLang's routes and a "
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="Requests decoded together (KV-cache slots; default 512).")
     parser.add_argument("--random-seed", type=int, default=None,
                         help="Seeds the server's random generators (requests without a sampling_seed).")
+    parser.add_argument("--enable-deterministic-inference", action="store_true",
+                        help="Accepted for SGLang's sake: the embedded engine always samples a request with a "
+                        "sampling_seed the same way, whatever else shares its batch.")
     parser.add_argument("--api-key", default=None,
                         help="Required as 'Authorization: Bearer <key>' on the control routes (weights, memory, "
                         "aborts, cache, process groups).")

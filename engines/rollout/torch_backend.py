@@ -267,6 +267,13 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
     def weight_update_ranks(self) -> int:
         return 1  # the embedded engine is one process
 
+    def weight_dtype(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")
+
+    def end_weight_update(self) -> None:
+        """Nothing waits for the end of an update here: each bucket writes the parameters in place, and the engine
+        keeps no prefix cache that the old weights computed."""
+
     def _post_own(self, route: str, body: dict) -> None:
         """POST to this worker's own server, over one kept-alive client: a new httpx client costs ~25 ms (its
         TLS context), as much as a whole small weight update."""

@@ -32,7 +32,7 @@ from rlflow.engines.data.rewards import compute_rewards, load_reward_fn
 from rlflow.engines.models.hf import encode_prompt, load_tokenizer, prompt_input, rollout_context
 from rlflow.engines.rollout.dynamic_sampling import collect_groups
 from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, load_rollout_fn
-from rlflow.engines.rollout.router import RolloutRouter
+from rlflow.engines.rollout.router import start_router
 from rlflow.engines.session.colocation import ColocatedMemory
 from rlflow.engines.session.evaluation import score
 from rlflow.engines.session.prompt_source import PromptSource
@@ -127,9 +127,9 @@ class RLSession:
             # on the driver's node address when the run spans nodes: rollout functions may hand it to environments
             # elsewhere (its control routes need the token; generation is open, as the servers' is)
             host = node_ip() if workers.spans_nodes else LOOPBACK
-            session.router = RolloutRouter(session.server_urls, host, token=workers.control_token)
-            session.runner = RolloutRunner(session.rollout_fn, session.router.url, len(workers.rollout),
-                                           workers.control_token)
+            session.router = start_router(cfg.rollout, session.server_urls, host, workers.control_token)
+            session.runner = RolloutRunner(session.rollout_fn, session.router.url, session.server_urls,
+                                           workers.control_token, batched=session.router.kind != "sglang-router")
         return session
 
     def shutdown(self) -> None:
@@ -486,7 +486,9 @@ class RLSession:
             for i in dead:
                 self.rollout_group.restart(i)
                 host, token = self.workers.rollout_host(i), self.workers.control_token
-                self.router.replace(i, self.rollout_group.call_one(i, RolloutBackend.start_server, host, 0, token))
+                url = self.rollout_group.call_one(i, RolloutBackend.start_server, host, 0, token)
+                self.router.replace(i, url)
+                self.runner.worker_urls[i] = url  # control requests the router does not forward go to each worker
             if dead:
                 self.gpu.resident()  # the resend reads the trainer's weights
                 self.weight_transport.reconnect()  # a connected transport connects again, the new worker included
