@@ -1,0 +1,81 @@
+"""Attention over a paged KV cache: the one decode attention of the embedded engine, and the k/v store.
+
+A layer's pool holds keys (and values) as [num_pages, kv_heads, page_size, head_dim]; a sequence's tokens
+live in the pages its page-table row lists, token p at page_table[row, p // page_size], offset
+p % page_size. On CUDA the decode attention runs the Triton kernel of
+`engines/models/paged_attention_triton.py` when that module imports (it loops to each row's own length);
+everywhere else a reference path gathers each row's pages and runs one masked SDPA. Both take the same
+arguments, and nothing here waits for the device, so a CUDA graph can capture either.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+Kernel = Callable[..., torch.Tensor]
+_fast: list[Kernel | None] = []  # the Triton kernel, looked up once ([None] when it does not import)
+
+
+def fast_kernel() -> Kernel | None:
+    """The Triton decode kernel, or None where it is missing (no triton, or the module not there)."""
+    if not _fast:
+        try:
+            module = importlib.import_module("rlflow.engines.models.paged_attention_triton")
+            _fast.append(module.paged_decode_attention_triton)
+        except (ImportError, AttributeError) as exc:  # optional: the reference path is always there
+            logging.getLogger(__name__).info("paged attention: Triton kernel unavailable (%s); torch path", exc)
+            _fast.append(None)
+    return _fast[0]
+
+
+def uses_fast_kernel(device: torch.device) -> bool:
+    """Whether decode on `device` loops to each row's length (so a captured graph need not fix a span)."""
+    return device.type == "cuda" and fast_kernel() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                           lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row, q [B, H, D], over the first lengths[b] tokens of row b's pages (the new token's
+    k/v already stored); page_table int32 [B, maxp], lengths int32 [B] (>= 1). Returns [B, H, D]."""
+    if q.device.type == "cuda":
+        kernel = fast_kernel()
+        if kernel is not None:
+            return kernel(q, k_pool, v_pool, page_table, lengths, scale)
+    return reference_paged_decode_attention(q, k_pool, v_pool, page_table, lengths, scale)
+
+
+def gather_pages(pool: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    """The pages of every row laid end to end: [B, KV, maxp * page_size, D]."""
+    b, maxp = page_table.shape
+    _, kv, page, d = pool.shape
+    return pool[page_table.long()].permute(0, 2, 1, 3, 4).reshape(b, kv, maxp * page, d)
+
+
+def reference_paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                     page_table: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """Gather each row's pages and run one masked SDPA; the query heads sharing a KV head become that head's
+    query rows ([B, KV, H/KV, D]), so grouped-query attention never repeats the cache."""
+    b, h, d = q.shape
+    kv = k_pool.shape[1]
+    keys, values = gather_pages(k_pool, page_table), gather_pages(v_pool, page_table)
+    visible = torch.arange(keys.shape[2], device=q.device)[None] < lengths[:, None]  # [B, L]
+    grouped = q.reshape(b, kv, h // kv, d)
+    o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible[:, None, None], scale=scale)
+    return o.reshape(b, h, d)
+
+
+def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write row b's new key/value k[b], v[b] [KV, D] at token positions[b] of its pages (pure indexing: no
+    host sync, so a CUDA graph captures it)."""
+    page_size = k_pool.shape[2]
+    rows = torch.arange(positions.shape[0], device=positions.device)
+    pages = page_table[rows, positions // page_size].long()
+    offsets = positions % page_size
+    k_pool[pages, :, offsets] = k
+    v_pool[pages, :, offsets] = v
