@@ -119,6 +119,9 @@ class KVCacheConfig(Section):
     prefill_chunk_tokens: int = Field(
         8192, gt=0, description="Prompt tokens prefilled per engine step; a longer prompt is prefilled in chunks "
         "over several steps, between the running decodes.")
+    share_prompts: bool = Field(
+        True, description="Requests with the same prompt (the samples of a GRPO group) prefill once and share the "
+        "prompt's full pages (the partial last page is copied); false: each prefills and stores its own.")
 
 
 class RolloutConfig(Section):

@@ -385,7 +385,7 @@ class ContinuousBatchEngine:
                     continue
                 tokens = r.tokens
                 group = [r]
-                for other in itertools.islice(self._waiting, 1, len(self._free)):
+                for other in itertools.islice(self._waiting, 1, len(self._free) if self.kv.share_prompts else 1):
                     if other.tokens != tokens or self._reject(other) is not None or other.params.max_new_tokens == 0:
                         break
                     group.append(other)

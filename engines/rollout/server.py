@@ -145,10 +145,11 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
         return {"model_path": backend.model_path, "tokenizer_path": backend.model_path,
                 "served_model_name": backend.model_path, "device": str(backend.device),
                 "dtype": str(backend.model.dtype).removeprefix("torch."), "context_length": engine.max_len,
-                "max_running_requests": engine.max_running, "max_total_num_tokens": engine.max_running * engine.max_len,
+                "max_running_requests": engine.max_running, "max_total_num_tokens": engine.max_total_tokens,
+                "page_size": engine.kv.page_size, "chunked_prefill_size": engine.kv.prefill_chunk_tokens,
                 "weight_version": str(backend.weight_version), "version": "rlflow-embedded",
                 "internal_states": [{"num_requests": engine.num_requests(),
-                                     "memory_released": bool(backend._released)}]}
+                                     "memory_released": bool(backend._released), **engine.stats()}]}
 
     add_openai_routes(app, backend, client)
     add_weight_routes(app, backend, client, weight_dirs)  # SGLang's weight routes (engines/rollout/weight_routes.py)
