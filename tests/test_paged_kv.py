@@ -54,8 +54,9 @@ def test_paged_decode_attention_matches_dense_attention():
         n = int(lengths[b])
         keys = k_pool[table[b].long()].permute(1, 0, 2, 3).reshape(kv, -1, d)[:, :n]
         values = v_pool[table[b].long()].permute(1, 0, 2, 3).reshape(kv, -1, d)[:, :n]
-        ref = F.scaled_dot_product_attention(q[b][:, None], keys.repeat_interleave(h // kv, 0),
-                                             values.repeat_interleave(h // kv, 0))[:, 0]
+        ref = F.scaled_dot_product_attention(
+            q[b][:, None], keys.repeat_interleave(h // kv, 0), values.repeat_interleave(h // kv, 0)
+        )[:, 0]
         assert (out[b] - ref).abs().max() < 1e-6
 
 
@@ -91,8 +92,10 @@ def test_group_shares_prompt_pages(tiny_model_dir):
     they took are within 1.3x of one prompt plus 8 responses (8 prompts without sharing)."""
     prompt, new, size = [1, *range(4, 18), *range(4, 12)], 6, 2  # 23 tokens: a partial last page to copy
     p = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True, n=8)
-    shared, alone = _backend(tiny_model_dir, page_size=size), _backend(tiny_model_dir, page_size=size,
-                                                                        share_prompts=False)
+    shared, alone = (
+        _backend(tiny_model_dir, page_size=size),
+        _backend(tiny_model_dir, page_size=size, share_prompts=False),
+    )
     a, b = shared.generate([prompt], p, seed=5), alone.generate([prompt], p, seed=5)
     _assert_same(a, b)
     assert len({tuple(g.output_ids) for g in a}) > 1  # the samples differ: each has its own random stream
@@ -146,8 +149,9 @@ def test_chunked_prefill_is_exact_and_interleaves_with_decodes(tiny_model_dir):
 def test_context_past_4096_tokens(tmp_path):
     """A model with 8,192 positions generates after a 4,600-token prompt (prefilled in 2,048-token chunks), its
     logprobs those of the HF forward; the recipe's context is the model's, not a constant."""
-    cfg = ModelConfig(arch="qwen2", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      max_seq_len=8192)
+    cfg = ModelConfig(
+        arch="qwen2", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=8192
+    )
     path = str(build_tiny_model(cfg, tmp_path / "long", seed=0))
     assert rollout_context(cfg.model_copy(update={"path": path}), "torch")[0] == 8192
     backend = _backend(path, batch_size=2, page_size=16, prefill_chunk_tokens=2048)

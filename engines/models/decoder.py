@@ -9,15 +9,19 @@ released/resumed `.data`) are seen here with no extra step (a graph is captured 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rlflow.engines.models.kv_pages import PagedKVCache
-from rlflow.engines.models.paged_attention import gather_pages, paged_decode_attention, store_kv, uses_fast_kernel
+from rlflow.engines.models.paged_attention import (
+    gather_pages,
+    paged_decode_attention,
+    sdpa_backends,
+    store_kv,
+    uses_fast_kernel,
+)
 from rlflow.engines.models.transfer import to_device
 
 __all__ = ["DecodeRunner", "DecoderLM", "PagedKVCache", "to_device"]
@@ -141,7 +145,7 @@ class DecoderLM:
             def attend(q, k, v, i=i):
                 cache.write(i, index[2], index[3], k[index[0], :, index[1]], v[index[0], :, index[1]])
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-                with _backends(q.device, flash=True):
+                with sdpa_backends(q.device, flash=True):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
             x = self._layer(layer, x, cos, sin, attend)
@@ -165,7 +169,7 @@ class DecoderLM:
                 cache.write(i, where[0], where[1], k[0].transpose(0, 1), v[0].transpose(0, 1))
                 keys = gather_pages(cache.k[i], table)[:, :, :stop].repeat_interleave(group, dim=1)
                 values = gather_pages(cache.v[i], table)[:, :, :stop].repeat_interleave(group, dim=1)
-                with _backends(q.device, flash=False):
+                with sdpa_backends(q.device, flash=False):
                     return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
 
             x = self._layer(layer, x, cos, sin, attend)
@@ -205,15 +209,6 @@ class DecoderLM:
     def weight_pointers(self) -> tuple[int, ...]:
         """Where every weight lives: a CUDA graph holds these addresses, so it is stale once one moves."""
         return tuple(p.data_ptr() for p in self.model.parameters())
-
-
-def _backends(device: torch.device, flash: bool):
-    """SDPA kernels to use on CUDA: flash for causal prefill; the memory-efficient kernel for masked decode
-    (cuDNN's is not asked for: slower for these shapes). Elsewhere torch picks."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    backends = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, *backends] if flash else backends)
 
 
 class DecodeRunner:

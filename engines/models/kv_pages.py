@@ -74,8 +74,18 @@ class PagedKVCache:
     queued on the host and applied by `flush` right before a decode step, in stream order after any decode
     still running, so a freed row stops pointing at its pages before the next step reads the table."""
 
-    def __init__(self, layers: int, rows: int, max_len: int, num_pages: int, page_size: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        layers: int,
+        rows: int,
+        max_len: int,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         if page_size <= 0:
             raise ValueError(f"KV cache page_size: {page_size}; expected a positive number of tokens")
         shape = (num_pages, kv_heads, page_size, head_dim)

@@ -10,12 +10,14 @@ arguments, and nothing here waits for the device, so a CUDA graph can capture ei
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 Kernel = Callable[..., torch.Tensor]
 _fast: list[Kernel | None] = []  # the Triton kernel, looked up once ([None] when it does not import)
@@ -38,8 +40,14 @@ def uses_fast_kernel(device: torch.device) -> bool:
     return device.type == "cuda" and fast_kernel() is not None
 
 
-def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
-                           lengths: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One query per row, q [B, H, D], over the first lengths[b] tokens of row b's pages (the new token's
     k/v already stored); page_table int32 [B, maxp], lengths int32 [B] (>= 1). Returns [B, H, D]."""
     if q.device.type == "cuda":
@@ -56,8 +64,14 @@ def gather_pages(pool: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
     return pool[page_table.long()].permute(0, 2, 1, 3, 4).reshape(b, kv, maxp * page, d)
 
 
-def reference_paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                                     page_table: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+def reference_paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Gather each row's pages and run one masked SDPA; the query heads sharing a KV head become that head's
     query rows ([B, KV, H/KV, D]), so grouped-query attention never repeats the cache."""
     b, h, d = q.shape
@@ -65,12 +79,28 @@ def reference_paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_po
     keys, values = gather_pages(k_pool, page_table), gather_pages(v_pool, page_table)
     visible = torch.arange(keys.shape[2], device=q.device)[None] < lengths[:, None]  # [B, L]
     grouped = q.reshape(b, kv, h // kv, d)
-    o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible[:, None, None], scale=scale)
+    with sdpa_backends(q.device, flash=False):
+        o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible[:, None, None], scale=scale)
     return o.reshape(b, h, d)
 
 
-def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
+def sdpa_backends(device: torch.device, flash: bool):
+    """SDPA kernels to use on CUDA: flash for causal prefill; the memory-efficient kernel for masked attention
+    (cuDNN's is not asked for: slower for these shapes). Elsewhere torch picks."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    backends = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, *backends] if flash else backends)
+
+
+def store_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    positions: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
     """Write row b's new key/value k[b], v[b] [KV, D] at token positions[b] of its pages (pure indexing: no
     host sync, so a CUDA graph captures it)."""
     page_size = k_pool.shape[2]
