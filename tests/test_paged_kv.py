@@ -170,3 +170,31 @@ def test_prompt_longer_than_the_pool_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="input_ids: the prompt has 20 tokens, the context holds 16"):
         backend.generate([[1] * 20], SamplingParams(max_new_tokens=2))
     backend.close()
+
+
+def test_abort_during_a_shared_chunked_prefill_frees_its_pages(tiny_model_dir):
+    """A sample of a group aborted while the group's prompt is still being prefilled in chunks returns at once
+    with nothing; its group-mates generate what they would have, and every page comes back."""
+    backend = _backend(tiny_model_dir, page_size=4, prefill_chunk_tokens=3)
+    prompt = [1, *range(4, 18), *range(4, 11)]
+    group = SamplingParams(max_new_tokens=5, temperature=1.0, ignore_eos=True, n=4)
+    runner = backend.requests([PROMPTS[0]], SamplingParams(max_new_tokens=12, ignore_eos=True), seed=1)[0]
+    members = backend.requests([prompt], group, seed=4, rid="g")
+
+    def on_token(r):
+        if len(r.output_ids) == 2:
+            backend.engine.submit(members)
+        if len(r.output_ids) == 4:  # the group's 22 prompt tokens take 8 steps: it is mid-prefill
+            assert all(not m.output_ids for m in members)
+            backend.engine.abort("g_1")
+
+    runner.on_token = on_token
+    backend.engine.submit([runner])
+    gens = [m.future.result(timeout=60) for m in members]
+    assert gens[1].finish_reason == {"type": "abort", "message": "Aborted by request"}  # admitted, not waiting
+    assert gens[1].output_ids == []
+    alone = backend.generate([prompt], group, seed=4)
+    _assert_same([gens[i] for i in (0, 2, 3)], [alone[i] for i in (0, 2, 3)])
+    runner.future.result(timeout=60)
+    assert backend.engine.stats()["kv_pages_used"] == 0 and backend.engine.num_requests() == 0
+    backend.close()

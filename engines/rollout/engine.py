@@ -199,7 +199,8 @@ class ContinuousBatchEngine:
             queued = [r for r in self._waiting if hit(r)]
             for r in queued:
                 self._waiting.remove(r)
-                self._finish(r, {"type": "abort", "message": "Aborted before it started"})
+                self._finish(r, {"type": "abort", "message": "Aborted while preempted" if r.output_ids else
+                                 "Aborted before it started"})
             admitted = [r for r in self._admitted() if hit(r)]
             for r in admitted:
                 r.abort_requested = True
