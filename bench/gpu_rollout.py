@@ -38,6 +38,8 @@ import torch
 from rlflow.engines.core.config import KVCacheConfig
 from rlflow.engines.models.paged_attention import uses_fast_kernel
 
+HBM_GB_PER_S = {"H100": 3350.0, "H200": 4800.0}  # datasheet memory bandwidth (SXM)
+
 SHAPES = {
     "0.5B": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2),
@@ -106,12 +108,12 @@ def kv_settings(args: argparse.Namespace, **changes) -> KVCacheConfig:
 
 
 def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int, device: str,
-              profile: bool, kv: KVCacheConfig | None = None) -> dict:
+              profile: bool, kv: KVCacheConfig | None = None, compile: bool = False) -> dict:
     from rlflow.engines.core.sampling import SamplingParams
     from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 
     backend = TorchRolloutBackend(str(path), device=device, dtype=torch.bfloat16, batch_size=len(prompts),
-                                  context_len=len(prompts[0]) + new_tokens + 16, kv_cache=kv)
+                                  context_len=len(prompts[0]) + new_tokens + 16, kv_cache=kv, compile=compile)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
     t0 = time.perf_counter()
     backend.generate(prompts, params, seed=0)  # warm-up: cache allocation, graph capture, kernels
@@ -152,7 +154,7 @@ def shared_prefix(path: Path, args: argparse.Namespace, device: str, vocab: int)
     for share in (True, False):
         backend = TorchRolloutBackend(str(path), device=device, dtype=torch.bfloat16, batch_size=group,
                                       context_len=len(prompt) + new + 16,
-                                      kv_cache=kv_settings(args, share_prompts=share))
+                                      kv_cache=kv_settings(args, share_prompts=share), compile=args.compile)
         one = SamplingParams(max_new_tokens=1, temperature=1.0, ignore_eos=True, n=group)
         backend.generate([prompt], one, seed=0)  # warm-up
         times = []
@@ -191,7 +193,8 @@ def sweep(path: Path, args: argparse.Namespace, device: str, vocab: int, gbps: f
             g = torch.Generator().manual_seed(batch)
             prompts = torch.randint(3, vocab, (batch, args.prompt_len), generator=g).tolist()
             point = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": new_tokens}
-            ours = time_ours(path, prompts, new_tokens, args.sweep_repeats, device, False, kv_settings(args))
+            ours = time_ours(path, prompts, new_tokens, args.sweep_repeats, device, False, kv_settings(args),
+                             args.compile)
             ours.pop("sample")
             point["ours"] = ours
             if gbps:
@@ -352,6 +355,8 @@ def main() -> None:
     ap.add_argument("--group-prompt-len", type=int, default=2048)
     ap.add_argument("--group-new-tokens", type=int, default=None, help="default 1024 (smoke: 64)")
     ap.add_argument("--only-extras", action="store_true", help="skip the main timing; run --sweep/--shared-prefix")
+    ap.add_argument("--compile", action="store_true", help="rollout.compile: torch.compile the decode step")
+    ap.add_argument("--uncompiled-too", action="store_true", help="with --compile, also time the engine without it")
     ap.add_argument("--out", default="gpu_rollout.json")
     args = ap.parse_args()
     smoke = args.size == "smoke"
@@ -395,7 +400,13 @@ def main() -> None:
         save()
     if args.only_extras:
         return
-    result["ours"] = time_ours(path, prompts, args.new_tokens, args.repeats, device, args.profile, kv_settings(args))
+    if args.uncompiled_too and args.compile:  # the same engine without torch.compile, same run
+        result["ours_uncompiled"] = time_ours(path, prompts, args.new_tokens, args.repeats, device, False,
+                                              kv_settings(args))
+        result["ours_uncompiled"].pop("sample")
+        print(f"ours uncompiled: {result['ours_uncompiled']['tokens_per_s']:.0f} tokens/s", flush=True)
+    result["ours"] = time_ours(path, prompts, args.new_tokens, args.repeats, device, args.profile, kv_settings(args),
+                               args.compile)
     sample = result["ours"].pop("sample")
     print(f"ours: {result['ours']['tokens_per_s']:.0f} tokens/s  ({result['ours']['seconds']})", flush=True)
     save()
@@ -417,6 +428,11 @@ def main() -> None:
         result["copy_gb_per_s"] = gbps
         result["decode_limit"] = decode_limit(meta, args.batch, args.prompt_len, args.new_tokens, gbps)
         result["ours"]["fraction_of_limit"] = result["ours"]["tokens_per_s"] / result["decode_limit"]["tokens_per_s"]
+        spec = next((v for k, v in HBM_GB_PER_S.items() if k in result["gpu"]), None)
+        if spec:  # the same limit at the memory's datasheet bandwidth (issue 21's ceiling)
+            result["decode_limit_spec"] = decode_limit(meta, args.batch, args.prompt_len, args.new_tokens, spec)
+            result["ours"]["fraction_of_spec_limit"] = (result["ours"]["tokens_per_s"]
+                                                        / result["decode_limit_spec"]["tokens_per_s"])
         print(f"decode limit: {result['decode_limit']['tokens_per_s']:.0f} tokens/s at {gbps:.0f} GB/s; ours at "
               f"{100 * result['ours']['fraction_of_limit']:.1f}%", flush=True)
     save()

@@ -49,21 +49,8 @@ def timed(fn, repeats: int = 20) -> float:
     return statistics.median(times[3:])
 
 
-def reference(q, k_pool, v_pool, page_table, lengths, scale, max_pages):
-    """Gather each row's pages into [B, KV, L, D], then masked SDPA with the query heads of a KV head as rows."""
-    batch, heads, dim = q.shape
-    kv, page = k_pool.shape[1], k_pool.shape[2]
-    table = page_table[:, :max_pages].long()
-    keys = k_pool[table].permute(0, 2, 1, 3, 4).reshape(batch, kv, max_pages * page, dim)
-    values = v_pool[table].permute(0, 2, 1, 3, 4).reshape(batch, kv, max_pages * page, dim)
-    visible = (torch.arange(max_pages * page, device=q.device)[None] < lengths[:, None])[:, None, None]
-    grouped = q.view(batch, kv, heads // kv, dim)
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible, scale=scale)
-    return o.reshape(batch, heads, dim)
-
-
 def case(batch: int, context: int, heads: int, kv: int, dim: int, page: int, ragged: bool) -> dict:
+    from rlflow.engines.models.paged_attention import reference_paged_decode_attention as reference
     from rlflow.engines.models.paged_attention_triton import paged_decode_attention_triton
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -86,12 +73,12 @@ def case(batch: int, context: int, heads: int, kv: int, dim: int, page: int, rag
     scale = dim ** -0.5
 
     ours = paged_decode_attention_triton(q, k_pool, v_pool, table, lengths, scale)
-    ref = reference(q, k_pool, v_pool, table, lengths, scale, max_pages)
+    ref = reference(q, k_pool, v_pool, table, lengths, scale)
     err = float((ours.float() - ref.float()).abs().max())
     # fp32 exactness of the kernel (the parity the engine keeps: <= 1e-5 against HF in fp32)
     q32, k32, v32 = q.float(), k_pool.float(), v_pool.float()
     err32 = float((paged_decode_attention_triton(q32, k32, v32, table, lengths, scale)
-                   - reference(q32, k32, v32, table, lengths, scale, max_pages)).abs().max())
+                   - reference(q32, k32, v32, table, lengths, scale)).abs().max())
 
     contiguous_k = torch.randn(batch, kv, max_pages * page, dim, dtype=dt, device=dev)
     contiguous_v = torch.randn_like(contiguous_k)
@@ -105,7 +92,7 @@ def case(batch: int, context: int, heads: int, kv: int, dim: int, page: int, rag
     live_bytes = 2 * int(lengths.sum()) * kv * dim * 2
     seconds = {
         "triton": timed(lambda: paged_decode_attention_triton(q, k_pool, v_pool, table, lengths, scale)),
-        "gather_sdpa": timed(lambda: reference(q, k_pool, v_pool, table, lengths, scale, max_pages)),
+        "gather_sdpa": timed(lambda: reference(q, k_pool, v_pool, table, lengths, scale)),
         "contiguous_sdpa": timed(contiguous),
     }
     return {"batch": batch, "context": context, "ragged": ragged, "heads": heads, "kv_heads": kv, "head_dim": dim,

@@ -219,8 +219,12 @@ class DecodeRunner:
     Inputs go through static buffers (tokens, positions per row, the cache's page table); logits land in
     `out` [rows, V]."""
 
-    def __init__(self, lm: DecoderLM, cache: PagedKVCache, out: torch.Tensor, graphs: bool, max_graphs: int = 64):
+    def __init__(self, lm: DecoderLM, cache: PagedKVCache, out: torch.Tensor, graphs: bool, max_graphs: int = 64,
+                 compile: bool = False):
+        """`compile`: the captured step is `decode_rows` compiled by torch.compile (norms, rotary, SwiGLU and
+        residual adds fused; the paged attention stays one custom op), compiled once per shape class."""
         self.lm, self.cache, self.out = lm, cache, out
+        self.step = torch.compile(lm.decode_rows) if compile else lm.decode_rows
         self.use_graphs, self.max_graphs = graphs, max_graphs
         self.full_span = uses_fast_kernel(lm.device)
         self.tokens = torch.zeros(cache.rows, dtype=torch.long, device=lm.device)
@@ -258,21 +262,30 @@ class DecodeRunner:
         elif self.use_graphs and len(self.graphs) < self.max_graphs:
             self._capture(rows, pages)
         else:
-            self.lm.decode_rows(self.cache, self.tokens[:rows], self.positions[:rows], pages, self.out)
+            self.step(self.cache, self.tokens[:rows], self.positions[:rows], pages, self.out)
 
     def _capture(self, rows: int, pages: int) -> None:
-        """Run the step eagerly on a side stream (warm-up; its results are this step's), then capture it."""
+        """Run the step eagerly on a side stream (warm-up, and compilation; its results are this step's), then
+        capture it. A step that fails to compile falls back to the uncompiled one."""
         args = (self.cache, self.tokens[:rows], self.positions[:rows], pages, self.out)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # idempotent: same tokens, same cache writes, same logits
-                self.lm.decode_rows(*args)
+            try:
+                for _ in range(2):  # idempotent: same tokens, same cache writes, same logits
+                    self.step(*args)
+            except Exception:
+                if self.step is self.lm.decode_rows:
+                    raise
+                logging.getLogger(__name__).exception("torch.compile of the decode step failed; running it eagerly")
+                self.step = self.lm.decode_rows
+                for _ in range(2):
+                    self.step(*args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self.lm.decode_rows(*args)
+                self.step(*args)
         except Exception:
             logging.getLogger(__name__).exception("CUDA graph capture failed; decoding without graphs")
             self.use_graphs = False

@@ -11,28 +11,18 @@ arguments, and nothing here waits for the device, so a CUDA graph can capture ei
 from __future__ import annotations
 
 import contextlib
-import importlib
-import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-Kernel = Callable[..., torch.Tensor]
-_fast: list[Kernel | None] = []  # the Triton kernel, looked up once ([None] when it does not import)
+from rlflow.engines.models.triton_kernels import triton_kernel
 
 
-def fast_kernel() -> Kernel | None:
+def fast_kernel() -> Callable[..., torch.Tensor] | None:
     """The Triton decode kernel, or None where it is missing (no triton, or the module not there)."""
-    if not _fast:
-        try:
-            module = importlib.import_module("rlflow.engines.models.paged_attention_triton")
-            _fast.append(module.paged_decode_attention_triton)
-        except (ImportError, AttributeError) as exc:  # optional: the reference path is always there
-            logging.getLogger(__name__).info("paged attention: Triton kernel unavailable (%s); torch path", exc)
-            _fast.append(None)
-    return _fast[0]
+    return triton_kernel("paged_attention_triton", "paged_decode_attention_triton")
 
 
 def uses_fast_kernel(device: torch.device) -> bool:

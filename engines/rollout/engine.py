@@ -40,6 +40,7 @@ from rlflow.engines.core.trace import TraceRecorder, now_us
 from rlflow.engines.models.decoder import DecoderLM, DecodeRunner
 from rlflow.engines.models.kv_pages import PagedKVCache
 from rlflow.engines.models.transfer import to_device
+from rlflow.engines.models.triton_kernels import triton_kernel
 
 CPU_POOL_TOKENS = 65536  # the page pool on CPU unless kv_cache.tokens says otherwise
 QUEUE_TID = 0  # trace lane of queued requests and weight updates; page-table row s is lane s + 1
@@ -129,9 +130,10 @@ class _Prefill:
 class ContinuousBatchEngine:
     def __init__(self, lm: DecoderLM, tokenizer, max_running: int, max_len: int | None, trace: TraceRecorder,
                  weight_version: Callable[[], int], weights_ready: Callable[[], bool],
-                 kv: KVCacheConfig | None = None, max_prefill_tokens: int = 16384):
+                 kv: KVCacheConfig | None = None, max_prefill_tokens: int = 16384, compile: bool = False):
         """`max_len`: longest prompt + response (None: the model's positions); the page pool may cap it.
-        `max_prefill_tokens`: padded tokens per prefill forward."""
+        `max_prefill_tokens`: padded tokens per prefill forward. `compile`: on CUDA, the decode step is compiled
+        with torch.compile before it is captured (DecodeRunner)."""
         self.lm, self.tokenizer, self.trace = lm, tokenizer, trace
         self.kv = kv or KVCacheConfig()
         self.max_prefill_tokens = max_prefill_tokens
@@ -153,6 +155,7 @@ class ContinuousBatchEngine:
         self._admissions = 0
         self.preemptions = 0
         self._overlap = lm.device.type == "cuda"  # decode runs while the host reads the sampled tokens
+        self.compile = compile and self._overlap
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
         self._thread.start()
@@ -315,10 +318,34 @@ class ContinuousBatchEngine:
     def _sample(self, running: list[Request], slots: torch.Tensor, uniforms: torch.Tensor,
                 temperature: torch.Tensor, temps: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per running row and its logprob under the temperature-scaled distribution, on the
-        device. Rows without top-k/top-p/min-p draw by inverse CDF over the vocabulary in its own order (no
-        sort); greedy rows take the argmax; filtered rows go through `sample_rows`. Which path a row takes
-        depends on its own parameters only, so its tokens never depend on its batch-mates."""
+        device. Rows without top-k/top-p/min-p draw from the whole vocabulary: on CUDA by the Triton
+        exponential race (engines/models/sampling_triton.py, one pass over the logits, noise keyed by the row's
+        uniform), elsewhere by inverse CDF over the vocabulary in its own order (no sort); greedy rows take the
+        argmax; filtered rows go through `sample_rows`. Which path a row takes depends on its own parameters
+        only, so its tokens never depend on its batch-mates."""
         logits = self._logits[slots]
+        race = triton_kernel("sampling_triton", "race_sample") if logits.device.type == "cuda" else None
+        if race is not None:  # the uniform's 53 bits become the row's Philox seed
+            tokens, logp_tokens = race(logits, temperature, (uniforms * 2.0**53).long())
+        else:
+            tokens, logp_tokens = self._inverse_cdf(logits, uniforms, temperature, temps)
+        filtered = [i for i, r in enumerate(running) if r.filtered]
+        if filtered:
+            rows = to_device(filtered, torch.long, logits.device)
+            ps = [running[i].params for i in filtered]
+            top_p = to_device([p.top_p for p in ps], torch.float32, logits.device)
+            top_k = to_device([p.top_k for p in ps], torch.long, logits.device)
+            min_p = to_device([p.min_p for p in ps], torch.float32, logits.device)
+            t = temperature[rows].float()
+            tokens[rows] = sample_rows(logits[rows], t, top_p, top_k, min_p, uniforms[rows])
+            logp = torch.log_softmax(scaled_logits(logits[rows], t), dim=-1)
+            logp_tokens[rows] = logp.gather(-1, tokens[rows, None])[:, 0]
+        return tokens, logp_tokens
+
+    @staticmethod
+    def _inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torch.Tensor, temps: list[float]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path: log-softmax, a float64 cumulative sum, one search per row; greedy rows the argmax."""
         vocab = logits.shape[-1]
         if all(t in (0.0, 1.0) for t in temps):  # T=1 (and greedy, reported at T=1) scales nothing
             logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
@@ -328,14 +355,6 @@ class ContinuousBatchEngine:
         tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
         if any(t == 0 for t in temps):
             tokens = torch.where(temperature > 0, tokens, logits.argmax(-1))
-        filtered = [i for i, r in enumerate(running) if r.filtered]
-        if filtered:
-            rows = to_device(filtered, torch.long, logits.device)
-            ps = [running[i].params for i in filtered]
-            top_p = to_device([p.top_p for p in ps], torch.float32, logits.device)
-            top_k = to_device([p.top_k for p in ps], torch.long, logits.device)
-            min_p = to_device([p.min_p for p in ps], torch.float32, logits.device)
-            tokens[rows] = sample_rows(logits[rows], temperature[rows].float(), top_p, top_k, min_p, uniforms[rows])
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
     def _emit(self, running: list[Request], tokens: list[int], logps: list[float]) -> tuple[list[Request], list[int]]:
@@ -363,7 +382,8 @@ class ContinuousBatchEngine:
             self._cache = self.lm.new_cache(self.max_running, self.max_len, self.num_pages, self.kv.page_size)
             self._logits = torch.empty(self.max_running, self.lm.vocab_size, dtype=self.lm.dtype,
                                        device=self.lm.device)
-            self._runner = DecodeRunner(self.lm, self._cache, self._logits, graphs=self._overlap)
+            self._runner = DecodeRunner(self.lm, self._cache, self._logits, graphs=self._overlap,
+                                        compile=self.compile)
             self._free = list(range(self.max_running))
 
     def _admit(self) -> None:

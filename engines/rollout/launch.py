@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
                         "(default 0.5). rlflow's: SGLang's --mem-fraction-static counts the total memory.")
     parser.add_argument("--chunked-prefill-size", type=int, default=None,
                         help="Prompt tokens prefilled per engine step (default 8192); longer prompts are chunked.")
+    parser.add_argument("--enable-torch-compile", action="store_true",
+                        help="CUDA: torch.compile the decode step before capturing it in CUDA graphs.")
     parser.add_argument("--random-seed", type=int, default=None,
                         help="Seeds the server's random generators (requests without a sampling_seed).")
     parser.add_argument("--api-key", default=None,
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         saved = config.get("torch_dtype") or config.get("dtype")
         dtype_name = saved if saved in ("float32", "bfloat16", "float16") else "float32"
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    kwargs = {"batch_size": args.max_running_requests, "context_len": args.context_length}
+    kwargs = {"batch_size": args.max_running_requests, "context_len": args.context_length,
+              "compile": args.enable_torch_compile}
     kv = {"page_size": args.page_size, "tokens": args.max_total_tokens, "memory_fraction": args.kv_memory_fraction,
           "prefill_chunk_tokens": args.chunked_prefill_size}
     backend = TorchRolloutBackend(args.model_path, device=device, dtype=getattr(torch, dtype_name),

@@ -53,11 +53,12 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
     def __init__(
         self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None,
         batch_size: int = 512, context_len: int | None = None, trace: bool = False, rank: int = 0,
-        weight_dirs: Sequence[str] = (), kv_cache: KVCacheConfig | None = None,
+        weight_dirs: Sequence[str] = (), kv_cache: KVCacheConfig | None = None, compile: bool = False,
     ):
         """`weight_dirs`: folders its server's /update_weights_from_disk may read besides `model_path` (the run's
         weight-sync and checkpoint folders, engines/sync/disk.py:weight_dirs). `context_len`: longest prompt +
-        response (None: the model's max_position_embeddings; the KV page pool, `kv_cache`, may cap it)."""
+        response (None: the model's max_position_embeddings; the KV page pool, `kv_cache`, may cap it). `compile`:
+        torch.compile the decode step on CUDA (rollout.compile)."""
         if threads:
             torch.set_num_threads(threads)
         self.model_path, self.device, self.batch_size = model_path, device, batch_size
@@ -77,6 +78,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         self.engine = ContinuousBatchEngine(
             DecoderLM(self.model), self.tokenizer, max_running=batch_size, max_len=context_len, trace=self.trace,
             weight_version=lambda: self.weight_version, weights_ready=lambda: not self._released, kv=kv_cache,
+            compile=compile,
         )
         self.server = None  # rlflow.engines.rollout.server.RolloutServer once start_server() ran
         self._own_client = None  # httpx.Client for the routes this worker drives on its own server
