@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from rlflow.engines.models.kv_pages import PagedKVCache
 from rlflow.engines.models.paged_attention import (
+    decode_attention,
     gather_pages,
-    paged_decode_attention,
     sdpa_backends,
     store_kv,
     uses_fast_kernel,
@@ -61,6 +61,7 @@ class DecoderLM:
         self.eps = cfg.rms_norm_eps
         self.max_positions = cfg.max_position_embeddings
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.decode_attention = decode_attention(self.device)  # chosen once: one op in a compiled decode step
 
     @property
     def device(self) -> torch.device:
@@ -187,13 +188,14 @@ class DecoderLM:
         table = cache.page_table[:rows, :pages]
         lengths = (positions + 1).to(torch.int32)
         scale = self.head_dim**-0.5
+        attention = self.decode_attention
         cos, sin = self._cos_sin(positions[:, None])
         cos, sin = cos[:, None], sin[:, None]
         x = self.model.model.embed_tokens(tokens[:, None])
         for i, layer in enumerate(self.model.model.layers):
             def attend(q, k, v, i=i):
                 store_kv(cache.k[i], cache.v[i], table, positions, k[:, :, 0], v[:, :, 0])
-                return paged_decode_attention(q[:, :, 0], cache.k[i], cache.v[i], table, lengths, scale)[:, :, None]
+                return attention(q[:, :, 0], cache.k[i], cache.v[i], table, lengths, scale)[:, :, None]
 
             x = self._layer(layer, x, cos, sin, attend)
         h = rms_norm(x[:, -1], self.model.model.norm.weight, self.eps)

@@ -30,21 +30,21 @@ def uses_fast_kernel(device: torch.device) -> bool:
     return device.type == "cuda" and fast_kernel() is not None
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    page_table: torch.Tensor,
-    lengths: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One query per row, q [B, H, D], over the first lengths[b] tokens of row b's pages (the new token's
-    k/v already stored); page_table int32 [B, maxp], lengths int32 [B] (>= 1). Returns [B, H, D]."""
-    if q.device.type == "cuda":
-        kernel = fast_kernel()
-        if kernel is not None:
-            return kernel(q, k_pool, v_pool, page_table, lengths, scale)
-    return reference_paged_decode_attention(q, k_pool, v_pool, page_table, lengths, scale)
+def decode_attention(device: torch.device) -> Callable[..., torch.Tensor]:
+    """The decode attention for tensors on `device`, chosen once (the caller keeps it, so a compiled decode step
+    sees one function, not a lookup): the Triton kernel on CUDA when it imports, else the torch reference.
+
+    Either is called as f(q [B, H, D], k_pool, v_pool, page_table int32 [B, maxp], lengths int32 [B] (>= 1),
+    scale): one query per row over the first lengths[b] tokens of row b's pages (the new token's k/v already
+    stored); returns [B, H, D]."""
+    kernel = fast_kernel() if device.type == "cuda" else None
+    return kernel if kernel is not None else reference_paged_decode_attention
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                           lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """`decode_attention(q.device)` applied once (tests and one-off calls)."""
+    return decode_attention(q.device)(q, k_pool, v_pool, page_table, lengths, scale)
 
 
 def gather_pages(pool: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
