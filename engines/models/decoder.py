@@ -62,6 +62,8 @@ class DecoderLM:
         self.max_positions = cfg.max_position_embeddings
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.decode_attention = decode_attention(self.device)  # chosen once: one op in a compiled decode step
+        # the Parameter objects stay (updates copy into them or swap their .data); listed once, not walked per step
+        self._params = list(hf_model.parameters())
 
     @property
     def device(self) -> torch.device:
@@ -210,7 +212,7 @@ class DecoderLM:
 
     def weight_pointers(self) -> tuple[int, ...]:
         """Where every weight lives: a CUDA graph holds these addresses, so it is stale once one moves."""
-        return tuple(p.data_ptr() for p in self.model.parameters())
+        return tuple(p.data_ptr() for p in self._params)
 
 
 class DecodeRunner:
