@@ -20,6 +20,9 @@ tokens), each with its fraction of the limit, its preemptions and (unless --skip
 .share_prompts`), and the KV pages the group takes with `--group-new-tokens` responses, against one prompt's
 pages plus 8 responses'.
 
+`--long-context` runs `--long-batch` sequences from a `--prompt-len` prompt to the model's 32,768 positions
+(`--long-context-len`; smoke: a 4,480-token prompt to 4,608).
+
 `--size smoke` runs a tiny model on the CPU to check the script itself (sweeps scaled down).
 """
 
@@ -38,6 +41,7 @@ import torch
 from rlflow.engines.core.config import KVCacheConfig
 from rlflow.engines.models.paged_attention import uses_fast_kernel
 
+MAX_POSITIONS = 32768  # the bench models' context (Qwen2-0.5B/1.5B's own)
 SHAPES = {
     "0.5B": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2),
@@ -54,7 +58,8 @@ def build_model(size: str, out: Path, device: str) -> Path:
 
     from rlflow.engines.models.hf import build_char_tokenizer
 
-    cfg = Qwen2Config(tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768, **SHAPES[size])
+    cfg = Qwen2Config(tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=MAX_POSITIONS,
+                      **SHAPES[size])
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -106,7 +111,7 @@ def kv_settings(args: argparse.Namespace, **changes) -> KVCacheConfig:
 
 
 def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int, device: str,
-              profile: bool, kv: KVCacheConfig | None = None) -> dict:
+              profile: bool, kv: KVCacheConfig | None = None, warmup_tokens: int | None = None) -> dict:
     from rlflow.engines.core.sampling import SamplingParams
     from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 
@@ -114,7 +119,8 @@ def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: in
                                   context_len=len(prompts[0]) + new_tokens + 16, kv_cache=kv)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
     t0 = time.perf_counter()
-    backend.generate(prompts, params, seed=0)  # warm-up: cache allocation, graph capture, kernels
+    warmup = params.model_copy(update={"max_new_tokens": warmup_tokens or new_tokens})
+    backend.generate(prompts, warmup, seed=0)  # warm-up: cache allocation, graph capture, kernels
     sync(device)
     warmup_s = time.perf_counter() - t0
     times, tokens = [], 0
@@ -351,6 +357,11 @@ def main() -> None:
     ap.add_argument("--shared-prefix", action="store_true", help="also measure a GRPO group's shared prompt")
     ap.add_argument("--group-prompt-len", type=int, default=2048)
     ap.add_argument("--group-new-tokens", type=int, default=None, help="default 1024 (smoke: 64)")
+    ap.add_argument("--long-context", action="store_true",
+                    help="also run --long-batch sequences to --long-context-len tokens (prompt --prompt-len)")
+    ap.add_argument("--long-batch", type=int, default=None, help="default 8 (smoke: 2)")
+    ap.add_argument("--long-context-len", type=int, default=None, help=f"default {MAX_POSITIONS} (smoke: 4608)")
+    ap.add_argument("--long-prompt-len", type=int, default=None, help="default --prompt-len (smoke: 4480)")
     ap.add_argument("--only-extras", action="store_true", help="skip the main timing; run --sweep/--shared-prefix")
     ap.add_argument("--out", default="gpu_rollout.json")
     args = ap.parse_args()
@@ -358,6 +369,9 @@ def main() -> None:
     args.sweep_batches = args.sweep_batches or ([2, 4] if smoke else [64, 256, 512])
     args.sweep_new_tokens = args.sweep_new_tokens or ([8, 32] if smoke else [1024, 8192])
     args.group_new_tokens = args.group_new_tokens or (64 if smoke else 1024)
+    args.long_batch = args.long_batch or (2 if smoke else 8)
+    args.long_context_len = args.long_context_len or (4608 if smoke else MAX_POSITIONS)
+    args.long_prompt_len = args.long_prompt_len or (4480 if smoke else None)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work = Path(tempfile.mkdtemp(prefix="rlflow-rollout-"))
@@ -392,6 +406,18 @@ def main() -> None:
     if args.sweep:
         result["copy_gb_per_s"] = gbps
         result["sweep"] = sweep(path, args, device, vocab, gbps)
+        save()
+    if args.long_context:
+        g = torch.Generator().manual_seed(3)
+        prompt_len = args.long_prompt_len or args.prompt_len
+        new = args.long_context_len - prompt_len - 16
+        long_prompts = torch.randint(3, vocab, (args.long_batch, prompt_len), generator=g).tolist()
+        ours = time_ours(path, long_prompts, new, 1, device, False, kv_settings(args), warmup_tokens=64)
+        ours.pop("sample")
+        result["long_context"] = {"batch": args.long_batch, "prompt_len": prompt_len, "new_tokens": new,
+                                  "context": prompt_len + new, **ours}
+        print(f"long context: {args.long_batch} x {prompt_len} + {new} tokens, {ours['tokens_per_s']:.0f} "
+              f"tokens/s, preemptions {ours['kv']['num_preemptions']}", flush=True)
         save()
     if args.only_extras:
         return
