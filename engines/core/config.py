@@ -447,6 +447,9 @@ class TrainConfig(Section):
     activation_checkpointing: bool = Field(
         False, description="torch backend: recompute each decoder layer's activations in the backward pass.")
     compile: bool = Field(False, description="torch backend: torch.compile each decoder layer (dynamic shapes).")
+    kernels: Literal["torch", "liger"] = Field(
+        "torch", description="torch backend: 'liger' swaps the decoder layers' RMSNorm, rotary and SwiGLU for "
+        "liger-kernel's fused Triton kernels (CUDA; pip install 'rlflow[liger]'); 'torch': HF's modules as loaded.")
     reshard_after_forward: bool = Field(
         True, description="torch backend: FSDP2 frees each layer's gathered weights after its forward and gathers "
         "them again for its backward (memory of one layer at a time). false keeps them until the backward: no "
@@ -857,6 +860,9 @@ class RLConfig(Section):
         transport, on_gpu = self.weight_sync.transport, self.train.device == "cuda" and self.rollout_device == "cuda"
         if self.train.cpu_offload and (self.train.device != "cuda" or self.train.backend != "torch"):
             raise ValueError("train.cpu_offload: moves the torch backend's state from the GPU to the host; it needs "
+                             "train.device 'cuda' and train.backend 'torch'")
+        if self.train.kernels == "liger" and (self.train.device != "cuda" or self.train.backend != "torch"):
+            raise ValueError("train.kernels: liger runs Triton kernels in the torch backend's model; it needs "
                              "train.device 'cuda' and train.backend 'torch'")
         if transport in ("cuda_ipc", "nccl"):
             if not on_gpu or not self.cluster.use_ray:

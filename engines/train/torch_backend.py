@@ -41,6 +41,7 @@ from rlflow.engines.sync.gpu import device_copy_bandwidth
 from rlflow.engines.sync.nccl import NcclChannel
 from rlflow.engines.sync.store import put_bucket
 from rlflow.engines.train import fsdp
+from rlflow.engines.train.kernels import apply_kernels
 from rlflow.engines.train.microbatch import token_budget_groups
 from rlflow.engines.train.rng import restore_rng, rng_state
 
@@ -97,6 +98,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         # fp32 master weights, loaded on the host: fully_shard moves each layer to the GPU as it shards it (and
         # keeps offloaded shards on the host), so no rank ever holds the whole model on its GPU
         self.model = load(model_path, dtype=torch.float32, device="cpu")
+        apply_kernels(self.model, train.kernels)
         compute = DTYPES[train.precision] if train.precision != "fp32" else None
         self.lm = fsdp.shard(
             PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing, train.compile),
@@ -105,6 +107,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         if algorithm.kl_coef > 0 and role == "policy":  # frozen copy of the starting policy, for the KL penalty
             self.ref_model = load_model(model_path, dtype=DTYPES[train.precision], device="cpu").eval()
             self.ref_model.requires_grad_(False)
+            apply_kernels(self.ref_model, train.kernels)
             self.ref_lm = fsdp.shard(PackedLM(self.ref_model, train.logprob_chunk_tokens), None, train.cpu_offload)
         # fused on the GPU: one kernel per step and no temporaries the size of the model (foreach's are)
         fused = self.device == "cuda" and not train.cpu_offload
