@@ -134,7 +134,7 @@ def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: in
     assert tokens == len(prompts) * new_tokens, tokens
     out = {"warmup_s": warmup_s, "warmup_tokens": warmup.max_new_tokens, "seconds": times, "output_tokens": tokens,
            "tokens_per_s": tokens / statistics.median(times), "kv": backend.engine.stats(),
-           "paged_kernel": "triton" if uses_fast_kernel(torch.device(device)) else "torch",
+           "paged_kernel": "triton" if uses_fast_kernel(torch.device(device), backend.engine.lm.head_dim) else "torch",
            "sample": [(g.prompt_ids, g.output_ids, g.output_logprobs) for g in gens[:8]]}
     if profile and device == "cuda":
         out["profile"] = kernel_profile(lambda: backend.generate(prompts, params.model_copy(

@@ -222,7 +222,7 @@ class DecodeRunner:
     def __init__(self, lm: DecoderLM, cache: PagedKVCache, out: torch.Tensor, graphs: bool, max_graphs: int = 64):
         self.lm, self.cache, self.out = lm, cache, out
         self.use_graphs, self.max_graphs = graphs, max_graphs
-        self.full_span = uses_fast_kernel(lm.device)
+        self.full_span = uses_fast_kernel(lm.device, lm.head_dim)
         self.tokens = torch.zeros(cache.rows, dtype=torch.long, device=lm.device)
         self.positions = torch.zeros(cache.rows, dtype=torch.long, device=lm.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}

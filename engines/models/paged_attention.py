@@ -35,9 +35,11 @@ def fast_kernel() -> Kernel | None:
     return _fast[0]
 
 
-def uses_fast_kernel(device: torch.device) -> bool:
-    """Whether decode on `device` loops to each row's length (so a captured graph need not fix a span)."""
-    return device.type == "cuda" and fast_kernel() is not None
+def uses_fast_kernel(device: torch.device, head_dim: int) -> bool:
+    """Whether decode on `device` runs the Triton kernel, which loops to each row's own length (so a captured
+    graph need not fix a span); it takes head dims that are powers of two from 16 on."""
+    supported = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    return device.type == "cuda" and supported and fast_kernel() is not None
 
 
 def paged_decode_attention(
@@ -50,10 +52,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query per row, q [B, H, D], over the first lengths[b] tokens of row b's pages (the new token's
     k/v already stored); page_table int32 [B, maxp], lengths int32 [B] (>= 1). Returns [B, H, D]."""
-    if q.device.type == "cuda":
-        kernel = fast_kernel()
-        if kernel is not None:
-            return kernel(q, k_pool, v_pool, page_table, lengths, scale)
+    if uses_fast_kernel(q.device, q.shape[-1]):
+        return fast_kernel()(q, k_pool, v_pool, page_table, lengths, scale)
     return reference_paged_decode_attention(q, k_pool, v_pool, page_table, lengths, scale)
 
 
