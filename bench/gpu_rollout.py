@@ -20,6 +20,9 @@ tokens), each with its fraction of the limit, its preemptions and (unless --skip
 .share_prompts`), and the KV pages the group takes with `--group-new-tokens` responses, against one prompt's
 pages plus 8 responses'.
 
+`--long-context` runs `--long-batch` sequences from a `--prompt-len` prompt to the model's 32,768 positions
+(`--long-context-len`; smoke: a 4,480-token prompt to 4,608).
+
 `--size smoke` runs a tiny model on the CPU to check the script itself (sweeps scaled down).
 """
 
@@ -40,6 +43,7 @@ from rlflow.engines.models.paged_attention import uses_fast_kernel
 
 HBM_GB_PER_S = {"H100": 3350.0, "H200": 4800.0}  # datasheet memory bandwidth (SXM)
 
+MAX_POSITIONS = 32768  # the bench models' context (Qwen2-0.5B/1.5B's own)
 SHAPES = {
     "0.5B": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2),
@@ -56,7 +60,8 @@ def build_model(size: str, out: Path, device: str) -> Path:
 
     from rlflow.engines.models.hf import build_char_tokenizer
 
-    cfg = Qwen2Config(tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768, **SHAPES[size])
+    cfg = Qwen2Config(tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=MAX_POSITIONS,
+                      **SHAPES[size])
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -108,7 +113,8 @@ def kv_settings(args: argparse.Namespace, **changes) -> KVCacheConfig:
 
 
 def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int, device: str,
-              profile: bool, kv: KVCacheConfig | None = None, compile: bool = False) -> dict:
+              profile: bool, kv: KVCacheConfig | None = None, warmup_tokens: int | None = None,
+              compile: bool = False) -> dict:
     from rlflow.engines.core.sampling import SamplingParams
     from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 
@@ -116,7 +122,8 @@ def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: in
                                   context_len=len(prompts[0]) + new_tokens + 16, kv_cache=kv, compile=compile)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
     t0 = time.perf_counter()
-    backend.generate(prompts, params, seed=0)  # warm-up: cache allocation, graph capture, kernels
+    warmup = params.model_copy(update={"max_new_tokens": warmup_tokens or new_tokens})
+    backend.generate(prompts, warmup, seed=0)  # warm-up: cache allocation, graph capture, kernels
     sync(device)
     warmup_s = time.perf_counter() - t0
     times, tokens = [], 0
@@ -128,9 +135,9 @@ def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: in
         times.append(time.perf_counter() - t0)
         tokens = sum(len(g.output_ids) for g in gens)
     assert tokens == len(prompts) * new_tokens, tokens
-    out = {"warmup_s": warmup_s, "seconds": times, "output_tokens": tokens,
+    out = {"warmup_s": warmup_s, "warmup_tokens": warmup.max_new_tokens, "seconds": times, "output_tokens": tokens,
            "tokens_per_s": tokens / statistics.median(times), "kv": backend.engine.stats(),
-           "paged_kernel": "triton" if uses_fast_kernel(torch.device(device)) else "torch",
+           "paged_kernel": "triton" if uses_fast_kernel(torch.device(device), backend.engine.lm.head_dim) else "torch",
            "sample": [(g.prompt_ids, g.output_ids, g.output_logprobs) for g in gens[:8]]}
     if profile and device == "cuda":
         out["profile"] = kernel_profile(lambda: backend.generate(prompts, params.model_copy(
@@ -193,8 +200,9 @@ def sweep(path: Path, args: argparse.Namespace, device: str, vocab: int, gbps: f
             g = torch.Generator().manual_seed(batch)
             prompts = torch.randint(3, vocab, (batch, args.prompt_len), generator=g).tolist()
             point = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": new_tokens}
+            # a short warm-up (graphs of later spans are captured in the timed run with the torch attention path)
             ours = time_ours(path, prompts, new_tokens, args.sweep_repeats, device, False, kv_settings(args),
-                             args.compile)
+                             warmup_tokens=min(new_tokens, 256), compile=args.compile)
             ours.pop("sample")
             point["ours"] = ours
             if gbps:
@@ -354,6 +362,11 @@ def main() -> None:
     ap.add_argument("--shared-prefix", action="store_true", help="also measure a GRPO group's shared prompt")
     ap.add_argument("--group-prompt-len", type=int, default=2048)
     ap.add_argument("--group-new-tokens", type=int, default=None, help="default 1024 (smoke: 64)")
+    ap.add_argument("--long-context", action="store_true",
+                    help="also run --long-batch sequences to --long-context-len tokens (prompt --prompt-len)")
+    ap.add_argument("--long-batch", type=int, default=None, help="default 8 (smoke: 2)")
+    ap.add_argument("--long-context-len", type=int, default=None, help=f"default {MAX_POSITIONS} (smoke: 4608)")
+    ap.add_argument("--long-prompt-len", type=int, default=None, help="default --prompt-len (smoke: 4480)")
     ap.add_argument("--only-extras", action="store_true", help="skip the main timing; run --sweep/--shared-prefix")
     ap.add_argument("--compile", action="store_true", help="rollout.compile: torch.compile the decode step")
     ap.add_argument("--uncompiled-too", action="store_true", help="with --compile, also time the engine without it")
@@ -363,6 +376,9 @@ def main() -> None:
     args.sweep_batches = args.sweep_batches or ([2, 4] if smoke else [64, 256, 512])
     args.sweep_new_tokens = args.sweep_new_tokens or ([8, 32] if smoke else [1024, 8192])
     args.group_new_tokens = args.group_new_tokens or (64 if smoke else 1024)
+    args.long_batch = args.long_batch or (2 if smoke else 8)
+    args.long_context_len = args.long_context_len or (4608 if smoke else MAX_POSITIONS)
+    args.long_prompt_len = args.long_prompt_len or (4480 if smoke else None)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work = Path(tempfile.mkdtemp(prefix="rlflow-rollout-"))
@@ -398,6 +414,19 @@ def main() -> None:
         result["copy_gb_per_s"] = gbps
         result["sweep"] = sweep(path, args, device, vocab, gbps)
         save()
+    if args.long_context:
+        g = torch.Generator().manual_seed(3)
+        prompt_len = args.long_prompt_len or args.prompt_len
+        new = args.long_context_len - prompt_len - 16
+        long_prompts = torch.randint(3, vocab, (args.long_batch, prompt_len), generator=g).tolist()
+        ours = time_ours(path, long_prompts, new, 1, device, False, kv_settings(args), warmup_tokens=64,
+                         compile=args.compile)
+        ours.pop("sample")
+        result["long_context"] = {"batch": args.long_batch, "prompt_len": prompt_len, "new_tokens": new,
+                                  "context": prompt_len + new, **ours}
+        print(f"long context: {args.long_batch} x {prompt_len} + {new} tokens, {ours['tokens_per_s']:.0f} "
+              f"tokens/s, preemptions {ours['kv']['num_preemptions']}", flush=True)
+        save()
     if args.only_extras:
         return
     if args.uncompiled_too and args.compile:  # the same engine without torch.compile, same run
@@ -406,7 +435,7 @@ def main() -> None:
         result["ours_uncompiled"].pop("sample")
         print(f"ours uncompiled: {result['ours_uncompiled']['tokens_per_s']:.0f} tokens/s", flush=True)
     result["ours"] = time_ours(path, prompts, args.new_tokens, args.repeats, device, args.profile, kv_settings(args),
-                               args.compile)
+                               compile=args.compile)
     sample = result["ours"].pop("sample")
     print(f"ours: {result['ours']['tokens_per_s']:.0f} tokens/s  ({result['ours']['seconds']})", flush=True)
     save()

@@ -61,7 +61,8 @@ class DecoderLM:
         self.eps = cfg.rms_norm_eps
         self.max_positions = cfg.max_position_embeddings
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.decode_attention = decode_attention(self.device)  # chosen once: one op in a compiled decode step
+        # chosen once, so a compiled decode step sees one op and no lookup
+        self.decode_attention = decode_attention(self.device, self.head_dim)
         # the Parameter objects stay (updates copy into them or swap their .data); listed once, not walked per step
         self._params = list(hf_model.parameters())
 
@@ -230,7 +231,7 @@ class DecodeRunner:
         self.lm, self.cache, self.out = lm, cache, out
         self.step = torch.compile(lm.decode_rows) if compile else lm.decode_rows
         self.use_graphs, self.max_graphs = graphs, max_graphs
-        self.full_span = uses_fast_kernel(lm.device)
+        self.full_span = uses_fast_kernel(lm.device, lm.head_dim)
         self.tokens = torch.zeros(cache.rows, dtype=torch.long, device=lm.device)
         self.positions = torch.zeros(cache.rows, dtype=torch.long, device=lm.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}

@@ -25,26 +25,27 @@ def fast_kernel() -> Callable[..., torch.Tensor] | None:
     return triton_kernel("paged_attention_triton", "paged_decode_attention_triton")
 
 
-def uses_fast_kernel(device: torch.device) -> bool:
-    """Whether decode on `device` loops to each row's length (so a captured graph need not fix a span)."""
-    return device.type == "cuda" and fast_kernel() is not None
+def uses_fast_kernel(device: torch.device, head_dim: int) -> bool:
+    """Whether decode on `device` runs the Triton kernel, which loops to each row's own length (so a captured
+    graph need not fix a span); it takes head dims that are powers of two from 16 on."""
+    supported = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    return device.type == "cuda" and supported and fast_kernel() is not None
 
 
-def decode_attention(device: torch.device) -> Callable[..., torch.Tensor]:
+def decode_attention(device: torch.device, head_dim: int) -> Callable[..., torch.Tensor]:
     """The decode attention for tensors on `device`, chosen once (the caller keeps it, so a compiled decode step
-    sees one function, not a lookup): the Triton kernel on CUDA when it imports, else the torch reference.
+    sees one function, not a lookup): the Triton kernel where `uses_fast_kernel`, else the torch reference.
 
     Either is called as f(q [B, H, D], k_pool, v_pool, page_table int32 [B, maxp], lengths int32 [B] (>= 1),
     scale): one query per row over the first lengths[b] tokens of row b's pages (the new token's k/v already
     stored); returns [B, H, D]."""
-    kernel = fast_kernel() if device.type == "cuda" else None
-    return kernel if kernel is not None else reference_paged_decode_attention
+    return fast_kernel() if uses_fast_kernel(device, head_dim) else reference_paged_decode_attention
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                            lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """`decode_attention(q.device)` applied once (tests and one-off calls)."""
-    return decode_attention(q.device)(q, k_pool, v_pool, page_table, lengths, scale)
+    """`decode_attention` applied once (tests and one-off calls)."""
+    return decode_attention(q.device, q.shape[-1])(q, k_pool, v_pool, page_table, lengths, scale)
 
 
 def gather_pages(pool: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
