@@ -43,7 +43,8 @@ from rlflow.engines.sync.distributed import (
 )
 
 EMBEDDED = "rlflow.engines.rollout.launch"  # the stand-in for sglang.launch_server
-ARGS = {"max-running-requests": 3, "context-length": 48, "random-seed": 7, "dtype": "float32"}
+ARGS = {"max-running-requests": 3, "context-length": 48, "random-seed": 7, "dtype": "float32", "page-size": 8,
+        "max-total-tokens": 96}
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 4, 5, 6], [1, 9, 8]]
 
@@ -157,6 +158,8 @@ def test_launch_waits_for_health_and_passes_the_args(worker, model_dir):
     ]
     info = worker.server_info()
     assert (info["max_running_requests"], info["context_length"], info["dtype"]) == (3, 48, "float32")
+    assert (info["page_size"], info["max_total_num_tokens"]) == (8, 96)
+    assert info["internal_states"][0]["num_preemptions"] == 0
     assert worker.start_server() == worker.server_url(), "a running server is not launched twice"
 
 

@@ -129,6 +129,25 @@ def nodes_field(workers: str) -> Any:
                  "placement group per node, packed on it); checked against the cluster before any worker starts.")
 
 
+class KVCacheConfig(Section):
+    """The embedded engine's paged KV cache (docs/rollout.md): one pool of fixed-size pages shared by every
+    running sequence, so contexts are bounded by the model's positions and the pool, not a fixed slot."""
+
+    page_size: int = Field(16, gt=0, description="Tokens per KV page.")
+    memory_fraction: float = Field(
+        0.5, gt=0.0, lt=1.0, description="CUDA: the share of the GPU memory free once the weights are loaded "
+        "that the page pool takes (SGLang's mem_fraction_static idea, of free rather than total memory).")
+    tokens: int | None = Field(
+        None, gt=0, description="Pool size in tokens; overrides memory_fraction. Empty: from memory_fraction on "
+        "CUDA, 65536 tokens on CPU (never more than batch_size x context_len).")
+    prefill_chunk_tokens: int = Field(
+        8192, gt=0, description="Prompt tokens prefilled per engine step; a longer prompt is prefilled in chunks "
+        "over several steps, between the running decodes.")
+    share_prompts: bool = Field(
+        True, description="Requests with the same prompt (the samples of a GRPO group) prefill once and share the "
+        "prompt's full pages (the partial last page is copied); false: each prefills and stores its own.")
+
+
 class RolloutConfig(Section):
     backend: Literal["torch", "sglang"] = Field(
         "torch", description="Rollout engine: the embedded PyTorch generator, or an SGLang server per worker "
@@ -147,7 +166,12 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     stop: list[str] = Field(default_factory=list, description="Stop strings besides the EOS token.")
-    batch_size: int = Field(512, gt=0, description="Sequences generated together per worker (KV-cache slots).")
+    batch_size: int = Field(512, gt=0, description="Sequences generated together per worker (page-table rows).")
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig, description="The embedded engine's paged KV cache.")
+    compile: bool = Field(
+        False, description="Embedded engine on CUDA: torch.compile its decode step before capturing it in CUDA graphs "
+        "(norms, rotary, SwiGLU and residual adds fused; 1.6x a step on an H100, docs/benchmarks.md), at the cost of "
+        "compiling at the first rollout. SGLang's --enable-torch-compile.")
     fn: str = Field(
         "rlflow.engines.rollout.functions:single_turn",
         description="Import path of the async rollout function f(prompt, router_url, sampling_params) -> "

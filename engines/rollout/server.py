@@ -149,10 +149,11 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
                 "served_model_name": backend.model_path, "device": str(backend.device),
                 "dtype": str(backend.model.dtype).removeprefix("torch."), "context_length": engine.max_len,
                 "tp_size": 1, "pp_size": 1, "dp_size": 1, "max_running_requests": engine.max_running,
-                "max_total_num_tokens": engine.max_running * engine.max_len,
+                "max_total_num_tokens": engine.max_total_tokens,
+                "page_size": engine.kv.page_size, "chunked_prefill_size": engine.kv.prefill_chunk_tokens,
                 "weight_version": weight_version_text(backend.weight_version), "version": "rlflow-embedded",
                 "internal_states": [{"num_requests": engine.num_requests(),
-                                     "memory_released": bool(backend._released)}]}
+                                     "memory_released": bool(backend._released), **engine.stats()}]}
 
     add_openai_routes(app, backend, client)
     add_weight_routes(app, backend, client, weight_dirs)  # SGLang's weight routes (engines/rollout/weight_routes.py)
