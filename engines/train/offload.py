@@ -14,6 +14,7 @@ frees the original: nothing is gained, but tests run the exact path a GPU run ta
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
@@ -83,3 +84,13 @@ class HostParking:
         _sync(self._device)
         self._parked = []
         return total
+
+
+def memory_moved(device: str, moved: int, t0: float) -> dict[str, float]:
+    """What an offload or onload reports: bytes moved, seconds since `t0` and, on a GPU, what torch still holds
+    there, after handing freed blocks back to the driver (where the colocated rollout engine can get them)."""
+    out = {"bytes": float(moved)}
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        out["gpu_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
+    return out | {"seconds": time.perf_counter() - t0}

@@ -43,7 +43,7 @@ from rlflow.engines.sync.store import put_bucket
 from rlflow.engines.train import fsdp
 from rlflow.engines.train.kernels import apply_kernels
 from rlflow.engines.train.microbatch import token_budget_groups
-from rlflow.engines.train.offload import HostParking
+from rlflow.engines.train.offload import HostParking, memory_moved
 from rlflow.engines.train.rng import restore_rng, rng_state
 
 
@@ -394,20 +394,13 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
             moved += self._parked_optimizer.park(state, self.device)
         if not keep_weights and not self._parked_weights.parked:
             moved += self._parked_weights.park([fsdp.local(p) for lm in lms for p in lm.parameters()], self.device)
-        return self._memory_moved(moved, t0)
+        return memory_moved(self.device, moved, t0)
 
     def onload(self) -> dict[str, float]:
         """Bring back what offload parked, byte for byte, into the same tensors."""
         t0 = time.perf_counter()
         moved = self._parked_weights.unpark() + self._parked_optimizer.unpark()
-        return self._memory_moved(moved, t0)
-
-    def _memory_moved(self, moved: int, t0: float) -> dict[str, float]:
-        out = {"bytes": float(moved)}
-        if self.device == "cuda":
-            torch.cuda.empty_cache()  # freed blocks go back to the driver, where the rollout engine can get them
-            out["gpu_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
-        return out | {"seconds": time.perf_counter() - t0}
+        return memory_moved(self.device, moved, t0)
 
     def _resident(self, what: str, optimizer: bool = False) -> None:
         """Refuse to run `what` on parked state (its memory is freed: it would read garbage or crash)."""

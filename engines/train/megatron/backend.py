@@ -60,7 +60,7 @@ from rlflow.engines.train.megatron.model_build import (
     transformer_config,
     use_transformer_engine,
 )
-from rlflow.engines.train.offload import HostParking
+from rlflow.engines.train.offload import HostParking, memory_moved
 from rlflow.engines.train.rng import restore_rng, rng_state
 from rlflow.engines.train.torch_backend import lr_lambda, with_train_logprobs
 
@@ -455,7 +455,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
             moved += self._parked_optimizer.park(state, self.device)
         if not keep_weights and not self._parked_weights.parked:
             moved += self._parked_weights.park(weights, self.device)
-        return self._memory_moved(moved, t0)
+        return memory_moved(self.device, moved, t0)
 
     @_on_device
     def onload(self) -> dict[str, float]:
@@ -465,18 +465,11 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         if self._grads_freed:
             self.model.restore_grad_buffers(synchronize=True)  # zeroed
             self._grads_freed = False
-        return self._memory_moved(moved, t0)
+        return memory_moved(self.device, moved, t0)
 
     def _weight_tensors(self) -> list[torch.Tensor]:
         models = [self.model] + ([self.ref_model] if self.ref_model is not None else [])
         return [p for m in models for p in m.parameters()]
-
-    def _memory_moved(self, moved: int, t0: float) -> dict[str, float]:
-        out = {"bytes": float(moved)}
-        if self.device == "cuda":
-            torch.cuda.empty_cache()  # freed blocks go back to the driver, where the rollout engine can get them
-            out["gpu_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
-        return out | {"seconds": time.perf_counter() - t0}
 
     def _resident(self, what: str, optimizer: bool = False) -> None:
         """Refuse to run `what` on parked state (its memory is freed: it would read garbage or crash)."""
