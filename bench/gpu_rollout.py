@@ -9,10 +9,21 @@ temperature 1.0 and no top-k/top-p, every request running to full length (ignore
 Each side is warmed up once with the full batch, then timed `--repeats` times; the median counts.
 
 The decode limit is what memory bandwidth allows: each decode step reads every weight once plus the keys
-and values of every running sequence; at the measured device-to-device copy bandwidth that gives the
-fewest seconds per step, hence the most output tokens/s (prefill not counted, so the limit is generous).
+and values the paged cache actually holds for the running sequences (each row's own length, not a padded
+span); at the measured device-to-device copy bandwidth that gives the fewest seconds per step, hence the
+most output tokens/s (prefill not counted, so the limit is generous).
 
-`--size smoke` runs a tiny model on the CPU to check the script itself.
+`--sweep` times batch x new-token points (default batch 64/256/512, prompt 256 + 1,024 and + 8,192 new
+tokens), each with its fraction of the limit, its preemptions and (unless --skip-hf, or past
+--hf-max-new-tokens) HF generate at the same point. `--shared-prefix` times a GRPO group (one
+`--group-prompt-len` prompt, n = 8): the prefill with and without prompt sharing (`rollout.kv_cache
+.share_prompts`), and the KV pages the group takes with `--group-new-tokens` responses, against one prompt's
+pages plus 8 responses'.
+
+`--long-context` runs `--long-batch` sequences from a `--prompt-len` prompt to the model's 32,768 positions
+(`--long-context-len`; smoke: a 4,480-token prompt to 4,608).
+
+`--size smoke` runs a tiny model on the CPU to check the script itself (sweeps scaled down).
 """
 
 from __future__ import annotations
@@ -27,9 +38,17 @@ from pathlib import Path
 
 import torch
 
+from rlflow.engines.core.config import KVCacheConfig
+from rlflow.engines.models.paged_attention import uses_fast_kernel
+
+HBM_GB_PER_S = {"H100": 3350.0, "H200": 4800.0}  # datasheet memory bandwidth (SXM)
+
+MAX_POSITIONS = 32768  # the bench models' context (Qwen2-0.5B/1.5B's own)
 SHAPES = {
     "0.5B": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2),
+    "1.5B": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2),
     "smoke": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2),
 }
@@ -41,7 +60,8 @@ def build_model(size: str, out: Path, device: str) -> Path:
 
     from rlflow.engines.models.hf import build_char_tokenizer
 
-    cfg = Qwen2Config(tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096, **SHAPES[size])
+    cfg = Qwen2Config(tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=MAX_POSITIONS,
+                      **SHAPES[size])
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -71,30 +91,39 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 
 def decode_limit(model: torch.nn.Module, batch: int, prompt_len: int, new_tokens: int, gb_per_s: float) -> dict:
-    """Output tokens/s if every decode step only had to read the weights and the live KV cache once."""
+    """Output tokens/s if every decode step only had to read the weights and the live KV cache once (each
+    sequence's own tokens: what the paged cache holds and its attention reads)."""
     cfg = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: counted once
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2  # k and v, bf16
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    element = next(model.parameters()).element_size()
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * element  # k and v
     # step t (0-based) of decode attends over prompt_len + t + 1 positions for every sequence
-    kv_bytes = sum(batch * (prompt_len + t + 1) * kv_per_token for t in range(new_tokens - 1))
-    steps = new_tokens - 1  # the first token comes from prefill
+    steps = max(new_tokens - 1, 1)  # the first token comes from prefill
+    kv_bytes = batch * kv_per_token * (steps * (prompt_len + 1) + steps * (steps - 1) // 2)
     seconds = (steps * weight_bytes + kv_bytes) / (gb_per_s * 1e9)
     return {"weight_bytes": weight_bytes, "kv_bytes_mean_per_step": kv_bytes / steps,
             "bytes_per_step": weight_bytes + kv_bytes / steps, "seconds": seconds,
             "tokens_per_s": batch * steps / seconds}
 
 
+def kv_settings(args: argparse.Namespace, **changes) -> KVCacheConfig:
+    """The engine's paged cache for this run (the bench's flags, then `changes`)."""
+    return KVCacheConfig(page_size=args.page_size, memory_fraction=args.kv_fraction, **changes)
+
+
 def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int, device: str,
-              profile: bool) -> dict:
+              profile: bool, kv: KVCacheConfig | None = None, warmup_tokens: int | None = None,
+              compile: bool = False) -> dict:
     from rlflow.engines.core.sampling import SamplingParams
     from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 
     backend = TorchRolloutBackend(str(path), device=device, dtype=torch.bfloat16, batch_size=len(prompts),
-                                  context_len=len(prompts[0]) + new_tokens + 16)
+                                  context_len=len(prompts[0]) + new_tokens + 16, kv_cache=kv, compile=compile)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
     t0 = time.perf_counter()
-    backend.generate(prompts, params, seed=0)  # warm-up: cache allocation, graph capture, kernels
+    warmup = params.model_copy(update={"max_new_tokens": warmup_tokens or new_tokens})
+    backend.generate(prompts, warmup, seed=0)  # warm-up: cache allocation, graph capture, kernels
     sync(device)
     warmup_s = time.perf_counter() - t0
     times, tokens = [], 0
@@ -106,14 +135,92 @@ def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: in
         times.append(time.perf_counter() - t0)
         tokens = sum(len(g.output_ids) for g in gens)
     assert tokens == len(prompts) * new_tokens, tokens
-    out = {"warmup_s": warmup_s, "seconds": times, "output_tokens": tokens,
-           "tokens_per_s": tokens / statistics.median(times),
+    out = {"warmup_s": warmup_s, "warmup_tokens": warmup.max_new_tokens, "seconds": times, "output_tokens": tokens,
+           "tokens_per_s": tokens / statistics.median(times), "kv": backend.engine.stats(),
+           "paged_kernel": "triton" if uses_fast_kernel(torch.device(device), backend.engine.lm.head_dim) else "torch",
            "sample": [(g.prompt_ids, g.output_ids, g.output_logprobs) for g in gens[:8]]}
     if profile and device == "cuda":
         out["profile"] = kernel_profile(lambda: backend.generate(prompts, params.model_copy(
             update={"max_new_tokens": 32}), seed=9))
     backend.close()
     return out
+
+
+def shared_prefix(path: Path, args: argparse.Namespace, device: str, vocab: int) -> dict:
+    """A GRPO group of 8 on one prompt: prefill seconds (max_new_tokens 1, median of --repeats after a
+    warm-up) and the KV pages the group takes with --group-new-tokens responses, prompt sharing on and off."""
+    from rlflow.engines.core.sampling import SamplingParams
+    from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(3, vocab, (args.group_prompt_len,), generator=g).tolist()
+    group, new = 8, args.group_new_tokens
+    pages = lambda n: -(-n // args.page_size)  # noqa: E731
+    result: dict = {"group": group, "prompt_len": len(prompt), "new_tokens": new, "page_size": args.page_size,
+                    "budget_pages": pages(len(prompt)) + group * pages(new)}
+    for share in (True, False):
+        backend = TorchRolloutBackend(str(path), device=device, dtype=torch.bfloat16, batch_size=group,
+                                      context_len=len(prompt) + new + 16,
+                                      kv_cache=kv_settings(args, share_prompts=share), compile=args.compile)
+        one = SamplingParams(max_new_tokens=1, temperature=1.0, ignore_eos=True, n=group)
+        backend.generate([prompt], one, seed=0)  # warm-up
+        times = []
+        for i in range(args.repeats):
+            sync(device)
+            t0 = time.perf_counter()
+            backend.generate([prompt], one, seed=1 + i)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        backend.engine.drop_cache()  # a fresh pool: its peak is this group's
+        full = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True, n=group)
+        gens = backend.generate([prompt], full, seed=11)
+        assert all(len(x.output_ids) == new for x in gens)
+        stats = backend.engine.stats()
+        page_bytes = backend.engine.lm.page_bytes(args.page_size)
+        result["shared" if share else "unshared"] = {
+            "prefill_seconds": times, "prefill_s": statistics.median(times), "kv_pages_peak": stats["kv_pages_peak"],
+            "kv_bytes_peak": stats["kv_pages_peak"] * page_bytes, "num_preemptions": stats["num_preemptions"],
+            "pages_vs_budget": stats["kv_pages_peak"] / result["budget_pages"]}
+        backend.close()
+    result["prefill_speedup"] = result["unshared"]["prefill_s"] / result["shared"]["prefill_s"]
+    result["kv_saving"] = result["unshared"]["kv_pages_peak"] / result["shared"]["kv_pages_peak"]
+    return result
+
+
+def sweep(path: Path, args: argparse.Namespace, device: str, vocab: int, gbps: float | None) -> list[dict]:
+    """Decode tokens/s at every batch x new-token point (prompt --prompt-len), with the bandwidth-limit
+    fraction on CUDA and HF generate at the same point when asked."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+    points = []
+    for new_tokens in args.sweep_new_tokens:
+        for batch in args.sweep_batches:
+            g = torch.Generator().manual_seed(batch)
+            prompts = torch.randint(3, vocab, (batch, args.prompt_len), generator=g).tolist()
+            point = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": new_tokens}
+            # a short warm-up (graphs of later spans are captured in the timed run with the torch attention path)
+            ours = time_ours(path, prompts, new_tokens, args.sweep_repeats, device, False, kv_settings(args),
+                             warmup_tokens=min(new_tokens, 256), compile=args.compile)
+            ours.pop("sample")
+            point["ours"] = ours
+            if gbps:
+                limit = decode_limit(meta, batch, args.prompt_len, new_tokens, gbps)
+                point["decode_limit"] = limit
+                point["fraction_of_limit"] = ours["tokens_per_s"] / limit["tokens_per_s"]
+            if not args.skip_hf and new_tokens <= args.hf_max_new_tokens:
+                point["hf"], model = time_hf(path, prompts, new_tokens, args.sweep_repeats, device)
+                point["ratio"] = ours["tokens_per_s"] / point["hf"]["tokens_per_s"]
+                del model
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            print(f"sweep batch {batch} new {new_tokens}: {ours['tokens_per_s']:.0f} tokens/s"
+                  + (f", {100 * point['fraction_of_limit']:.1f}% of limit" if "fraction_of_limit" in point else "")
+                  + (f", {point['ratio']:.2f}x HF" if "ratio" in point else "")
+                  + f", preemptions {ours['kv']['num_preemptions']}", flush=True)
+            points.append(point)
+    return points
 
 
 def time_hf(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int, device: str
@@ -243,8 +350,35 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also record the GPU kernels of a short run of ours")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--check", action="store_true", help="first check logprobs against HF on a small fp32 model")
+    ap.add_argument("--page-size", type=int, default=16, help="KV page size (rollout.kv_cache.page_size)")
+    ap.add_argument("--kv-fraction", type=float, default=0.85,
+                    help="share of the free GPU memory the KV page pool takes (rollout.kv_cache.memory_fraction)")
+    ap.add_argument("--sweep", action="store_true", help="also time the batch x new-token points")
+    ap.add_argument("--sweep-batches", type=_ints, default=None, help="default 64,256,512 (smoke: 2,4)")
+    ap.add_argument("--sweep-new-tokens", type=_ints, default=None, help="default 1024,8192 (smoke: 8,32)")
+    ap.add_argument("--sweep-repeats", type=int, default=1)
+    ap.add_argument("--hf-max-new-tokens", type=int, default=1024,
+                    help="the sweep runs HF generate only at points with at most this many new tokens")
+    ap.add_argument("--shared-prefix", action="store_true", help="also measure a GRPO group's shared prompt")
+    ap.add_argument("--group-prompt-len", type=int, default=2048)
+    ap.add_argument("--group-new-tokens", type=int, default=None, help="default 1024 (smoke: 64)")
+    ap.add_argument("--long-context", action="store_true",
+                    help="also run --long-batch sequences to --long-context-len tokens (prompt --prompt-len)")
+    ap.add_argument("--long-batch", type=int, default=None, help="default 8 (smoke: 2)")
+    ap.add_argument("--long-context-len", type=int, default=None, help=f"default {MAX_POSITIONS} (smoke: 4608)")
+    ap.add_argument("--long-prompt-len", type=int, default=None, help="default --prompt-len (smoke: 4480)")
+    ap.add_argument("--only-extras", action="store_true", help="skip the main timing; run --sweep/--shared-prefix")
+    ap.add_argument("--compile", action="store_true", help="rollout.compile: torch.compile the decode step")
+    ap.add_argument("--uncompiled-too", action="store_true", help="with --compile, also time the engine without it")
     ap.add_argument("--out", default="gpu_rollout.json")
     args = ap.parse_args()
+    smoke = args.size == "smoke"
+    args.sweep_batches = args.sweep_batches or ([2, 4] if smoke else [64, 256, 512])
+    args.sweep_new_tokens = args.sweep_new_tokens or ([8, 32] if smoke else [1024, 8192])
+    args.group_new_tokens = args.group_new_tokens or (64 if smoke else 1024)
+    args.long_batch = args.long_batch or (2 if smoke else 8)
+    args.long_context_len = args.long_context_len or (4608 if smoke else MAX_POSITIONS)
+    args.long_prompt_len = args.long_prompt_len or (4480 if smoke else None)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work = Path(tempfile.mkdtemp(prefix="rlflow-rollout-"))
@@ -267,7 +401,41 @@ def main() -> None:
         result["check"] = check_logprobs(device)
         print(f"check: {result['check']}", flush=True)
         save()
-    result["ours"] = time_ours(path, prompts, args.new_tokens, args.repeats, device, args.profile)
+    if args.shared_prefix:
+        result["shared_prefix"] = shared_prefix(path, args, device, vocab)
+        sp = result["shared_prefix"]
+        print(f"shared prefix: prefill {sp['shared']['prefill_s']:.4f} s shared vs "
+              f"{sp['unshared']['prefill_s']:.4f} s; "
+              f"KV pages {sp['shared']['kv_pages_peak']} vs {sp['unshared']['kv_pages_peak']} (budget "
+              f"{sp['budget_pages']}: {sp['shared']['pages_vs_budget']:.2f}x)", flush=True)
+        save()
+    gbps = copy_bandwidth() if device == "cuda" else None
+    if args.sweep:
+        result["copy_gb_per_s"] = gbps
+        result["sweep"] = sweep(path, args, device, vocab, gbps)
+        save()
+    if args.long_context:
+        g = torch.Generator().manual_seed(3)
+        prompt_len = args.long_prompt_len or args.prompt_len
+        new = args.long_context_len - prompt_len - 16
+        long_prompts = torch.randint(3, vocab, (args.long_batch, prompt_len), generator=g).tolist()
+        ours = time_ours(path, long_prompts, new, 1, device, False, kv_settings(args), warmup_tokens=64,
+                         compile=args.compile)
+        ours.pop("sample")
+        result["long_context"] = {"batch": args.long_batch, "prompt_len": prompt_len, "new_tokens": new,
+                                  "context": prompt_len + new, **ours}
+        print(f"long context: {args.long_batch} x {prompt_len} + {new} tokens, {ours['tokens_per_s']:.0f} "
+              f"tokens/s, preemptions {ours['kv']['num_preemptions']}", flush=True)
+        save()
+    if args.only_extras:
+        return
+    if args.uncompiled_too and args.compile:  # the same engine without torch.compile, same run
+        result["ours_uncompiled"] = time_ours(path, prompts, args.new_tokens, args.repeats, device, False,
+                                              kv_settings(args))
+        result["ours_uncompiled"].pop("sample")
+        print(f"ours uncompiled: {result['ours_uncompiled']['tokens_per_s']:.0f} tokens/s", flush=True)
+    result["ours"] = time_ours(path, prompts, args.new_tokens, args.repeats, device, args.profile, kv_settings(args),
+                               compile=args.compile)
     sample = result["ours"].pop("sample")
     print(f"ours: {result['ours']['tokens_per_s']:.0f} tokens/s  ({result['ours']['seconds']})", flush=True)
     save()
@@ -282,7 +450,6 @@ def main() -> None:
     if device == "cuda":
         del model
         torch.cuda.empty_cache()
-        gbps = copy_bandwidth()
         from transformers import AutoConfig, AutoModelForCausalLM
 
         with torch.device("meta"):
@@ -290,6 +457,11 @@ def main() -> None:
         result["copy_gb_per_s"] = gbps
         result["decode_limit"] = decode_limit(meta, args.batch, args.prompt_len, args.new_tokens, gbps)
         result["ours"]["fraction_of_limit"] = result["ours"]["tokens_per_s"] / result["decode_limit"]["tokens_per_s"]
+        spec = next((v for k, v in HBM_GB_PER_S.items() if k in result["gpu"]), None)
+        if spec:  # the same limit at the memory's datasheet bandwidth (issue 21's ceiling)
+            result["decode_limit_spec"] = decode_limit(meta, args.batch, args.prompt_len, args.new_tokens, spec)
+            result["ours"]["fraction_of_spec_limit"] = (result["ours"]["tokens_per_s"]
+                                                        / result["decode_limit_spec"]["tokens_per_s"])
         print(f"decode limit: {result['decode_limit']['tokens_per_s']:.0f} tokens/s at {gbps:.0f} GB/s; ours at "
               f"{100 * result['ours']['fraction_of_limit']:.1f}%", flush=True)
     save()
@@ -300,6 +472,10 @@ def main() -> None:
             print(f"  {row['ms']:9.2f} ms  x{row['count']:<6} {row['name']}")
     if "ratio" in result:
         print(f"ratio: {result['ratio']:.2f}")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 if __name__ == "__main__":

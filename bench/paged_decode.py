@@ -6,8 +6,8 @@ For each (batch, context) case, keys and values of every sequence live in pages 
 in random order (as they are after requests come and go). Compared, each timed as a CUDA graph replay:
 - `triton`: `engines/models/paged_attention_triton.py`, reading the pages in place;
 - `gather_sdpa`: gather every sequence's pages into a contiguous copy, then masked SDPA (the torch reference);
-- `contiguous_sdpa`: today's engine layout, one [slots, kv_heads, max_len, head_dim] block, masked SDPA over
-  the slots in place (what the paged cache must not be slower than).
+- `contiguous_sdpa`: the engine's layout before the paged cache, one [slots, kv_heads, max_len, head_dim]
+  block, masked SDPA over the slots in place (what the paged cache must not be slower than).
 The bandwidth figure is the bytes of keys and values each case must read once (the live tokens only) per
 second, against the device-to-device copy bandwidth measured in the same run.
 """
@@ -49,21 +49,8 @@ def timed(fn, repeats: int = 20) -> float:
     return statistics.median(times[3:])
 
 
-def reference(q, k_pool, v_pool, page_table, lengths, scale, max_pages):
-    """Gather each row's pages into [B, KV, L, D], then masked SDPA with the query heads of a KV head as rows."""
-    batch, heads, dim = q.shape
-    kv, page = k_pool.shape[1], k_pool.shape[2]
-    table = page_table[:, :max_pages].long()
-    keys = k_pool[table].permute(0, 2, 1, 3, 4).reshape(batch, kv, max_pages * page, dim)
-    values = v_pool[table].permute(0, 2, 1, 3, 4).reshape(batch, kv, max_pages * page, dim)
-    visible = (torch.arange(max_pages * page, device=q.device)[None] < lengths[:, None])[:, None, None]
-    grouped = q.view(batch, kv, heads // kv, dim)
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible, scale=scale)
-    return o.reshape(batch, heads, dim)
-
-
 def case(batch: int, context: int, heads: int, kv: int, dim: int, page: int, ragged: bool) -> dict:
+    from rlflow.engines.models.paged_attention import reference_paged_decode_attention as reference
     from rlflow.engines.models.paged_attention_triton import paged_decode_attention_triton
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -86,12 +73,12 @@ def case(batch: int, context: int, heads: int, kv: int, dim: int, page: int, rag
     scale = dim ** -0.5
 
     ours = paged_decode_attention_triton(q, k_pool, v_pool, table, lengths, scale)
-    ref = reference(q, k_pool, v_pool, table, lengths, scale, max_pages)
+    ref = reference(q, k_pool, v_pool, table, lengths, scale)
     err = float((ours.float() - ref.float()).abs().max())
     # fp32 exactness of the kernel (the parity the engine keeps: <= 1e-5 against HF in fp32)
     q32, k32, v32 = q.float(), k_pool.float(), v_pool.float()
     err32 = float((paged_decode_attention_triton(q32, k32, v32, table, lengths, scale)
-                   - reference(q32, k32, v32, table, lengths, scale, max_pages)).abs().max())
+                   - reference(q32, k32, v32, table, lengths, scale)).abs().max())
 
     contiguous_k = torch.randn(batch, kv, max_pages * page, dim, dtype=dt, device=dev)
     contiguous_v = torch.randn_like(contiguous_k)
@@ -105,7 +92,7 @@ def case(batch: int, context: int, heads: int, kv: int, dim: int, page: int, rag
     live_bytes = 2 * int(lengths.sum()) * kv * dim * 2
     seconds = {
         "triton": timed(lambda: paged_decode_attention_triton(q, k_pool, v_pool, table, lengths, scale)),
-        "gather_sdpa": timed(lambda: reference(q, k_pool, v_pool, table, lengths, scale, max_pages)),
+        "gather_sdpa": timed(lambda: reference(q, k_pool, v_pool, table, lengths, scale)),
         "contiguous_sdpa": timed(contiguous),
     }
     return {"batch": batch, "context": context, "ragged": ragged, "heads": heads, "kv_heads": kv, "head_dim": dim,
@@ -113,9 +100,10 @@ def case(batch: int, context: int, heads: int, kv: int, dim: int, page: int, rag
             "seconds": seconds, "gb_per_s": {k: live_bytes / v / 1e9 for k, v in seconds.items()}}
 
 
-def decode_step(batch: int = 256, span: int = 512) -> dict:
-    """One decode step of today's engine (Qwen2-0.5B shape, bf16, contiguous cache) captured as a CUDA graph,
-    eager against torch.compile'd: how much of a step is small unfused kernels (norms, rotary, SwiGLU, adds)."""
+def decode_step(batch: int = 256, span: int = 512, page: int = 16) -> dict:
+    """One decode step of the engine (Qwen2-0.5B shape, bf16, paged cache: each row's pages scattered over the
+    pool) captured as a CUDA graph, eager against torch.compile'd: how much of a step is small unfused kernels
+    (norms, rotary, SwiGLU, adds)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from bench.gpu_rollout import SHAPES
@@ -125,16 +113,21 @@ def decode_step(batch: int = 256, span: int = 512) -> dict:
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     lm = DecoderLM(model)
-    cache = lm.new_cache(batch, span)
+    per_row = -(-span // page)
+    cache = lm.new_cache(batch, span, num_pages=batch * per_row + 1, page_size=page)
+    order = (torch.randperm(batch * per_row) + 1).view(batch, per_row).tolist()  # page 0 is scratch
+    for row, pages in enumerate(order):
+        cache.set_row(row, pages)
+    cache.flush()
     out = torch.empty(batch, lm.vocab_size, dtype=torch.bfloat16, device="cuda")
     tokens = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
     positions = torch.randint(span // 2, span, (batch,), device="cuda")
-    result = {"batch": batch, "span": span}
+    result = {"batch": batch, "span": span, "page": page}
     with torch.no_grad():
-        result["eager_graph_s"] = timed(lambda: lm.decode_rows(cache, tokens, positions, span, out))
+        result["eager_graph_s"] = timed(lambda: lm.decode_rows(cache, tokens, positions, cache.max_pages, out))
         eager = out.clone()
         compiled = torch.compile(lm.decode_rows, dynamic=False)
-        result["compiled_graph_s"] = timed(lambda: compiled(cache, tokens, positions, span, out))
+        result["compiled_graph_s"] = timed(lambda: compiled(cache, tokens, positions, cache.max_pages, out))
         result["max_abs_logit_diff"] = float((out.float() - eager.float()).abs().max())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes = 2 * int(positions.sum() + batch) * cfg.num_hidden_layers * cfg.num_key_value_heads * 64 * 2
@@ -204,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         results["sampling"] = sampling()
         print(json.dumps(results["sampling"]), flush=True)
     if "step" in args.sections:
-        step = decode_step()
+        step = decode_step(page=args.page)
         step["ideal_s_at_copy_bw"] = step["bytes"] / (link * 1e9)
         results["decode_step"] = step
         print(json.dumps(step), flush=True)

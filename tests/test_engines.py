@@ -250,11 +250,14 @@ def test_own_forward_matches_hf(tmp_path, arch):
 
     hf = load_model(_arch_model(tmp_path, arch)).eval()
     lm = DecoderLM(hf)
-    cache = lm.new_cache(slots=3, max_len=32)
+    cache = lm.new_cache(rows=3, max_len=32, num_pages=12, page_size=4)
     prompts = [[1, 5, 9, 2, 7], [3, 3, 8]]
     seqs = [list(p) for p in prompts]
+    pages = [[3, 7], [1], [5, 2]]  # rows 0 and 2; row 2 continues prompt 1 from position 2 (chunked prefill)
+    out = torch.empty(3, lm.vocab_size)
     with torch.no_grad():
-        last = list(lm.prefill(cache, [[0], [1, 2]], prompts))  # one padded batch; prompt 1 also fills slot 2
+        first = lm.prefill(cache, [prompts[0], prompts[1][:2]], [0, 0], [pages[0], pages[2]])
+        last = [first[0], lm.prefill(cache, [prompts[1][2:]], [2], [pages[2]])[0]]
         for _ in range(4):  # grow both sequences token by token; compare with HF on the whole sequence
             for s, seq in enumerate(seqs):
                 ref = hf(torch.tensor([seq])).logits[0, -1]
@@ -262,8 +265,15 @@ def test_own_forward_matches_hf(tmp_path, arch):
             nxt = [int(x.argmax()) for x in last]
             for seq, t in zip(seqs, nxt, strict=True):
                 seq.append(t)
-            out = lm.decode(cache, torch.tensor([0, 2]), torch.tensor(nxt), torch.tensor([len(s) - 1 for s in seqs]))
-            last = list(out)
+            for held, seq, spare in ((pages[0], seqs[0], 8), (pages[2], seqs[1], 9)):  # grow pages with the tokens
+                if len(held) * 4 < len(seq):
+                    held.append(spare)
+            cache.set_row(0, pages[0])
+            cache.set_row(2, pages[2])
+            cache.flush()
+            positions = torch.tensor([len(seqs[0]) - 1, 0, len(seqs[1]) - 1])  # row 1 idle: scratch page
+            lm.decode_rows(cache, torch.tensor([nxt[0], 0, nxt[1]]), positions, cache.max_pages, out)
+            last = [out[0].clone(), out[2].clone()]
 
 
 def test_samples_do_not_depend_on_batch_mates(tiny_model_dir):

@@ -47,7 +47,7 @@ def test_single_turn_over_http_equals_the_engine_called_directly(served):
     """The default rollout goes through the router, batched; every sample is what the engine generates for
     the same prompt and sampling seed, tokens and logprobs."""
     backends, url = served
-    runner = RolloutRunner(single_turn, url, num_workers=2, token=TOKEN)
+    runner = RolloutRunner(single_turn, url, [b.server_url() for b in backends], token=TOKEN)
     try:
         prompts = _prompts(backends[0], ["S123=", "S907=", "R55="], n=3)
         groups = runner.run(prompts, PARAMS)
@@ -77,7 +77,7 @@ def test_a_bad_rollout_function_gets_an_error_naming_the_field(served):
     with pytest.raises(TypeError, match=r"rollout\.fn: .* must be an async function"):
         load_rollout_fn("tests.test_rollout_fn:rollout_that_is_not_async")
     backends, url = served
-    runner = RolloutRunner(_three_samples, url, num_workers=2, token=TOKEN)
+    runner = RolloutRunner(_three_samples, url, [b.server_url() for b in backends], token=TOKEN)
     try:
         with pytest.raises(ValueError, match=r"returned 3 samples for prompt 0; expected 2"):
             runner.run(_prompts(backends[0], ["S1="], n=2), PARAMS)
@@ -95,7 +95,7 @@ def test_closing_the_runner_releases_a_rollout_in_flight():
     async def never(prompt, url, sampling_params):
         await asyncio.sleep(3600)
 
-    runner = RolloutRunner(never, "http://127.0.0.1:9", num_workers=1)
+    runner = RolloutRunner(never, "http://127.0.0.1:9", ["http://127.0.0.1:9"])
     outcome: list[BaseException] = []
 
     def generate() -> None:
@@ -132,7 +132,7 @@ def test_dynamic_sampling_aborts_the_rest_and_loses_no_finished_sample(served):
 
     supply = iter(_prompts(backends[0], [f"S{i:03d}=" for i in range(40)], n=2))
     long = PARAMS | {"max_new_tokens": 24, "ignore_eos": True}
-    runner = RolloutRunner(recording, url, num_workers=2, token=TOKEN)
+    runner = RolloutRunner(recording, url, [b.server_url() for b in backends], token=TOKEN)
     try:
         def collect(carry):
             return runner.submit(collect_groups(
@@ -299,3 +299,66 @@ def test_a_dead_rollout_worker_is_routed_around_then_restarted_with_current_weig
         assert session.router.workers[0].served > 0
     finally:
         session.shutdown()
+
+
+# ---- sglang-router (the real Rust binary) in front of embedded servers ------------------------------------------
+def test_sglang_router_fronts_embedded_workers(tmp_path):
+    """sglang-router 0.3.2 in front of two embedded servers, as a run with the SGLang backend gets it: the servers
+    pass its registration checks (/health, /server_info, /model_info) through its worker API, which needs the run's
+    token; the default rollout goes through it one item a request (it refuses a batched /generate), spread over
+    both; an abort goes to each worker directly (it does not forward /abort_request); a restarted worker replaces
+    the old one behind it."""
+    import httpx
+
+    from rlflow.engines.core.config import ModelConfig
+    from rlflow.engines.models.hf import build_tiny_model
+    from rlflow.engines.rollout.functions import REQUEST_TAG, abort_tagged, end_tag, generate, outstanding_rids
+    from rlflow.engines.rollout.sglang_router import SGLangRouter
+
+    build_tiny_model(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                 max_seq_len=512), tmp_path / "model", seed=0)
+    backends = [TorchRolloutBackend(str(tmp_path / "model"), threads=1, batch_size=4, trace=True) for _ in range(3)]
+    urls = [b.start_server(token=TOKEN) for b in backends[:2]]
+    router = SGLangRouter(urls, token=TOKEN, log_dir=str(tmp_path))
+    runner = RolloutRunner(single_turn, router.url, urls, token=TOKEN, batched=False)
+    try:
+        assert [w.healthy for w in router.workers] == [True, True]
+        assert httpx.post(router.url + "/workers", json={"url": "http://127.0.0.1:9"}).status_code == 401
+        batched = httpx.post(router.url + "/generate", json={"input_ids": [[1, 2], [3]], "sampling_params": [{}, {}]})
+        assert batched.status_code == 422, "sglang-router takes one sampling_params per request"
+        assert httpx.post(router.url + "/abort_request", json={"abort_all": True}).status_code == 404
+
+        prompts = _prompts(backends[0], ["S123=", "S907=", "R55="], n=2)
+        groups = runner.run(prompts, PARAMS)
+        queued = [sum(e["name"] == "queued" for e in b.drain_trace()) for b in backends[:2]]
+        assert sum(queued) == 6 and min(queued) >= 2, "one request per sample, round robin over both workers"
+        for p, group in zip(prompts, groups, strict=True):
+            direct = backends[0].generate([p.prompt_ids], SamplingParams(max_new_tokens=6, temperature=1.0), p.seed)
+            assert group[0].response_ids == direct[0].output_ids, "the sampling seed went through the router"
+            assert all(s.weight_version == 0 and len(s.logprobs) == len(s.response_ids) for s in group)
+
+        async def tagged() -> dict:
+            REQUEST_TAG.set("long")
+            return await generate(router.url, [1, 4, 5], PARAMS | {"max_new_tokens": 400, "ignore_eos": True})
+
+        async def abort_while_running() -> dict:
+            task = asyncio.ensure_future(tagged())
+            while not outstanding_rids("long"):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            await abort_tagged(router.url, "long")  # to each worker: the router would answer 404
+            end_tag("long")
+            return await task
+
+        item = runner.submit(abort_while_running())
+        assert item["meta_info"]["finish_reason"]["type"] == "abort" and len(item["output_ids"]) < 400
+
+        new = backends[2].start_server(token=TOKEN)
+        router.replace(0, new)
+        assert [w.url for w in router.workers] == [new, urls[1]]
+        assert sorted(router.registered()) == sorted([new, urls[1]]), "the old server is no longer registered"
+    finally:
+        runner.close()
+        router.stop()
+        for b in backends:
+            b.close()

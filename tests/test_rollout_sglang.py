@@ -11,6 +11,7 @@ with --enable-memory-saver, its own weight loader, tensor parallelism) is not te
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -30,8 +31,9 @@ from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.core.config import ModelConfig
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.core.sampling import SamplingParams
+from rlflow.engines.core.sglang_args import gpus_per_server
 from rlflow.engines.models.hf import build_tiny_model
-from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend, gpus_per_server, server_args
+from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend, server_args
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.sync.distributed import (
     broadcast_weights,
@@ -41,7 +43,8 @@ from rlflow.engines.sync.distributed import (
 )
 
 EMBEDDED = "rlflow.engines.rollout.launch"  # the stand-in for sglang.launch_server
-ARGS = {"max-running-requests": 3, "context-length": 48, "random-seed": 7, "dtype": "float32"}
+ARGS = {"max-running-requests": 3, "context-length": 48, "random-seed": 7, "dtype": "float32", "page-size": 8,
+        "max-total-tokens": 96}
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 4, 5, 6], [1, 9, 8]]
 
@@ -130,7 +133,10 @@ def test_recipe_args_become_launch_server_flags_untouched():
         "--log-level",
         "info",
     ]
-    assert gpus_per_server(args) == 2 and gpus_per_server({"tp": 2, "pp-size": 2}) == 4 and gpus_per_server({}) == 1
+    assert gpus_per_server({"tensor-parallel-size": 2}) == 2 and gpus_per_server({}) == 1
+    assert gpus_per_server({"tensor-parallel-size": 2, "pipeline-parallel-size": 2}) == 4
+    assert gpus_per_server({"tensor-parallel-size": 2, "data-parallel-size": 2}) == 4
+    assert gpus_per_server({"tensor-parallel-size": 2, "data-parallel-size": 2, "enable-dp-attention": True}) == 2
 
 
 def test_launch_waits_for_health_and_passes_the_args(worker, model_dir):
@@ -148,9 +154,12 @@ def test_launch_waits_for_health_and_passes_the_args(worker, model_dir):
         "--port",
         worker.server_url().rsplit(":", 1)[1],
         *server_args(ARGS),
+        "--enable-deterministic-inference",  # SGLang honours sampling_seed only with it (rollout.sglang.deterministic)
     ]
     info = worker.server_info()
     assert (info["max_running_requests"], info["context_length"], info["dtype"]) == (3, 48, "float32")
+    assert (info["page_size"], info["max_total_num_tokens"]) == (8, 96)
+    assert info["internal_states"][0]["num_preemptions"] == 0
     assert worker.start_server() == worker.server_url(), "a running server is not launched twice"
 
 
@@ -203,13 +212,14 @@ def _greedy(worker) -> dict:
 
 
 def test_update_weights_from_disk_changes_generations_and_weight_version(worker, model_dir, weight_dir, tmp_path):
+    assert worker.model_info()["weight_version"] == "default", "a fresh server answers as SGLang's does"
     before = _greedy(worker)
+    assert before["weight_version"].tolist() == [0, 0], "'default' is rlflow's version 0"
     weights = load_file(str(Path(model_dir) / "model.safetensors"))
     negated = {"lm_head.weight": -weights["lm_head.weight"]}
     save_file(negated, str(tmp_path / "bucket-0000.safetensors"))
     with pytest.raises(RuntimeError, match="answered 403.*outside the folders"):  # not one of the run's folders
         worker.update_weights_from_disk(tmp_path, 5)
-    assert worker.server_info()["weight_version"] == str(worker.weight_version)
     (weight_dir / "v5").mkdir()
     save_file(negated, str(weight_dir / "v5" / "bucket-0000.safetensors"))
     assert worker.update_weights_from_disk(weight_dir / "v5", 5) == 5  # a folder with some of the weights
@@ -217,6 +227,7 @@ def test_update_weights_from_disk_changes_generations_and_weight_version(worker,
     assert not (after["output_ids"] == before["output_ids"]).all(), "negated logits pick other tokens"
     assert after["weight_version"].tolist() == [5, 5]
     assert worker.server_info()["weight_version"] == "5"
+    assert worker.model_info()["model_path"] == str(weight_dir / "v5"), "SGLang's model_path: the folder loaded"
     worker.update_weights_from_disk(model_dir, 6)  # the original model folder
     restored = _greedy(worker)
     assert restored["output_ids"].tolist() == before["output_ids"].tolist()
@@ -229,24 +240,58 @@ def test_tensors_reach_the_server_through_a_folder_of_the_worker(worker, model_d
     weights = load_file(str(Path(model_dir) / "model.safetensors"))
     worker.update_weights([("lm_head.weight", -weights["lm_head.weight"])], 8)
     assert not (_greedy(worker)["output_ids"] == before["output_ids"]).all()
+    first = worker.model_info()["model_path"]
     worker.update_weights(weights.items(), 9)
     assert _greedy(worker)["output_ids"].tolist() == before["output_ids"].tolist()
-    assert not list(worker._dir.glob("weights-*")), "the worker's weight folders are removed after loading"
+    # the folder the server loaded last is its model_path and stays; the one before goes
+    assert [str(p) for p in worker._dir.glob("weights-*")] == [worker.model_info()["model_path"]] != [first]
 
 
 def test_release_and_resume_memory_occupation(worker, model_dir):
     before = _greedy(worker)
+    sent = []
+    worker._http.event_hooks["request"].append(lambda r: sent.append((r.url.path, json.loads(r.content or b"{}"))))
     worker.release_memory_occupation()
+    # slime's order: drain and flush, release every tag; the weights back before the update, the rest after it
+    release = ("/release_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]})
+    assert sent == [("/flush_cache", {}), release]
     assert worker.server_info()["internal_states"][0]["memory_released"] is True
     with pytest.raises(RuntimeError, match="released"):
         _greedy(worker)
-    worker.update_weights_from_disk(model_dir, 10)  # resumes first, as a colocated sync does
+    sent.clear()
+    worker.update_weights_from_disk(model_dir, 10)  # resumes the weights first, as a colocated sync does
+    worker.end_weight_update()
+    assert [path for path, _ in sent] == ["/resume_memory_occupation", "/update_weights_from_disk", "/flush_cache"]
+    assert sent[0][1] == {"tags": ["weights"]}
+    assert sent[1][1]["flush_cache"] is False, "one flush per update, after its last bucket"
+    worker._http.event_hooks["request"].clear()
     assert worker.server_info()["internal_states"][0]["memory_released"] is False
+    assert worker._released == {"kv_cache", "cuda_graph"}  # ... the rest once the trainer has parked its state
+    worker.resume_memory_occupation(["kv_cache", "cuda_graph"])
+    assert worker._released == set()
     assert _greedy(worker)["output_ids"].tolist() == before["output_ids"].tolist()
     worker.release_memory_occupation()
     worker.resume_memory_occupation()  # the explicit pair works too (weights are refilled by the next update)
     worker.update_weights_from_disk(model_dir, 11)
     assert _greedy(worker)["output_ids"].tolist() == before["output_ids"].tolist()
+
+
+def test_release_waits_until_running_requests_finish(worker, model_dir):
+    """SGLang releases memory only on an idle server (it asserts it): the worker drains first, so a release that
+    meets a running request waits for it instead of failing."""
+    long = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(worker.generate, [[1, 4, 5]], long, 0)
+        deadline = time.monotonic() + 30
+        while not running.done() and time.monotonic() < deadline:
+            if worker.server_info()["internal_states"][0]["num_requests"]:
+                break
+            time.sleep(0.005)
+        worker.release_memory_occupation()
+        assert len(running.result(timeout=60)[0].output_ids) == 40, "the request ran to its end"
+    assert worker.server_info()["internal_states"][0]["memory_released"] is True
+    worker.update_weights_from_disk(model_dir, 12)
+    worker.end_weight_update()
 
 
 def test_distributed_weight_update_over_gloo(worker, model_dir):
@@ -310,7 +355,9 @@ def _session_run(recipe, tmp_path, name: str, transport: str, use_ray: bool = Fa
             for stage in ("rollout", "reward", "advantages", "train", "sync_weights"):
                 metrics.append(getattr(session, stage)(step))
         trained = dict(session.train_group.call_rank0(TrainBackend.named_tensors))
-        assert not (tmp_path / "weights" / name / "weights" / "v00000002").exists(), "a loaded version is removed"
+        versions = tmp_path / "weights" / name / "weights"
+        if transport == "disk":  # the version the servers loaded last stays (SGLang's model_path), older ones go
+            assert (versions / "v00000002").is_dir() and not (versions / "v00000001").exists()
         if transport == "distributed":  # nothing went through the disk
             assert not (tmp_path / "weights").exists()
         yield session, trained, metrics
@@ -334,18 +381,22 @@ def test_transport_gives_the_embedded_engine_the_trainers_weights(recipe, tmp_pa
 def test_sglang_backend_runs_rl_steps(recipe, tmp_path, transport):
     """Two RL steps whose rollouts come from the launched server (the worker's /generate) and whose weights
     reach it through /update_weights_from_disk, or a weight-update group and /update_weights_from_distributed;
-    the server then generates what the trainer's weights give."""
-    rollout = {"backend": "sglang", "sglang": {"launch_module": EMBEDDED, "args": {"random-seed": 0}}}
+    the server then generates what the trainer's weights give. The server holds bfloat16 weights (the trainer
+    float32): the distributed transport broadcasts the server's dtype. sglang-router fronts it (installed here)."""
+    args = {"random-seed": 0, "dtype": "bfloat16"}
+    rollout = {"backend": "sglang", "sglang": {"launch_module": EMBEDDED, "args": args}}
     with _session_run(recipe, tmp_path, f"{transport}-sglang", transport, rollout=rollout) as (session, trained,
                                                                                                 metrics):
         worker = session.rollout_group.workers[0]
         pid = worker.server_pid()
         assert isinstance(worker, SGLangRolloutBackend)
-        assert session.server_urls == [worker.server_url()] and session.router is not None
+        assert session.server_urls == [worker.server_url()] and session.router.kind == "sglang-router"
+        if transport == "distributed":
+            assert metrics[-1]["sync/bytes"] == sum(t.numel() * 2 for t in trained.values()), "bfloat16, not fp32"
         assert metrics[0]["rollout/tokens"] > 0 and metrics[-1]["sync/weight_version"] == 2.0
         assert worker.server_info()["weight_version"] == "2"
         served = worker.generate_packed(PROMPTS, GREEDY, seed=0)
-        reference = TorchRolloutBackend(session.model_path, threads=1, batch_size=4)
+        reference = TorchRolloutBackend(session.model_path, threads=1, batch_size=4, dtype=torch.bfloat16)
         try:
             reference.update_weights(trained.items(), 2)
             expected = reference.generate_packed(PROMPTS, GREEDY, seed=0)

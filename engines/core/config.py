@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from rlflow.engines.core.retry import RetryPolicy
+from rlflow.engines.core.sglang_args import DETERMINISTIC, normalise_args, weight_update_ranks
 
 
 class Section(BaseModel):
@@ -63,24 +64,47 @@ class DataConfig(Section):
     )
 
 
-class SGLangConfig(Section):
-    """rollout.backend: sglang. Each rollout worker runs `python -m <launch_module> --model-path <model> --host
-    127.0.0.1 --port <free port> <args>` on the GPUs Ray gave it (docs/rollout.md)."""
+# launch modules whose flags are SGLang's (the stand-in takes a subset of them, with the same names)
+SGLANG_LAUNCHERS = ("sglang.launch_server", "rlflow.engines.rollout.launch")
 
+
+class SGLangConfig(Section):
+    """rollout.backend: sglang. Each rollout worker runs `<python> -m <launch_module> --model-path <model> --host
+    <its address> --port <free port> <args>` on the GPUs Ray gave it (docs/rollout.md)."""
+
+    python: str | None = Field(
+        None, description="The interpreter that runs the server: an environment with SGLang installed (it pins its "
+        "own torch and transformers, so it rarely fits rlflow's). Empty: this interpreter. Weight transports across "
+        "two environments: docs/rollout.md.")
     launch_module: str = Field("sglang.launch_server", description="Module started with `python -m` as the server.")
     args: dict[str, Any] = Field(
         default_factory=dict,
-        description="SGLang's launch_server options, passed through untouched: `mem-fraction-static: 0.8` -> "
-        "`--mem-fraction-static 0.8`; true -> the bare flag; false or null -> left out; a list -> its values after "
-        "one flag. model-path, host and port are set by the worker.",
+        description="SGLang's launch_server flags: `mem-fraction-static: 0.8` -> `--mem-fraction-static 0.8`; true "
+        "-> the bare flag; false or null -> left out; a list -> its values after one flag. Names are checked against "
+        "SGLang's flags at validation and written canonically (`tp_size`/`tp-size` -> `tensor-parallel-size`; an "
+        "ambiguous one such as `pp` is refused). model-path, host, port and api-key are set by the worker.",
     )
+    deterministic: bool = Field(
+        True, description="Launch with --enable-deterministic-inference: SGLang honours a request's sampling_seed "
+        "only then (a retried request, or a rerun, gives the same tokens). false: SGLang's faster sampling and "
+        "attention kernels, and sampling_seed is ignored.")
     startup_timeout_s: float = Field(600, gt=0, description="Seconds to wait for the server's /health to answer 200.")
+    drain_timeout_s: float = Field(
+        120, gt=0, description="Colocated: seconds to wait for running requests to finish before the server's memory "
+        "is released (SGLang releases only an idle server).")
 
     @model_validator(mode="after")
     def _check_args(self) -> SGLangConfig:
-        taken = {"model-path", "model", "host", "port"} & {k.lstrip("-").replace("_", "-") for k in self.args}
-        if taken:
-            raise ValueError(f"rollout.sglang.args: {sorted(taken)} are set by the rollout worker; leave them out")
+        checked = self.launch_module in SGLANG_LAUNCHERS  # a custom launcher's flags are its own: only re-spelled
+        args = normalise_args(self.args, check=checked)
+        if checked:
+            given = args.get(DETERMINISTIC)
+            if given is not None and bool(given) != self.deterministic:
+                raise ValueError(f"rollout.sglang.args.{DETERMINISTIC}: {given} contradicts rollout.sglang."
+                                 f"deterministic: {self.deterministic}; set deterministic only")
+            args[DETERMINISTIC] = self.deterministic
+        self.args.clear()  # in place: assigning would validate the model again (validate_assignment)
+        self.args.update(args)
         return self
 
 
@@ -105,11 +129,34 @@ def nodes_field(workers: str) -> Any:
                  "placement group per node, packed on it); checked against the cluster before any worker starts.")
 
 
+class KVCacheConfig(Section):
+    """The embedded engine's paged KV cache (docs/rollout.md): one pool of fixed-size pages shared by every
+    running sequence, so contexts are bounded by the model's positions and the pool, not a fixed slot."""
+
+    page_size: int = Field(16, gt=0, description="Tokens per KV page.")
+    memory_fraction: float = Field(
+        0.5, gt=0.0, lt=1.0, description="CUDA: the share of the GPU memory free once the weights are loaded "
+        "that the page pool takes (SGLang's mem_fraction_static idea, of free rather than total memory).")
+    tokens: int | None = Field(
+        None, gt=0, description="Pool size in tokens; overrides memory_fraction. Empty: from memory_fraction on "
+        "CUDA, 65536 tokens on CPU (never more than batch_size x context_len).")
+    prefill_chunk_tokens: int = Field(
+        8192, gt=0, description="Prompt tokens prefilled per engine step; a longer prompt is prefilled in chunks "
+        "over several steps, between the running decodes.")
+    share_prompts: bool = Field(
+        True, description="Requests with the same prompt (the samples of a GRPO group) prefill once and share the "
+        "prompt's full pages (the partial last page is copied); false: each prefills and stores its own.")
+
+
 class RolloutConfig(Section):
     backend: Literal["torch", "sglang"] = Field(
         "torch", description="Rollout engine: the embedded PyTorch generator, or an SGLang server per worker "
         "(rollout.sglang).")
     sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="The SGLang backend's server.")
+    router: Literal["auto", "sglang-router", "rlflow"] = Field(
+        "auto", description="The router in front of the workers' servers. auto: sglang-router (pip install "
+        "'rlflow[router]') for backend sglang where it is installed, else rlflow's own (engines/rollout/router.py), "
+        "which also serves the embedded engine: it takes a batched /generate, sglang-router only one item a request.")
     num_workers: int = Field(1, gt=0)
     nodes: int = nodes_field("rollout workers")
     prompts_per_step: int = Field(64, gt=0)
@@ -119,7 +166,12 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     stop: list[str] = Field(default_factory=list, description="Stop strings besides the EOS token.")
-    batch_size: int = Field(512, gt=0, description="Sequences generated together per worker (KV-cache slots).")
+    batch_size: int = Field(512, gt=0, description="Sequences generated together per worker (page-table rows).")
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig, description="The embedded engine's paged KV cache.")
+    compile: bool = Field(
+        False, description="Embedded engine on CUDA: torch.compile its decode step before capturing it in CUDA graphs "
+        "(norms, rotary, SwiGLU and residual adds fused; 1.6x a step on an H100, docs/benchmarks.md), at the cost of "
+        "compiling at the first rollout. SGLang's --enable-torch-compile.")
     fn: str = Field(
         "rlflow.engines.rollout.functions:single_turn",
         description="Import path of the async rollout function f(prompt, router_url, sampling_params) -> "
@@ -438,6 +490,12 @@ class TrainConfig(Section):
         False, description="torch backend: FSDP2 CPU offload: parameters, gradients and optimizer state live on "
         "the host (the optimizer steps there) and each layer is copied to the GPU when it runs; trains models "
         "whose state does not fit on the GPUs, at the cost of host-device copies.",
+    )
+    offload_during_rollout: bool | None = Field(
+        None, description="cluster.colocate: the train workers park their optimizer state and weights in pinned "
+        "host memory (and drop the last step's gradients) while the rollout engine sharing their GPU generates, "
+        "and take them back before they run again; logged as time/offload and time/onload. Empty: on when "
+        "colocated. With weight_sync.transport cuda_ipc the weights stay (the rollout engine maps them).",
     )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="Compute dtype of training; master weights, gradient reduction and optimizer state "
@@ -862,12 +920,17 @@ class RLConfig(Section):
             if self.rollout.backend == "torch" and not self.cluster.use_ray:
                 raise ValueError("weight_sync.transport: distributed with the embedded engine needs cluster.use_ray: "
                                  "true (its server and train rank 0 join one process group from two processes)")
+            if self.rollout.backend == "sglang":
+                weight_update_ranks(self.rollout.sglang.args)  # refuses ranks that would collide (pipeline stages)
         if transport == "cuda_ipc" and not self.cluster.colocate:
             raise ValueError("weight_sync.transport: cuda_ipc needs cluster.colocate: true (a shared GPU)")
         for name, section in (("train", self.train), ("rollout", self.rollout), ("critic", self.critic)):
             if section.num_workers % section.nodes:
                 raise ValueError(f"{name}.nodes: {name}.num_workers ({section.num_workers}) must split evenly over "
                                  f"{section.nodes} nodes")
+        if self.train.offload_during_rollout and not self.cluster.colocate:
+            raise ValueError("train.offload_during_rollout: parks the trainer's state while a rollout engine uses "
+                             "its GPU; it needs cluster.colocate: true (separate GPUs keep it where it is)")
         if self.cluster.colocate:
             if self.rollout.nodes != self.train.nodes:
                 raise ValueError(f"cluster.colocate: rollout.nodes ({self.rollout.nodes}) must equal train.nodes "
@@ -911,6 +974,12 @@ class RLConfig(Section):
     @property
     def rollout_device(self) -> str:
         return self.rollout.device or self.train.device
+
+    @property
+    def offloads_trainer(self) -> bool:
+        """Whether the train workers park their state in host memory while their colocated rollout engine runs
+        (train.offload_during_rollout; empty: whenever colocated)."""
+        return self.cluster.colocate and self.train.offload_during_rollout is not False
 
     @property
     def data_parallel_size(self) -> int:

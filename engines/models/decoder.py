@@ -1,7 +1,7 @@
 """Our own forward for Llama / Qwen2 / Qwen3 decoders, reading the weights of a loaded HF model, with a
-slot-based KV cache.
+paged KV cache (engines/models/kv_pages.py).
 
-Why not HF's forward: continuous batching needs every sequence in its own cache slot, joining and leaving
+Why not HF's forward: continuous batching needs every sequence in its own pages, joining and leaving
 the batch at any decode step, and a fixed-shape decode step that a GPU captures in CUDA graphs
 (`DecodeRunner`). The weights stay the HF model's `nn.Parameter`s, so weight updates (`copy_`,
 released/resumed `.data`) are seen here with no extra step (a graph is captured again when they move).
@@ -9,12 +9,22 @@ released/resumed `.data`) are seen here with no extra step (a graph is captured 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from rlflow.engines.models.kv_pages import PagedKVCache
+from rlflow.engines.models.paged_attention import (
+    decode_attention,
+    gather_pages,
+    sdpa_backends,
+    store_kv,
+    uses_fast_kernel,
+)
+from rlflow.engines.models.transfer import to_device
+
+__all__ = ["DecodeRunner", "DecoderLM", "PagedKVCache", "to_device"]
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
@@ -34,16 +44,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-class KVCache:
-    """Keys and values per layer, [slots, kv_heads, max_len, head_dim]: one slot per running sequence."""
-
-    def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        shape = (slots, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.slots, self.max_len = slots, max_len
-
-
 class DecoderLM:
     """Prefill prompts into cache slots; decode one token for many slots at once."""
 
@@ -61,6 +61,10 @@ class DecoderLM:
         self.eps = cfg.rms_norm_eps
         self.max_positions = cfg.max_position_embeddings
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        # chosen once, so a compiled decode step sees one op and no lookup
+        self.decode_attention = decode_attention(self.device, self.head_dim)
+        # the Parameter objects stay (updates copy into them or swap their .data); listed once, not walked per step
+        self._params = list(hf_model.parameters())
 
     @property
     def device(self) -> torch.device:
@@ -70,9 +74,15 @@ class DecoderLM:
     def dtype(self) -> torch.dtype:
         return self.model.lm_head.weight.dtype
 
-    def new_cache(self, slots: int, max_len: int) -> KVCache:
-        return KVCache(len(self.model.model.layers), slots, self.num_kv_heads, max_len, self.head_dim, self.dtype,
-                       self.device)
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes one KV page takes over all layers."""
+        return PagedKVCache.page_bytes(len(self.model.model.layers), self.num_kv_heads, page_size, self.head_dim,
+                                       self.dtype)
+
+    def new_cache(self, rows: int, max_len: int, num_pages: int, page_size: int) -> PagedKVCache:
+        """A paged cache of `num_pages` pages for up to `rows` decoding sequences of at most `max_len` tokens."""
+        return PagedKVCache(len(self.model.model.layers), rows, max_len, num_pages, page_size, self.num_kv_heads,
+                            self.head_dim, self.dtype, self.device)
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for `positions` from a table HF's own rotary module computes once (so every rope
@@ -107,81 +117,88 @@ class DecoderLM:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(rms_norm(x, self.model.model.norm.weight, self.eps)).float()
 
-    def _attend_cached(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
-                       ) -> torch.Tensor:
-        """One new query per sequence, q [B, H, 1, D], against cached keys/values [B, KV, L, D] with
-        visible [B, 1, 1, L]. The query heads that share a KV head become that head's query rows, so one
-        masked SDPA over [B, KV, H/KV, D] does grouped-query attention without repeating the cache."""
-        b = q.shape[0]
-        grouped = q.reshape(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        with _backends(q.device, flash=False):
-            o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible)
-        return o.reshape(b, self.num_heads, 1, self.head_dim)
-
     @torch.no_grad()
-    def prefill(self, cache: KVCache, slots: list[list[int]], prompts: list[list[int]]) -> torch.Tensor:
-        """Run prompts in one right-padded batch and store prompt i's keys/values in every slot of
-        `slots[i]` (requests sharing a prompt); returns the next-token logits [len(prompts), V].
+    def prefill(self, cache: PagedKVCache, pieces: list[list[int]], starts: list[int], pages: list[list[int]]
+                ) -> torch.Tensor:
+        """Run `pieces[i]`, the tokens at positions starts[i].. of sequence i, store their keys/values in its
+        `pages[i]` (which cover them), and return the next-token logits after each piece [len(pieces), V].
 
-        A plain causal mask suffices: padding sits after every real token, so no real query sees it (the
-        padded positions' keys land in the cache past the prompt, where decode masks or overwrites them)."""
-        lengths = [len(p) for p in prompts]
+        Pieces that start a sequence run as one right-padded batch with a plain causal mask (padding sits
+        after every real token, so no real query sees it, and only real tokens are stored). A piece that
+        continues a sequence (chunked prefill, or a preempted request's recompute in parts) attends to the
+        sequence's cached pages plus itself, causally; it runs alone."""
+        if any(starts):
+            return torch.cat([self._prefill_continued(cache, t, s, p) for t, s, p in
+                              zip(pieces, starts, pages, strict=True)])
+        lengths = [len(p) for p in pieces]
         width = max(lengths)
-        ids = to_device([p + [0] * (width - len(p)) for p in prompts], torch.long, self.device)
+        ids = to_device([p + [0] * (width - len(p)) for p in pieces], torch.long, self.device)
         cos, sin = self._cos_sin(torch.arange(width, device=self.device))
-        rows = to_device([i for i, group in enumerate(slots) for _ in group], torch.long, self.device)
-        dest = to_device([s for group in slots for s in group], torch.long, self.device)
-        last = to_device([n - 1 for n in lengths], torch.long, self.device)
+        rows, cols, dest_pages, dest_offsets = [], [], [], []
+        for i, (n, held) in enumerate(zip(lengths, pages, strict=True)):
+            pg, off = cache.slots(held, 0, n)
+            rows += [i] * n
+            cols += range(n)
+            dest_pages += pg
+            dest_offsets += off
+        index = to_device([rows, cols, dest_pages, dest_offsets, [n - 1 for n in lengths] + [0] * (len(rows) - len(
+            lengths))], torch.long, self.device)
         group = self.num_heads // self.num_kv_heads
         x = self.model.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.model.layers):
             def attend(q, k, v, i=i):
-                cache.k[i][dest, :, :width] = k[rows]
-                cache.v[i][dest, :, :width] = v[rows]
+                cache.write(i, index[2], index[3], k[index[0], :, index[1]], v[index[0], :, index[1]])
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-                with _backends(q.device, flash=True):
+                with sdpa_backends(q.device, flash=True):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
             x = self._layer(layer, x, cos, sin, attend)
-        return self._logits(x[torch.arange(len(prompts), device=self.device), last])
+        return self._logits(x[torch.arange(len(pieces), device=self.device), index[4, :len(pieces)]])
 
-    @torch.no_grad()
-    def decode(self, cache: KVCache, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
-               ) -> torch.Tensor:
-        """One token for each of any set of sequences: `tokens[b]` sits at `positions[b]` of slot `slots[b]`.
-        Returns the next-token logits [B, V]. (The engine uses `decode_rows`, which needs no gather.)"""
-        span = int(positions.max()) + 1
-        cos, sin = self._cos_sin(positions[:, None])  # [B, 1, D]
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
-        visible = (torch.arange(span, device=self.device)[None] <= positions[:, None])[:, None, None]  # [B,1,1,L]
-        x = self.model.model.embed_tokens(tokens[:, None])
+    def _prefill_continued(self, cache: PagedKVCache, tokens: list[int], start: int, pages: list[int]
+                           ) -> torch.Tensor:
+        """One piece at positions start.. of a sequence whose first `start` tokens are cached: store its keys
+        and values, then attend over the sequence's pages with an offset causal mask. Returns logits [1, V]."""
+        n, stop = len(tokens), start + len(tokens)
+        positions = torch.arange(start, stop, device=self.device)
+        pg, off = cache.slots(pages, start, stop)
+        where = to_device([pg, off], torch.long, self.device)
+        table = to_device([pages[: cache.pages_for(stop)]], torch.int32, self.device)
+        visible = torch.arange(stop, device=self.device)[None] <= positions[:, None]  # [n, stop]
+        cos, sin = self._cos_sin(positions)
+        group = self.num_heads // self.num_kv_heads
+        x = self.model.model.embed_tokens(to_device([tokens], torch.long, self.device))
         for i, layer in enumerate(self.model.model.layers):
             def attend(q, k, v, i=i):
-                cache.k[i][slots, :, positions] = k[:, :, 0]
-                cache.v[i][slots, :, positions] = v[:, :, 0]
-                return self._attend_cached(q, cache.k[i][slots, :, :span], cache.v[i][slots, :, :span], visible)
+                cache.write(i, where[0], where[1], k[0].transpose(0, 1), v[0].transpose(0, 1))
+                keys = gather_pages(cache.k[i], table)[:, :, :stop].repeat_interleave(group, dim=1)
+                values = gather_pages(cache.v[i], table)[:, :, :stop].repeat_interleave(group, dim=1)
+                with sdpa_backends(q.device, flash=False):
+                    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
 
             x = self._layer(layer, x, cos, sin, attend)
-        return self._logits(x[:, -1])
+        return self._logits(x[:, n - 1])
 
     @torch.no_grad()
-    def decode_rows(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, span: int,
+    def decode_rows(self, cache: PagedKVCache, tokens: torch.Tensor, positions: torch.Tensor, pages: int,
                     out: torch.Tensor) -> None:
-        """One token for slots 0..R-1 (R = len(tokens)), attending over the first `span` cache positions, the
-        next-token logits written to out[:R] (model dtype). Slot b's keys are read in place (no gather) and
-        nothing here waits for the GPU, so a CUDA graph can capture it for a fixed (R, span). Rows of idle
-        slots decode token 0 at position 0 (their cache is rewritten by the next prefill)."""
+        """One token for rows 0..R-1 (R = len(tokens)) of the page table: row b's token at positions[b], its
+        key/value stored in the row's pages, attention over the row's first positions[b] + 1 tokens (within
+        its first `pages` pages); the next-token logits go to out[:R] (model dtype). Nothing here waits for
+        the device, so a CUDA graph can capture it for a fixed (R, pages). Idle rows decode token 0 at
+        position 0 of the scratch page."""
         rows = tokens.shape[0]
-        slots = torch.arange(rows, device=self.device)
+        table = cache.page_table[:rows, :pages]
+        lengths = (positions + 1).to(torch.int32)
+        scale = self.head_dim**-0.5
+        attention = self.decode_attention
         cos, sin = self._cos_sin(positions[:, None])
         cos, sin = cos[:, None], sin[:, None]
-        visible = (torch.arange(span, device=self.device)[None] <= positions[:, None])[:, None, None]
         x = self.model.model.embed_tokens(tokens[:, None])
         for i, layer in enumerate(self.model.model.layers):
             def attend(q, k, v, i=i):
-                cache.k[i][slots, :, positions] = k[:, :, 0]
-                cache.v[i][slots, :, positions] = v[:, :, 0]
-                return self._attend_cached(q, cache.k[i][:rows, :, :span], cache.v[i][:rows, :, :span], visible)
+                store_kv(cache.k[i], cache.v[i], table, positions, k[:, :, 0], v[:, :, 0])
+                return attention(q[:, :, 0], cache.k[i], cache.v[i], table, lengths, scale)[:, :, None]
 
             x = self._layer(layer, x, cos, sin, attend)
         h = rms_norm(x[:, -1], self.model.model.norm.weight, self.eps)
@@ -196,85 +213,88 @@ class DecoderLM:
 
     def weight_pointers(self) -> tuple[int, ...]:
         """Where every weight lives: a CUDA graph holds these addresses, so it is stale once one moves."""
-        return tuple(p.data_ptr() for p in self.model.parameters())
-
-
-def _backends(device: torch.device, flash: bool):
-    """SDPA kernels to use on CUDA: flash for causal prefill; the memory-efficient kernel for masked decode
-    (cuDNN's is not asked for: slower for these shapes). Elsewhere torch picks."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    backends = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, *backends] if flash else backends)
-
-
-def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of Python data on `device`; to CUDA through pinned memory, so the host does not wait for
-    the GPU's queued work (a plain `torch.tensor(..., device='cuda')` synchronizes)."""
-    t = torch.tensor(data, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
+        return tuple(p.data_ptr() for p in self._params)
 
 
 class DecodeRunner:
-    """Runs `DecoderLM.decode_rows` for the busy slots of one cache. On CUDA each (rows, span) bucket is
+    """Runs `DecoderLM.decode_rows` for the busy rows of one paged cache. On CUDA each shape bucket is
     captured once as a CUDA graph and replayed: a decode step is ~25 kernels a layer, and launching them
-    one by one from Python costs more than the GPU needs to run them. Inputs go through static buffers
-    (tokens, positions per slot); logits land in `out` [slots, V]."""
+    one by one from Python costs more than the GPU needs to run them. With the Triton kernel a bucket is a
+    row count (the kernel loops to each row's own length); with the torch path, rows and a page span.
+    Inputs go through static buffers (tokens, positions per row, the cache's page table); logits land in
+    `out` [rows, V]."""
 
-    def __init__(self, lm: DecoderLM, cache: KVCache, out: torch.Tensor, graphs: bool, max_graphs: int = 64):
+    def __init__(self, lm: DecoderLM, cache: PagedKVCache, out: torch.Tensor, graphs: bool, max_graphs: int = 64,
+                 compile: bool = False):
+        """`compile`: the captured step is `decode_rows` compiled by torch.compile (norms, rotary, SwiGLU and
+        residual adds fused; the paged attention stays one custom op), compiled once per shape class."""
         self.lm, self.cache, self.out = lm, cache, out
+        self.step = torch.compile(lm.decode_rows) if compile else lm.decode_rows
         self.use_graphs, self.max_graphs = graphs, max_graphs
-        self.tokens = torch.zeros(cache.slots, dtype=torch.long, device=lm.device)
-        self.positions = torch.zeros(cache.slots, dtype=torch.long, device=lm.device)
+        self.full_span = uses_fast_kernel(lm.device, lm.head_dim)
+        self.tokens = torch.zeros(cache.rows, dtype=torch.long, device=lm.device)
+        self.positions = torch.zeros(cache.rows, dtype=torch.long, device=lm.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.weights = lm.weight_pointers() if graphs else ()
 
     def bucket(self, rows: int, span: int) -> tuple[int, int]:
-        """Graph sizes: rows a power of two up to 64 then multiples of 64; span a multiple of 128."""
+        """Graph sizes: rows a power of two up to 64 then multiples of 64; pages covering the span rounded up
+        to 128 tokens (all of the table with the Triton kernel)."""
         r = 1 << (rows - 1).bit_length() if rows <= 64 else -(-rows // 64) * 64
-        return min(r, self.cache.slots), min(-(-span // 128) * 128, self.cache.max_len)
+        pages = self.cache.max_pages if self.full_span else self.cache.pages_for(-(-span // 128) * 128)
+        return min(r, self.cache.rows), min(pages, self.cache.max_pages)
 
     def run(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, rows: int, span: int) -> None:
-        """Decode `tokens[b]` at `positions[b]` of slot `slots[b]` (device tensors; every slot < rows, every
-        position < span); the other slots below `rows` decode padding."""
+        """Decode `tokens[b]` at `positions[b]` of row `slots[b]` (device tensors; every row < rows, every
+        position < span); the other rows below `rows` decode padding."""
+        self.cache.flush()
         if self.use_graphs:
-            rows, span = self.bucket(rows, span)
+            rows, pages = self.bucket(rows, span)
             weights = self.lm.weight_pointers()
             if weights != self.weights:  # weights re-allocated (released and resumed): capture again
                 self.graphs.clear()
                 self.weights = weights
+        else:
+            pages = self.cache.max_pages if self.full_span else self.cache.pages_for(span)
         self.tokens[:rows].zero_()
         self.positions[:rows].zero_()
         self.tokens[slots] = tokens
         self.positions[slots] = positions
-        graph = self.graphs.get((rows, span))
+        graph = self.graphs.get((rows, pages))
         if graph is not None:
             graph.replay()
         elif self.use_graphs and len(self.graphs) < self.max_graphs:
-            self._capture(rows, span)
+            self._capture(rows, pages)
         else:
-            self.lm.decode_rows(self.cache, self.tokens[:rows], self.positions[:rows], span, self.out)
+            self.step(self.cache, self.tokens[:rows], self.positions[:rows], pages, self.out)
 
-    def _capture(self, rows: int, span: int) -> None:
-        """Run the step eagerly on a side stream (warm-up; its results are this step's), then capture it."""
-        args = (self.cache, self.tokens[:rows], self.positions[:rows], span, self.out)
+    def _capture(self, rows: int, pages: int) -> None:
+        """Run the step eagerly on a side stream (warm-up, and compilation; its results are this step's), then
+        capture it. A step that fails to compile falls back to the uncompiled one."""
+        args = (self.cache, self.tokens[:rows], self.positions[:rows], pages, self.out)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # idempotent: same tokens, same cache writes, same logits
-                self.lm.decode_rows(*args)
+            try:
+                for _ in range(2):  # idempotent: same tokens, same cache writes, same logits
+                    self.step(*args)
+            except Exception:
+                if self.step is self.lm.decode_rows:
+                    raise
+                logging.getLogger(__name__).exception("torch.compile of the decode step failed; running it eagerly")
+                self.step = self.lm.decode_rows
+                for _ in range(2):
+                    self.step(*args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self.lm.decode_rows(*args)
+                self.step(*args)
         except Exception:
             logging.getLogger(__name__).exception("CUDA graph capture failed; decoding without graphs")
             self.use_graphs = False
             self.graphs.clear()
             return
         self.pool = self.pool or graph.pool()
-        self.graphs[(rows, span)] = graph
+        self.graphs[(rows, pages)] = graph

@@ -121,17 +121,12 @@ def model_context(cfg: ModelConfig) -> tuple[int, str]:
     return positions, f"max_position_embeddings in {config}"
 
 
-# the embedded rollout engine's context unless its worker is given another (TorchRolloutBackend's context_len)
-EMBEDDED_CONTEXT_LEN = 4096
-
-
 def rollout_context(cfg: ModelConfig, rollout_backend: str) -> tuple[int, str]:
-    """Tokens one rollout sequence holds (prompt + response) and where the number comes from: the model's context,
-    capped by the embedded engine's (an SGLang server takes the model's, unless its args set --context-length)."""
-    context, source = model_context(cfg)
-    if rollout_backend != "sglang" and context > EMBEDDED_CONTEXT_LEN:
-        return EMBEDDED_CONTEXT_LEN, "the embedded rollout engine's context"
-    return context, source
+    """Tokens one rollout sequence holds (prompt + response) and where the number comes from: the model's context.
+    Both engines take it (the embedded one pages its KV cache, so no constant caps it; an SGLang server does the
+    same unless its args set --context-length); `rollout_backend` is kept for callers that name it."""
+    del rollout_backend
+    return model_context(cfg)
 
 
 def prompt_input(row: dict) -> str | list[dict]:

@@ -1,20 +1,28 @@
 """Continuous batching: one background loop that decodes every running request one token per step.
 
-A request that arrives while others run joins at the next step (its prompt is prefilled into a free KV
-cache slot, then it decodes alongside the rest); a finished or aborted request leaves and frees its slot
-at once. Callers get a `concurrent.futures.Future` per request (the HTTP server awaits it through
-asyncio). Each request samples with its own generator, so its tokens do not depend on its batch-mates.
+A request that arrives while others run joins at the next step (its prompt is prefilled into pages of the
+paged KV cache, engines/models/kv_pages.py, then it decodes alongside the rest in a row of the page table);
+a finished or aborted request leaves and frees its row and pages at once. Requests with the same prompt (a
+GRPO group) prefill once and share the prompt's full pages. A prompt longer than the step's prefill budget
+is prefilled in chunks over several steps, interleaved with the running decodes. When a decode needs a page
+and none is free, the most recently admitted request is preempted: its pages go back, it waits at the front
+of the queue keeping its tokens, logprobs and random stream, and its prompt + output so far is prefilled
+again when it is readmitted, so its tokens are those it would have sampled unpreempted.
+
+Callers get a `concurrent.futures.Future` per request (the HTTP server awaits it through asyncio). Each
+request samples with its own generator, so its tokens do not depend on its batch-mates.
 Weight updates take `engine.lock`, which the loop holds during a step, so weights never change inside one.
 
 On a GPU a step is: sample every running row at once (on the GPU, one host-to-device copy of the step's
 inputs), start the next decode for all of them (a CUDA graph, `engines/models/decoder.py` DecodeRunner), and only then
 wait for the sampled tokens, so the host's bookkeeping (stop checks, callbacks) overlaps the decode. A row
-that finished in that step was decoded once more for nothing; its slot is free from the next step on.
+that finished in that step was decoded once more for nothing; its row is free from the next step on.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import threading
 import uuid
@@ -26,11 +34,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rlflow.engines.core.config import KVCacheConfig
 from rlflow.engines.core.sampling import SamplingParams, sample_rows, scaled_logits
 from rlflow.engines.core.trace import TraceRecorder, now_us
-from rlflow.engines.models.decoder import DecoderLM, DecodeRunner, KVCache, to_device
+from rlflow.engines.models.decoder import DecoderLM, DecodeRunner
+from rlflow.engines.models.kv_pages import PagedKVCache
+from rlflow.engines.models.transfer import to_device
+from rlflow.engines.models.triton_kernels import triton_kernel
 
-QUEUE_TID = 0  # trace lane of queued requests and weight updates; KV-cache slot s is lane s + 1
+CPU_POOL_TOKENS = 65536  # the page pool on CPU unless kv_cache.tokens says otherwise
+QUEUE_TID = 0  # trace lane of queued requests and weight updates; page-table row s is lane s + 1
 
 
 def slot_lane(slot: int) -> int:
@@ -77,12 +90,20 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     limit: int = 0
     filtered: bool = False
+    pages: list[int] = field(default_factory=list)  # KV pages holding its tokens, in order
+    admitted: int = -1  # admission order (the newest running request is the one preempted)
+    preemptions: int = 0
     _uniforms: list[float] = field(default_factory=list)
 
     @property
     def position(self) -> int:
         """Cache position of the newest token."""
         return len(self.prompt) + len(self.output_ids) - 1
+
+    @property
+    def tokens(self) -> list[int]:
+        """What a (re)admission prefills: the prompt and the output so far."""
+        return self.prompt + self.output_ids
 
     def uniform(self) -> float:
         """The request's next random number, drawn from its own generator 64 at a time (one draw per sampled
@@ -92,27 +113,70 @@ class Request:
         return self._uniforms.pop()
 
 
+@dataclass(eq=False)
+class _Prefill:
+    """Requests admitted together whose tokens are the same (a GRPO group; one request usually), prefilled
+    once: `pages` hold the tokens (full pages, then the partial last page if any), `partials` one more
+    partial page for each request beyond the first (its copy-on-write copy). `done` tokens are cached."""
+
+    requests: list[Request]
+    tokens: list[int]
+    pages: list[int]
+    partials: list[int]
+    admitted: int
+    done: int = 0
+
+
 class ContinuousBatchEngine:
-    def __init__(self, lm: DecoderLM, tokenizer, max_running: int, max_len: int, trace: TraceRecorder,
+    def __init__(self, lm: DecoderLM, tokenizer, max_running: int, max_len: int | None, trace: TraceRecorder,
                  weight_version: Callable[[], int], weights_ready: Callable[[], bool],
-                 max_prefill_tokens: int = 16384):
+                 kv: KVCacheConfig | None = None, max_prefill_tokens: int = 16384, compile: bool = False):
+        """`max_len`: longest prompt + response (None: the model's positions); the page pool may cap it.
+        `max_prefill_tokens`: padded tokens per prefill forward. `compile`: on CUDA, the decode step is compiled
+        with torch.compile before it is captured (DecodeRunner)."""
         self.lm, self.tokenizer, self.trace = lm, tokenizer, trace
-        self.max_prefill_tokens = max_prefill_tokens  # padded tokens per prefill forward
-        self.max_running, self.max_len = max_running, min(max_len, lm.max_positions)
+        self.kv = kv or KVCacheConfig()
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_running = max_running
+        context = min(max_len or lm.max_positions, lm.max_positions)
+        self.num_pages = self._plan_pages(context)
+        self.max_len = min(context, (self.num_pages - 1) * self.kv.page_size)  # one sequence fits the pool
         self.weight_version, self.weights_ready = weight_version, weights_ready
         self.lock = threading.RLock()  # held for a whole step; weight updates take it between steps
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers must not be used by two threads at once
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
+        self._prefilling: list[_Prefill] = []
         self._running: list[Request] = []
-        self._free: list[int] = []  # a heap: the lowest free slot first, so busy slots stay packed at the bottom
-        self._cache: KVCache | None = None
-        self._logits: torch.Tensor | None = None  # [slots, V] next-token logits of each busy slot
+        self._free: list[int] = []  # a heap: the lowest free row first, so busy rows stay packed at the bottom
+        self._cache: PagedKVCache | None = None
+        self._logits: torch.Tensor | None = None  # [rows, V] next-token logits of each busy row
         self._runner: DecodeRunner | None = None
+        self._admissions = 0
+        self.preemptions = 0
         self._overlap = lm.device.type == "cuda"  # decode runs while the host reads the sampled tokens
+        self.compile = compile and self._overlap
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
         self._thread.start()
+
+    def _plan_pages(self, context: int) -> int:
+        """Pages of the pool (page 0 is scratch): kv.tokens if set, else a share of the free GPU memory on CUDA
+        or CPU_POOL_TOKENS; never more than every row's longest sequence needs."""
+        size = self.kv.page_size
+        useful = self.max_running * -(-context // size) + 1
+        if self.kv.tokens is not None:
+            pages = -(-self.kv.tokens // size) + 1
+        elif self.lm.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.lm.device)
+            pages = int(free * self.kv.memory_fraction) // self.lm.page_bytes(size)
+        else:
+            pages = -(-CPU_POOL_TOKENS // size) + 1
+        pages = min(pages, useful)
+        if pages < 2:
+            raise ValueError(f"rollout kv_cache: the pool holds {pages} pages of {size} tokens; it needs at least 2 "
+                             "(raise kv_cache.tokens or kv_cache.memory_fraction)")
+        return pages
 
     # ---- callers -------------------------------------------------------------------------------------
     def submit(self, requests: list[Request]) -> list[Future]:
@@ -129,7 +193,8 @@ class ContinuousBatchEngine:
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
         """Abort one request by rid (or a batch's `rid_` prefixed items), or all; returns how many. Waiting
-        requests return at once with no tokens; running ones at the next step with what they generated."""
+        requests return at once with what they generated (nothing, unless preempted); admitted ones at the
+        next step."""
         def hit(r: Request) -> bool:
             return abort_all or r.rid == rid or (rid is not None and r.rid.startswith(f"{rid}_"))
 
@@ -137,21 +202,34 @@ class ContinuousBatchEngine:
             queued = [r for r in self._waiting if hit(r)]
             for r in queued:
                 self._waiting.remove(r)
-                self._finish(r, {"type": "abort", "message": "Aborted before it started"})
-            running = [r for r in self._running if hit(r)]
-            for r in running:
+                self._finish(r, {"type": "abort", "message": "Aborted while preempted" if r.output_ids else
+                                 "Aborted before it started"})
+            admitted = [r for r in self._admitted() if hit(r)]
+            for r in admitted:
                 r.abort_requested = True
             self._cond.notify()
-        return len(queued) + len(running)
+        return len(queued) + len(admitted)
 
     def num_requests(self) -> int:
         with self._cond:
-            return len(self._waiting) + len(self._running)
+            return len(self._waiting) + len(self._admitted())
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens the page pool holds (SGLang's max_total_num_tokens)."""
+        return (self.num_pages - 1) * self.kv.page_size
+
+    def stats(self) -> dict[str, int]:
+        """The paged cache's counters: pages in use now and at most since the cache was made, preemptions."""
+        alloc = self._cache.allocator if self._cache is not None else None
+        return {"kv_pages": self.num_pages - 1, "kv_page_size": self.kv.page_size,
+                "kv_pages_used": alloc.num_used if alloc else 0, "kv_pages_peak": alloc.peak_used if alloc else 0,
+                "num_preemptions": self.preemptions}
 
     def drop_cache(self) -> bool:
         """Free the KV cache (flush, or release memory); refused while requests run."""
         with self.lock:
-            if self._running:
+            if self._running or self._prefilling:
                 return False
             if self._cache is not None and self._overlap:
                 torch.cuda.synchronize()  # the last decode may still be writing the cache
@@ -166,10 +244,13 @@ class ContinuousBatchEngine:
         self.abort(abort_all=True)
 
     # ---- the loop ------------------------------------------------------------------------------------
+    def _admitted(self) -> list[Request]:
+        return self._running + [r for w in self._prefilling for r in w.requests]
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stop or self._waiting or self._running):
+                while not (self._stop or self._waiting or self._running or self._prefilling):
                     self._cond.wait()
                 if self._stop:
                     return
@@ -179,20 +260,20 @@ class ContinuousBatchEngine:
             except Exception as exc:  # a failed step fails its requests, never the loop
                 logging.getLogger(__name__).exception("rollout engine step failed")
                 with self._cond:
-                    for r in self._running:
-                        heapq.heappush(self._free, r.slot)
+                    for r in self._admitted():
                         if not r.future.done():
                             r.future.set_exception(exc)
                     self._running.clear()
+                    self._prefilling.clear()
+                    self._cache = self._logits = self._runner = None  # page accounting restarts from empty
 
     @torch.no_grad()
     def _step(self) -> None:
-        with self._cond:  # abort() reads the running list from other threads: change it under the condition
-            for r in [r for r in self._running if r.abort_requested]:
-                self._running.remove(r)
-                self._release(r)
-                self._finish(r, {"type": "abort", "message": "Aborted by request"})
+        with self._cond:  # abort() reads the admitted requests from other threads: change them under the condition
+            self._drop_aborted()
         self._admit()
+        self._prefill()
+        self._reserve_pages()
         if not self._running:
             return
         running, dev = self._running, self.lm.device
@@ -217,13 +298,54 @@ class ContinuousBatchEngine:
             self._runner.run(ints[0, keep], tokens[keep], ints[1, keep], max(r.slot for r in still) + 1,
                              max(positions[i] for i in keep) + 1)
 
+    def _drop_aborted(self) -> None:
+        """Finish the admitted requests whose abort was asked for, with the tokens they have."""
+        for r in [r for r in self._running if r.abort_requested]:
+            self._running.remove(r)
+            self._release(r)
+            self._finish(r, {"type": "abort", "message": "Aborted by request"})
+        for work in list(self._prefilling):
+            for r in [r for r in work.requests if r.abort_requested]:
+                work.requests.remove(r)
+                self._free_row(r.slot)
+                if work.partials:  # members are alike until their prefill ends: one partial page fewer
+                    self._cache.allocator.release([work.partials.pop()])
+                self._finish(r, {"type": "abort", "message": "Aborted by request"})
+            if not work.requests:
+                self._cache.allocator.release(work.pages)
+                self._prefilling.remove(work)
+
     def _sample(self, running: list[Request], slots: torch.Tensor, uniforms: torch.Tensor,
                 temperature: torch.Tensor, temps: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per running row and its logprob under the temperature-scaled distribution, on the
-        device. Rows without top-k/top-p/min-p draw by inverse CDF over the vocabulary in its own order (no
-        sort); greedy rows take the argmax; filtered rows go through `sample_rows`. Which path a row takes
-        depends on its own parameters only, so its tokens never depend on its batch-mates."""
+        device. Rows without top-k/top-p/min-p draw from the whole vocabulary: on CUDA by the Triton
+        exponential race (engines/models/sampling_triton.py, one pass over the logits, noise keyed by the row's
+        uniform), elsewhere by inverse CDF over the vocabulary in its own order (no sort); greedy rows take the
+        argmax; filtered rows go through `sample_rows`. Which path a row takes depends on its own parameters
+        only, so its tokens never depend on its batch-mates."""
         logits = self._logits[slots]
+        race = triton_kernel("sampling_triton", "race_sample") if logits.device.type == "cuda" else None
+        if race is not None:  # the uniform's 53 bits become the row's Philox seed
+            tokens, logp_tokens = race(logits, temperature, (uniforms * 2.0**53).long())
+        else:
+            tokens, logp_tokens = self._inverse_cdf(logits, uniforms, temperature, temps)
+        filtered = [i for i, r in enumerate(running) if r.filtered]
+        if filtered:
+            rows = to_device(filtered, torch.long, logits.device)
+            ps = [running[i].params for i in filtered]
+            top_p = to_device([p.top_p for p in ps], torch.float32, logits.device)
+            top_k = to_device([p.top_k for p in ps], torch.long, logits.device)
+            min_p = to_device([p.min_p for p in ps], torch.float32, logits.device)
+            t = temperature[rows].float()
+            tokens[rows] = sample_rows(logits[rows], t, top_p, top_k, min_p, uniforms[rows])
+            logp = torch.log_softmax(scaled_logits(logits[rows], t), dim=-1)
+            logp_tokens[rows] = logp.gather(-1, tokens[rows, None])[:, 0]
+        return tokens, logp_tokens
+
+    @staticmethod
+    def _inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torch.Tensor, temps: list[float]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path: log-softmax, a float64 cumulative sum, one search per row; greedy rows the argmax."""
         vocab = logits.shape[-1]
         if all(t in (0.0, 1.0) for t in temps):  # T=1 (and greedy, reported at T=1) scales nothing
             logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
@@ -233,14 +355,6 @@ class ContinuousBatchEngine:
         tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
         if any(t == 0 for t in temps):
             tokens = torch.where(temperature > 0, tokens, logits.argmax(-1))
-        filtered = [i for i, r in enumerate(running) if r.filtered]
-        if filtered:
-            rows = to_device(filtered, torch.long, logits.device)
-            ps = [running[i].params for i in filtered]
-            top_p = to_device([p.top_p for p in ps], torch.float32, logits.device)
-            top_k = to_device([p.top_k for p in ps], torch.long, logits.device)
-            min_p = to_device([p.min_p for p in ps], torch.float32, logits.device)
-            tokens[rows] = sample_rows(logits[rows], temperature[rows].float(), top_p, top_k, min_p, uniforms[rows])
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
     def _emit(self, running: list[Request], tokens: list[int], logps: list[float]) -> tuple[list[Request], list[int]]:
@@ -263,41 +377,152 @@ class ContinuousBatchEngine:
                 self._finish(r, reason)
         return still, keep
 
-    def _admit(self) -> None:
-        """Move waiting requests into free slots; requests with the same prompt share one prefill."""
-        if self._cache is None and self._waiting:
-            self._cache = self.lm.new_cache(self.max_running, self.max_len)
+    def _ensure_cache(self) -> None:
+        if self._cache is None:
+            self._cache = self.lm.new_cache(self.max_running, self.max_len, self.num_pages, self.kv.page_size)
             self._logits = torch.empty(self.max_running, self.lm.vocab_size, dtype=self.lm.dtype,
                                        device=self.lm.device)
-            self._runner = DecodeRunner(self.lm, self._cache, self._logits, graphs=self._overlap)
+            self._runner = DecodeRunner(self.lm, self._cache, self._logits, graphs=self._overlap,
+                                        compile=self.compile)
             self._free = list(range(self.max_running))
-        admitted: list[Request] = []
+
+    def _admit(self) -> None:
+        """Move waiting requests, in order, into free rows while the pool has their pages and still one page
+        for every admitted request (so the next decode step needs no preemption). Consecutive requests with
+        the same tokens (a GRPO group) become one prefill whose full pages they share."""
+        if self._waiting:
+            self._ensure_cache()
+        alloc, size = self._cache.allocator if self._cache else None, self.kv.page_size
         with self._cond:
             while self._waiting and self._free:
-                r = self._waiting.popleft()
+                r = self._waiting[0]
                 error = self._reject(r)
-                if error is not None:
-                    r.future.set_exception(error)
-                elif r.params.max_new_tokens == 0:
-                    self._finish(r, {"type": "length", "length": 0})
-                else:
-                    r.slot = heapq.heappop(self._free)
-                    self._prepare(r)
-                    admitted.append(r)
-            self._running.extend(admitted)  # visible to abort() from now on; their logits come next
-        version, start = self.weight_version(), now_us()
-        groups: dict[tuple[int, ...], list[Request]] = {}
-        for r in admitted:
-            groups.setdefault(tuple(r.prompt), []).append(r)
-        for chunk in _prefill_chunks(list(groups), self.max_prefill_tokens):
-            slots = [[r.slot for r in groups[p]] for p in chunk]
-            logits = self.lm.prefill(self._cache, slots, [list(p) for p in chunk])
-            rows = to_device([i for i, group in enumerate(slots) for _ in group], torch.long, logits.device)
-            dest = to_device([s for group in slots for s in group], torch.long, logits.device)
-            self._logits[dest] = logits[rows].to(self._logits.dtype)  # exact: they were computed in that dtype
-            for p in chunk:
-                for r in groups[p]:
-                    r.weight_version, r.start_us = version, start
+                if error is not None or r.params.max_new_tokens == 0:
+                    self._waiting.popleft()
+                    if error is not None:
+                        r.future.set_exception(error)
+                    else:
+                        self._finish(r, {"type": "length", "length": 0})
+                    continue
+                tokens = r.tokens
+                group = [r]
+                for other in itertools.islice(self._waiting, 1, len(self._free) if self.kv.share_prompts else 1):
+                    if other.tokens != tokens or self._reject(other) is not None or other.params.max_new_tokens == 0:
+                        break
+                    group.append(other)
+                full, per = len(tokens) // size, int(len(tokens) % size > 0)
+                busy = len(self._admitted())
+                # each member: its partial page (if any) and a page held back for its next tokens
+                fits = min(len(group), (alloc.num_free - full - busy) // (per + 1))
+                if fits < 1 and not busy and alloc.num_free >= full + per:
+                    fits = 1  # alone, it needs no room held back: preemption makes its pages
+                if fits < 1:
+                    break  # in order: the head of the queue waits for pages
+                group = group[:fits]
+                for _ in group:
+                    self._waiting.popleft()
+                pages = alloc.alloc(full + per * len(group))
+                shared, partials = pages[:full], pages[full:]
+                self._admissions += 1
+                for m in group:
+                    m.slot, m.admitted = heapq.heappop(self._free), self._admissions
+                    if m.limit == 0:  # first admission (a preempted request keeps its settings)
+                        self._prepare(m)
+                        m.start_us = now_us()
+                self._prefilling.append(_Prefill(group, tokens, shared + partials[:1], partials[1:],
+                                                 self._admissions))
+
+    def _prefill(self) -> None:
+        """Prefill up to kv.prefill_chunk_tokens tokens of the admitted requests, oldest first: whole prompts
+        together in padded batches, the part of a longer one that fits on its own (its next chunk next
+        step). A request whose prefill ends joins the running ones with its first token's logits."""
+        budget, whole, done = self.kv.prefill_chunk_tokens, [], []
+        for work in self._prefilling:
+            if budget <= 0:
+                break
+            n = min(len(work.tokens) - work.done, budget)
+            budget -= n
+            if work.done == 0 and n == len(work.tokens):
+                whole.append(work)
+                continue
+            logits = self.lm.prefill(self._cache, [work.tokens[work.done:work.done + n]], [work.done], [work.pages])
+            work.done += n
+            if work.done == len(work.tokens):
+                done.append((work, logits[0]))
+        for chunk in _prefill_chunks(whole, self.max_prefill_tokens):
+            logits = self.lm.prefill(self._cache, [w.tokens for w in chunk], [0] * len(chunk), [w.pages for w in chunk])
+            for w, row in zip(chunk, logits, strict=True):
+                w.done = len(w.tokens)
+                done.append((w, row))
+        if not done:
+            return
+        version = self.weight_version()
+        with self._cond:
+            for work, _ in done:
+                self._prefilling.remove(work)
+                self._start(work, version)
+        dest = to_device([r.slot for w, _ in done for r in w.requests], torch.long, self.lm.device)
+        rows = to_device([i for i, (w, _) in enumerate(done) for _ in w.requests], torch.long, self.lm.device)
+        logits = torch.stack([row for _, row in done])
+        self._logits[dest] = logits[rows].to(self._logits.dtype)  # exact: they were computed in that dtype
+
+    def _start(self, work: _Prefill, version: int) -> None:
+        """The group's prefill is cached: every member takes the full pages (shared) and its own copy of the
+        partial last page, its row of the page table, and joins the running requests."""
+        cache, full = self._cache, len(work.tokens) // self.kv.page_size
+        work.requests[0].pages = work.pages
+        for r, own in itertools.zip_longest(work.requests[1:], work.partials):
+            cache.allocator.share(work.pages[:full])
+            r.pages = work.pages[:full]
+            if own is not None:
+                cache.copy_page(work.pages[full], own)
+                r.pages = r.pages + [own]
+        for r in work.requests:
+            if not r.output_ids:  # a preempted request keeps the version of its first tokens
+                r.weight_version = version
+            cache.set_row(r.slot, r.pages)
+        self._running.extend(work.requests)
+
+    def _reserve_pages(self) -> None:
+        """Give every running request the page its next token goes to, oldest first; when none is free,
+        preempt the newest admitted request (which may be the one asking) until one is."""
+        if not self._running:
+            return
+        alloc, size = self._cache.allocator, self.kv.page_size
+        for r in sorted(self._running, key=lambda r: r.admitted):
+            if r.slot < 0 or (len(r.prompt) + len(r.output_ids)) // size < len(r.pages):
+                continue  # preempted in this pass, or its page is there
+            page = alloc.alloc(1)
+            while page is None:
+                victim = max(self._running + self._prefilling, key=lambda x: x.admitted)
+                self._preempt(victim)
+                if victim is r:
+                    break
+                page = alloc.alloc(1)
+            if page is not None:
+                self._cache.set_row(r.slot, page, start=len(r.pages))
+                r.pages.append(page[0])
+
+    def _preempt(self, victim: Request | _Prefill) -> None:
+        """Give back a request's (or an unfinished prefill's) pages and rows; its requests wait at the front of
+        the queue, keeping their tokens, logprobs and random streams."""
+        with self._cond:
+            if isinstance(victim, _Prefill):
+                self._prefilling.remove(victim)
+                self._cache.allocator.release(victim.pages + victim.partials)
+                requests = victim.requests
+                for r in requests:
+                    self._free_row(r.slot)
+            else:
+                self._running.remove(victim)
+                self._release(victim)
+                requests = [victim]
+            for r in reversed(requests):
+                r.preemptions += 1
+                self.preemptions += 1
+                self.trace.instant("preempt", tid=QUEUE_TID, args={"rid": r.rid, "tokens": len(r.tokens)})
+                r.slot, r.admitted = -1, -1
+                self._waiting.appendleft(r)
 
     def _prepare(self, r: Request) -> None:
         """What the per-token checks need, computed once."""
@@ -330,32 +555,42 @@ class ContinuousBatchEngine:
             return {"type": "length", "length": len(r.output_ids)}
         return None
 
+    def _free_row(self, row: int) -> None:
+        heapq.heappush(self._free, row)
+        self._cache.clear_row(row)
+
     def _release(self, r: Request) -> None:
-        heapq.heappush(self._free, r.slot)
+        """A running request leaves: its row and its holds on its pages go back."""
+        self._free_row(r.slot)
+        self._cache.allocator.release(r.pages)
+        r.pages = []
 
     def _finish(self, r: Request, reason: dict) -> None:
         end = now_us()
         args = {"rid": r.rid, "finish": reason["type"], "prompt_tokens": len(r.prompt),
-                "completion_tokens": len(r.output_ids), "weight_version": r.weight_version}
+                "completion_tokens": len(r.output_ids), "weight_version": r.weight_version,
+                "preemptions": r.preemptions}
         if reason["type"] == "abort":
             self.trace.instant("abort", tid=slot_lane(r.slot) if r.slot >= 0 else QUEUE_TID, args=args,
                                ts_us=end)
         if r.start_us:
-            self.trace.complete("request", r.start_us, end, tid=slot_lane(r.slot), args=args)
+            self.trace.complete("request", r.start_us, end, tid=slot_lane(r.slot) if r.slot >= 0 else QUEUE_TID,
+                                args=args)
         r.future.set_result(Generation(list(r.prompt), r.output_ids, r.output_logprobs, reason,
                                        r.weight_version, r.rid,
                                        {"queued_us": r.queued_us, "start_us": r.start_us, "end_us": end}))
 
 
-def _prefill_chunks(prompts: list[tuple[int, ...]], budget: int) -> list[list[tuple[int, ...]]]:
-    """Consecutive groups of prompts whose padded batch (count x longest) stays within `budget` tokens."""
-    chunks: list[list[tuple[int, ...]]] = []
+def _prefill_chunks(works: list[_Prefill], budget: int) -> list[list[_Prefill]]:
+    """Consecutive prefills whose padded batch (count x longest) stays within `budget` tokens."""
+    chunks: list[list[_Prefill]] = []
     width = 0
-    for p in prompts:
-        if chunks and (len(chunks[-1]) + 1) * max(width, len(p)) <= budget:
-            chunks[-1].append(p)
-            width = max(width, len(p))
+    for w in works:
+        n = len(w.tokens)
+        if chunks and (len(chunks[-1]) + 1) * max(width, n) <= budget:
+            chunks[-1].append(w)
+            width = max(width, n)
         else:
-            chunks.append([p])
-            width = len(p)
+            chunks.append([w])
+            width = n
     return chunks

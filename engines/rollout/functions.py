@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from rlflow.engines.data.rewards import load_callable
-from rlflow.engines.rollout.http_api import auth_headers
+from rlflow.engines.rollout.http_api import DEFAULT_WEIGHT_VERSION, auth_headers, parse_weight_version
 
 FINISH_REASONS = ("stop", "length", "abort")
 # requests sent while a tag is set get rids "<tag>-<n>", so a dynamic-sampling collection can abort its own
@@ -122,7 +122,7 @@ def sample_from_item(item: dict) -> Sample:
     return Sample(
         response_ids=list(item["output_ids"]), logprobs=logprobs if "output_token_logprobs" in meta else None,
         response=item.get("text"), finish_reason=(meta.get("finish_reason") or {}).get("type", "stop"),
-        weight_version=int(meta.get("weight_version") or 0),
+        weight_version=parse_weight_version(meta.get("weight_version"), "meta_info.weight_version"),
     )
 
 
@@ -141,14 +141,15 @@ def outstanding_rids(tag: str) -> list[str]:
 
 async def abort_tagged(router_url: str, tag: str) -> None:
     """Abort the requests sent under `tag` on every worker (running ones return what they generated, with
-    finish_reason abort); calls made under the tag from now on return aborted without being sent."""
+    finish_reason abort); calls made under the tag from now on return aborted without being sent. The aborts go to
+    each worker's server directly (`worker_urls`): sglang-router does not forward /abort_request."""
     _ABORTED.add(tag)
     async with aiohttp.ClientSession(headers=control_headers(router_url)) as session:
-        async def one(rid: str) -> None:
-            async with session.post(f"{router_url}/abort_request", json={"rid": rid}) as resp:
+        async def one(url: str, rid: str) -> None:
+            async with session.post(f"{url}/abort_request", json={"rid": rid}) as resp:
                 resp.raise_for_status()
 
-        await asyncio.gather(*(one(rid) for rid in outstanding_rids(tag)))
+        await asyncio.gather(*(one(url, rid) for url in worker_urls(router_url) for rid in outstanding_rids(tag)))
 
 
 def end_tag(tag: str) -> None:
@@ -159,7 +160,7 @@ def end_tag(tag: str) -> None:
 def _aborted_item(input_ids: list[int]) -> dict:
     return {"text": "", "output_ids": [], "meta_info": {
         "finish_reason": {"type": "abort", "message": "aborted before it was sent"}, "prompt_tokens": len(input_ids),
-        "completion_tokens": 0, "output_token_logprobs": [], "weight_version": "0"}}
+        "completion_tokens": 0, "output_token_logprobs": [], "weight_version": DEFAULT_WEIGHT_VERSION}}
 
 
 class _Batcher:
@@ -167,11 +168,12 @@ class _Batcher:
 
     A call queues its item and the first one schedules a flush with `call_soon`: it runs after every task
     that is ready now has reached its own await, so the prompts a step starts together go out together,
-    split into `parts` requests (one per rollout worker, which the router spreads least-loaded).
+    split into `parts` requests (one per rollout worker, which the router spreads least-loaded). A router that
+    takes one item a request (sglang-router refuses a list of sampling_params) gets every item on its own.
     """
 
-    def __init__(self, url: str, parts: int):
-        self.url, self.parts = url, parts
+    def __init__(self, url: str, parts: int, batched: bool = True):
+        self.url, self.parts, self.batched = url, parts, batched
         self.pending: list[tuple[list[int], dict, bool, str, str | None, asyncio.Future]] = []
         self.session: aiohttp.ClientSession | None = None
         prefix = uuid.uuid4().hex[:8]  # request ids unique across batchers and runs sharing a server
@@ -201,12 +203,17 @@ class _Batcher:
             by_group.setdefault(it[4], []).append(it)
         for group, batch in by_group.items():
             per = len(batch) if group is not None else -(-len(batch) // self.parts)
+            per = per if self.batched else 1
             for i in range(0, len(batch), per):
                 asyncio.ensure_future(self._post(batch[i : i + per]))
 
     async def _post(self, items: list) -> None:
-        body = {"input_ids": [it[0] for it in items], "sampling_params": [it[1] for it in items],
-                "return_logprob": [it[2] for it in items], "rid": [it[3] for it in items]}
+        if self.batched:
+            body = {"input_ids": [it[0] for it in items], "sampling_params": [it[1] for it in items],
+                    "return_logprob": [it[2] for it in items], "rid": [it[3] for it in items]}
+        else:  # one item, in SGLang's single-request form
+            (ids, params, logprob, rid, *_), = items
+            body = {"input_ids": ids, "sampling_params": params, "return_logprob": logprob, "rid": rid}
         try:
             if self.session is None or self.session.closed:
                 self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
@@ -215,6 +222,7 @@ class _Batcher:
                 if resp.status != 200:
                     raise RuntimeError(f"/generate on {self.url}: HTTP {resp.status}: {(await resp.text())[:500]}")
                 out = await resp.json()
+            out = out if self.batched else [out]
         except Exception as exc:
             for *_, fut in items:
                 if not fut.done():
@@ -230,7 +238,8 @@ class _Batcher:
 
 
 _BATCHERS: dict[tuple[int, str], _Batcher] = {}
-_PARTS: dict[str, int] = {}  # router url -> number of rollout workers behind it (RolloutRunner registers it)
+_WORKERS: dict[str, list[str]] = {}  # router url -> its rollout workers' server URLs (RolloutRunner registers them)
+_SINGLE: set[str] = set()  # router urls that take one /generate item a request (sglang-router)
 _TOKENS: dict[str, str] = {}  # router url -> the run's control token (RolloutRunner registers it)
 
 
@@ -240,10 +249,15 @@ def control_headers(router_url: str) -> dict[str, str]:
     return auth_headers(_TOKENS.get(router_url))
 
 
+def worker_urls(router_url: str) -> list[str]:
+    """The servers behind a router the framework started (control routes go to each), or the router itself."""
+    return list(_WORKERS.get(router_url) or [router_url])
+
+
 def _batcher(url: str) -> _Batcher:
     key = (id(asyncio.get_running_loop()), url)
     if key not in _BATCHERS:
-        _BATCHERS[key] = _Batcher(url, _PARTS.get(url, 1))
+        _BATCHERS[key] = _Batcher(url, len(_WORKERS.get(url) or [url]), batched=url not in _SINGLE)
     return _BATCHERS[key]
 
 
@@ -254,10 +268,16 @@ class RolloutRunner:
     rollout thread can submit work. `token`: the run's control token, which `control_headers(router_url)`
     gives rollout functions for the router's control routes."""
 
-    def __init__(self, fn: RolloutFn, router_url: str, num_workers: int, token: str | None = None):
-        self.fn, self.router_url = fn, router_url
+    def __init__(self, fn: RolloutFn, router_url: str, worker_urls: list[str], token: str | None = None,
+                 batched: bool = True):
+        """`worker_urls`: the servers behind the router (control requests it may not forward go to each; the
+        list is shared, so a restarted worker's new URL reaches them). `batched`: the router takes SGLang's
+        batched /generate (rlflow's does; sglang-router does not)."""
+        self.fn, self.router_url, self.worker_urls = fn, router_url, worker_urls
         self.name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
-        _PARTS[router_url] = num_workers
+        _WORKERS[router_url] = worker_urls
+        if not batched:
+            _SINGLE.add(router_url)
         if token:
             _TOKENS[router_url] = token
         self.loop = asyncio.new_event_loop()
@@ -296,5 +316,6 @@ class RolloutRunner:
         asyncio.run_coroutine_threadsafe(_close(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
-        _PARTS.pop(self.router_url, None)
+        _WORKERS.pop(self.router_url, None)
+        _SINGLE.discard(self.router_url)
         _TOKENS.pop(self.router_url, None)

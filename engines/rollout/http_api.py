@@ -150,6 +150,31 @@ class StreamEvent:
     final: Generation | None = None
 
 
+# SGLang's GPU memory tags for /release_memory_occupation and /resume_memory_occupation (sglang/srt/constants.py)
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+# SGLang's --weight-version default: what a fresh server reports until an update names a version
+DEFAULT_WEIGHT_VERSION = "default"
+
+
+def parse_weight_version(value: Any, where: str = "weight_version") -> int:
+    """rlflow's integer weight version from SGLang's string one. SGLang numbers weights with any string and a fresh
+    server says "default" (its launch weights: rlflow's version 0); rlflow only ever sends integers."""
+    if value is None or value == DEFAULT_WEIGHT_VERSION:
+        return 0
+    if isinstance(value, bool):
+        raise ValueError(f"{where}: {value!r} is not a weight version (an integer, or SGLang's 'default')")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: {value!r} is not a weight version rlflow sent (an integer, or SGLang's "
+                         f"{DEFAULT_WEIGHT_VERSION!r} for a server's launch weights)") from None
+
+
+def weight_version_text(version: int) -> str:
+    """The weight_version field as SGLang answers it: "default" for the launch weights, else the number sent."""
+    return DEFAULT_WEIGHT_VERSION if version == 0 else str(version)
+
+
 def finite(x: float) -> float | None:
     """JSON has no -inf: a zero-probability token's logprob is reported as null."""
     return x if math.isfinite(x) else None

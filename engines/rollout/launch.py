@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import uvicorn
 
+from rlflow.engines.core.config import KVCacheConfig
 from rlflow.engines.rollout.server import build_app
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.rollout.weight_routes import WEIGHT_DIRS_ENV
@@ -26,7 +27,8 @@ DTYPE_FLAGS = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", 
 def main(argv: list[str] | None = None) -> None:
     """Serve one model as `sglang.launch_server` would, with the subset of its flags the embedded engine has:
     --model-path (--model), --host, --port, --dtype, --device, --context-length, --max-running-requests,
-    --random-seed, --api-key (here required on control routes only); and rlflow's --weight-dir. Stops on
+    --random-seed, --enable-deterministic-inference (always on here), --api-key (here required on control routes
+    only); and rlflow's --weight-dir. Stops on
     SIGTERM / SIGINT."""
     parser = argparse.ArgumentParser(prog="python -m rlflow.engines.rollout.launch", allow_abbrev=False,
                                      description="rlflow's embedded rollout server with SGLang's routes and a "
@@ -41,11 +43,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
                         help="Default: cuda when a GPU is visible, else cpu.")
     parser.add_argument("--context-length", type=int, default=None,
-                        help="Tokens per sequence, prompt included (default: min(4096, the model's maximum)).")
+                        help="Tokens per sequence, prompt included (default: the model's maximum, within the KV "
+                        "page pool).")
     parser.add_argument("--max-running-requests", type=int, default=None,
-                        help="Requests decoded together (KV-cache slots; default 512).")
+                        help="Requests decoded together (page-table rows; default 512).")
+    parser.add_argument("--page-size", type=int, default=None, help="Tokens per KV-cache page (default 16).")
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="Tokens the KV page pool holds (default: a share of the free GPU memory, "
+                        "--kv-memory-fraction; 65536 on CPU).")
+    parser.add_argument("--kv-memory-fraction", type=float, default=None,
+                        help="Share of the GPU memory free after loading the weights that the KV page pool takes "
+                        "(default 0.5). rlflow's: SGLang's --mem-fraction-static counts the total memory.")
+    parser.add_argument("--chunked-prefill-size", type=int, default=None,
+                        help="Prompt tokens prefilled per engine step (default 8192); longer prompts are chunked.")
+    parser.add_argument("--enable-torch-compile", action="store_true",
+                        help="CUDA: torch.compile the decode step before capturing it in CUDA graphs.")
     parser.add_argument("--random-seed", type=int, default=None,
                         help="Seeds the server's random generators (requests without a sampling_seed).")
+    parser.add_argument("--enable-deterministic-inference", action="store_true",
+                        help="Accepted for SGLang's sake: the embedded engine always samples a request with a "
+                        "sampling_seed the same way, whatever else shares its batch.")
     parser.add_argument("--api-key", default=None,
                         help="Required as 'Authorization: Bearer <key>' on the control routes (weights, memory, "
                         "aborts, cache, process groups).")
@@ -69,8 +86,12 @@ def main(argv: list[str] | None = None) -> None:
         saved = config.get("torch_dtype") or config.get("dtype")
         dtype_name = saved if saved in ("float32", "bfloat16", "float16") else "float32"
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    kwargs = {"batch_size": args.max_running_requests, "context_len": args.context_length}
+    kwargs = {"batch_size": args.max_running_requests, "context_len": args.context_length,
+              "compile": args.enable_torch_compile}
+    kv = {"page_size": args.page_size, "tokens": args.max_total_tokens, "memory_fraction": args.kv_memory_fraction,
+          "prefill_chunk_tokens": args.chunked_prefill_size}
     backend = TorchRolloutBackend(args.model_path, device=device, dtype=getattr(torch, dtype_name),
+                                  kv_cache=KVCacheConfig(**{k: v for k, v in kv.items() if v is not None}),
                                   **{k: v for k, v in kwargs.items() if v is not None})
     app = build_app(backend, args.api_key, args.weight_dirs)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,

@@ -6,6 +6,10 @@ worker that cannot be reached is marked unhealthy and the request is retried on 
 `/health` probes bring it back. Control routes (`/abort_request`, `/flush_cache`, weight and memory
 routes) go to every worker. sglang-router can front the embedded servers for generation too
 (docs/rollout.md), but it does not forward abort or weight routes; this router does.
+
+`start_router` picks the router of a run (`rollout.router`): sglang-router (engines/rollout/sglang_router.py) for the
+SGLang backend when it is installed, this one otherwise and for the embedded engine, whose batched /generate
+sglang-router refuses.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from rlflow.engines.core.config import RolloutConfig
 from rlflow.engines.rollout.http_api import BackgroundServer, auth_headers, require_token
+from rlflow.engines.rollout.sglang_router import SGLangRouter, sglang_router_installed
 
 GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions")
 BROADCAST = ("/abort_request", "/flush_cache", "/update_weights_from_disk", "/update_weights_from_tensor",
@@ -144,6 +150,8 @@ def build_router_app(workers: list[Worker], token: str | None = None) -> FastAPI
 class RolloutRouter:
     """The router served by uvicorn from a background thread on an ephemeral port."""
 
+    kind = "rlflow"
+
     def __init__(self, worker_urls: list[str], host: str = "127.0.0.1", port: int = 0, token: str | None = None):
         """`token`: the run's control token: required on the router's control routes, sent with every request
         to the workers. It runs in the driver's process; the session binds it to the driver's node address when
@@ -161,3 +169,19 @@ class RolloutRouter:
 
     def stop(self) -> None:
         self._server.stop()
+
+
+def router_kind(cfg: RolloutConfig) -> str:
+    """The router a run's rollout workers get: rollout.router, `auto` resolved (sglang-router for the SGLang backend
+    where it is installed, rlflow's own otherwise)."""
+    if cfg.router != "auto":
+        return cfg.router
+    return "sglang-router" if cfg.backend == "sglang" and sglang_router_installed() else "rlflow"
+
+
+def start_router(cfg: RolloutConfig, worker_urls: list[str], host: str, token: str | None
+                 ) -> RolloutRouter | SGLangRouter:
+    """The router in front of the workers' servers, on `host`, with the run's control token."""
+    if router_kind(cfg) == "sglang-router":
+        return SGLangRouter(worker_urls, host, token=token)
+    return RolloutRouter(worker_urls, host, token=token)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.rollout.http_api import (
+    MEMORY_TAGS,
     BackgroundServer,
     BadRequest,
     EngineClient,
@@ -29,6 +30,7 @@ from rlflow.engines.rollout.http_api import (
     require_token,
     sampling_params,
     sse,
+    weight_version_text,
 )
 from rlflow.engines.rollout.openai_api import add_openai_routes
 from rlflow.engines.rollout.weight_routes import add_weight_routes
@@ -49,6 +51,7 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
     require_token(app, token)
     client = EngineClient(backend)
     app.state.client = client
+    app.state.model_path = backend.model_path  # as SGLang: the folder of the last /update_weights_from_disk
 
     @app.exception_handler(BadRequest)
     async def bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
@@ -114,8 +117,8 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
 
     @app.post("/resume_memory_occupation")
     async def resume_memory_occupation(request: Request):
-        _tags(await read_json(request))
-        await asyncio.to_thread(backend.resume_memory_occupation)
+        tags = _tags(await read_json(request))
+        await asyncio.to_thread(backend.resume_memory_occupation, tags)
         return Response(status_code=200)
 
     # ---- information -----------------------------------------------------------------------------------
@@ -133,8 +136,8 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
     @app.get("/model_info")
     async def get_model_info():
         cfg = backend.model.config
-        return {"model_path": backend.model_path, "tokenizer_path": backend.model_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": str(backend.weight_version),
+        return {"model_path": app.state.model_path, "tokenizer_path": backend.model_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": weight_version_text(backend.weight_version),
                 "model_type": cfg.model_type, "architectures": list(cfg.architectures or []),
                 "has_image_understanding": False, "has_audio_understanding": False}
 
@@ -142,13 +145,15 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
     @app.get("/server_info")
     async def get_server_info():
         engine = client.engine
-        return {"model_path": backend.model_path, "tokenizer_path": backend.model_path,
+        return {"model_path": app.state.model_path, "tokenizer_path": backend.model_path,
                 "served_model_name": backend.model_path, "device": str(backend.device),
                 "dtype": str(backend.model.dtype).removeprefix("torch."), "context_length": engine.max_len,
-                "max_running_requests": engine.max_running, "max_total_num_tokens": engine.max_running * engine.max_len,
-                "weight_version": str(backend.weight_version), "version": "rlflow-embedded",
+                "tp_size": 1, "pp_size": 1, "dp_size": 1, "max_running_requests": engine.max_running,
+                "max_total_num_tokens": engine.max_total_tokens,
+                "page_size": engine.kv.page_size, "chunked_prefill_size": engine.kv.prefill_chunk_tokens,
+                "weight_version": weight_version_text(backend.weight_version), "version": "rlflow-embedded",
                 "internal_states": [{"num_requests": engine.num_requests(),
-                                     "memory_released": bool(backend._released)}]}
+                                     "memory_released": bool(backend._released), **engine.stats()}]}
 
     add_openai_routes(app, backend, client)
     add_weight_routes(app, backend, client, weight_dirs)  # SGLang's weight routes (engines/rollout/weight_routes.py)
@@ -176,7 +181,7 @@ def _prompts(client: EngineClient, body: dict) -> tuple[list[list[int]], bool]:
 def _generate_item(client: EngineClient, prompt_ids, output_ids, output_logprobs, finish_reason, rid, version,
                    with_logprobs: bool, latency: float) -> dict:
     meta = {"id": rid, "finish_reason": finish_reason, "prompt_tokens": len(prompt_ids),
-            "completion_tokens": len(output_ids), "cached_tokens": 0, "weight_version": str(version),
+            "completion_tokens": len(output_ids), "cached_tokens": 0, "weight_version": weight_version_text(version),
             "e2e_latency": latency}
     if with_logprobs:
         meta["output_token_logprobs"] = [[finite(lp), tok, None] for lp, tok in zip(output_logprobs, output_ids,
@@ -200,11 +205,14 @@ async def _generate_stream(client: EngineClient, requests, logprob_of: list[bool
     yield b"data: [DONE]\n\n"
 
 
-def _tags(body: dict) -> None:
+def _tags(body: dict) -> list[str] | None:
     check_fields(body, {"tags"}, {}, "memory occupation")
     tags = body.get("tags")
-    if tags is not None and not set(tags) <= {"weights", "kv_cache"}:
-        raise BadRequest(f"tags: the embedded server releases 'weights' and 'kv_cache' together, got {tags!r}")
+    if tags is not None and not set(tags) <= set(MEMORY_TAGS):
+        raise BadRequest(f"tags: SGLang's are {list(MEMORY_TAGS)} (the embedded server releases them together and "
+                         f"resumes its weights by the 'weights' tag; its KV cache is allocated as it generates), "
+                         f"got {tags!r}")
+    return tags
 
 
 class RolloutServer(BackgroundServer):

@@ -4,9 +4,11 @@
 TorchRolloutBackend. Its constructor launches the server on the GPUs Ray gave the actor (the child inherits
 CUDA_VISIBLE_DEVICES; tensor parallelism is the user's `tp-size`), in its own process group:
 
-    python -m <rollout.sglang.launch_module> --model-path <model> --host 127.0.0.1 --port <free port> <args>
+    <rollout.sglang.python> -m <rollout.sglang.launch_module> --model-path <model> --host 127.0.0.1 --port <port> <args>
 
-where every option of `rollout.sglang.args` is passed through untouched (`server_args`). It waits until
+where `rollout.sglang.args` are SGLang's own flags, spelled as its parser wants them (the recipe normalised and
+checked them: engines/core/sglang_args.py), and `python` is the interpreter of an environment with SGLang
+installed (SGLang pins its own torch; default: this one). It waits until
 `/health` answers 200; a server that exits first, or does not answer within `startup_timeout_s`, fails the
 worker with the end of the server's log in the error. `close()` stops the whole process group, and so does
 a small guard process when the worker dies without closing (a killed Ray actor runs no exit handlers; see
@@ -15,7 +17,8 @@ engines/cluster/process_group.py).
 Everything else goes through SGLang's HTTP routes: generation (`/generate`), weights
 (`/update_weights_from_disk`; the `ray` and `store` transports hand tensors to the worker, which writes them
 to a local folder and loads that the same way), colocation (`/release_memory_occupation`,
-`/resume_memory_occupation`), and SGLang's distributed pair (`/init_weights_update_group`,
+`/resume_memory_occupation` by tags, in slime's order: drain and flush, release everything; weights back before an
+update, KV cache after it, one `/flush_cache` per update), and SGLang's distributed pair (`/init_weights_update_group`,
 `/update_weights_from_distributed`; the trainer's side is in engines/sync/distributed.py). SGLang's
 `/update_weights_from_tensor` is not used: its payload is pickled.
 The tests launch the embedded server (`python -m rlflow.engines.rollout.launch`, same routes and flag names) in
@@ -49,8 +52,9 @@ from rlflow.engines.cluster.process_group import start_guard, stop_group
 from rlflow.engines.core.config import SGLangConfig, StorageConfig
 from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
+from rlflow.engines.core.sglang_args import server_dtype, weight_update_ranks
 from rlflow.engines.rollout.engine import Generation
-from rlflow.engines.rollout.http_api import auth_headers
+from rlflow.engines.rollout.http_api import MEMORY_TAGS, auth_headers, parse_weight_version
 from rlflow.engines.rollout.torch_backend import pack_generations
 from rlflow.engines.rollout.weight_routes import WEIGHT_DIRS_ENV
 from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
@@ -62,7 +66,7 @@ LOG_TAIL_CHARS = 4000
 
 
 def server_args(args: dict[str, Any]) -> list[str]:
-    """launch_server's command-line options from the recipe's `rollout.sglang.args`, untouched: `key: value` ->
+    """launch_server's command-line options from the recipe's (normalised) `rollout.sglang.args`: `key: value` ->
     `--key value`; true -> `--key`; false or null -> nothing; a list -> `--key v1 v2 ...` (an empty one:
     nothing); a dict -> `--key '<json>'` (SGLang takes JSON strings for such options)."""
     out: list[str] = []
@@ -77,16 +81,6 @@ def server_args(args: dict[str, Any]) -> list[str]:
         else:
             out += [flag, _arg(value)]
     return out
-
-
-def gpus_per_server(args: dict[str, Any]) -> int:
-    """GPUs one server uses: its tensor x pipeline parallel size (`tp-size` / `tp`, `pp-size` / `pp`)."""
-
-    def size(*keys: str) -> int:
-        given = [args[k] for k in args if k.lstrip("-").replace("_", "-") in keys]
-        return int(given[0]) if given else 1
-
-    return size("tp-size", "tp", "tensor-parallel-size") * size("pp-size", "pp", "pipeline-parallel-size")
 
 
 def _arg(value: Any) -> str:
@@ -109,6 +103,22 @@ def request_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([seed & (2**63 - 1), index]).generate_state(1, dtype=np.uint64)[0]) & (2**63 - 1)
 
 
+def generation_from_item(prompt: list[int], item: dict) -> Generation:
+    """A Generation from one SGLang /generate item returned with return_logprob. SGLang writes a -inf logprob (a
+    token its filters had ruled out) as JSON null, and a fresh server's weight_version is "default" (version 0)."""
+    meta = item["meta_info"]
+    logprobs = [-math.inf if x[0] is None else float(x[0]) for x in meta.get("output_token_logprobs") or []]
+    return Generation(
+        prompt,
+        list(item["output_ids"]),
+        logprobs,
+        meta["finish_reason"],
+        parse_weight_version(meta.get("weight_version"), "meta_info.weight_version"),
+        rid=str(meta.get("id", "")),
+        meta=meta,
+    )
+
+
 class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, DistributedReceiver):
     def __init__(
         self,
@@ -128,10 +138,13 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         the server may load weights from besides the model (with this worker's own; rlflow's launch module only)."""
         self.model_path, self.rank, self.threads = str(model_path), rank, threads
         self.cfg = sglang if isinstance(sglang, SGLangConfig) else SGLangConfig.model_validate(sglang or {})
-        self.python = python or sys.executable
+        self.python = python or self.cfg.python or sys.executable
         self.weight_version = 0
         self.last_update_s = 0.0
-        self._released = False
+        self._released: set[str] = set()  # SGLang memory tags released and not resumed yet
+        self._loaded_dir: Path | None = (
+            None  # a weights folder of this worker's the server loaded last (its model_path)
+        )
         self._dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"rlflow-sglang-{rank}-"))
         self._dir.mkdir(parents=True, exist_ok=True)
         self.weight_dirs = [*weight_dirs, str(self._dir)]  # update_weights writes its folders under _dir
@@ -144,6 +157,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         self._http = httpx.Client(timeout=httpx.Timeout(None, connect=10))
         self._host, self._token = host, token
         self._weight_bytes = safetensors_bytes(self.model_path)
+        self._update_bytes = 0  # received by the buckets of the update in progress (end_weight_update counts them)
         atexit.register(self.close)
         self.start_server(host, token=token)
 
@@ -262,58 +276,116 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         atexit.unregister(self.close)
 
     # ---- HTTP ------------------------------------------------------------------------------------------
-    def _post(self, route: str, body: dict | None = None) -> httpx.Response:
+    def _post(self, route: str, body: dict | None = None, ok: tuple[int, ...] = (200,)) -> httpx.Response:
         if self.url is None:
             raise RuntimeError("rollout.sglang: the server is not running (start_server)")
         r = self._http.post(self.url + route, json=body or {})
-        if r.status_code != 200:
+        if r.status_code not in ok:
             raise RuntimeError(f"rollout.sglang: {route} answered {r.status_code}: {r.text[:500]}")
         return r
 
-    def server_info(self) -> dict:
-        r = self._http.get(self.url + "/get_server_info")
-        r.raise_for_status()
+    def _get_info(self, route: str, deprecated: str) -> dict:
+        """GET `route`, or its deprecated name on a server older than the route (404)."""
+        if self.url is None:
+            raise RuntimeError("rollout.sglang: the server is not running (start_server)")
+        r = self._http.get(self.url + route)
+        if r.status_code == 404:
+            r = self._http.get(self.url + deprecated)
+        if r.status_code != 200:
+            raise RuntimeError(f"rollout.sglang: {route} answered {r.status_code}: {r.text[:500]}")
         return r.json()
+
+    def server_info(self) -> dict:
+        """SGLang's /server_info (its server args, scheduler info, internal states); /get_server_info on servers
+        that predate it."""
+        return self._get_info("/server_info", "/get_server_info")
+
+    def model_info(self) -> dict:
+        """SGLang's /model_info (model_path, weight_version, ...); /get_model_info on servers that predate it."""
+        return self._get_info("/model_info", "/get_model_info")
 
     # ---- memory (colocation) ---------------------------------------------------------------------------
     def release_memory_occupation(self) -> None:
-        """Give the server's GPU memory (weights, KV cache) to the colocated trainer. SGLang does it only when
-        launched with `enable-memory-saver: true`; the weights must be updated after the resume."""
-        if not self._released:
-            self._post("/release_memory_occupation")
-            self._released = True
-
-    def resume_memory_occupation(self) -> None:
-        """Take the memory back; every weight update does this first, so a colocated sync needs no extra call."""
+        """Give the server's GPU memory (weights, KV cache, CUDA graphs) to the colocated trainer, in slime's order:
+        wait until no request runs (SGLang's release asserts an idle server) and flush the cache, then release every
+        tag. SGLang frees memory only when launched with `enable-memory-saver: true`."""
         if self._released:
-            self._post("/resume_memory_occupation")
-            self._released = False
+            return
+        self._drain()
+        self._post("/release_memory_occupation", {"tags": list(MEMORY_TAGS)})
+        self._released = set(MEMORY_TAGS)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Take the memory of these kinds back (None: all), the weights before the KV cache and CUDA graphs. A weight
+        update takes the weights' itself; the KV cache and CUDA graphs follow once the trainer has parked its state
+        (engines/session/colocation.py), as slime orders it."""
+        for group in (["weights"], ["kv_cache", "cuda_graph"]):
+            self._resume([t for t in group if tags is None or t in tags])
+
+    def _resume(self, tags: list[str]) -> None:
+        todo = [t for t in tags if t in self._released]
+        if todo:
+            self._post("/resume_memory_occupation", {"tags": todo})
+            self._released -= set(todo)
+
+    def _drain(self) -> None:
+        """Wait until the server runs no request: SGLang's /flush_cache flushes only then (400 while requests run
+        or wait), so its 200 is the idle signal and the flush in one."""
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while True:
+            r = self._post("/flush_cache", ok=(200, 400))
+            if r.status_code == 200:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rollout.sglang: {self.url} still runs requests after "
+                    f"{self.cfg.drain_timeout_s:g} s (rollout.sglang.drain_timeout_s); its memory "
+                    f"cannot be released while they run. Last /flush_cache: {r.text[:200]}"
+                )
+            time.sleep(0.05)
+
+    def end_weight_update(self) -> None:
+        """The update's last bucket arrived: the prefix cache, computed with the old weights, is flushed once (each
+        bucket went with flush_cache false). A flush refused because requests still run is skipped, as SGLang's own
+        per-update flush is. (Colocated, the KV cache comes back later: `resume_memory_occupation`.)"""
+        self._post("/flush_cache", ok=(200, 400))
+        if self._update_bytes:
+            self._weight_bytes, self._update_bytes = self._update_bytes, 0
 
     # ---- weights ---------------------------------------------------------------------------------------
     def update_weights_from_disk(self, path: str | Path, version: int) -> int:
         """The server loads every *.safetensors file of the local folder `path` (HF names; all weights or some)
-        and numbers its weights `version` (SGLang's /update_weights_from_disk)."""
+        and numbers its weights `version` (SGLang's /update_weights_from_disk). SGLang then reports `path` as its
+        model_path: the folder must stay until the next update (the disk transport and `update_weights` keep it)."""
         t0 = time.perf_counter()
-        self.resume_memory_occupation()
-        r = self._post("/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version)})
+        self._resume(["weights"])
+        r = self._post(
+            "/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version), "flush_cache": False}
+        )
         answer = r.json()
         if not answer.get("success", False):
             raise RuntimeError(f"rollout.sglang: /update_weights_from_disk {path}: {answer.get('message')}")
-        self._weight_bytes = safetensors_bytes(path)
+        self._update_bytes += safetensors_bytes(path)
         self.weight_version = version
         self.last_update_s = time.perf_counter() - t0
         return version
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         """Tensors that reached the worker (the `ray` transport, a checkpoint's weights): written to a folder of
-        this worker's and loaded from there, since SGLang's tensor route would need them pickled."""
+        this worker's and loaded from there, since SGLang's tensor route would need them pickled. The folder the
+        server loaded stays (it is the server's model_path now) until the next one is loaded."""
         version = self.weight_version if version is None else version
         folder = Path(tempfile.mkdtemp(prefix="weights-", dir=self._dir))
         try:
             save_file({n: t.detach().cpu().contiguous() for n, t in named_tensors}, str(folder / "model.safetensors"))
-            return self.update_weights_from_disk(folder, version)
-        finally:
+            loaded = self.update_weights_from_disk(folder, version)
+        except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
+            raise
+        previous, self._loaded_dir = self._loaded_dir, folder
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+        return loaded
 
     def update_weights_from_store(self, storage: StorageConfig, run: str, version: int, index: int) -> int:
         """Bucket `index` of weight version `version` from the run store (the `store` transport)."""
@@ -341,9 +413,11 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         """Receive these weights from the group's rank 0, one broadcast per name in order, while the trainer sends
         them (broadcast_weights); SGLang's /update_weights_from_distributed."""
         t0 = time.perf_counter()
-        self.resume_memory_occupation()
+        self._resume(["weights"])
         self._post("/update_weights_from_distributed", update_request(names, dtypes, shapes, version, group_name))
-        self._weight_bytes = sum(math.prod(s) * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes, strict=True))
+        self._update_bytes += sum(
+            math.prod(s) * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes, strict=True)
+        )
         self.weight_version = version
         self.last_update_s = time.perf_counter() - t0
         return version
@@ -352,11 +426,19 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         self._post("/destroy_weights_update_group", {"group_name": group_name})
 
     def weight_update_ranks(self) -> int:
-        """One rank per GPU of the server: SGLang joins each of its tensor-parallel ranks."""
-        return gpus_per_server(self.cfg.args)
+        """SGLang joins the group as rank_offset + tp_rank from each tensor-parallel rank (pipeline stages would
+        collide: the recipe refuses pp-size > 1 with this transport)."""
+        return weight_update_ranks(self.cfg.args)
+
+    def weight_dtype(self) -> str:
+        """The dtype the server holds its weights in ("bfloat16", ...): what the distributed transport broadcasts,
+        so no byte is sent that the server would drop. A concrete `dtype` in /server_info is taken as it is;
+        SGLang's `auto` is resolved from the model's config.json as SGLang resolves it."""
+        return server_dtype(self.server_info().get("dtype"), self.model_path)
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights the last update loaded (the model's at first), as stored on disk."""
+        """Bytes the last whole update delivered, all its buckets (the model's files at first): as stored on disk,
+        or as broadcast in the server's dtype."""
         return self._weight_bytes
 
     def last_update_seconds(self) -> float:
@@ -381,23 +463,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
             "sampling_params": [one | {"sampling_seed": request_seed(seed, i)} for i in range(len(ids))],
         }
         answers = self._post("/generate", body).json()
-        gens = []
-        for prompt, a in zip(ids, answers, strict=True):
-            meta = a["meta_info"]
-            logprobs = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
-            version = meta.get("weight_version")
-            gens.append(
-                Generation(
-                    prompt,
-                    list(a["output_ids"]),
-                    logprobs,
-                    meta["finish_reason"],
-                    int(version) if version is not None else self.weight_version,
-                    rid=str(meta.get("id", "")),
-                    meta=meta,
-                )
-            )
-        return gens
+        return [generation_from_item(prompt, a) for prompt, a in zip(ids, answers, strict=True)]
 
     def generate_packed(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> dict:
         """`generate`, as the flat arrays the RL loop moves over Ray (torch_backend.pack_generations)."""

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from rlflow.engines.core.config import StorageConfig
+from rlflow.engines.core.config import KVCacheConfig, StorageConfig
 from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.core.trace import TraceRecorder
 from rlflow.engines.models.decoder import DecoderLM
-from rlflow.engines.models.hf import EMBEDDED_CONTEXT_LEN, load_model, load_tokenizer
+from rlflow.engines.models.hf import load_model, load_tokenizer
 from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Generation, Request, request_generator
 from rlflow.engines.rollout.http_api import auth_headers
 from rlflow.engines.rollout.server import RolloutServer
@@ -52,11 +52,13 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
 
     def __init__(
         self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None,
-        batch_size: int = 512, context_len: int = EMBEDDED_CONTEXT_LEN, trace: bool = False, rank: int = 0,
-        weight_dirs: Sequence[str] = (),
+        batch_size: int = 512, context_len: int | None = None, trace: bool = False, rank: int = 0,
+        weight_dirs: Sequence[str] = (), kv_cache: KVCacheConfig | None = None, compile: bool = False,
     ):
         """`weight_dirs`: folders its server's /update_weights_from_disk may read besides `model_path` (the run's
-        weight-sync and checkpoint folders, engines/sync/disk.py:weight_dirs)."""
+        weight-sync and checkpoint folders, engines/sync/disk.py:weight_dirs). `context_len`: longest prompt +
+        response (None: the model's max_position_embeddings; the KV page pool, `kv_cache`, may cap it). `compile`:
+        torch.compile the decode step on CUDA (rollout.compile)."""
         if threads:
             torch.set_num_threads(threads)
         self.model_path, self.device, self.batch_size = model_path, device, batch_size
@@ -72,10 +74,11 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         self._released = False  # colocated: the weights' memory was given back (release_memory_occupation)
         # per-request timeline (engines/core/trace.py): off unless the run traces; the driver drains it
         self.trace = TraceRecorder(f"rollout-{rank}", enabled=trace)
-        self.trace.name_thread(QUEUE_TID, "queue, weight updates")  # then a lane per KV-cache slot
+        self.trace.name_thread(QUEUE_TID, "queue, weight updates, preemptions")  # then a lane per page-table row
         self.engine = ContinuousBatchEngine(
             DecoderLM(self.model), self.tokenizer, max_running=batch_size, max_len=context_len, trace=self.trace,
-            weight_version=lambda: self.weight_version, weights_ready=lambda: not self._released,
+            weight_version=lambda: self.weight_version, weights_ready=lambda: not self._released, kv=kv_cache,
+            compile=compile,
         )
         self.server = None  # rlflow.engines.rollout.server.RolloutServer once start_server() ran
         self._own_client = None  # httpx.Client for the routes this worker drives on its own server
@@ -166,9 +169,12 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             if self.device == "cuda":
                 torch.cuda.empty_cache()
 
-    def resume_memory_occupation(self) -> None:
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Allocate the weights again (contents undefined until the sync that follows writes them). Every
-        weight update does this first, so a colocated sync costs no extra call."""
+        weight update does this first, so a colocated sync costs no extra call. `tags` without 'weights' (the
+        KV cache, SGLang's CUDA graphs): nothing to do, the engine allocates its cache when it generates."""
+        if tags is not None and "weights" not in tags:
+            return
         with self._between_steps():
             if not self._released:
                 return
@@ -263,6 +269,13 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
 
     def weight_update_ranks(self) -> int:
         return 1  # the embedded engine is one process
+
+    def weight_dtype(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")
+
+    def end_weight_update(self) -> None:
+        """Nothing waits for the end of an update here: each bucket writes the parameters in place, and the engine
+        keeps no prefix cache that the old weights computed."""
 
     def _post_own(self, route: str, body: dict) -> None:
         """POST to this worker's own server, over one kept-alive client: a new httpx client costs ~25 ms (its

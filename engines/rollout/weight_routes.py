@@ -20,7 +20,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from safetensors.torch import load_file
 
-from rlflow.engines.rollout.http_api import BadRequest, EngineClient, check_fields, deserialize_named_tensors, read_json
+from rlflow.engines.rollout.http_api import (
+    BadRequest,
+    EngineClient,
+    check_fields,
+    deserialize_named_tensors,
+    parse_weight_version,
+    read_json,
+    weight_version_text,
+)
 from rlflow.engines.sync.distributed import (
     GROUP_NAME,
     INIT_FIELDS,
@@ -58,8 +66,8 @@ def add_weight_routes(app: FastAPI, backend, client: EngineClient, weight_dirs: 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
         body = await read_json(request)
-        check_fields(body, {"model_path", "load_format", "abort_all_requests", "weight_version"}, {},
-                      "/update_weights_from_disk")
+        check_fields(body, {"model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache"}, {},
+                     "/update_weights_from_disk")
         if not body.get("model_path"):
             raise BadRequest("model_path: required (a folder of *.safetensors files)")
         path = Path(str(body["model_path"]))
@@ -75,7 +83,10 @@ def add_weight_routes(app: FastAPI, backend, client: EngineClient, weight_dirs: 
         for f in files:
             named.update(load_file(f))
         result = await update(backend, client, body, named)
-        return result | {"num_paused_requests": 0} if isinstance(result, dict) else result
+        if not isinstance(result, dict):
+            return result
+        app.state.model_path = str(path)  # SGLang reports the folder it loaded last as its model_path
+        return result | {"num_paused_requests": 0}
 
     add_distributed_routes(app, backend, client)
 
@@ -90,17 +101,17 @@ async def update(backend, client: EngineClient, body: dict, named: dict) -> JSON
     version = body.get("weight_version")
     if version is not None:
         try:
-            version = int(version)
-        except (TypeError, ValueError):
-            raise BadRequest(f"weight_version: the embedded engine numbers versions with integers, got {version!r}"
-                             ) from None
+            version = parse_weight_version(version)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
     if body.get("abort_all_requests"):
         client.engine.abort(abort_all=True)
     unknown = sorted(set(named) - set(backend.params))
     if unknown:
         return JSONResponse({"success": False, "message": f"unknown parameter names: {unknown[:5]}"}, status_code=400)
     await asyncio.to_thread(backend.update_weights, named.items(), version)
-    return {"success": True, "message": f"Updated {len(named)} tensors; weight_version {backend.weight_version}."}
+    return {"success": True,
+            "message": f"Updated {len(named)} tensors; weight_version {weight_version_text(backend.weight_version)}."}
 
 
 def dtype_from_name(name: object, where: str) -> torch.dtype:

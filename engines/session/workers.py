@@ -13,9 +13,10 @@ from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, init
 from rlflow.engines.cluster.placement import Placement, PlacementError, RoleDemand, driver_node_id, place
 from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
+from rlflow.engines.core.sglang_args import gpus_per_server
 from rlflow.engines.data.builtin_tasks import write_task_files
 from rlflow.engines.models.hf import DTYPES, build_tiny_model
-from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend, gpus_per_server
+from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.store.run_store import workers_write_checkpoints
 from rlflow.engines.sync.disk import weight_dirs
@@ -163,7 +164,8 @@ def rollout_kwargs(cfg: RLConfig, model_path: str):
                         weight_dirs=dirs)
         return dict(model_path=model_path, device=cfg.rollout_device, dtype=DTYPES[cfg.rollout.precision],
                     threads=cfg.train.threads, batch_size=cfg.rollout.batch_size,
-                    trace=cfg.debug.trace_every > 0, rank=rank, weight_dirs=dirs)
+                    trace=cfg.debug.trace_every > 0, rank=rank, weight_dirs=dirs, kv_cache=cfg.rollout.kv_cache,
+                    compile=cfg.rollout.compile)
 
     return make
 

@@ -135,6 +135,7 @@ class WeightTransport:
             self.connect()
             self.connected = True
         self.push(version)
+        self.rollout.call(RolloutBackend.end_weight_update)
         return self.received_bytes()
 
     def reconnect(self) -> None:
@@ -145,6 +146,7 @@ class WeightTransport:
         """All weights to every rollout worker through Ray, whatever the transport (after a checkpoint load or a
         worker restart: one full update that needs no link)."""
         self.source.send_objects(self.rollout, None, version)
+        self.rollout.call(RolloutBackend.end_weight_update)
 
     def close(self) -> None:
         """Release what the link holds (the workers release theirs when they stop)."""

@@ -1,6 +1,7 @@
 """The `disk` transport: rank 0 writes a version's buckets as safetensors into a local folder
 (`weight_sync.disk_dir`, seen by every worker: one node or a shared file system) and every rollout worker loads
-the whole folder at once (SGLang's /update_weights_from_disk); the folder goes once loaded."""
+the whole folder at once (SGLang's /update_weights_from_disk). SGLang then reports that folder as its model_path, so
+a version's folder stays until the next version is loaded (or the transport closes)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,30 @@ class DiskTransport(WeightTransport):
     name = "disk"
     sender, receiver = (StoreSender,), (DiskReceiver,)
 
+    loaded: int | None = None  # the version whose folder the servers loaded last (their model_path)
+
     def push(self, version: int) -> None:
         disk, run = StorageConfig(uri=self.cfg.weight_sync.disk_dir), self.cfg.name
+        folder = disk_folder(self.cfg)
+        if version == self.loaded:  # sent again (a resend after a restart): the folder is written anew
+            folder.remove(*version_dir(version))
+            self.loaded = None
         for i, names in enumerate(self.source.buckets()):
             self.source.call(StoreSender.put_weights_to_store, disk, run, version, i, names)
-        folder = disk_folder(self.cfg)
-        self.rollout.call(DiskReceiver.update_weights_from_disk, folder.path(*version_dir(version)), version)
-        folder.remove(*version_dir(version))
+        try:
+            self.rollout.call(DiskReceiver.update_weights_from_disk, folder.path(*version_dir(version)), version)
+        except BaseException:
+            folder.remove(*version_dir(version))
+            raise
+        previous, self.loaded = self.loaded, version
+        if previous is not None:
+            folder.remove(*version_dir(previous))
+
+    def close(self) -> None:
+        if self.loaded is not None:
+            disk_folder(self.cfg).remove(*version_dir(self.loaded))
+            self.loaded = None
+        super().close()
 
 
 def disk_folder(cfg: RLConfig) -> RunStore:

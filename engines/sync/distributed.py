@@ -114,9 +114,11 @@ def init_request(master_address: str, master_port: int, rank_offset: int, world_
 
 def update_request(names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
                    group_name: str = GROUP_NAME) -> dict:
-    """The body of /update_weights_from_distributed (SGLang takes weight_version as a string)."""
+    """The body of /update_weights_from_distributed for one bucket (SGLang takes weight_version as a string).
+    flush_cache false: SGLang's default flushes after every bucket; the receiver flushes once per update instead
+    (end_weight_update)."""
     return {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "weight_version": str(version)}
+            "weight_version": str(version), "flush_cache": False}
 
 
 class DistributedWeightSender(DistributedSender):
@@ -175,7 +177,7 @@ class DistributedTransport(WeightTransport):
     """The driver's side: every rollout server (ranks from 1; a server of several tensor-parallel ranks takes
     that many) joins a weight-update group with train rank 0 (rank 0, serving the rendezvous) once, again after
     a worker restart; each bucket's broadcast and every server's /update_weights_from_distributed then run
-    together, every weight as the rollout precision's dtype (gloo for CPU engines, NCCL on GPUs)."""
+    together, every weight in the dtype the servers hold it in (gloo for CPU engines, NCCL on GPUs)."""
 
     name = "distributed"
     sender, receiver = (DistributedSender,), (DistributedReceiver,)
@@ -185,11 +187,12 @@ class DistributedTransport(WeightTransport):
         self.group: str | None = None  # the weight-update group's name, while joined
         self._joins = 0
         self.backend = "nccl" if self.cfg.rollout_device == "cuda" else "gloo"
-        self.dtype = dtype_name(DTYPES[self.cfg.rollout.precision])
+        self.dtype = dtype_name(DTYPES[self.cfg.rollout.precision])  # until connect asks the servers
 
     def connect(self) -> None:
         """Join a new group, leaving the previous one first (after a worker restart)."""
         self._leave()
+        self.dtype = self.servers_dtype()
         ranks = self.rollout.call(DistributedReceiver.weight_update_ranks)
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         world = 1 + sum(ranks)
@@ -200,6 +203,15 @@ class DistributedTransport(WeightTransport):
                  *[partial(self.rollout.call_one, i, DistributedReceiver.init_weights_update_group, host, port,
                            offsets[i], world, name, self.backend) for i in range(len(self.rollout))])
         self.group, self._joins = name, self._joins + 1
+
+    def servers_dtype(self) -> str:
+        """The one dtype every server holds its weights in (SGLang's --dtype, resolved; the embedded engine's
+        rollout.precision). A broadcast carries one dtype to all of them, so servers that differ are refused."""
+        dtypes = sorted(set(self.rollout.call(DistributedReceiver.weight_dtype)))
+        if len(dtypes) != 1:
+            raise ValueError(f"weight_sync.transport distributed: the rollout servers hold their weights in different "
+                             f"dtypes {dtypes}; give every server the same dtype")
+        return dtypes[0]
 
     def push(self, version: int) -> None:
         shapes, dtype, broadcast = self.source.shapes(), self.dtype, DistributedSender.broadcast_weights_update

@@ -75,7 +75,11 @@ class DistributedReceiver(Protocol):
     def destroy_weights_update_group(self, group_name: str = ...) -> None: ...
 
     def weight_update_ranks(self) -> int:
-        """Ranks this server joins a weight-update group with (SGLang: one per GPU of the server)."""
+        """Ranks this server joins a weight-update group with (SGLang: one per tensor-parallel rank)."""
+        ...
+
+    def weight_dtype(self) -> str:
+        """The dtype ("bfloat16", ...) the server holds its weights in: what the trainer broadcasts."""
         ...
 
 
