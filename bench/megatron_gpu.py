@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import multiprocessing as mp
 import os
 import platform
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 
 from bench import megatron_checks as checks
+from bench.ranks import run_ranks
 from rlflow.engines.cluster.addresses import free_port
 
 # ~0.47B parameters, like the 470M GPT of the throughput anchor (131 TFLOP/s bare, one H100, no TE)
@@ -50,34 +50,9 @@ MODEL_SMOKE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hid
 SECTIONS = ("parity", "sort", "throughput", "layouts", "layers")
 
 
-def _child(name: str, rank: int, world: int, args: tuple) -> None:
-    try:
-        getattr(checks, name)(rank, world, *args)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-
 def spawn(name: str, world: int, timeout: float, *args) -> None:
     """Run checks.<name> in `world` fresh processes (rank, world, *args); raise if one fails or time runs out."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_child, args=(name, rank, world, args)) for rank in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    stuck = [p for p in procs if p.is_alive()]
-    for p in stuck:
-        p.kill()
-        p.join()
-    if stuck:
-        raise TimeoutError(f"{name}: still running after {timeout:.0f} s (killed)")
-    failed = [p.exitcode for p in procs if p.exitcode]
-    if failed:
-        raise RuntimeError(f"{name}: a process exited with {failed[0]} (its traceback is printed above)")
+    run_ranks(getattr(checks, name), world, timeout, *args)
 
 
 def url() -> str:

@@ -1,0 +1,324 @@
+"""The Megatron backend on N GPUs of one host, per parallel layout: fp32 log-prob parity and bf16 MFU. Commands:
+
+    PYTHONUNBUFFERED=1 python -m bench.megatron_multi_gpu --out bench/results/megatron_multi_gpu.json
+    PYTHONUNBUFFERED=1 python -m bench.megatron_multi_gpu --shape 7b --sections parity --timeout 240 \\
+        --out bench/results/megatron_multi_gpu_7b_parity.json
+    PYTHONUNBUFFERED=1 python -m bench.megatron_multi_gpu --shape 7b --sections throughput --layouts tp2,pp2 \\
+        --micro-batch-tokens 4096 --timeout 270 --out bench/results/megatron_multi_gpu_7b.json
+    python -m bench.megatron_multi_gpu --smoke --out /tmp/megatron_multi_gpu_smoke.json   # CPU, gloo
+
+Every layout (--layouts, default tp1,tp2,pp2) runs on the same --gpus ranks (default 2): tp1 is data parallel
+over all of them, tp2 one tensor-parallel pair per data-parallel rank, pp2 two pipeline stages. Each (layout,
+section) runs in fresh processes (bench/ranks.py: rank r on GPU r, a time limit, a rank out of memory recorded as
+the result and the others stopped), nccl on GPUs, gloo on CPUs, the same code:
+- parity: MegatronTrainBackend with train.precision fp32 computes the per-token log-probs of one small batch
+  (8 rows of --parity-seq/4..--parity-seq random tokens, bench/megatron_checks.rl_batch) under each layout; the
+  max abs difference from the first layout, over the real tokens, against the issue's 1e-5 (on GPUs torch's TF32
+  matmul flag is recorded: it is off unless something turns it on);
+- throughput: bf16 train_step on the RL workload of bench/train_scale.py scaled by N (N x --samples samples, the
+  same seed; each data-parallel rank its engines/core/batch.shard_for_workers shard, the ranks of one TP x PP
+  group the same one, as the RL session feeds them), one warm-up step then the median of --steps; useful tokens/s
+  in all and per GPU, MFU on useful tokens (train_scale.flops_per_step over N x the dense bf16 peak, H100 989
+  TFLOP/s), peak memory per rank.
+Shapes: --shape 1.5b (Qwen2-1.5B dims, default) or 7b (Qwen2.5-7B dims), random weights. Memory of the 7B in
+bf16 training: bf16 weights and the fp32 gradient buffer (6 bytes a parameter) split over the TP x PP ranks, fp32
+main weights and Adam state (12 bytes) split over all ranks by the distributed optimizer: on two 80 GB H100s about
+91 GB a rank at tp1 and 68 GB at tp2 / pp2 before activations and logits, so expect "out of memory" results
+(recorded, the run goes on); the fp32 parity section (weights and gradient buffer, 8 bytes a parameter over the
+TP x PP ranks) fits: `--shape 7b --sections parity`.
+
+On CPU (--smoke: a toy Llama shape, gloo) every layout runs, tensor and pipeline parallel included: megatron-core
+0.16's TP and PP paths run on gloo with the local layer spec (tests/test_megatron.py trains TP=2 and PP=2 on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench import megatron_checks as checks
+from bench.megatron_gpu import MODEL_SMOKE, versions
+from bench.ranks import rank_result, rendezvous, run_and_collect, run_ranks, step_figures, sync, time_left
+from bench.train_scale import PEAK_TFLOPS, QWEN2_1_5B, QWEN2_5_7B, flops_per_step, workload
+
+SHAPES = {"1.5b": dict(arch="qwen2", **QWEN2_1_5B), "7b": dict(arch="qwen2", **QWEN2_5_7B), "smoke": MODEL_SMOKE}
+PARITY_TOLERANCE = 1e-5  # fp32, the issue's target
+
+
+def parse_layout(name: str) -> tuple[int, int]:
+    """ "tp2" -> (2, 1), "pp2" -> (1, 2), "tp2pp2" -> (2, 2)."""
+    m = re.fullmatch(r"(?:tp(\d+))?(?:pp(\d+))?", name)
+    if not name or m is None:
+        raise ValueError(f"--layouts: {name!r} is not a layout; expected tp<N>, pp<N> or tp<N>pp<M> (e.g. tp2)")
+    return int(m.group(1) or 1), int(m.group(2) or 1)
+
+
+def _build(rank: int, world: int, cfg: dict, out: str) -> None:
+    """The random HF model, in its own process (the parent holds no CUDA context)."""
+    checks.make_hf_model(out, **cfg)
+
+
+def _backend(
+    model: str,
+    precision: str,
+    tp: int,
+    pp: int,
+    mopts: dict,
+    rank: int,
+    world: int,
+    url: str,
+    timeout: float,
+    micro_batch_size: int,
+):
+    from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig, TrainConfig
+    from rlflow.engines.train.megatron.backend import MegatronTrainBackend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    train = TrainConfig(
+        device=device,
+        precision=precision,
+        lr=1e-6,
+        micro_batch_size=micro_batch_size,
+        threads=8 if device == "cuda" else 1,
+    )
+    return MegatronTrainBackend(
+        model,
+        train,
+        AlgorithmConfig(kl_coef=0.0),
+        MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp, **mopts),
+        rank=rank,
+        world_size=world,
+        dist_url=url,
+        collective_timeout_s=timeout,
+    )
+
+
+def parity_rank(
+    rank: int, world: int, model: str, tp: int, pp: int, vocab: int, seq: int, url: str, timeout: float, out: str
+) -> None:
+    """fp32 log-probs of the parity batch under (tp, pp); rank 0 saves them to out.safetensors."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    with rank_result(out, rank) as result:
+        result["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+        backend = _backend(model, "fp32", tp, pp, {}, rank, world, url, timeout, micro_batch_size=4)
+        batch = checks.rl_batch(vocab, rows=8, max_len=seq, min_len=max(seq // 4, 2), seed=1)
+        logprobs = backend.forward_logprobs(batch)
+        if rank == 0:
+            save_file({"logprobs": logprobs.contiguous(), "mask": batch["attention_mask"]}, out + ".safetensors")
+        result["ok"] = True
+    dist.destroy_process_group()
+
+
+def throughput_rank(
+    rank: int,
+    world: int,
+    model: str,
+    tp: int,
+    pp: int,
+    mopts: dict,
+    cfg: dict,
+    work: dict,
+    url: str,
+    timeout: float,
+    out: str,
+) -> None:
+    """bf16 train steps on this rank's data-parallel shard of the N x samples workload."""
+    import torch.distributed as dist
+
+    from rlflow.engines.core.batch import shard_for_workers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch = workload(
+        cfg["vocab_size"], world * work["samples"], work["prompt"], work["response_min"], work["response_max"]
+    )
+    with rank_result(out, rank) as result:
+        backend = _backend(model, "bf16", tp, pp, mopts, rank, world, url, timeout, micro_batch_size=4096)
+        shard = shard_for_workers(batch, world // (tp * pp), 1)[backend.data_parallel_rank()]
+        result["local_tokens"] = int(shard["attention_mask"].sum())
+        times, metrics = [], {}
+        for _ in range(work["steps"] + 1):  # the first is the warm-up
+            sync(device)
+            t0 = time.perf_counter()
+            metrics = backend.train_step(shard)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        result |= {"step_s": times[1:], "warmup_s": times[0], "loss": metrics.get("loss")}
+    dist.destroy_process_group()
+
+
+def run_layout(a, rank_fn, name: str, target: str, *args) -> dict:
+    """rank_fn on --gpus ranks under layout `name`, within --timeout and --deadline: the layout, the ranks' dicts,
+    the error that ended the run (None if none), wall seconds."""
+    tp, pp = parse_layout(name)
+    limit = time_left(a.timeout, a.end)
+    if limit < 10:
+        return {"tp": tp, "pp": pp, "error": f"skipped: past --deadline {a.deadline:.0f} s", "ranks": []}
+    t0 = time.perf_counter()
+    url = rendezvous(target)
+    ranks, error = run_and_collect(rank_fn, a.gpus, limit, target, a.model, tp, pp, *args, url, limit)
+    return {
+        "tp": tp,
+        "pp": pp,
+        "dp": a.gpus // (tp * pp),
+        "error": error,
+        "wall_s": time.perf_counter() - t0,
+        "ranks": ranks,
+        "peak_gib_per_rank": [x.get("peak_gib") for x in ranks],
+    }
+
+
+def run_parity(a, cfg: dict, layouts: list[str], work: Path, out: dict, save) -> None:
+    from safetensors.torch import load_file
+
+    out |= {"rows": 8, "seq": a.parity_seq, "tolerance": PARITY_TOLERANCE, "layouts": {}}
+    logprobs: dict[str, torch.Tensor] = {}
+    for name in layouts:
+        target = str(work / f"parity_{name}")
+        r = run_layout(a, parity_rank, name, target, cfg["vocab_size"], a.parity_seq)
+        r["tf32_matmul"] = r["ranks"][0].get("tf32_matmul") if r["ranks"] else None
+        if r["error"] is None:
+            saved = load_file(target + ".safetensors")
+            logprobs[name] = saved["logprobs"]
+            mask = saved["mask"].bool()
+            mask[:, 0] = False  # column 0 has no log-prob
+            out["tokens"] = int(mask.sum())
+            ref_name = next(iter(logprobs))
+            d = (saved["logprobs"] - logprobs[ref_name])[mask].abs()
+            r |= {
+                "vs": ref_name,
+                "max_abs_diff": float(d.max()),
+                "mean_abs_diff": float(d.mean()),
+                "pass": bool(d.max() <= PARITY_TOLERANCE),
+            }
+        out["layouts"][name] = r
+        save()
+        print(
+            f"[parity] {name}: " + json.dumps({k: r.get(k) for k in ("vs", "max_abs_diff", "pass", "error")}),
+            flush=True,
+        )
+
+
+def run_throughput(a, cfg: dict, layouts: list[str], work: Path, out: dict, save) -> None:
+    job = {k: getattr(a, k) for k in ("samples", "prompt", "response_min", "response_max", "steps")}
+    mopts = {"micro_batch_tokens": a.micro_batch_tokens, "packing": a.packing}
+    lengths = workload(cfg["vocab_size"], a.gpus * a.samples, a.prompt, a.response_min, a.response_max)[
+        "attention_mask"
+    ].sum(-1)
+    flops = flops_per_step(cfg, lengths)
+    out |= {
+        "samples": a.gpus * a.samples,
+        "useful_tokens": int(lengths.sum()),
+        "flops_per_step": flops,
+        "megatron": mopts,
+        "layouts": {},
+    }
+    for name in layouts:
+        r = run_layout(a, throughput_rank, name, str(work / f"throughput_{name}"), mopts, cfg, job)
+        ranks = r["ranks"]
+        if r["error"] is None and len(ranks) == a.gpus and all("step_s" in x for x in ranks):
+            r |= step_figures(ranks, a.steps, out["useful_tokens"], flops, PEAK_TFLOPS)
+        out["layouts"][name] = r
+        save()
+        print(
+            f"[throughput] {name}: "
+            + json.dumps(
+                {
+                    k: r.get(k)
+                    for k in ("tokens_per_s_per_gpu", "mfu", "step_s_median", "peak_gib_per_rank", "wall_s", "error")
+                }
+            ),
+            flush=True,
+        )
+
+
+SECTIONS = {"parity": run_parity, "throughput": run_throughput}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=2, help="ranks every layout runs on (GPUs on a GPU machine)")
+    p.add_argument(
+        "--layouts",
+        default="tp1,tp2,pp2",
+        help="comma-separated tp<N>, pp<N> or tp<N>pp<M>; parity compares each with the first",
+    )
+    p.add_argument("--sections", default="parity,throughput", help=f"comma-separated subset of {list(SECTIONS)}")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
+    p.add_argument("--smoke", action="store_true", help="a toy shape on CPU, gloo ranks: checks the script")
+    p.add_argument("--parity-seq", type=int, default=512, help="longest row of the parity batch")
+    p.add_argument("--steps", type=int, default=2, help="timed train steps (after one warm-up); median reported")
+    p.add_argument("--samples", type=int, default=64, help="workload samples per GPU (the batch is N x this)")
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--response-min", type=int, default=64)
+    p.add_argument("--response-max", type=int, default=1792)
+    p.add_argument("--micro-batch-tokens", type=int, default=8192, help="megatron.micro_batch_tokens")
+    p.add_argument("--packing", action="store_true", help="megatron.packing (THD); default: padded rows")
+    p.add_argument("--timeout", type=int, default=240, help="seconds per (layout, section) run, loading included")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=570,
+        help="seconds for the whole script: a run that would start later is skipped, one that would end later gets "
+        "less than --timeout (default: under a 10-minute device call)",
+    )
+    p.add_argument("--out", type=Path, required=True, help="JSON results (rewritten after each section)")
+    a = p.parse_args(argv)
+    a.end = time.monotonic() + a.deadline
+    if a.smoke:
+        a.shape, a.samples, a.prompt, a.response_min, a.response_max, a.parity_seq = "smoke", 4, 16, 4, 48, 32
+        a.steps, a.micro_batch_tokens = min(a.steps, 2), 256
+    try:
+        layouts = a.layouts.split(",")
+        for name in layouts:
+            tp, pp = parse_layout(name)
+            if a.gpus % (tp * pp):
+                raise ValueError(f"--layouts: {name} needs a multiple of {tp * pp} ranks, --gpus is {a.gpus}")
+    except ValueError as e:
+        p.error(str(e))
+    sections = a.sections.split(",")
+    if set(sections) - set(SECTIONS):
+        p.error(f"--sections: unknown {sorted(set(sections) - set(SECTIONS))}; expected a subset of {list(SECTIONS)}")
+    visible = torch.cuda.device_count()
+    if torch.cuda.is_available() and a.gpus > visible:
+        p.error(f"--gpus {a.gpus}: this machine shows {visible} GPUs")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the ranks inherit it
+    cfg = SHAPES[a.shape]
+    report = {
+        "date": dt.date.today().isoformat(),
+        "command": "python -m bench.megatron_multi_gpu " + " ".join(sys.argv[1:] if argv is None else argv),
+        "versions": versions(),
+        "gpus": a.gpus,
+        "visible_gpus": visible,
+        "shape": a.shape,
+        "model": cfg,
+        "config": {k: str(v) for k, v in vars(a).items() if k != "end"},
+        "sections": {},
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        a.model = str(Path(tmp) / "model")
+        t0 = time.perf_counter()
+        run_ranks(_build, 1, time_left(a.timeout, a.end), cfg, a.model)
+        print(f"[megatron_multi_gpu] built a random {a.shape} model in {time.perf_counter() - t0:.0f} s", flush=True)
+
+        def save() -> None:
+            a.out.write_text(json.dumps(report, indent=1))
+
+        for name in sections:
+            SECTIONS[name](a, cfg, layouts, Path(tmp), report["sections"].setdefault(name, {}), save)
+    return report
+
+
+if __name__ == "__main__":
+    main()
