@@ -42,7 +42,8 @@ def _importable_flags() -> tuple[str, dict[str, tuple[str, str]]] | None:
     here (the usual case: it lives in its own environment, rollout.sglang.python) or its parser cannot be built."""
     if importlib.util.find_spec("sglang") is None:
         return None
-    try:  # imported only where installed: an optional dependency, heavy (torch, CUDA kernels)
+    try:
+        # imported only where installed: an optional dependency, heavy (torch, CUDA kernels)
         from sglang.srt.server_args import ServerArgs
         from sglang.version import __version__
 

@@ -28,8 +28,8 @@ def apply_kernels(model: torch.nn.Module, kernels: str) -> None:
     if model_type not in LIGER_PATCHES:
         raise ValueError(f"train.kernels: liger is wired for model_type {sorted(LIGER_PATCHES)}; the model is "
                          f"{model_type!r} (use train.kernels: torch)")
-    try:  # an optional extra: Triton kernels, GPU machines only
-        import liger_kernel.transformers as liger
+    try:
+        import liger_kernel.transformers as liger  # an optional extra: Triton kernels, GPU machines only
     except ImportError as exc:
         raise RuntimeError("train.kernels: liger needs the liger-kernel package and Triton on a CUDA machine "
                            "(pip install 'rlflow[liger]')") from exc
