@@ -107,7 +107,7 @@ def _recipe(tmp_path: Path, data_dir: Path, storage: StorageConfig, name: str, r
     raw = small_recipe(tmp_path, name=name, train={"steps": STEPS, "threads": 1, "mini_batches": 2, **SCHEDULE},
                        algorithm={"advantage": "gae", "lam": 0.95} if ppo else {},
                        **({"critic": SCHEDULE} if ppo else {}),
-                       rollout={"off_policy_steps": off_policy},
+                       rollout={"max_staleness": off_policy},
                        checkpoint={"every": 2, "keep_last": 2}, eval={"every": 3, "max_prompts": 16},
                        cluster={"address": ray})
     raw["data"] = {"train_path": str(data_dir / "train.jsonl"), "eval_path": str(data_dir / "eval.jsonl")}
@@ -161,7 +161,7 @@ def _storage(kind: str, tmp_path: Path, request) -> StorageConfig:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, data_dir, prefect_api, ray_head):
-    """The reference outcome of each mode: {(off_policy_steps, ppo): (weights, metrics)}, run on first use."""
+    """The reference outcome of each mode: {(max_staleness, ppo): (weights, metrics)}, run on first use."""
     done: dict[tuple[int, bool], tuple[dict, dict]] = {}
 
     def get(off_policy: int, ppo: bool = False) -> tuple[dict, dict]:

@@ -82,11 +82,11 @@ class PromptSource:
     # ---- checkpoints ---------------------------------------------------------------------------------
     def state_after(self, step: int) -> dict:
         """What a checkpoint of `step` saves: the cursor and carry right after that step took its prompts."""
-        return {"cursor": self._cursor_after[step], "carry": self._carry_after.get(step, [])}
+        return {"cursor": self._cursor_after[step], "carry": self._carry_after.get(step, []), "next_step": step + 1}
 
     def load_state(self, state: dict) -> None:
         self.cursor.load_state_dict(state["cursor"])
-        self._taken, self._next = {}, None
+        self._taken, self._next = {}, state.get("next_step")  # checkpoints before it: the first take says
         self._carry = [Carry.from_json(c, self._tokenizer) for c in state.get("carry", [])]
 
     def forget_before(self, step: int) -> None:
