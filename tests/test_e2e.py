@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import mlflow
-import pytest
 import numpy as np
+import pytest
 from mlflow.tracking import MlflowClient
 
 from rlflow.engines.core.config import load_recipe
