@@ -99,3 +99,20 @@ def test_a_steps_prompts_do_not_depend_on_the_order_steps_take_them():
     resumed = PromptSource(rows, 3, seed=1, shuffle=True, tokenizer=None)  # from a checkpoint of step 1
     resumed.load_state(inorder.state_after(1))
     assert resumed.take(3) == expected[3] and resumed.take(2) == expected[2]
+
+
+def test_dynamic_sampling_runs_two_steps_ahead_in_order(tmp_path):
+    """Dynamic sampling with max_staleness 2 in the bare loop (engines in this process): each rollout carries
+    prompts into the next, so the schedule chains them; every step trains, within the bound."""
+    from bench.bare_loop import run_bare
+    from rlflow.engines.core.config import config_from_dict
+    from tests.conftest import small_recipe
+
+    cfg = config_from_dict(small_recipe(
+        tmp_path, cluster={"use_ray": False}, train={"steps": 4, "threads": 1},
+        rollout={"prompts_per_step": 8, "samples_per_prompt": 4, "max_staleness": 2,
+                 "dynamic_sampling": {"enabled": True, "over_sample": 2.0}}))
+    history = run_bare(cfg, str(tmp_path), log=lambda line: None)
+    assert [m["step"] for m in history] == [0, 1, 2, 3]
+    assert all(m["rollout/ds_prompts_started"] >= 8 for m in history)
+    assert all(m["train/staleness_max"] <= 2 for m in history)

@@ -502,8 +502,8 @@ class RLSession:
 
         With `storage`, `path` is the checkpoint's folder in that run store (s3:// too) and every worker writes
         there itself (tasks/run_context.py commits it after this returns). The cursor is saved as it was after
-        `step` took its prompts: with one-step-off async the next step has already taken its own, and a
-        resumed run reuses that batch from the store."""
+        `step` took its prompts: with asynchronous training (rollout.max_staleness) later steps have already
+        taken their own, and a resumed run reuses their batches from the store."""
         self.train_group.call(TrainBackend.save, *worker_target(path, "", storage))
         save_tokenizer(self.tokenizer, path, storage)  # so model/ loads with transformers as it is
         if self.critic_group is not None:
