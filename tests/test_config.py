@@ -259,6 +259,8 @@ GPU = {"train": {"device": "cuda", "steps": 3, "threads": 1}, "cluster": {"use_r
          r"cluster\.colocate: rollout\.num_workers \(2\) must equal train\.num_workers \(1\)"),
         ({**GPU, "cluster": {"use_ray": True, "colocate": True}, "rollout": {"max_staleness": 1}},
          r"cluster\.colocate: asynchronous training \(rollout\.max_staleness: 1\) needs separate GPUs"),
+        ({**GPU, "train": {**GPU["train"], "offload_during_rollout": True}},
+         r"train\.offload_during_rollout: .* needs cluster\.colocate: true"),
     ],
 )
 def test_placement_and_gpu_transports_name_the_field(tmp_path, sections, problem):
@@ -273,6 +275,11 @@ def test_gpu_placement_recipes_load(tmp_path):
         tmp_path, train=GPU["train"], cluster={"use_ray": True, "colocate": True}, weight_sync={"transport": "cuda_ipc"}
     )))
     assert colocated.rollout_device == "cuda" and colocated.cluster.colocate
+    assert colocated.offloads_trainer  # on by default when colocated
+    kept = load_recipe(write(tmp_path, small_recipe(
+        tmp_path, train={**GPU["train"], "offload_during_rollout": False}, cluster={"use_ray": True, "colocate": True}
+    )))
+    assert not kept.offloads_trainer
     split = load_recipe(write(tmp_path, small_recipe(
         tmp_path, **GPU, rollout={"precision": "bf16", "max_staleness": 1}, weight_sync={"transport": "nccl"}
     )))

@@ -166,3 +166,26 @@ def test_resume_mid_warm_up_applies_the_scheduled_lr(tiny_model_dir, batch, tmp_
         assert got[1] == want[1]
         want_weights = dict(uninterrupted.named_tensors())
         assert all(torch.equal(t, want_weights[n]) for n, t in resumed.named_tensors())
+
+
+def test_offload_round_trip_on_two_ranks(tiny_model_dir, batch, ray_cluster):
+    """Two FSDP2 ranks park their shards and Adam state (the session's two phases) and take them back: the next
+    steps and the updated weights are exactly those of two ranks that never offloaded."""
+    train = TrainConfig(threads=1, lr=1e-3)
+    parked = _ranks(tiny_model_dir, train, 2, "offload-parked")
+    plain = _ranks(tiny_model_dir, train, 2, "offload-plain")
+    _step(parked, batch, 2)
+    _step(plain, batch, 2)
+    optimizer = parked.call(TrainBackend.offload, True)
+    weights = parked.call(TrainBackend.offload)
+    assert all(m["bytes"] > 0 for m in optimizer + weights)  # each rank parks its own shards
+    back = parked.call(TrainBackend.onload)
+    assert [m["bytes"] for m in back] == [a["bytes"] + b["bytes"] for a, b in zip(optimizer, weights, strict=True)]
+    for _ in range(2):
+        m1, m2 = _step(parked, batch, 2), _step(plain, batch, 2)
+        assert (m1["loss"], m1["grad_norm"]) == (m2["loss"], m2["grad_norm"])
+    w1 = dict(parked.wait(parked.submit(TrainBackend.named_tensors))[0])
+    w2 = dict(plain.wait(plain.submit(TrainBackend.named_tensors))[0])
+    assert all(torch.equal(w1[n], w2[n]) for n in w2)
+    parked.shutdown()
+    plain.shutdown()

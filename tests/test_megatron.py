@@ -318,6 +318,40 @@ def test_checkpoint_resume_is_exact(hf_models, mcore, tmp_path, precision):
     assert set(hf.state_dict()) >= set(expected[1])
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_offload_round_trip_is_exact(hf_models, mcore, precision):
+    """Colocated offload of the megatron backend: optimizer state (bf16: the fp32 master weights too) parked, the
+    gradient buffers freed, then the parameter buffers and the reference model; use refused while parked; after
+    onload the next steps, weights and optimizer state equal a backend that never offloaded."""
+    from rlflow.engines.train.megatron.backend import _optimizer_tensors
+
+    path, batch = hf_models["qwen3"][0], toy_batch()
+    algo, train = AlgorithmConfig(kl_coef=0.1), train_config(precision=precision)
+    parked, plain = _backend(path, train, algo), _backend(path, train, algo)
+    for b in (parked, plain):
+        b.train_step(batch)
+    assert parked.offload(keep_weights=True)["bytes"] > 0
+    grads = [buf.grad_data for buf in parked.model.buffers]
+    assert all(g.untyped_storage().nbytes() == 0 for g in grads)
+    own = {p.untyped_storage().data_ptr() for p in parked._weight_tensors()}
+    assert all(t.untyped_storage().nbytes() == 0 for t in _optimizer_tensors(parked.optimizer)
+               if t.untyped_storage().data_ptr() not in own)
+    assert dict(parked.named_tensors())  # a weight sync still reads the weights
+    with pytest.raises(RuntimeError, match="train_step while its state is offloaded"):
+        parked.train_step(batch)
+    assert parked.offload()["bytes"] > 0
+    assert all(p.untyped_storage().nbytes() == 0 for p in parked._weight_tensors())
+    with pytest.raises(RuntimeError, match="forward_logprobs while its state is offloaded"):
+        parked.forward_logprobs(batch)
+    parked.onload()
+    for _ in range(2):
+        assert global_metrics(parked.train_step(batch)) == global_metrics(plain.train_step(batch))
+    a, b = dict(parked.named_tensors()), dict(plain.named_tensors())
+    assert all(torch.equal(a[n], b[n]) for n in b)
+    (main_a, steps_a), (main_b, steps_b) = optimizer_state(parked.optimizer), optimizer_state(plain.optimizer)
+    assert steps_a == steps_b and all(torch.equal(main_a[k], main_b[k]) for k in main_b)
+
+
 def test_bf16_backend_stays_close_to_fp32(hf_models, mcore):
     path = hf_models["llama"][0]
     fp32 = TorchTrainBackend(path, train_config(), AlgorithmConfig())

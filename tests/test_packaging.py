@@ -90,7 +90,7 @@ def test_declared_lower_bounds_are_versions_that_were_tested() -> None:
         if "==" in line and not line.startswith("#"):
             name, version = line.split("==")
             pins[name.strip().lower().replace("_", "-")] = Version(version.strip())
-    declared = project["dependencies"] + [d for extra in ("megatron", "math", "dev")
+    declared = project["dependencies"] + [d for extra in ("megatron", "math", "liger", "dev")
                                           for d in project["optional-dependencies"][extra]]
     for text in declared:
         req = Requirement(text)

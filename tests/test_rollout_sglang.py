@@ -253,8 +253,11 @@ def test_release_and_resume_memory_occupation(worker, model_dir):
     assert worker.server_info()["internal_states"][0]["memory_released"] is True
     with pytest.raises(RuntimeError, match="released"):
         _greedy(worker)
-    worker.update_weights_from_disk(model_dir, 10)  # resumes first, as a colocated sync does
+    worker.update_weights_from_disk(model_dir, 10)  # resumes the weights first, as a colocated sync does
     assert worker.server_info()["internal_states"][0]["memory_released"] is False
+    assert worker._released == {"kv_cache", "cuda_graph"}  # ... the rest once the trainer has parked its state
+    worker.resume_memory_occupation(["kv_cache", "cuda_graph"])
+    assert worker._released == set()
     assert _greedy(worker)["output_ids"].tolist() == before["output_ids"].tolist()
     worker.release_memory_occupation()
     worker.resume_memory_occupation()  # the explicit pair works too (weights are refilled by the next update)

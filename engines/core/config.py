@@ -448,6 +448,9 @@ class TrainConfig(Section):
     activation_checkpointing: bool = Field(
         False, description="torch backend: recompute each decoder layer's activations in the backward pass.")
     compile: bool = Field(False, description="torch backend: torch.compile each decoder layer (dynamic shapes).")
+    kernels: Literal["torch", "liger"] = Field(
+        "torch", description="torch backend: 'liger' swaps the decoder layers' RMSNorm, rotary and SwiGLU for "
+        "liger-kernel's fused Triton kernels (CUDA; pip install 'rlflow[liger]'); 'torch': HF's modules as loaded.")
     reshard_after_forward: bool = Field(
         True, description="torch backend: FSDP2 frees each layer's gathered weights after its forward and gathers "
         "them again for its backward (memory of one layer at a time). false keeps them until the backward: no "
@@ -456,6 +459,12 @@ class TrainConfig(Section):
         False, description="torch backend: FSDP2 CPU offload: parameters, gradients and optimizer state live on "
         "the host (the optimizer steps there) and each layer is copied to the GPU when it runs; trains models "
         "whose state does not fit on the GPUs, at the cost of host-device copies.",
+    )
+    offload_during_rollout: bool | None = Field(
+        None, description="cluster.colocate: the train workers park their optimizer state and weights in pinned "
+        "host memory (and drop the last step's gradients) while the rollout engine sharing their GPU generates, "
+        "and take them back before they run again; logged as time/offload and time/onload. Empty: on when "
+        "colocated. With weight_sync.transport cuda_ipc the weights stay (the rollout engine maps them).",
     )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="Compute dtype of training; master weights, gradient reduction and optimizer state "
@@ -859,6 +868,9 @@ class RLConfig(Section):
         if self.train.cpu_offload and (self.train.device != "cuda" or self.train.backend != "torch"):
             raise ValueError("train.cpu_offload: moves the torch backend's state from the GPU to the host; it needs "
                              "train.device 'cuda' and train.backend 'torch'")
+        if self.train.kernels == "liger" and (self.train.device != "cuda" or self.train.backend != "torch"):
+            raise ValueError("train.kernels: liger runs Triton kernels in the torch backend's model; it needs "
+                             "train.device 'cuda' and train.backend 'torch'")
         if transport in ("cuda_ipc", "nccl"):
             if not on_gpu or not self.cluster.use_ray:
                 raise ValueError(f"weight_sync.transport: {transport} needs train.device and rollout.device 'cuda' "
@@ -883,6 +895,9 @@ class RLConfig(Section):
             if section.num_workers % section.nodes:
                 raise ValueError(f"{name}.nodes: {name}.num_workers ({section.num_workers}) must split evenly over "
                                  f"{section.nodes} nodes")
+        if self.train.offload_during_rollout and not self.cluster.colocate:
+            raise ValueError("train.offload_during_rollout: parks the trainer's state while a rollout engine uses "
+                             "its GPU; it needs cluster.colocate: true (separate GPUs keep it where it is)")
         if self.cluster.colocate:
             if self.rollout.nodes != self.train.nodes:
                 raise ValueError(f"cluster.colocate: rollout.nodes ({self.rollout.nodes}) must equal train.nodes "
@@ -927,6 +942,12 @@ class RLConfig(Section):
     @property
     def rollout_device(self) -> str:
         return self.rollout.device or self.train.device
+
+    @property
+    def offloads_trainer(self) -> bool:
+        """Whether the train workers park their state in host memory while their colocated rollout engine runs
+        (train.offload_during_rollout; empty: whenever colocated)."""
+        return self.cluster.colocate and self.train.offload_during_rollout is not False
 
     @property
     def data_parallel_size(self) -> int:

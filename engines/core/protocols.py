@@ -65,6 +65,16 @@ class TrainBackend(Protocol):
 
     def load(self, path: str | Path, storage: StorageConfig | None = None) -> None: ...
 
+    def offload(self, keep_weights: bool = False) -> dict[str, float]:
+        """Colocated: park this rank's optimizer state and (unless `keep_weights`: a weight sync still reads them)
+        its weights in host memory, drop the gradients and give the GPU memory back, so the rollout engine
+        sharing the GPU can use it. Idempotent. Returns {"bytes": moved, "seconds": ...}."""
+        ...
+
+    def onload(self) -> dict[str, float]:
+        """Bring back what `offload` parked, exactly as it was, before the trainer runs again."""
+        ...
+
     def pid(self) -> int: ...
 
     def num_parameters(self) -> int: ...
@@ -119,7 +129,10 @@ class RolloutBackend(Protocol):
         """Give the weights' (and KV cache's) GPU memory back while a colocated trainer trains."""
         ...
 
-    def resume_memory_occupation(self) -> None: ...
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Take the memory back: SGLang's kinds `tags` ('weights', 'kv_cache', 'cuda_graph'), None: all. A weight
+        update takes the weights first; the session takes the rest before generating."""
+        ...
 
     def drain_trace(self) -> list[dict]:
         """Trace events recorded since the last drain (Chrome-trace dicts)."""

@@ -114,8 +114,8 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
 
     @app.post("/resume_memory_occupation")
     async def resume_memory_occupation(request: Request):
-        _tags(await read_json(request))
-        await asyncio.to_thread(backend.resume_memory_occupation)
+        tags = _tags(await read_json(request))
+        await asyncio.to_thread(backend.resume_memory_occupation, tags)
         return Response(status_code=200)
 
     # ---- pausing (a weight update under generation lands whole, between decode steps) --------------------
@@ -229,11 +229,13 @@ async def _generate_stream(client: EngineClient, requests, logprob_of: list[bool
     yield b"data: [DONE]\n\n"
 
 
-def _tags(body: dict) -> None:
+def _tags(body: dict) -> list[str] | None:
     check_fields(body, {"tags"}, {}, "memory occupation")
     tags = body.get("tags")
-    if tags is not None and not set(tags) <= {"weights", "kv_cache"}:
-        raise BadRequest(f"tags: the embedded server releases 'weights' and 'kv_cache' together, got {tags!r}")
+    if tags is not None and not set(tags) <= {"weights", "kv_cache", "cuda_graph"}:
+        raise BadRequest(f"tags: the embedded server knows 'weights', 'kv_cache' and 'cuda_graph' (it releases "
+                         f"them together, allocates its KV cache as it generates and has no CUDA graphs), got {tags!r}")
+    return tags
 
 
 class RolloutServer(BackgroundServer):

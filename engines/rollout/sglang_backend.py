@@ -59,6 +59,9 @@ from rlflow.engines.sync.store import get_bucket
 
 STOP_GRACE_S = 10.0  # SIGTERM first; SIGKILL what is left of the process group after this
 LOG_TAIL_CHARS = 4000
+# what SGLang's memory saver releases and resumes, by tag (sglang.srt.constants), in the order a colocated step
+# takes them back: the weights for the sync, then the KV cache and CUDA graphs for generation
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 def server_args(args: dict[str, Any]) -> list[str]:
@@ -131,7 +134,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         self.python = python or sys.executable
         self.weight_version = 0
         self.last_update_s = 0.0
-        self._released = False
+        self._released: set[str] = set()  # SGLang's memory kinds given to the colocated trainer
         self._dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"rlflow-sglang-{rank}-"))
         self._dir.mkdir(parents=True, exist_ok=True)
         self.weight_dirs = [*weight_dirs, str(self._dir)]  # update_weights writes its folders under _dir
@@ -279,15 +282,18 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
     def release_memory_occupation(self) -> None:
         """Give the server's GPU memory (weights, KV cache) to the colocated trainer. SGLang does it only when
         launched with `enable-memory-saver: true`; the weights must be updated after the resume."""
-        if not self._released:
+        if self._released != set(MEMORY_TAGS):
             self._post("/release_memory_occupation")
-            self._released = True
+            self._released = set(MEMORY_TAGS)
 
-    def resume_memory_occupation(self) -> None:
-        """Take the memory back; every weight update does this first, so a colocated sync needs no extra call."""
-        if self._released:
-            self._post("/resume_memory_occupation")
-            self._released = False
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Take the memory of these kinds back (None: all). A weight update takes the weights' first, so a
+        colocated sync needs no extra call; the KV cache (and CUDA graphs) follow once the trainer has parked
+        its state (engines/session/colocation.py), as slime orders it."""
+        todo = [t for t in MEMORY_TAGS if t in self._released and (tags is None or t in tags)]
+        if todo:
+            self._post("/resume_memory_occupation", {"tags": todo})
+            self._released -= set(todo)
 
     # ---- weights ---------------------------------------------------------------------------------------
     def pause_generation(self) -> None:
@@ -303,7 +309,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         """The server loads every *.safetensors file of the local folder `path` (HF names; all weights or some)
         and numbers its weights `version` (SGLang's /update_weights_from_disk)."""
         t0 = time.perf_counter()
-        self.resume_memory_occupation()
+        self.resume_memory_occupation(["weights"])
         r = self._post("/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version)})
         answer = r.json()
         if not answer.get("success", False):
@@ -350,7 +356,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         """Receive these weights from the group's rank 0, one broadcast per name in order, while the trainer sends
         them (broadcast_weights); SGLang's /update_weights_from_distributed."""
         t0 = time.perf_counter()
-        self.resume_memory_occupation()
+        self.resume_memory_occupation(["weights"])
         self._post("/update_weights_from_distributed", update_request(names, dtypes, shapes, version, group_name))
         self._weight_bytes = sum(math.prod(s) * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes, strict=True))
         self.weight_version = version

@@ -174,9 +174,12 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             if self.device == "cuda":
                 torch.cuda.empty_cache()
 
-    def resume_memory_occupation(self) -> None:
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Allocate the weights again (contents undefined until the sync that follows writes them). Every
-        weight update does this first, so a colocated sync costs no extra call."""
+        weight update does this first, so a colocated sync costs no extra call. `tags` without 'weights' (the
+        KV cache, SGLang's CUDA graphs): nothing to do, the engine allocates its cache when it generates."""
+        if tags is not None and "weights" not in tags:
+            return
         with self._between_steps():
             if not self._released:
                 return

@@ -33,6 +33,7 @@ from rlflow.engines.models.hf import encode_prompt, load_tokenizer, prompt_input
 from rlflow.engines.rollout.dynamic_sampling import collect_groups
 from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, load_rollout_fn
 from rlflow.engines.rollout.router import RolloutRouter
+from rlflow.engines.session.colocation import ColocatedMemory
 from rlflow.engines.session.evaluation import score
 from rlflow.engines.session.prompt_source import PromptSource
 from rlflow.engines.session.timeline import StageTimeline
@@ -106,6 +107,8 @@ class RLSession:
         self.router = None  # ... and one least-loaded endpoint in front of them (engines/rollout/router.py)
         # the groups with their placement groups, rollout servers' addresses and control token (create sets them)
         self.workers = Workers(train_group, rollout_group, critic_group)
+        # colocated: whose turn it is on the shared GPUs (the trainer parks its state while rollout runs)
+        self.gpu = ColocatedMemory(cfg, train_group, rollout_group)
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
@@ -152,6 +155,7 @@ class RLSession:
             return self.replay_rollout(step)
         t0 = time.perf_counter()
         metrics = self.replace_dead_rollout_workers()
+        self.gpu.for_rollout()
         if self.cfg.rollout.dynamic_sampling.enabled:
             prompts, groups, metrics = self._dynamic_groups(step)
             rows = [p.row for p in prompts]
@@ -165,7 +169,7 @@ class RLSession:
         if self.cfg.rollout.dynamic_sampling.enabled:  # its prompts do not follow from the cursor: store both
             batch.metadata = self.prompts.batch_metadata(step)
         self._open(StepState(step, rows, batch))
-        metrics |= batch.metrics()
+        metrics |= batch.metrics() | self.gpu.take_metrics()
         return metrics | {"rollout/tokens_per_s": metrics["rollout/tokens"] / (time.perf_counter() - t0)}
 
     def _with_greedy_baselines(self, rows: list[dict], groups: list[list[Sample]], step: int
@@ -330,7 +334,7 @@ class RLSession:
             abs_mean = float(st.advantages.abs().mean())
         if rewards is not scored:
             metrics["adv/shaped_reward_mean"] = float(rewards.mean())
-        return metrics | {
+        return metrics | self.gpu.take_metrics() | {
             "adv/abs_mean": abs_mean,
             "adv/zero_std_groups": float(algorithms.equal_reward_groups(rewards, groups).float().mean()),
         }
@@ -398,6 +402,7 @@ class RLSession:
                 f"{staleness.max()} updates behind the trainer (version {self.weight_version}); "
                 f"rollout.max_staleness allows {self.cfg.rollout.max_staleness}"
             )
+        self.gpu.for_training()  # colocated: the rollout engine releases its memory, the trainer onloads
         batch = self._pack(st, st.advantages)
         if st.train_logprobs is not None:
             batch = with_train_logprobs(batch, st.train_logprobs)
@@ -412,8 +417,6 @@ class RLSession:
             if self._dp_ranks is None:  # ranks of one tensor/pipeline-parallel group train on the same shard
                 self._dp_ranks = self.train_group.call(TrainBackend.data_parallel_rank)
             shards = shard_for_workers(batch, max(self._dp_ranks) + 1, self.cfg.train.mini_batches)
-            if self.cfg.cluster.colocate:  # the rollout engine's weights give their GPU memory to training
-                self.rollout_group.call(RolloutBackend.release_memory_occupation)
             results = self.train_group.call_each(TrainBackend.train_step, [(shards[r],) for r in self._dp_ranks])
             metrics["time/train_worker"] = results[0].pop("worker_s")
             metrics |= {f"train/{k}": v for k, v in results[0].items()}
@@ -423,7 +426,7 @@ class RLSession:
             metrics["time/critic_worker"] = result.pop("worker_s")
             metrics |= {f"critic/{k}": v for k, v in result.items()}
         tokens = float(batch["attention_mask"].sum())
-        return metrics | {"train/tokens_per_s": tokens / (time.perf_counter() - t0)}
+        return metrics | self.gpu.take_metrics() | {"train/tokens_per_s": tokens / (time.perf_counter() - t0)}
 
     def sync_weights(self, step: int) -> dict[str, float]:
         """Send the trainer's weights to every rollout worker as version step+1, by the recipe's transport."""
@@ -431,6 +434,7 @@ class RLSession:
             self.weight_version = step + 1
             return {"sync/weight_version": float(self.weight_version)}
         self.replace_dead_rollout_workers(probe=True)
+        self.gpu.before_sync()  # colocated: the optimizer state leaves the GPU before the rollout weights come
         t0 = time.perf_counter()
         version = step + 1
         # max_staleness >= 2: rollouts of later steps generate meanwhile; paused, they continue after the update
@@ -445,7 +449,9 @@ class RLSession:
                 self.rollout_group.call(RolloutBackend.continue_generation)
         self.weight_version = version
         dt = time.perf_counter() - t0
-        return {"sync/weight_version": float(version), "sync/bytes": float(nbytes), "sync/gb_per_s": nbytes / dt / 1e9}
+        self.gpu.for_rollout()  # ... and the weights after: evaluation and the next rollout get the memory
+        return {"sync/weight_version": float(version), "sync/bytes": float(nbytes),
+                "sync/gb_per_s": nbytes / dt / 1e9} | self.gpu.take_metrics()
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
         """Held-out reward with eval.temperature (greedy by default); also returns a few sample rows."""
@@ -453,6 +459,7 @@ class RLSession:
         if not rows:
             return {}, []
         self.replace_dead_rollout_workers()
+        self.gpu.for_rollout()
         prompts = self._prompt_samples(rows, 1, 2**62 + self._seed(step))  # seeds apart from training's
         groups = self.runner.run(prompts, self._sampling(self.cfg.eval.temperature))
         b = RolloutBatch.from_samples(prompts, [g[:1] for g in groups])
@@ -464,7 +471,7 @@ class RLSession:
         ]
         scored = score(rewards, b.lengths, n=1)
         metrics = {f"eval/{k}": scored[k] for k in ("reward_mean", "accuracy", "response_len_mean")}
-        return metrics, samples
+        return metrics | self.gpu.take_metrics(), samples
 
     def sample_rows(self, step: int, k: int) -> list[dict]:
         """The first sample of each of the step's first k prompts, for the samples table."""
@@ -491,6 +498,7 @@ class RLSession:
                 host, token = self.workers.rollout_host(i), self.workers.control_token
                 self.router.replace(i, self.rollout_group.call_one(i, RolloutBackend.start_server, host, 0, token))
             if dead:
+                self.gpu.resident()  # the resend reads the trainer's weights
                 self.weight_transport.reconnect()  # a connected transport connects again, the new worker included
                 self.weight_transport.resend(self.weight_version)
                 self.workers_restarted += len(dead)
@@ -504,6 +512,7 @@ class RLSession:
         there itself (tasks/run_context.py commits it after this returns). The cursor is saved as it was after
         `step` took its prompts: with asynchronous training (rollout.max_staleness) later steps have already
         taken their own, and a resumed run reuses their batches from the store."""
+        self.gpu.resident()  # the next rollout parks the state again
         self.train_group.call(TrainBackend.save, *worker_target(path, "", storage))
         save_tokenizer(self.tokenizer, path, storage)  # so model/ loads with transformers as it is
         if self.critic_group is not None:
@@ -515,6 +524,7 @@ class RLSession:
 
     def load(self, path: str | Path, controller_state: dict, storage: StorageConfig | None = None) -> None:
         """Every worker loads its state from `path` (with `storage`: straight from that run store's folder)."""
+        self.gpu.resident()
         self.train_group.call(TrainBackend.load, *worker_target(path, "", storage))
         if self.critic_group is not None:
             self.critic_group.call(CriticBackend.load, *worker_target(path, "critic", storage))
@@ -557,6 +567,7 @@ class RLSession:
 
     def _train_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Per-token logprobs [N, L] of the train engine's policy (or reference), each worker on its slice."""
+        self.gpu.for_training()
         n = len(self.train_group)
         per = batch_size(batch) // n
         parts = [(select(batch, slice(w * per, (w + 1) * per)), reference) for w in range(n)]

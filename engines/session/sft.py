@@ -133,12 +133,13 @@ class SFTSession:
                              [[0.0] * len(e.response_ids) for e in rows], torch.zeros(n),
                              self.rl.tokenizer.pad_token_id)
         shards = shard_for_workers(batch, max(self._dp_ranks) + 1, 1)
+        self.rl.gpu.for_training()  # colocated: the rollout engine releases its memory, the trainer onloads
         results = self.rl.train_group.call_each(TrainBackend.sft_step, [(shards[r],) for r in self._dp_ranks])
         tokens = float(batch["loss_mask"].sum())
         worker_s = results[0].pop("worker_s")
         return {f"train/{k}": v for k, v in results[0].items()} | {
             "train/response_tokens": tokens, "train/tokens_per_s": tokens / (time.perf_counter() - t0),
-            "time/train_worker": worker_s}
+            "time/train_worker": worker_s} | self.rl.gpu.take_metrics()
 
     def sync_weights(self, step: int) -> dict[str, float]:
         return self.rl.sync_weights(step)
@@ -207,6 +208,7 @@ class SFTSession:
     def save(self, path, step: int, storage: StorageConfig | None = None) -> dict:
         """Worker state into `path` (with `storage`: that run store's folder, written by the workers); returns the
         controller state: both data cursors (nothing is in flight)."""
+        self.rl.gpu.resident()
         self.rl.train_group.call(TrainBackend.save, *worker_target(path, "", storage))
         save_tokenizer(self.rl.tokenizer, path, storage)
         return {"cursor": self.rl.prompts.cursor.state_dict(), "weight_version": self.rl.weight_version,

@@ -84,6 +84,14 @@ def shard(lm: PackedLM, param_dtype: torch.dtype | None, cpu_offload: bool = Fal
     return lm
 
 
+def reshard(lm: torch.nn.Module) -> None:
+    """Free every unit's gathered parameters (an eval forward leaves the root's gathered), so the module's
+    registered parameters are the sharded ones."""
+    for module in lm.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a parameter (the whole parameter on one rank)."""
     return t.to_local() if isinstance(t, DTensor) else t

@@ -41,7 +41,9 @@ from rlflow.engines.sync.gpu import device_copy_bandwidth
 from rlflow.engines.sync.nccl import NcclChannel
 from rlflow.engines.sync.store import put_bucket
 from rlflow.engines.train import fsdp
+from rlflow.engines.train.kernels import apply_kernels
 from rlflow.engines.train.microbatch import token_budget_groups
+from rlflow.engines.train.offload import HostParking
 from rlflow.engines.train.rng import restore_rng, rng_state
 
 
@@ -97,6 +99,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         # fp32 master weights, loaded on the host: fully_shard moves each layer to the GPU as it shards it (and
         # keeps offloaded shards on the host), so no rank ever holds the whole model on its GPU
         self.model = load(model_path, dtype=torch.float32, device="cpu")
+        apply_kernels(self.model, train.kernels)
         compute = DTYPES[train.precision] if train.precision != "fp32" else None
         self.lm = fsdp.shard(
             PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing, train.compile),
@@ -105,12 +108,15 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         if algorithm.kl_coef > 0 and role == "policy":  # frozen copy of the starting policy, for the KL penalty
             self.ref_model = load_model(model_path, dtype=DTYPES[train.precision], device="cpu").eval()
             self.ref_model.requires_grad_(False)
+            apply_kernels(self.ref_model, train.kernels)
             self.ref_lm = fsdp.shard(PackedLM(self.ref_model, train.logprob_chunk_tokens), None, train.cpu_offload)
         # fused on the GPU: one kernel per step and no temporaries the size of the model (foreach's are)
         fused = self.device == "cuda" and not train.cpu_offload
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=train.betas,
                                            weight_decay=train.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train))
+        # colocated: what offload() parked in host memory while the rollout engine has the GPU
+        self._parked_weights, self._parked_optimizer = HostParking(), HostParking()
 
     # ---- forward -------------------------------------------------------------------------------------
     def _forward(self, lm: PackedLM, mb: TrainBatch, with_entropy: bool, temperature: float | None = None
@@ -158,6 +164,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         before token t, column 0 is 0)."""
         if self.role != "critic":
             raise ValueError("forward_values: this worker is a policy; values come from a role='critic' worker")
+        self._resident("forward_values")
         self.model.eval()
         return self._per_token(batch, lambda micro: self._forward(self.lm, micro, False)[0])
 
@@ -167,6 +174,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         lm = self.ref_lm if reference else self.lm
         if lm is None:
             raise ValueError("forward_logprobs(reference=True) needs algorithm.kl_coef > 0")
+        self._resident("forward_logprobs")
         lm.eval()
         return self._per_token(batch, lambda micro: self._forward(lm, micro, False)[0])
 
@@ -181,6 +189,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
 
         A critic's batch holds input_ids, attention_mask, loss_mask, returns and old_values (the values the
         advantages were computed with)."""
+        self._resident("train_step", optimizer=True)
         if self.ref_model is not None and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
         if self.role == "policy" and self.algo.corrects_rollout and "rollout_logprobs" not in batch:
@@ -203,6 +212,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         """One supervised optimizer step on this worker's shard: NLL of the loss-masked (response) tokens.
 
         The logprobs are the model's own (temperature 1), not the rollout's temperature-scaled ones."""
+        self._resident("sft_step", optimizer=True)
         t0 = time.perf_counter()
         self.model.train()
         stats = self._optimizer_step(batch, sft=True)
@@ -256,6 +266,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
     def named_tensors(self, names: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
         """HF-named full weights (all, or the named ones) on CPU at rank 0, [] on other ranks: what weight sync
         sends to rollout engines. Collective (each weight is gathered from its shards in turn)."""
+        self._resident("named_tensors")
         params = dict(self.model.named_parameters())
         return fsdp.gather(params, names or list(params), keep=self.rank == 0)
 
@@ -269,6 +280,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
 
     def _whole_parameters(self, transport: str) -> dict[str, torch.Tensor]:
         """The parameters themselves, for the GPU transports that read them in place: one unsharded rank."""
+        self._resident(f"weight sync ({transport})")
         if self.world_size > 1 or self.cfg.cpu_offload:
             raise ValueError(f"weight_sync.transport {transport}: reads whole parameters on the GPU; with "
                              "train.num_workers > 1 or train.cpu_offload they are sharded or on the host "
@@ -302,6 +314,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
     def weights_digest(self, dtype: str) -> float:
         """Sum of every weight cast to `dtype`: benchmarks check a GPU sync delivered the same weights.
         Collective."""
+        self._resident("weights_digest")
         params = dict(self.model.named_parameters())
         return float(sum(t.to(DTYPES[dtype]).double().sum() for _, t in fsdp.gather(params, list(params), True)))
 
@@ -318,6 +331,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
 
         With `storage`, `path` is a folder of that run store (a checkpoint's URI, s3:// too) and every rank
         writes its shards there itself, through fsspec; without it, a local folder."""
+        self._resident("save", optimizer=True)
         state = json.dumps({"scheduler": self.scheduler.state_dict() | {"lr_lambdas": None}, "rng": rng_state()})
         own = f"trainer_rank{self.rank}.json"
         if storage is not None:
@@ -334,6 +348,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         """Resume from save(), written by any number of ranks (with `storage`: read straight from that run
         store's folder `path`). A rank the checkpoint had no rank of keeps its own RNG (the train step draws
         no random numbers) and takes rank 0's schedule (the same on every rank)."""
+        self._resident("load", optimizer=True)
         own = f"trainer_rank{self.rank}.json"
         if storage is not None:
             store = RunStore.at(storage, str(path))
@@ -359,6 +374,46 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
             group["lr"] = lr  # the schedule's rate at the saved step, not the rate at step 0
         if own:
             restore_rng(state, source)
+
+    # ---- colocated offload --------------------------------------------------------------------------
+    @torch.no_grad()
+    def offload(self, keep_weights: bool = False) -> dict[str, float]:
+        """Park the optimizer state and, unless `keep_weights`, the weights (the reference model's too) in host
+        memory, drop the gradients, and give the GPU memory back (engines/train/offload.py). The gradients are
+        the last step's: the next step zeroes them before it accumulates, so dropping them loses nothing. Only
+        state on the run's device moves (train.cpu_offload keeps it on the host already). Idempotent."""
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        lms = [lm for lm in (self.lm, self.ref_lm) if lm is not None]
+        for lm in lms:
+            fsdp.reshard(lm)  # the sharded parameters are the registered ones, no gathered copy is kept
+        moved = 0
+        if not self._parked_optimizer.parked:
+            state = [fsdp.local(v) for st in self.optimizer.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor)]
+            moved += self._parked_optimizer.park(state, self.device)
+        if not keep_weights and not self._parked_weights.parked:
+            moved += self._parked_weights.park([fsdp.local(p) for lm in lms for p in lm.parameters()], self.device)
+        return self._memory_moved(moved, t0)
+
+    def onload(self) -> dict[str, float]:
+        """Bring back what offload parked, byte for byte, into the same tensors."""
+        t0 = time.perf_counter()
+        moved = self._parked_weights.unpark() + self._parked_optimizer.unpark()
+        return self._memory_moved(moved, t0)
+
+    def _memory_moved(self, moved: int, t0: float) -> dict[str, float]:
+        out = {"bytes": float(moved)}
+        if self.device == "cuda":
+            torch.cuda.empty_cache()  # freed blocks go back to the driver, where the rollout engine can get them
+            out["gpu_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
+        return out | {"seconds": time.perf_counter() - t0}
+
+    def _resident(self, what: str, optimizer: bool = False) -> None:
+        """Refuse to run `what` on parked state (its memory is freed: it would read garbage or crash)."""
+        if self._parked_weights.parked or (optimizer and self._parked_optimizer.parked):
+            raise RuntimeError(f"train worker {self.rank}: {what} while its state is offloaded to host memory "
+                               "(train.offload_during_rollout); the session calls onload() first")
 
     def data_parallel_rank(self) -> int:
         """Which shard of the data this worker trains on: every worker is a data-parallel copy."""

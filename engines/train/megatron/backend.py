@@ -60,6 +60,7 @@ from rlflow.engines.train.megatron.model_build import (
     transformer_config,
     use_transformer_engine,
 )
+from rlflow.engines.train.offload import HostParking
 from rlflow.engines.train.rng import restore_rng, rng_state
 from rlflow.engines.train.torch_backend import lr_lambda, with_train_logprobs
 
@@ -133,6 +134,8 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         } | self.mcfg.optimizer)), [self.model])
         self.schedule = lr_lambda(train)
         self.updates = 0  # optimizer steps taken: the LR schedule's clock
+        # colocated: what offload() parked in host memory while the rollout engine has the GPU
+        self._parked_weights, self._parked_optimizer, self._grads_freed = HostParking(), HostParking(), False
         self.ref_model = None
         if algorithm.kl_coef > 0:  # frozen copy of the starting policy, for the KL penalty
             self.ref_model = self._wrap(self._load_core()).eval()
@@ -234,6 +237,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         model = self.ref_model if reference else self.model
         if model is None:
             raise ValueError("forward_logprobs(reference=True) needs algorithm.kl_coef > 0")
+        self._resident("forward_logprobs")
         model.eval()
         micro, width = self._on_dev(self._micro(batch)), batch["input_ids"].shape[1]
         if self.pp == 1:
@@ -300,6 +304,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL iteration on this rank's data-parallel shard: epochs x mini_batches optimizer steps.
         Returns global metrics (the same on every rank)."""
+        self._resident("train_step", optimizer=True)
         t0 = time.perf_counter()
         if self.ref_model is not None and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
@@ -320,6 +325,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
         """One supervised optimizer step on this rank's data-parallel shard: algorithms.sft_loss (NLL of the
         loss-masked response tokens, token mean), the same as TorchTrainBackend.sft_step."""
+        self._resident("sft_step", optimizer=True)
         t0 = time.perf_counter()
         self.model.train()
         self._sft = True
@@ -368,6 +374,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
     @_on_device
     def named_tensors(self, names: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
         """HF-named full weights (all, or the named ones) on CPU at rank 0, [] on other ranks. Collective."""
+        self._resident("named_tensors")
         return self.exporter.gather(names or self.exporter.names())
 
     def put_weights_to_store(
@@ -394,6 +401,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
     def save(self, path: str | Path, storage: StorageConfig | None = None) -> None:
         """HF model (rank 0), this rank's optimizer shard, and schedule/RNG state: safetensors + JSON. Collective.
         Local folders only: the run uploads them (`storage` is the torch backend's straight-to-store path)."""
+        self._resident("save", optimizer=True)
         _local_only(storage)
         path = Path(path)
         (path / "model").mkdir(parents=True, exist_ok=True)
@@ -412,6 +420,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
     @_on_device
     def load(self, path: str | Path, storage: StorageConfig | None = None) -> None:
         """Resume from save(): same model and parallel layout (resharding a checkpoint is not supported)."""
+        self._resident("load", optimizer=True)
         _local_only(storage)
         path = Path(path)
         state = json.loads((path / f"trainer_rank{self.rank}.json").read_text())
@@ -424,6 +433,56 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         restore_rng(state, path / f"trainer_rank{self.rank}.json")
         if self.device == "cuda":
             set_tracker_rng_state(state["rng"].get("megatron_cuda", {}))
+
+    # ---- colocated offload --------------------------------------------------------------------------
+    @_on_device
+    @torch.no_grad()
+    def offload(self, keep_weights: bool = False) -> dict[str, float]:
+        """Park the optimizer's state (fp32 master weights and Adam moments) and, unless `keep_weights`, the
+        model's parameter buffers (the reference model's too) in host memory (engines/train/offload.py), and
+        free the gradient buffers (megatron zeroes them at the next step: nothing to keep). Idempotent."""
+        t0 = time.perf_counter()
+        weights = self._weight_tensors()
+        if not self._grads_freed:
+            self.optimizer.zero_grad()  # the master weights' gradients (views into, or copies of, the buffers)
+            self.model.offload_grad_buffers(synchronize=True, empty_cache=False)  # storages resized to 0
+            self._grads_freed = True
+        moved = 0
+        if not self._parked_optimizer.parked:
+            # fp32 without a distributed optimizer steps the model's own parameters: those go with the weights
+            own = {t.untyped_storage().data_ptr() for t in weights}
+            state = [t for t in _optimizer_tensors(self.optimizer) if t.untyped_storage().data_ptr() not in own]
+            moved += self._parked_optimizer.park(state, self.device)
+        if not keep_weights and not self._parked_weights.parked:
+            moved += self._parked_weights.park(weights, self.device)
+        return self._memory_moved(moved, t0)
+
+    @_on_device
+    def onload(self) -> dict[str, float]:
+        """Bring back what offload parked, byte for byte, into the same buffers; the gradient buffers anew."""
+        t0 = time.perf_counter()
+        moved = self._parked_weights.unpark() + self._parked_optimizer.unpark()
+        if self._grads_freed:
+            self.model.restore_grad_buffers(synchronize=True)  # zeroed
+            self._grads_freed = False
+        return self._memory_moved(moved, t0)
+
+    def _weight_tensors(self) -> list[torch.Tensor]:
+        models = [self.model] + ([self.ref_model] if self.ref_model is not None else [])
+        return [p for m in models for p in m.parameters()]
+
+    def _memory_moved(self, moved: int, t0: float) -> dict[str, float]:
+        out = {"bytes": float(moved)}
+        if self.device == "cuda":
+            torch.cuda.empty_cache()  # freed blocks go back to the driver, where the rollout engine can get them
+            out["gpu_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
+        return out | {"seconds": time.perf_counter() - t0}
+
+    def _resident(self, what: str, optimizer: bool = False) -> None:
+        """Refuse to run `what` on parked state (its memory is freed: it would read garbage or crash)."""
+        if self._parked_weights.parked or (optimizer and (self._parked_optimizer.parked or self._grads_freed)):
+            raise RuntimeError(f"train worker {self.rank}: {what} while its state is offloaded to host memory "
+                               "(train.offload_during_rollout); the session calls onload() first")
 
     def pid(self) -> int:
         """This worker's process id (fault-injection drills kill it)."""
@@ -438,3 +497,16 @@ def _local_only(storage: StorageConfig | None) -> None:
     if storage is not None:
         raise ValueError("train.backend megatron saves and loads checkpoints in a local folder; writing them "
                          "straight to the run store is the torch backend's (tasks/run_context.py)")
+
+
+def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors a megatron optimizer (chained or not) steps and keeps: its inner torch optimizer's parameters
+    (the fp32 master weights, or the model's own in fp32) and their state."""
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:  # a rank that holds no parameters of this chain
+            continue
+        out += [p for group in inner.param_groups for p in group["params"]]
+        out += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
