@@ -138,7 +138,8 @@ class RolloutConfig(Section):
         "while step k trains, with weights one update behind, and the sync waits for it (each step's samples "
         "come from one version). k >= 2: the rollouts of steps up to k ahead run while training goes on and "
         "weights are updated under them (a generation in flight continues with the new weights); a step's "
-        "rollout starts only once version step - k is on the rollout workers. Replaces off_policy_steps.",
+        "rollout starts only once version step - k is on the rollout workers; use algorithm.is_correction with "
+        "it (docs/algorithms.md). Replaces off_policy_steps.",
     )
 
     @model_validator(mode="before")
