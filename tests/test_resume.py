@@ -251,16 +251,19 @@ def test_ppo_kill_then_resume_is_exact(fault, tmp_path, data_dir, prefect_api, r
 @pytest.mark.parametrize("fault", [("train", 3, "before", "flow"), ("rollout", 4, "after", "rollout")])
 def test_k2_kill_then_resume_loses_and_repeats_no_step(fault, tmp_path, data_dir, prefect_api, ray_head):
     """rollout.max_staleness 2, SIGKILLed (the flow process, or the rollout actor while later steps generate) and
-    resumed: every step is trained and logged once, and every stored sample is within the bound. Not compared
-    with an uninterrupted run: weights change under generation, so the batches regenerated after the resume need
-    not equal the lost ones (tests/test_e2e.py checks that a stored batch is reused as it is)."""
+    resumed (or, for the rollout actor, healed in place): every step is trained and logged once, and every stored
+    sample is within the bound. Not compared with an uninterrupted run: weights change under generation, so the
+    batches regenerated after the resume need not equal the lost ones (tests/test_e2e.py checks that a stored
+    batch is reused as it is)."""
     storage = StorageConfig(uri=str(tmp_path / "store"))
     name = "k2-" + "-".join(map(str, fault))
     recipe = _recipe(tmp_path, data_dir, storage, name, ray_head, staleness=2)
     killed = _rlflow(["run", str(recipe)], prefect_api, fault=":".join(map(str, fault)))
-    assert killed.returncode != 0, f"fault {fault} did not stop the run"
-    resumed = _rlflow(["run", str(recipe)], prefect_api)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    if killed.returncode != 0:
+        resumed = _rlflow(["run", str(recipe)], prefect_api)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    else:  # a rollout actor killed while later steps generate: the next sync replaces it and the run goes on
+        assert fault[3] == "rollout", f"fault {fault} did not stop the run"
     _, metrics = _outcome(recipe, storage, name)  # finished; each metric logged once per step
     assert sorted(metrics["rollout/reward_mean"]) == list(range(STEPS))
     assert all(0 <= v <= 2 for v in metrics["train/staleness_max"].values())
