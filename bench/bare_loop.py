@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rlflow.engines.core.config import RLConfig, load_recipe
 from rlflow.engines.session.rl import RLSession
+from rlflow.engines.session.schedule import RolloutSchedule
 from rlflow.engines.session.workers import prepare_data, prepare_model
 
 
@@ -41,24 +42,29 @@ def run_bare(cfg: RLConfig, workdir: str, log=print, use_ray: bool = False, trac
 def run_steps(session: RLSession, cfg: RLConfig, log=print, trace_dir: str | None = None) -> list[dict]:
     """The loop itself, on a session the caller made (and shuts down)."""
     history = []
-    ahead = None  # one-step-off async: the next step's rollout, running in a thread while this step trains
-    pool = ThreadPoolExecutor(1)
+    pool = ThreadPoolExecutor(max(cfg.rollout.max_staleness, 1))  # the rollouts running ahead (max_staleness)
+
+    def rollout_after(step: int, after) -> dict:  # `after`: the rollout it waits for (dynamic sampling chains)
+        if after is not None:
+            after.result()
+        return _timed(session, "rollout", step, "rollout")
+
+    def submit(step: int, after):
+        return pool.submit(rollout_after, step, after)
+
+    rollouts = RolloutSchedule(cfg.rollout.max_staleness, cfg.train.steps - 1,
+                               lambda step: _timed(session, "rollout", step, "rollout"), submit,
+                               lambda: session.weight_version, chain=cfg.rollout.dynamic_sampling.enabled)
     stages = (("reward", "reward"),)
     if cfg.debug.trains:
         stages += (("advantages", "advantages"), ("train", "train"))
     for step in range(cfg.train.steps):
         t0 = time.perf_counter()
-        m = {"step": step} | (ahead.result() if ahead else _timed(session, "rollout", step, "rollout"))
-        ahead = None
-        if cfg.rollout.off_policy_steps and step + 1 < cfg.train.steps:
-            ahead = pool.submit(_timed, session, "rollout", step + 1, "rollout")
+        m = {"step": step} | rollouts.take(step)
         for stage, label in stages:
             m |= _timed(session, stage, step, label)
-        if ahead:
-            tw = time.perf_counter()
-            ahead.result()
-            m["time/rollout_wait"] = time.perf_counter() - tw
         if cfg.debug.trains:
+            m |= rollouts.before_sync(step)  # k = 1: waits for the rollout in flight; k >= 2 syncs under it
             m |= _timed(session, "sync-weights", step, "sync")
         if cfg.debug.mode is None and cfg.eval.every and (step + 1) % cfg.eval.every == 0:
             m |= session.evaluate(step)[0]

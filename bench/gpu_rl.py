@@ -11,7 +11,7 @@ weight_sync: a Qwen2-0.5B- and a Qwen2-1.5B-shaped model (random weights, full 1
     GB/s counts the bytes each rollout worker receives (bf16). Every sync is checked: the rollout's weights
     sum to the trainer's weights cast to bf16.
 async: the sort recipe on a ~0.3B Llama on two GPUs (train on one, rollout on the other, nccl sync), sync
-    vs one-step-off (rollout.off_policy_steps 1), driven by bench/bare_loop.py with the engines in Ray
+    vs one-step-off (rollout.max_staleness 1), driven by bench/bare_loop.py with the engines in Ray
     actors. max_new_tokens is first calibrated so that rollout and training take about the same time.
 
 Each section runs in its own process with a time limit and the JSON is rewritten after each. No Prefect or
@@ -157,7 +157,7 @@ def async_speedup(steps: int, smoke: bool) -> dict:
     new_tokens = max(8, min(512, round(m0 * rest_s / rollout_s)))
     runs = {}
     for label, off in (("sync", 0), ("one_step_off", 1)):
-        hist = _loop(work, [f"rollout.max_new_tokens={new_tokens}", f"rollout.off_policy_steps={off}", *extra], steps)
+        hist = _loop(work, [f"rollout.max_new_tokens={new_tokens}", f"rollout.max_staleness={off}", *extra], steps)
         warm = hist[2:]
         runs[label] = {"step_s": statistics.mean(h["time/step"] for h in warm),
                        "rollout_s": statistics.mean(h["time/rollout"] for h in warm if "time/rollout" in h),

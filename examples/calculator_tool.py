@@ -56,5 +56,6 @@ async def _episode(prompt: PromptSample, router_url: str, sampling_params: dict,
         loss_mask=[1] * len(call.response_ids) + [0] * len(tool_ids) + [1] * len(answer.response_ids),
         reward=reward, response=text, finish_reason=finish,
         weight_version=call.weight_version,  # the older of the two turns'
+        last_weight_version=answer.last_weight_version,  # the newer: an update may land between the turns
         metadata={"tool_call": expression, "tool_result": result},
     )

@@ -2,8 +2,9 @@
 
     rollout -> reward -> advantages -> train -> sync weights -> (eval) -> log metrics -> (checkpoint)
 
-With rollout.off_policy_steps = 1 (one-step-off async) step k+1's rollout task is submitted before step
-k's reward and runs beside it; sync waits for it, so a sample is never more than one update stale.
+With rollout.max_staleness = k > 0 (asynchronous training) the rollout tasks of up to k later steps run beside
+the step that trains (engines/session/schedule.py): with k = 1 the sync waits for the one in flight (one-step-off),
+with k >= 2 it updates the weights under them; a sample is never more than k updates stale.
 Debug modes (debug.mode): rollout_only stops after reward; train_only replays stored batches and has no
 rollout workers, so it skips eval. With debug.trace_every N, every Nth step's timeline goes to MLflow.
 
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from prefect import flow
 
 from rlflow.engines.core.config import CheckpointConfig, RLConfig, resolve_config
+from rlflow.engines.session.schedule import RolloutSchedule
 from rlflow.tasks import stages
 from rlflow.tasks.artifacts import TrainingArtifacts
 from rlflow.tasks.run_context import RunContext, open_run
@@ -65,25 +67,23 @@ def post_train(
     last = config.train.steps - 1
     metrics: dict[str, float] = {}
     status = "FAILED"
-    one_step_off = config.rollout.off_policy_steps == 1
     debug = config.debug
-    ahead: dict[str, float] | None = None  # one-step-off: this step's rollout metrics, generated last step
+    rollouts = RolloutSchedule(
+        config.rollout.max_staleness, last, run=lambda step: s.rollout(r, step),
+        submit=lambda step, after: s.rollout.submit(r, step, wait_for=[after] if after is not None else None),
+        version=lambda: run.session.weight_version, chain=config.rollout.dynamic_sampling.enabled)
     checkpoints = CheckpointSchedule(config.checkpoint, last)
     try:
         run.artifacts = TrainingArtifacts(config.name, config.train.steps, run.start_step, run.tracker.url)
         for step in range(run.start_step, config.train.steps):
             t0 = time.perf_counter()
-            metrics, ahead = (ahead if ahead is not None else s.rollout(r, step)), None
-            # one-step-off: the next step generates (with the weights this step started from) while this one trains
-            upcoming = s.rollout.submit(r, step + 1) if one_step_off and step < last else None
+            # the step's samples; later steps' rollouts start as the staleness bound allows and run beside it
+            metrics = rollouts.take(step)
             metrics |= s.reward(r, step)
             if debug.trains:
                 metrics |= s.advantages(r, step)
                 metrics |= s.train(r, step)
-                if upcoming is not None:  # the sync below must not change weights under a generation in flight
-                    tw = time.perf_counter()
-                    ahead = upcoming.result()
-                    metrics["time/rollout_wait"] = time.perf_counter() - tw
+                metrics |= rollouts.before_sync(step)  # k = 1: waits for the rollout in flight; k >= 2 syncs under it
                 metrics |= s.sync_weights(r, step)
             if debug.mode is None and config.data.eval_path and _due(config.eval.every, step, last):
                 metrics |= s.evaluate(r, step)

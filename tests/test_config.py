@@ -257,8 +257,8 @@ GPU = {"train": {"device": "cuda", "steps": 3, "threads": 1}, "cluster": {"use_r
         ({"cluster": {"colocate": True}}, r"cluster\.colocate: needs train\.device and rollout\.device 'cuda'"),
         ({**GPU, "cluster": {"use_ray": True, "colocate": True}, "rollout": {"num_workers": 2}},
          r"cluster\.colocate: rollout\.num_workers \(2\) must equal train\.num_workers \(1\)"),
-        ({**GPU, "cluster": {"use_ray": True, "colocate": True}, "rollout": {"off_policy_steps": 1}},
-         r"cluster\.colocate: one-step-off async .* needs separate GPUs"),
+        ({**GPU, "cluster": {"use_ray": True, "colocate": True}, "rollout": {"max_staleness": 1}},
+         r"cluster\.colocate: asynchronous training \(rollout\.max_staleness: 1\) needs separate GPUs"),
         ({**GPU, "train": {**GPU["train"], "offload_during_rollout": True}},
          r"train\.offload_during_rollout: .* needs cluster\.colocate: true"),
     ],
@@ -281,7 +281,7 @@ def test_gpu_placement_recipes_load(tmp_path):
     )))
     assert not kept.offloads_trainer
     split = load_recipe(write(tmp_path, small_recipe(
-        tmp_path, **GPU, rollout={"precision": "bf16", "off_policy_steps": 1}, weight_sync={"transport": "nccl"}
+        tmp_path, **GPU, rollout={"precision": "bf16", "max_staleness": 1}, weight_sync={"transport": "nccl"}
     )))
     assert split.rollout.precision == "bf16" and split.weight_sync.transport == "nccl"
 
@@ -314,3 +314,17 @@ def test_remax_settings_are_checked(tmp_path):
         with pytest.raises(RecipeError) as e:
             load_recipe(write(tmp_path, raw))
         assert re.search(problem, e.value.problems[0]), e.value.problems
+
+
+def test_off_policy_steps_reads_as_max_staleness_with_a_warning(tmp_path):
+    """The field's old name still loads the same run (in the recipe or as a --set override), and says so."""
+    with pytest.warns(FutureWarning, match=r"rollout\.off_policy_steps is deprecated: .*max_staleness: 1"):
+        cfg = load_recipe(write(tmp_path, small_recipe(tmp_path, rollout={"off_policy_steps": 1})))
+    assert cfg.rollout.max_staleness == 1 and "off_policy_steps" not in cfg.rollout.model_dump()
+    with pytest.warns(FutureWarning):
+        assert load_recipe(write(tmp_path, small_recipe(tmp_path)), ["rollout.off_policy_steps=1"]
+                           ).rollout.max_staleness == 1
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, small_recipe(tmp_path, rollout={"off_policy_steps": 1, "max_staleness": 2})))
+    assert any("rollout.off_policy_steps (1) and rollout.max_staleness (2) disagree" in p for p in e.value.problems)
+    assert load_recipe(write(tmp_path, small_recipe(tmp_path, rollout={"max_staleness": 3}))).rollout.max_staleness == 3

@@ -181,7 +181,7 @@ def test_rollout_worker_records_requests_and_weight_updates(tiny_model_dir):
 @pytest.mark.parametrize(("debug", "extra", "error"), [
     ({"mode": "train_only"}, {}, r"debug\.replay_run: train_only needs a run"),
     ({"mode": "rollout_only", "replay_run": "x"}, {}, r"debug\.replay_run: rollout_only generates"),
-    ({"mode": "rollout_only"}, {"rollout": {"off_policy_steps": 1}}, r"debug\.mode: rollout_only .* synchronously"),
+    ({"mode": "rollout_only"}, {"rollout": {"max_staleness": 1}}, r"debug\.mode: rollout_only .* synchronously"),
     ({"replay_run": "t"}, {}, r"debug\.replay_run: 't' is this run"),
     ({"trace_every": -1}, {}, r"debug\.trace_every"),
 ])
@@ -206,7 +206,7 @@ def test_replay_of_a_missing_run_or_batch_is_a_clear_error(original, tmp_path):
 def test_one_step_off_traces_keep_each_steps_rollout(tmp_path):
     """With one-step-off async, step k+1's rollout runs (and is drained) during step k; step k+1's trace
     still holds its rollout span and requests."""
-    cfg = _recipe(tmp_path, "async-trace", rollout={"off_policy_steps": 1}, train={"steps": 3},
+    cfg = _recipe(tmp_path, "async-trace", rollout={"max_staleness": 1}, train={"steps": 3},
                   debug={"trace_every": 1})
     run_bare(cfg, str(tmp_path), log=lambda line: None, trace_dir=str(tmp_path / "traces"))
     for step in range(3):

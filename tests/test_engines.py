@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -309,4 +310,37 @@ def test_request_joins_mid_batch_and_abort_keeps_its_tokens(tiny_model_dir):
     alone = backend.generate([PROMPTS[1]], SamplingParams(max_new_tokens=4, ignore_eos=True), seed=2)[0]
     assert joined.output_ids == alone.output_ids and joined.finish_reason == {"type": "length", "length": 4}
     assert [e["name"] for e in backend.drain_trace()].count("abort") == 1
+    backend.close()
+
+
+def test_a_generation_paused_for_a_weight_update_continues_with_the_new_weights(tiny_model_dir):
+    """Partial rollouts (rollout.max_staleness >= 2): at its 4th token a request's engine is paused, the weights
+    change to version 1, generation continues. Its first 5 tokens (the 5th was sampled from logits computed before
+    the pause) are the ones it samples with no update; from the 6th on, its logprobs are the new weights'. It
+    records both versions, first and last."""
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    backend = TorchRolloutBackend(tiny_model_dir, threads=1)
+    ref = backend.generate([PROMPTS[0]], params, seed=5)[0]
+    assert (ref.weight_version, ref.last_weight_version) == (0, 0)
+    gen = torch.Generator().manual_seed(0)
+    new = {n: p + 0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype) for n, p in backend.params.items()}
+    request = backend.requests([PROMPTS[0]], params, seed=5)[0]
+    paused = threading.Event()
+
+    def on_token(r):
+        if len(r.output_ids) == 4:
+            backend.pause_generation()  # on the engine's own thread: it stops after this step
+            paused.set()
+
+    request.on_token = on_token
+    future = backend.engine.submit([request])[0]
+    assert paused.wait(timeout=60)
+    assert len(request.output_ids) == 4 and not future.done()
+    backend.update_weights(new.items(), version=1)
+    backend.continue_generation()
+    out = future.result(timeout=60)
+    assert (out.weight_version, out.last_weight_version) == (0, 1)
+    assert len(out.output_ids) == 12 and out.output_ids[:5] == ref.output_ids[:5]
+    assert out.output_logprobs[:5] == pytest.approx(ref.output_logprobs[:5], abs=1e-6)
+    assert abs(out.output_logprobs[5] - ref.output_logprobs[5]) > 1e-3 or out.output_ids[5] != ref.output_ids[5]
     backend.close()

@@ -211,6 +211,19 @@ def _greedy(worker) -> dict:
     return worker.generate_packed(PROMPTS, GREEDY, seed=0)
 
 
+def test_pause_generation_holds_requests_until_continue(worker):
+    """What a sync under generation (rollout.max_staleness >= 2) does around the update: /pause_generation holds
+    the requests (they wait, nothing is lost), /continue_generation lets them finish."""
+    before = _greedy(worker)
+    worker.pause_generation()
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(_greedy, worker)
+        time.sleep(1.0)
+        assert not pending.done()
+        worker.continue_generation()
+        assert pending.result(timeout=60)["output_ids"].tolist() == before["output_ids"].tolist()
+
+
 def test_update_weights_from_disk_changes_generations_and_weight_version(worker, model_dir, weight_dir, tmp_path):
     assert worker.model_info()["weight_version"] == "default", "a fresh server answers as SGLang's does"
     before = _greedy(worker)

@@ -36,7 +36,8 @@ ROLLOUT_SCHEMA = pa.schema([
     ("fn_reward", pa.float64()),  # a reward the rollout function gave; null: reward.fn scores the sample
     ("text", pa.string()),  # the response text the rollout function gave; null: decoded from output_ids
     ("stopped", pa.bool_()),  # finished by a stop condition, not by length or abort
-    ("weight_version", pa.int64()),  # weights that generated it; -1: not known
+    ("weight_version", pa.int64()),  # weights that generated it (the first, if it spanned updates); -1: not known
+    ("last_weight_version", pa.int64()),  # the newest weights that generated a token of it; -1: not known
     ("carried", pa.bool_()),  # dynamic sampling: the group was carried over from an earlier step
     ("baseline", pa.bool_()),  # ReMax: the group's greedy sample, rewarded as its baseline, never trained on
     ("response", pa.string()),  # the text the reward saw
@@ -63,6 +64,7 @@ class SampleLike(Protocol):
     response: str | None
     finish_reason: str
     weight_version: int | None
+    last_weight_version: int | None
     prompt_ids: list[int] | None
     metadata: dict
 
@@ -84,12 +86,18 @@ class RolloutBatch:
     fn_reward: np.ndarray  # float64 [N], NaN where the rollout function gave none
     text: list[str | None]
     stopped: np.ndarray  # bool [N]
-    weight_version: np.ndarray  # int64 [N], -1 where not known
+    weight_version: np.ndarray  # int64 [N]: the first weights that generated each sample, -1 where not known
     carried: np.ndarray  # bool [N]
     baseline: np.ndarray  # bool [N]: a ReMax greedy baseline sample (its loss mask is all 0)
     response: list[str] | None = None  # set by the reward stage
     reward: np.ndarray | None = None  # float64 [N], set by the reward stage
     metadata: dict[str, str] = field(default_factory=dict)  # persisted in the table's schema metadata
+    # int64 [N]: the last weights (a partial rollout continues across updates); None: the first's
+    last_weight_version: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.last_weight_version is None:
+            self.last_weight_version = self.weight_version.copy()
 
     @classmethod
     def from_samples(cls, prompts: Sequence[PromptLike], groups: Sequence[Sequence[SampleLike]]) -> RolloutBatch:
@@ -115,6 +123,7 @@ class RolloutBatch:
             stopped=np.array([s.finish_reason == "stop" for s in samples], dtype=bool),
             weight_version=np.array([-1 if s.weight_version is None else s.weight_version for s in samples],
                                     dtype=np.int64),  # -1: not known (a rollout function that gives no logprobs)
+            last_weight_version=np.array([_last_version(s) for s in samples], dtype=np.int64),
             carried=np.array([bool(s.metadata.get("carried")) for s in samples], dtype=bool),
             baseline=np.array([bool(s.metadata.get("remax_baseline")) for s in samples], dtype=bool),
         )
@@ -169,6 +178,7 @@ class RolloutBatch:
             **{name: getattr(self, name)[tokens] for name in _TOKEN_FIELDS},
             lengths=self.lengths[idx], has_logprobs=self.has_logprobs[idx], fn_reward=self.fn_reward[idx],
             text=[self.text[i] for i in pick], stopped=self.stopped[idx], weight_version=self.weight_version[idx],
+            last_weight_version=self.last_weight_version[idx],
             carried=self.carried[idx], baseline=self.baseline[idx],
             response=None if self.response is None else [self.response[i] for i in pick],
             reward=None if self.reward is None else self.reward[idx],
@@ -195,6 +205,9 @@ class RolloutBatch:
             "rollout/tokens": float(n_tokens),
             "rollout/truncated": float(1 - self.stopped.mean()),
             "rollout/weight_version": float(self.weight_version.min()),  # -1: a rollout function did not say
+            "rollout/weight_version_last": float(self.last_weight_version.max()),
+            # samples that spanned a weight update (asynchronous training with max_staleness >= 2)
+            "rollout/spanning_frac": float((self.last_weight_version != self.weight_version).mean()),
         }
 
     # ---- persistence -------------------------------------------------------------------------------------
@@ -217,6 +230,7 @@ class RolloutBatch:
             "text": pa.array(self.text, type=pa.string()),
             "stopped": self.stopped,
             "weight_version": self.weight_version,
+            "last_weight_version": self.last_weight_version,
             "carried": self.carried,
             "baseline": self.baseline,
             "response": pa.array(self.response if scored else [None] * len(self), type=pa.string()),
@@ -255,12 +269,22 @@ class RolloutBatch:
             text=column("text", [None] * n),
             stopped=np.array(table.column("stopped").to_pylist(), dtype=bool),
             weight_version=np.array(table.column("weight_version").to_pylist(), dtype=np.int64),
+            last_weight_version=np.array(column("last_weight_version", table.column("weight_version").to_pylist()),
+                                         dtype=np.int64),
             carried=np.array(column("carried", [False] * n), dtype=bool),
             baseline=np.array(column("baseline", [False] * n), dtype=bool),
             response=column("response", None) if scored else None,
             reward=np.array(reward, dtype=np.float64) if scored else None,
             metadata=meta,
         )
+
+
+def _last_version(s: SampleLike) -> int:
+    """A sample's newest weight version: its own, else its first one's, else -1 (not known)."""
+    last = getattr(s, "last_weight_version", None)
+    if last is None:
+        last = s.weight_version
+    return -1 if last is None else last
 
 
 def _list_column(table: pa.Table, name: str, dtype) -> tuple[np.ndarray, np.ndarray]:

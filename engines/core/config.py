@@ -8,6 +8,7 @@ Every section forbids unknown keys, so a typo is an error that names the field, 
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -182,11 +183,32 @@ class RolloutConfig(Section):
         default_factory=lambda: DynamicSamplingConfig(), description="DAPO-style group filtering (off by default).")
     device: Literal["cpu", "cuda"] | None = Field(None, description="Where rollout engines run; empty: train.device.")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="Weights and compute dtype of the rollout engine.")
-    off_policy_steps: int = Field(
-        0, ge=0, le=1,
-        description="0: synchronous (step k samples with step k's weights). 1: one-step-off async: step k+1's "
-        "rollout generates while step k trains, with weights one update behind.",
+    max_staleness: int = Field(
+        0, ge=0,
+        description="How many weight versions rollout may run ahead of training (docs/rollout.md, asynchronous "
+        "training). 0: synchronous (step k samples with step k's weights). 1: one-step-off: step k+1 generates "
+        "while step k trains, with weights one update behind, and the sync waits for it (each step's samples "
+        "come from one version). k >= 2: the rollouts of steps up to k ahead run while training goes on and "
+        "weights are updated under them (a generation in flight continues with the new weights); a step's "
+        "rollout starts only once version step - k is on the rollout workers; use algorithm.is_correction with "
+        "it (docs/algorithms.md). Replaces off_policy_steps.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _off_policy_steps_alias(cls, data: Any) -> Any:
+        """`off_policy_steps` (0 or 1), the field's old name, still reads as max_staleness, with a warning."""
+        if not isinstance(data, dict) or "off_policy_steps" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("off_policy_steps")
+        if "max_staleness" in data and data["max_staleness"] != old:
+            raise ValueError(f"rollout.off_policy_steps ({old}) and rollout.max_staleness ({data['max_staleness']}) "
+                             "disagree: off_policy_steps is max_staleness's old name; give max_staleness alone")
+        data["max_staleness"] = old
+        warnings.warn(f"rollout.off_policy_steps is deprecated: it is read as rollout.max_staleness: {old} "
+                      "(the same run); rename it in the recipe", FutureWarning, stacklevel=2)
+        return data
 
 
 class RewardConfig(Section):
@@ -839,10 +861,10 @@ class RLConfig(Section):
                 f"({self.train.mini_batches})"
             )
         self._check_critic(batch)
-        if self.rollout.off_policy_steps and not self.checkpoint.save_rollouts:
+        if self.rollout.max_staleness and not self.checkpoint.save_rollouts:
             raise ValueError(
-                "checkpoint.save_rollouts: must be true with rollout.off_policy_steps > 0 (a resumed run needs the "
-                "batch the last checkpoint's weights did not generate)"
+                "checkpoint.save_rollouts: must be true with rollout.max_staleness > 0 (a resumed run needs the "
+                "batches the last checkpoint's weights did not generate)"
             )
         if self.algorithm.overlong_buffer > self.rollout.max_new_tokens:
             raise ValueError(
@@ -940,9 +962,10 @@ class RLConfig(Section):
             if self.rollout.num_workers != self.train.num_workers:
                 raise ValueError(f"cluster.colocate: rollout.num_workers ({self.rollout.num_workers}) must equal "
                                  f"train.num_workers ({self.train.num_workers}): one pair per GPU")
-            if self.rollout.off_policy_steps:
-                raise ValueError("cluster.colocate: one-step-off async (rollout.off_policy_steps: 1) needs "
-                                 "separate GPUs for rollout and training (colocate: false)")
+            if self.rollout.max_staleness:
+                raise ValueError(f"cluster.colocate: asynchronous training (rollout.max_staleness: "
+                                 f"{self.rollout.max_staleness}) needs separate GPUs for rollout and training "
+                                 "(colocate: false)")
 
     def _check_debug(self) -> None:
         d = self.debug
@@ -950,9 +973,9 @@ class RLConfig(Section):
             raise ValueError("debug.replay_run: train_only needs a run whose stored rollout batches it trains on")
         if d.mode == "rollout_only" and d.replay_run:
             raise ValueError("debug.replay_run: rollout_only generates its batches; it cannot also replay them")
-        if d.mode == "rollout_only" and self.rollout.off_policy_steps:
+        if d.mode == "rollout_only" and self.rollout.max_staleness:
             raise ValueError("debug.mode: rollout_only trains nothing, so it runs synchronously "
-                             "(rollout.off_policy_steps: 0)")
+                             "(rollout.max_staleness: 0)")
         if d.replay_run == self.name and (d.replay_store or self.storage.uri) == self.storage.uri:
             raise ValueError(f"debug.replay_run: {d.replay_run!r} is this run; name another run (or another store)")
         if d.mode and self.cluster.colocate:

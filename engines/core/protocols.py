@@ -116,6 +116,13 @@ class RolloutBackend(Protocol):
         """Bytes of the weights a sync delivers to this worker, in its own dtype."""
         ...
 
+    def pause_generation(self) -> None:
+        """Hold generation (requests in flight keep their state) until `continue_generation`: a weight update
+        under generation (rollout.max_staleness >= 2) lands whole, between decode steps."""
+        ...
+
+    def continue_generation(self) -> None: ...
+
     def last_update_seconds(self) -> float: ...
 
     def end_weight_update(self) -> None:

@@ -181,6 +181,8 @@ async def continue_sample(router_url: str, prompt: PromptSample, s: Sample, samp
         s, response_ids=s.response_ids + rest.response_ids, logprobs=(s.logprobs or []) + (rest.logprobs or []),
         response=None, finish_reason=rest.finish_reason,
         weight_version=min((v for v in (s.weight_version, rest.weight_version) if v is not None), default=None),
+        last_weight_version=max((v for v in (s.last_weight_version, s.weight_version, rest.last_weight_version)
+                                 if v is not None), default=None),
         metadata=s.metadata | {"partial": True},
     )
 

@@ -12,6 +12,8 @@ again when it is readmitted, so its tokens are those it would have sampled unpre
 Callers get a `concurrent.futures.Future` per request (the HTTP server awaits it through asyncio). Each
 request samples with its own generator, so its tokens do not depend on its batch-mates.
 Weight updates take `engine.lock`, which the loop holds during a step, so weights never change inside one.
+`pause()` / `resume()` hold the loop between steps for longer (an update of several parts, SGLang's
+pause_generation in place): running requests keep their cache and continue with the weights they find after.
 
 On a GPU a step is: sample every running row at once (on the GPU, one host-to-device copy of the step's
 inputs), start the next decode for all of them (a CUDA graph, `engines/models/decoder.py` DecodeRunner), and only then
@@ -59,9 +61,10 @@ class Generation:
     output_ids: list[int]
     output_logprobs: list[float]
     finish_reason: dict
-    weight_version: int
+    weight_version: int  # the weights of its prefill (its first token)
     rid: str = ""
     meta: dict = field(default_factory=dict)
+    last_weight_version: int | None = None  # the weights its last token's logits came from (None: the first's)
 
 
 def request_generator(seed: int, index: int) -> torch.Generator:
@@ -83,6 +86,8 @@ class Request:
     text: str = ""  # decoded output, kept only when the request has stop strings
     slot: int = -1
     weight_version: int = 0
+    last_weight_version: int = 0  # the weights its newest token's logits came from (updates land between steps)
+    decode_version: int = 0  # the weights of the decode that computed its next logits
     abort_requested: bool = False
     queued_us: float = 0.0
     start_us: float = 0.0
@@ -157,6 +162,7 @@ class ContinuousBatchEngine:
         self._overlap = lm.device.type == "cuda"  # decode runs while the host reads the sampled tokens
         self.compile = compile and self._overlap
         self._stop = False
+        self._paused = False
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
         self._thread.start()
 
@@ -236,6 +242,19 @@ class ContinuousBatchEngine:
             self._cache = self._logits = self._runner = None
             return True
 
+    def pause(self) -> None:
+        """Stop between decode steps (returns once the step in flight is done) until `resume()`; requests keep
+        their slots and caches, and new ones queue."""
+        with self._cond:
+            self._paused = True
+        with self.lock:
+            pass
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify()
+
     def shutdown(self) -> None:
         with self._cond:
             self._stop = True
@@ -250,12 +269,14 @@ class ContinuousBatchEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stop or self._waiting or self._running or self._prefilling):
+                while not self._stop and (self._paused or not (self._waiting or self._running or self._prefilling)):
                     self._cond.wait()
                 if self._stop:
                     return
             try:
                 with self.lock:
+                    if self._paused:  # paused while this thread waited for the lock
+                        continue
                     self._step()
             except Exception as exc:  # a failed step fails its requests, never the loop
                 logging.getLogger(__name__).exception("rollout engine step failed")
@@ -284,6 +305,10 @@ class ContinuousBatchEngine:
         ints = to_device([slots, positions], torch.long, dev)
         floats = to_device([uniforms, temps], torch.float64, dev)
         tokens, logps = self._sample(running, ints[0], floats[0], floats[1], temps)
+        version = self.weight_version()  # this step's decode's (a weight update waits for `lock`, between steps)
+        for r in running:  # the logits just sampled came from the prefill, or from the previous step's decode
+            r.last_weight_version = r.decode_version if r.output_ids else r.weight_version
+            r.decode_version = version
         if self._overlap:
             tokens_host, logps_host = tokens.to("cpu", non_blocking=True), logps.to("cpu", non_blocking=True)
             sampled = torch.cuda.Event()
@@ -480,6 +505,7 @@ class ContinuousBatchEngine:
         for r in work.requests:
             if not r.output_ids:  # a preempted request keeps the version of its first tokens
                 r.weight_version = version
+            r.decode_version = version  # its next logits come from this prefill (a re-prefill after preemption too)
             cache.set_row(r.slot, r.pages)
         self._running.extend(work.requests)
 
@@ -578,7 +604,8 @@ class ContinuousBatchEngine:
                                 args=args)
         r.future.set_result(Generation(list(r.prompt), r.output_ids, r.output_logprobs, reason,
                                        r.weight_version, r.rid,
-                                       {"queued_us": r.queued_us, "start_us": r.start_us, "end_us": end}))
+                                       {"queued_us": r.queued_us, "start_us": r.start_us, "end_us": end},
+                                       r.last_weight_version if r.output_ids else r.weight_version))
 
 
 def _prefill_chunks(works: list[_Prefill], budget: int) -> list[list[_Prefill]]:

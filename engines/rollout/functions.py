@@ -69,7 +69,8 @@ class Sample:
     reward: float | None = None  # None: the recipe's reward.fn scores the sample
     response: str | None = None  # the text the reward sees; None: decoded from response_ids
     finish_reason: str = "stop"  # stop | length | abort
-    weight_version: int | None = None  # weights that generated it (the oldest, if turns spanned an update)
+    weight_version: int | None = None  # weights that generated it (the oldest, if it spanned an update)
+    last_weight_version: int | None = None  # the newest weights that generated a token of it (None: weight_version)
     prompt_ids: list[int] | None = None  # None: the PromptSample's
     metadata: dict = field(default_factory=dict)
 
@@ -119,10 +120,12 @@ def sample_from_item(item: dict) -> Sample:
     """A Sample from a /generate item returned with return_logprob."""
     meta = item["meta_info"]
     logprobs = [(-math.inf if lp is None else lp) for lp, _tok, _ in meta.get("output_token_logprobs") or []]
+    last = parse_weight_version(meta.get("weight_version"), "meta_info.weight_version")  # the version it finished with
     return Sample(
         response_ids=list(item["output_ids"]), logprobs=logprobs if "output_token_logprobs" in meta else None,
         response=item.get("text"), finish_reason=(meta.get("finish_reason") or {}).get("type", "stop"),
-        weight_version=parse_weight_version(meta.get("weight_version"), "meta_info.weight_version"),
+        weight_version=parse_weight_version(meta.get("first_weight_version", last), "meta_info.first_weight_version"),
+        last_weight_version=last,  # first_weight_version is the embedded server's; SGLang gives none
     )
 
 
@@ -160,7 +163,8 @@ def end_tag(tag: str) -> None:
 def _aborted_item(input_ids: list[int]) -> dict:
     return {"text": "", "output_ids": [], "meta_info": {
         "finish_reason": {"type": "abort", "message": "aborted before it was sent"}, "prompt_tokens": len(input_ids),
-        "completion_tokens": 0, "output_token_logprobs": [], "weight_version": DEFAULT_WEIGHT_VERSION}}
+        "completion_tokens": 0, "output_token_logprobs": [], "weight_version": DEFAULT_WEIGHT_VERSION,
+        "first_weight_version": DEFAULT_WEIGHT_VERSION}}
 
 
 class _Batcher:

@@ -201,7 +201,7 @@ def deserialize_named_tensors(item: Any, where: str) -> dict[str, torch.Tensor]:
 CONTROL_ROUTES = frozenset({
     "/abort_request", "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
     "/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed",
-    "/init_weights_update_group", "/destroy_weights_update_group",
+    "/init_weights_update_group", "/destroy_weights_update_group", "/pause_generation", "/continue_generation",
 })
 
 

@@ -87,7 +87,7 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
             return StreamingResponse(_generate_stream(client, requests, logprob_of, t0), media_type="text/event-stream")
         gens = await client.run(requests)
         out = [_generate_item(client, g.prompt_ids, g.output_ids, g.output_logprobs, g.finish_reason, g.rid,
-                              g.weight_version, logprob_of[i], time.perf_counter() - t0) for i, g in enumerate(gens)]
+                              _versions(g), logprob_of[i], time.perf_counter() - t0) for i, g in enumerate(gens)]
         return fast_json(out if batched or len(out) > 1 else out[0])
 
     @app.post("/abort_request")
@@ -119,6 +119,26 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
     async def resume_memory_occupation(request: Request):
         tags = _tags(await read_json(request))
         await asyncio.to_thread(backend.resume_memory_occupation, tags)
+        return Response(status_code=200)
+
+    # ---- pausing (a weight update under generation lands whole, between decode steps) --------------------
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        body = await read_json(request)
+        check_fields(body, {"mode"}, {}, "/pause_generation")
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"mode: one of abort, retract, in_place; got {mode!r}")
+        if mode == "abort":  # SGLang's default: what is queued or running returns now, aborted
+            client.engine.abort(abort_all=True)
+        # retract and in_place alike: requests keep their KV cache here and continue after /continue_generation
+        await asyncio.to_thread(backend.pause_generation)
+        return Response(status_code=200)
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        check_fields(await read_json(request), set(), {}, "/continue_generation")
+        backend.continue_generation()
         return Response(status_code=200)
 
     # ---- information -----------------------------------------------------------------------------------
@@ -178,11 +198,21 @@ def _prompts(client: EngineClient, body: dict) -> tuple[list[list[int]], bool]:
     raise BadRequest("input_ids: expected a list of token ids or a non-empty list of such lists")
 
 
-def _generate_item(client: EngineClient, prompt_ids, output_ids, output_logprobs, finish_reason, rid, version,
-                   with_logprobs: bool, latency: float) -> dict:
+def _versions(g) -> tuple[int, int]:
+    """(first, last) weight version of a Generation or a running Request: they differ when an update landed
+    while it generated."""
+    last = g.last_weight_version
+    return g.weight_version, g.weight_version if last is None else last
+
+
+def _generate_item(client: EngineClient, prompt_ids, output_ids, output_logprobs, finish_reason, rid,
+                   versions: tuple[int, int], with_logprobs: bool, latency: float) -> dict:
+    """SGLang's item. `weight_version` is the version it finished with, as SGLang's is; `first_weight_version`
+    (rlflow's) the version it started with."""
     meta = {"id": rid, "finish_reason": finish_reason, "prompt_tokens": len(prompt_ids),
-            "completion_tokens": len(output_ids), "cached_tokens": 0, "weight_version": weight_version_text(version),
-            "e2e_latency": latency}
+            "completion_tokens": len(output_ids), "cached_tokens": 0,
+            "weight_version": weight_version_text(versions[1]),
+            "first_weight_version": weight_version_text(versions[0]), "e2e_latency": latency}
     if with_logprobs:
         meta["output_token_logprobs"] = [[finite(lp), tok, None] for lp, tok in zip(output_logprobs, output_ids,
                                                                                      strict=True)]
@@ -196,8 +226,8 @@ async def _generate_stream(client: EngineClient, requests, logprob_of: list[bool
         async for ev in client.stream(requests):
             r = requests[ev.index]
             finish = ev.final.finish_reason if ev.final is not None else None
-            version = ev.final.weight_version if ev.final is not None else r.weight_version
-            item = _generate_item(client, r.prompt, ev.output_ids, ev.output_logprobs, finish, r.rid, version,
+            versions = _versions(ev.final if ev.final is not None else r)
+            item = _generate_item(client, r.prompt, ev.output_ids, ev.output_logprobs, finish, r.rid, versions,
                                   logprob_of[ev.index], time.perf_counter() - t0)
             yield sse(item | {"index": ev.index})
     except BadRequest as exc:

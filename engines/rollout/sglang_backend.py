@@ -353,6 +353,15 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
             self._weight_bytes, self._update_bytes = self._update_bytes, 0
 
     # ---- weights ---------------------------------------------------------------------------------------
+    def pause_generation(self) -> None:
+        """SGLang's /pause_generation in `retract` mode: running requests go back to its queue (their caches may
+        be flushed by the update and are recomputed with the new weights) and continue after
+        `continue_generation`. Without the pause SGLang's update waits for every request in flight to finish."""
+        self._post("/pause_generation", {"mode": "retract"})
+
+    def continue_generation(self) -> None:
+        self._post("/continue_generation")
+
     def update_weights_from_disk(self, path: str | Path, version: int) -> int:
         """The server loads every *.safetensors file of the local folder `path` (HF names; all weights or some)
         and numbers its weights `version` (SGLang's /update_weights_from_disk). SGLang then reports `path` as its

@@ -100,6 +100,14 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         with self.engine.lock:
             yield
 
+    def pause_generation(self) -> None:
+        """Hold generation between decode steps (SGLang's /pause_generation, in place) while a weight update of
+        several parts lands: requests in flight continue with the new weights after `continue_generation`."""
+        self.engine.pause()
+
+    def continue_generation(self) -> None:
+        self.engine.resume()
+
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         """Copy HF-named tensors into the model; the version goes with every sample generated after."""

@@ -3,14 +3,15 @@
 A step takes its prompts from the data cursor (a seeded permutation per epoch). With dynamic sampling it
 also takes the groups the last step's rollout carried over, and takes as many more prompts as it needs;
 its prompts then no longer follow from the cursor alone. The source remembers, for each step still in
-flight, the cursor and carry right after that step took its prompts: with one-step-off async the next step
-has already taken its own when a step is checkpointed, and the resumed run must start after the
-checkpointed step, not after the one in flight.
+flight, the cursor and carry right after that step took its prompts: with asynchronous training (up to
+rollout.max_staleness steps ahead) later steps have already taken their own when a step is checkpointed, and
+the resumed run must start after the checkpointed step, not after the ones in flight.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 
 from rlflow.engines.data.prompts import PromptCursor
 from rlflow.engines.rollout.dynamic_sampling import Carry
@@ -22,19 +23,26 @@ class PromptSource:
         self.cursor = PromptCursor(len(rows), prompts_per_step, seed, shuffle)
         self._tokenizer = tokenizer  # rollout functions' tokenizer, which carried samples hold
         self._carry: list[Carry] = []  # groups the last step's rollout carries into the next
-        self._taken: tuple[int, list[dict]] | None = None  # the last fixed-size step and its rows
+        self._taken: dict[int, list[dict]] = {}  # the rows of the fixed-size steps in flight
+        self._next: int | None = None  # the step the cursor is at (the first take sets it)
+        self._lock = threading.Lock()  # rollouts of several steps ahead take their prompts from other threads
         self._dynamic_begin: tuple[int, dict, list[dict]] | None = None  # cursor and carry before a dynamic rollout
         self._cursor_after: dict[int, dict] = {}
         self._carry_after: dict[int, list[dict]] = {}
 
     # ---- fixed-size steps ----------------------------------------------------------------------------
     def take(self, step: int) -> list[dict]:
-        """The step's prompts_per_step rows; asking again for the same step (a retried task) does not move
-        the cursor."""
-        if self._taken is None or self._taken[0] != step:
-            self._taken = (step, [self.rows[i] for i in self.cursor.next_batch()])
-            self._cursor_after[step] = self.cursor.state_dict()
-        return self._taken[1]
+        """The step's prompts_per_step rows, the same whatever order steps ask in (the rollouts of steps ahead
+        run in their own threads): the cursor moves through the steps before it first. Asking again for the
+        same step (a retried task) does not move the cursor."""
+        with self._lock:
+            if self._next is None or (step not in self._taken and step < self._next):
+                self._next = step  # the first step of this session (or of a resumed run, after load_state)
+            while self._next <= step:
+                self._taken[self._next] = [self.rows[i] for i in self.cursor.next_batch()]
+                self._cursor_after[self._next] = self.cursor.state_dict()
+                self._next += 1
+            return self._taken[step]
 
     # ---- dynamic sampling ----------------------------------------------------------------------------
     def begin_dynamic(self, step: int) -> list[Carry]:
@@ -74,10 +82,11 @@ class PromptSource:
     # ---- checkpoints ---------------------------------------------------------------------------------
     def state_after(self, step: int) -> dict:
         """What a checkpoint of `step` saves: the cursor and carry right after that step took its prompts."""
-        return {"cursor": self._cursor_after[step], "carry": self._carry_after.get(step, [])}
+        return {"cursor": self._cursor_after[step], "carry": self._carry_after.get(step, []), "next_step": step + 1}
 
     def load_state(self, state: dict) -> None:
         self.cursor.load_state_dict(state["cursor"])
+        self._taken, self._next = {}, state.get("next_step")  # checkpoints before it: the first take says
         self._carry = [Carry.from_json(c, self._tokenizer) for c in state.get("carry", [])]
 
     def forget_before(self, step: int) -> None:
@@ -86,3 +95,6 @@ class PromptSource:
             del self._cursor_after[old]
         for old in [k for k in self._carry_after if k < step]:
             del self._carry_after[old]
+        with self._lock:
+            for old in [k for k in self._taken if k < step]:
+                del self._taken[old]

@@ -91,9 +91,10 @@ class RLSession:
         self.weight_version = 0  # of the trainer's weights: the number of syncs so far
         self.kl_coef = cfg.algorithm.kl_coef  # KL-in-reward coefficient of the next step (adaptive: it moves)
         self._dp_ranks: list[int] | None = None
-        # steps in flight: with one-step-off async, step k+1's rollout runs (in another thread) while step k
-        # trains, so two steps can be open at once
+        # steps in flight: with asynchronous training the rollouts of up to max_staleness later steps run (in
+        # other threads) while a step trains, so max_staleness + 1 steps can be open at once
         self._states: dict[int, StepState] = {}
+        self._states_lock = threading.Lock()
         # train -> rollout weights, by the recipe's transport (engines/sync/); none without rollout workers
         self.weight_transport: WeightTransport | None = (
             make_transport(cfg, train_group, rollout_group) if cfg.debug.generates else None)
@@ -395,11 +396,11 @@ class RLSession:
         # dynamic sampling's carried groups are older by design; samples without logprobs are trained on-policy
         checked = ~b.carried & b.has_logprobs
         fresh = staleness[checked]
-        if fresh.size and fresh.max() > self.cfg.rollout.off_policy_steps:
+        if fresh.size and fresh.max() > self.cfg.rollout.max_staleness:
             raise RuntimeError(
                 f"step {step}: samples from weight version {b.weight_version.min()} are "
                 f"{staleness.max()} updates behind the trainer (version {self.weight_version}); "
-                f"rollout.off_policy_steps allows {self.cfg.rollout.off_policy_steps}"
+                f"rollout.max_staleness allows {self.cfg.rollout.max_staleness}"
             )
         self.gpu.for_training()  # colocated: the rollout engine releases its memory, the trainer onloads
         batch = self._pack(st, st.advantages)
@@ -436,7 +437,16 @@ class RLSession:
         self.gpu.before_sync()  # colocated: the optimizer state leaves the GPU before the rollout weights come
         t0 = time.perf_counter()
         version = step + 1
-        nbytes = self.weight_transport.update(version)  # what each rollout worker received, in its own dtype
+        # max_staleness >= 2: rollouts of later steps generate meanwhile; paused, they continue after the update
+        # with the new weights (a transport sends a version in several parts: none is decoded with half of one)
+        paused = self.cfg.rollout.max_staleness >= 2
+        if paused:
+            self.rollout_group.call(RolloutBackend.pause_generation)
+        try:
+            nbytes = self.weight_transport.update(version)  # what each rollout worker received, in its own dtype
+        finally:
+            if paused:
+                self.rollout_group.call(RolloutBackend.continue_generation)
         self.weight_version = version
         dt = time.perf_counter() - t0
         self.gpu.for_rollout()  # ... and the weights after: evaluation and the next rollout get the memory
@@ -502,8 +512,8 @@ class RLSession:
 
         With `storage`, `path` is the checkpoint's folder in that run store (s3:// too) and every worker writes
         there itself (tasks/run_context.py commits it after this returns). The cursor is saved as it was after
-        `step` took its prompts: with one-step-off async the next step has already taken its own, and a
-        resumed run reuses that batch from the store."""
+        `step` took its prompts: with asynchronous training (rollout.max_staleness) later steps have already
+        taken their own, and a resumed run reuses their batches from the store."""
         self.gpu.resident()  # the next rollout parks the state again
         self.train_group.call(TrainBackend.save, *worker_target(path, "", storage))
         save_tokenizer(self.tokenizer, path, storage)  # so model/ loads with transformers as it is
@@ -537,11 +547,15 @@ class RLSession:
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _open(self, st: StepState) -> None:
-        """Make `st` the step's state; steps two or more behind are finished and dropped."""
-        self._states[st.step] = st
-        for old in [k for k in self._states if k < st.step - 1]:
-            del self._states[old]
-        self.prompts.forget_before(st.step - 1)
+        """Make `st` the step's state. The step that trains while this one generates is at most
+        max(max_staleness, 1) behind (one behind is also kept synchronously, as always); older ones are
+        finished and dropped."""
+        behind = st.step - max(self.cfg.rollout.max_staleness, 1)
+        with self._states_lock:
+            self._states[st.step] = st
+            for old in [k for k in self._states if k < behind]:
+                del self._states[old]
+        self.prompts.forget_before(behind)
 
     def _pack(self, st: StepState, advantages: torch.Tensor) -> TrainBatch:
         has_logprobs = st.batch.has_logprobs

@@ -42,7 +42,8 @@ class StageTimeline:
         sources = [self.recorder.drain(), *worker_events]
         carry = self._carry + [[]] * (len(sources) - len(self._carry))
         sources = [_dedup_meta(c + s) for c, s in zip(carry, sources, strict=True)]
-        # one-step-off: the next step's rollout already ran; its events also belong to the next trace
+        # asynchronous training: later steps' rollouts already ran; their events also go to the next trace (with
+        # max_staleness >= 2 a trace may so hold some of the steps after it too)
         upcoming = self._step_start_us.get(step + 1)
         self._carry = [within(s, upcoming, end) if upcoming else [] for s in sources]
         for old in [k for k in self._step_start_us if k <= step]:
