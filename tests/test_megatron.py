@@ -293,6 +293,30 @@ def assert_same_weights(ref: dict[str, torch.Tensor], got: dict[str, torch.Tenso
     assert diffs.mean() < 1e-6 and diffs.quantile(0.999) < 1e-5 and diffs.max() < 1e-3
 
 
+def test_model_shards_bad_input_is_an_error(hf_models, mcore, tmp_path):
+    """A shard folder without files, or a shard without its offsets, names the folder or file; weights_only on
+    the saving layout loads the trained weights and leaves the LR clock at 0."""
+    from safetensors.torch import save_file
+
+    from rlflow.engines.train.megatron.shards import load_shards
+
+    path, batch = hf_models["qwen2"][0], toy_batch()
+    first = _backend(path)
+    first.train_step(batch)
+    first.save(tmp_path / "ckpt")
+    other = _backend(path)
+    other.load(tmp_path / "ckpt", weights_only=True)
+    assert other.updates == 0
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first.named_tensors(), other.named_tensors(), strict=True))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty"):
+        load_shards(other.core, tmp_path / "empty")
+    (tmp_path / "bare").mkdir()
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "bare" / "shard-0.safetensors"))
+    with pytest.raises(ValueError, match="shard-0.safetensors: no .* offsets"):
+        load_shards(other.core, tmp_path / "bare")
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_checkpoint_resume_is_exact(hf_models, mcore, tmp_path, precision):
     """save -> load -> next step equals never stopping (bf16: the fp32 master weights come back too)."""
