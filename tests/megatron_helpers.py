@@ -48,10 +48,11 @@ def train_config(**kw) -> TrainConfig:
 
 
 def parallel_worker(rank: int, world: int, tp: int, pp: int, url: str, model_dir: str, hf_dirs: dict[str, str],
-                    out: str) -> None:
+                    out: str, resume: str = "") -> None:
     """One rank of a 2-process layout: TP round trips of every family's HF weights (after loading into a
     TP-sharded model), then a logprob pass and a train step of the backend. Rank 0 writes results as JSON and
-    the final weights as safetensors."""
+    the final weights as safetensors. Then a checkpoint into `out + ".ckpt"`, and, given `resume` (a checkpoint
+    of another layout), its weights loaded into this layout and their logprobs."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     from safetensors.torch import save_file
@@ -86,6 +87,10 @@ def parallel_worker(rank: int, world: int, tp: int, pp: int, url: str, model_dir
     shard = shard_for_workers({**batch, "old_logprobs": logprobs}, dp, 2)[backend.data_parallel_rank()]
     results["metrics"] = global_metrics(backend.train_step(shard))
     weights = dict(backend.named_tensors())
+    backend.save(out + ".ckpt")
+    if resume:
+        backend.load(resume, weights_only=True)
+        results["resumed_logprobs"] = backend.forward_logprobs(batch).tolist()
     if rank == 0:
         results["logprobs"] = logprobs.tolist()
         save_file({k: v.contiguous() for k, v in weights.items()}, out + ".safetensors")

@@ -293,6 +293,30 @@ def assert_same_weights(ref: dict[str, torch.Tensor], got: dict[str, torch.Tenso
     assert diffs.mean() < 1e-6 and diffs.quantile(0.999) < 1e-5 and diffs.max() < 1e-3
 
 
+def test_model_shards_bad_input_is_an_error(hf_models, mcore, tmp_path):
+    """A shard folder without files, or a shard without its offsets, names the folder or file; weights_only on
+    the saving layout loads the trained weights and leaves the LR clock at 0."""
+    from safetensors.torch import save_file
+
+    from rlflow.engines.train.megatron.shards import load_shards
+
+    path, batch = hf_models["qwen2"][0], toy_batch()
+    first = _backend(path)
+    first.train_step(batch)
+    first.save(tmp_path / "ckpt")
+    other = _backend(path)
+    other.load(tmp_path / "ckpt", weights_only=True)
+    assert other.updates == 0
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first.named_tensors(), other.named_tensors(), strict=True))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty"):
+        load_shards(other.core, tmp_path / "empty")
+    (tmp_path / "bare").mkdir()
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "bare" / "shard-0.safetensors"))
+    with pytest.raises(ValueError, match="shard-0.safetensors: no .* offsets"):
+        load_shards(other.core, tmp_path / "bare")
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_checkpoint_resume_is_exact(hf_models, mcore, tmp_path, precision):
     """save -> load -> next step equals never stopping (bf16: the fp32 master weights come back too)."""
@@ -375,12 +399,15 @@ def parallel_runs(hf_models, tmp_path_factory, mcore):
     from rlflow.engines.cluster.addresses import free_port
 
     dirs = {f: p for f, (p, _) in hf_models.items()}
-    out = {}
+    out, tp2 = {}, ""
     for tp, pp in [(2, 1), (1, 2), (1, 1)]:
         target = str(tmp_path_factory.mktemp(f"tp{tp}pp{pp}") / "result.json")
-        mp.spawn(parallel_worker, args=(2, tp, pp, f"tcp://127.0.0.1:{free_port()}", dirs["qwen2"], dirs, target),
-                 nprocs=2)
+        resume = tp2 if pp == 2 else ""  # PP=2 resumes the TP=2 run's checkpoint
+        mp.spawn(parallel_worker, args=(2, tp, pp, f"tcp://127.0.0.1:{free_port()}", dirs["qwen2"], dirs, target,
+                                        resume), nprocs=2)
+        tp2 = tp2 or target + ".ckpt"
         out[(tp, pp)] = json.loads(Path(target).read_text()), load_file(target + ".safetensors")
+    out["tp2_ckpt"], out["model"] = tp2, dirs["qwen2"]
     return out
 
 
@@ -391,6 +418,24 @@ def test_round_trip_through_sharded_model_is_bit_exact(parallel_runs, hf_models,
     for family, (_, hf) in hf_models.items():
         assert results[family].pop("__count__") == len(hf)
         assert all(results[family].values()), [n for n, ok in results[family].items() if not ok]
+
+
+def test_checkpoint_reshards_tp2_to_tp1_and_pp2(parallel_runs, mcore):
+    """The TP=2 run's checkpoint (per-rank model shards, no gathered model read) loads at TP=1 (one process) and
+    at PP=2: the trained weights bit for bit, the same fp32 logprobs; its optimizer state is refused there."""
+    weights = parallel_runs[(2, 1)][1]
+    ckpt = Path(parallel_runs["tp2_ckpt"])
+    (ckpt / "model" / "model.safetensors").unlink()  # the weights must come from the shards alone
+    one = _backend(parallel_runs["model"], train_config(), megatron=MegatronConfig(packing=True))
+    with pytest.raises(ValueError, match="weights_only"):
+        one.load(ckpt)
+    one.load(ckpt, weights_only=True)
+    got = dict(one.named_tensors())
+    assert got.keys() == weights.keys() and all(torch.equal(got[n], weights[n]) for n in weights)
+    logprobs = one.forward_logprobs(toy_batch())
+    pp2 = torch.tensor(parallel_runs[(1, 2)][0]["resumed_logprobs"])
+    mask = toy_batch()["attention_mask"].bool()
+    assert (logprobs - pp2)[mask].abs().max() <= 1e-6
 
 
 @pytest.mark.parametrize("layout", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])

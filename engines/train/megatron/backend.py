@@ -60,6 +60,7 @@ from rlflow.engines.train.megatron.model_build import (
     transformer_config,
     use_transformer_engine,
 )
+from rlflow.engines.train.megatron.shards import load_shards, save_shards
 from rlflow.engines.train.offload import HostParking, memory_moved
 from rlflow.engines.train.rng import restore_rng, rng_state
 from rlflow.engines.train.torch_backend import lr_lambda, with_train_logprobs
@@ -410,6 +411,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
             save_file({n: t.contiguous() for n, t in weights}, str(path / "model" / "model.safetensors"))
             self.hf_config.save_pretrained(path / "model")
         del weights
+        save_shards(self.core, path / "model_shards", self.rank)  # this rank's own slices: loads on any layout
         tensors, scalars = optimizer_state(self.optimizer)
         save_file(tensors, str(path / f"optimizer_rank{self.rank}.safetensors"))
         state = {"layout": self._layout_meta(), "updates": self.updates, "optimizer_scalars": scalars,
@@ -418,15 +420,26 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         dist.barrier()  # the checkpoint is complete only when every rank has written its part
 
     @_on_device
-    def load(self, path: str | Path, storage: StorageConfig | None = None) -> None:
-        """Resume from save(): same model and parallel layout (resharding a checkpoint is not supported)."""
+    def load(self, path: str | Path, storage: StorageConfig | None = None, weights_only: bool = False) -> None:
+        """Resume from save(). The model's weights load on any TP/PP/DP layout from the per-rank shards (each
+        rank reads only the slices it owns). The optimizer state, schedule and RNG need the saving layout:
+        another layout is refused unless `weights_only`, which loads the weights alone (fresh optimizer)."""
         self._resident("load", optimizer=True)
         _local_only(storage)
         path = Path(path)
+        saved = json.loads((path / "trainer_rank0.json").read_text())["layout"]
+        same = saved == self._layout_meta()
+        if not same and not weights_only:
+            raise ValueError(f"checkpoint {path}: layout {saved} differs from this run's {self._layout_meta()}; "
+                             "the weights reshard (load(weights_only=True)) but the optimizer state does not")
+        if (path / "model_shards").exists():
+            load_shards(self.core, path / "model_shards")
+        else:  # written before model shards existed: the gathered HF model, fine on any layout
+            load_hf_weights(self.core, self.spec, path / "model", fused_norms=self.use_te)
+        if weights_only or not same:
+            self.optimizer.reload_model_params()  # fp32 master copies (bf16, distributed optimizer) from weights
+            return
         state = json.loads((path / f"trainer_rank{self.rank}.json").read_text())
-        if state["layout"] != self._layout_meta():
-            raise ValueError(f"checkpoint layout {state['layout']} differs from this run's {self._layout_meta()}")
-        load_hf_weights(self.core, self.spec, path / "model", fused_norms=self.use_te)
         load_optimizer_state(self.optimizer, load_file(str(path / f"optimizer_rank{self.rank}.safetensors")),
                              state["optimizer_scalars"])
         self.updates = state["updates"]
