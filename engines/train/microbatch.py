@@ -36,8 +36,9 @@ def token_budget_groups(lengths: list[int], max_tokens: int = 0, max_rows: int =
     return [sorted(g) for g in even if g]
 
 
-def packed_micro_batches(batch: TrainBatch, max_tokens: int = 0, max_rows: int = 0, min_length: int = 0
-                         ) -> list[tuple[list[int], TrainBatch]]:
+def packed_micro_batches(
+    batch: TrainBatch, max_tokens: int = 0, max_rows: int = 0, min_length: int = 0
+) -> list[tuple[list[int], TrainBatch]]:
     """The batch's rows grouped by `token_budget_groups` on their attention-mask lengths (raised to
     `min_length`: Megatron's packed stream gives an empty row one token), each group cut to its longest
     row's width: (row indices, rows). One grouping for every packed backend."""
