@@ -3,7 +3,9 @@ about twice that for ppo, which also trains a critic)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -18,6 +20,25 @@ from rlflow.engines.session.workers import prepare_data, prepare_model
 
 SHORT = ["train.steps=2", "eval.every=0", "train.threads=1", "checkpoint.every=0", "rollout.prompts_per_step=8",
          "rollout.samples_per_prompt=4"]
+
+
+def _short_recipe(tmp_path, recipe: str = "deployments/sort-tiny.yaml", *extra: str):
+    """`recipe` for a 2-step run with its data under tmp_path."""
+    data = [f"data.train_path={tmp_path}/train.jsonl", f"data.eval_path={tmp_path}/eval.jsonl"]
+    return load_recipe(recipe, [*data, *SHORT, *extra])
+
+
+@contextlib.contextmanager
+def _session(cfg, tmp_path, model: str | None = None) -> Iterator[RLSession]:
+    """An in-process session of `cfg` (data and model prepared; `model`: one already prepared), shut down after."""
+    if model is None:
+        prepare_data(cfg)
+        model = prepare_model(cfg, str(tmp_path))
+    session = RLSession.create(cfg, model, use_ray=False)
+    try:
+        yield session
+    finally:
+        session.shutdown()
 
 
 @pytest.mark.slow
@@ -38,10 +59,8 @@ def test_recipe_reward_rises(name, tmp_path):
 @pytest.mark.parametrize("advantage", ["reinforce_pp_baseline", "reinforce_pp_baseline_seq"])
 def test_reinforce_pp_baseline_variants_train_in_the_loop(advantage, tmp_path):
     """Both forms run through the loop: the token-whitened one hands the trainer [B, T] advantages."""
-    overrides = [f"data.train_path={tmp_path}/train.jsonl", f"data.eval_path={tmp_path}/eval.jsonl",
-                 "train.steps=2", "eval.every=0", "train.threads=1", "checkpoint.every=0",
-                 "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", f"algorithm.advantage={advantage}"]
-    history = run_bare(load_recipe("deployments/sort-tiny.yaml", overrides), str(tmp_path), log=lambda line: None)
+    cfg = _short_recipe(tmp_path, "deployments/sort-tiny.yaml", f"algorithm.advantage={advantage}")
+    history = run_bare(cfg, str(tmp_path), log=lambda line: None)
     assert len(history) == 2 and all(m["adv/abs_mean"] > 0 and "train/loss" in m for m in history)
 
 
@@ -49,8 +68,7 @@ def test_reinforce_pp_baseline_variants_train_in_the_loop(advantage, tmp_path):
 def test_new_recipes_run_two_steps_in_the_loop(name, tmp_path):
     """Each recipe of the newer estimators and corrections trains through the loop (the learning itself is the
     slow test above); what each adds shows in its metrics."""
-    overrides = [f"data.train_path={tmp_path}/train.jsonl", f"data.eval_path={tmp_path}/eval.jsonl", *SHORT]
-    cfg = load_recipe(f"deployments/sort-tiny-{name}.yaml", overrides)
+    cfg = _short_recipe(tmp_path, f"deployments/sort-tiny-{name}.yaml")
     history = run_bare(cfg, str(tmp_path), log=lambda line: None)
     assert len(history) == 2 and all(m["adv/abs_mean"] > 0 and "train/loss" in m for m in history), history
     if name == "rollout-corr":  # measured over the whole batch by the session; the weights reach the trainer
@@ -70,35 +88,25 @@ def test_new_recipes_run_two_steps_in_the_loop(name, tmp_path):
 def test_adaptive_kl_coefficient_is_saved_and_restored(tmp_path):
     """The controller's coefficient is part of the checkpoint's controller state (JSON), so a resumed run goes on
     from the coefficient the interrupted one had reached, not from the recipe's kl_coef."""
-    overrides = [f"data.train_path={tmp_path}/train.jsonl", f"data.eval_path={tmp_path}/eval.jsonl", *SHORT]
-    cfg = load_recipe("deployments/sort-tiny-adaptive-kl.yaml", overrides)
+    cfg = _short_recipe(tmp_path, "deployments/sort-tiny-adaptive-kl.yaml")
     prepare_data(cfg)
     model = prepare_model(cfg, str(tmp_path))
-    first = RLSession.create(cfg, model, use_ray=False)
-    try:
+    with _session(cfg, tmp_path, model) as first:
         run_steps(first, cfg, log=lambda line: None)
         state = json.loads(json.dumps(first.save(tmp_path / "ckpt", 1)))
         reached = first.kl_coef
-    finally:
-        first.shutdown()
     assert state["kl_coef"] == reached != cfg.algorithm.kl_coef
-    resumed = RLSession.create(cfg, model, use_ray=False)
-    try:
+    with _session(cfg, tmp_path, model) as resumed:
         assert resumed.kl_coef == cfg.algorithm.kl_coef
         resumed.load(tmp_path / "ckpt", state)
         assert resumed.kl_coef == reached
-    finally:
-        resumed.shutdown()
 
 
 def test_remax_step_holds_one_greedy_baseline_per_prompt(tmp_path):
     """The rollout stage appends each prompt's greedy response to its group, marked as the baseline with an
     all-0 loss mask; its reward is the others' baseline and its own advantage 0; the step trains."""
-    overrides = [f"data.train_path={tmp_path}/train.jsonl", f"data.eval_path={tmp_path}/eval.jsonl", *SHORT]
-    cfg = load_recipe("deployments/sort-tiny-remax.yaml", overrides)
-    prepare_data(cfg)
-    session = RLSession.create(cfg, prepare_model(cfg, str(tmp_path)), use_ray=False)
-    try:
+    cfg = _short_recipe(tmp_path, "deployments/sort-tiny-remax.yaml")
+    with _session(cfg, tmp_path) as session:
         session.rollout(0)
         session.reward(0)
         session.advantages(0)
@@ -114,8 +122,6 @@ def test_remax_step_holds_one_greedy_baseline_per_prompt(tmp_path):
         assert torch.allclose(adv, torch.tensor(expected, dtype=torch.float32), atol=1e-6)
         assert "train/loss" in session.train(0)
         assert RolloutBatch.from_arrow(session.rollout_table(0)).baseline.tolist() == b.baseline.tolist()
-    finally:
-        session.shutdown()
 
 
 
@@ -124,14 +130,11 @@ def test_the_advantages_stage_takes_uneven_shuffled_groups(advantage, tmp_path):
     """A batch whose groups are of unequal size and not consecutive (a filter dropped samples, the order was
     shuffled) goes through the advantages and train stages: each sample's advantage is the estimator's over its
     own group, found by group id (main's layout check refused such a batch)."""
-    overrides = [f"data.train_path={tmp_path}/train.jsonl", f"data.eval_path={tmp_path}/eval.jsonl", *SHORT,
-                 "train.mini_batches=1", f"algorithm.advantage={advantage}"]
+    extra = ["train.mini_batches=1", f"algorithm.advantage={advantage}"]
     if advantage == "passk":
-        overrides += ["algorithm.passk_k=2", "algorithm.passk_threshold=0.25"]
-    cfg = load_recipe("deployments/sort-tiny.yaml", overrides)
-    prepare_data(cfg)
-    session = RLSession.create(cfg, prepare_model(cfg, str(tmp_path)), use_ray=False)
-    try:
+        extra += ["algorithm.passk_k=2", "algorithm.passk_threshold=0.25"]
+    cfg = _short_recipe(tmp_path, "deployments/sort-tiny.yaml", *extra)
+    with _session(cfg, tmp_path) as session:
         session.rollout(0)
         session.reward(0)
         st = session._state(0)
@@ -153,5 +156,3 @@ def test_the_advantages_stage_takes_uneven_shuffled_groups(advantage, tmp_path):
                 alone = algorithms.passk_advantages(r, n, 2, 0.25)
             assert torch.allclose(adv[rows], alone, atol=1e-6)
         assert adv.abs().sum() > 0 and "train/loss" in session.train(0)
-    finally:
-        session.shutdown()

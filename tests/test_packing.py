@@ -12,7 +12,7 @@ from rlflow.engines.core.batch import shard_for_workers
 from rlflow.engines.core.config import AlgorithmConfig, ModelConfig, TrainConfig
 from rlflow.engines.models.hf import build_tiny_model, load_model, load_value_model
 from rlflow.engines.models.packed import PackedLM, PackedRows
-from rlflow.engines.train.microbatch import token_budget_groups
+from rlflow.engines.train.microbatch import packed_micro_batches, token_budget_groups
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 from tests.conftest import assert_same_update
 
@@ -125,6 +125,23 @@ def test_token_budget_groups_respect_their_caps():
     groups = token_budget_groups(lengths, 8192)
     sums = [sum(lengths[i] for i in g) for g in groups]
     assert len(groups) <= -(-sum(lengths) // 8192) + 1 and max(sums) - min(sums) < 1000
+
+
+def test_packed_micro_batches_cut_each_group_to_its_longest_row():
+    """One grouping for the torch and Megatron backends: rows cut to their group's longest length;
+    min_length=1 (Megatron) gives an empty row one token of width, 0 (torch) keeps it at zero."""
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]])
+    batch = {"input_ids": torch.arange(16).view(4, 4), "attention_mask": mask, "adv": torch.arange(4.0)}
+    groups = packed_micro_batches(batch, max_tokens=3, max_rows=2)
+    assert [rows for rows, _ in groups] == token_budget_groups([3, 1, 0, 2], 3, 2)
+    for rows, part in groups:
+        width = max(int(mask[i].sum()) for i in rows)
+        assert torch.equal(part["input_ids"], batch["input_ids"][rows][:, :width])
+        assert torch.equal(part["adv"], batch["adv"][rows])
+    alone = packed_micro_batches({"input_ids": batch["input_ids"][2:3], "attention_mask": mask[2:3]})
+    assert alone[0][1]["input_ids"].shape == (1, 0)
+    clamped = packed_micro_batches({"input_ids": batch["input_ids"][2:3], "attention_mask": mask[2:3]}, min_length=1)
+    assert clamped[0][1]["input_ids"].shape == (1, 1)
 
 
 def test_shards_balance_tokens_across_workers():

@@ -26,13 +26,7 @@ import time
 
 def group_alive(pgid: int) -> bool:
     """Whether any process of group `pgid` is still there."""
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by someone else
-        return True
+    return _signal_reaches(-pgid)
 
 
 def stop_group(pgid: int, grace_s: float, leader: subprocess.Popen | None = None) -> None:
@@ -55,12 +49,18 @@ def stop_group(pgid: int, grace_s: float, leader: subprocess.Popen | None = None
 
 
 def process_alive(pid: int) -> bool:
+    """Whether process `pid` is still there (a zombie counts until its parent reaps it)."""
+    return _signal_reaches(pid)
+
+
+def _signal_reaches(target: int) -> bool:
+    """Whether signal 0 reaches `target` (os.kill's convention: negative is a process group), i.e. it exists."""
     try:
-        os.kill(pid, 0)
+        os.kill(target, 0)
         return True
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # alive, owned by someone else
         return True
 
 

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import heapq
 
+import torch
+
+from rlflow.engines.core.batch import TrainBatch
+
 
 def token_budget_groups(lengths: list[int], max_tokens: int = 0, max_rows: int = 0) -> list[list[int]]:
     """Indices of `lengths` in groups of at most `max_tokens` summed tokens and at most `max_rows` samples
@@ -30,6 +34,21 @@ def token_budget_groups(lengths: list[int], max_tokens: int = 0, max_rows: int =
     if max_tokens and any(len(g) > 1 and sum(lengths[i] for i in g) > max_tokens for g in even):
         even = packed
     return [sorted(g) for g in even if g]
+
+
+def packed_micro_batches(
+    batch: TrainBatch, max_tokens: int = 0, max_rows: int = 0, min_length: int = 0
+) -> list[tuple[list[int], TrainBatch]]:
+    """The batch's rows grouped by `token_budget_groups` on their attention-mask lengths (raised to
+    `min_length`: Megatron's packed stream gives an empty row one token), each group cut to its longest
+    row's width: (row indices, rows). One grouping for every packed backend."""
+    lengths = [max(int(n), min_length) for n in batch["attention_mask"].sum(-1).tolist()]
+    out = []
+    for rows in token_budget_groups(lengths, max_tokens, max_rows):
+        index = torch.tensor(rows)
+        width = max(lengths[i] for i in rows)
+        out.append((rows, {k: v[index][:, :width] if v.dim() == 2 else v[index] for k, v in batch.items()}))
+    return out
 
 
 def _first_fit(order: list[int], lengths: list[int], max_tokens: int, max_rows: int) -> list[list[int]]:

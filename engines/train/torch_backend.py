@@ -42,7 +42,7 @@ from rlflow.engines.sync.nccl import NcclChannel
 from rlflow.engines.sync.store import put_bucket
 from rlflow.engines.train import fsdp
 from rlflow.engines.train.kernels import apply_kernels
-from rlflow.engines.train.microbatch import token_budget_groups
+from rlflow.engines.train.microbatch import packed_micro_batches
 from rlflow.engines.train.offload import HostParking, memory_moved
 from rlflow.engines.train.rng import restore_rng, rng_state
 
@@ -130,12 +130,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
     def micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
         """The batch's rows in micro-batches of at most train.micro_batch_tokens tokens (summed: they run
         packed) and train.micro_batch_size samples: (row indices, the rows cut to their longest one's width)."""
-        lengths = batch["attention_mask"].sum(-1).tolist()
-        out = []
-        for idx in token_budget_groups(lengths, self.cfg.micro_batch_tokens, self.cfg.micro_batch_size):
-            width = max(lengths[i] for i in idx)
-            out.append((idx, {k: v[idx][:, :width] if v.dim() == 2 else v[idx] for k, v in batch.items()}))
-        return out
+        return packed_micro_batches(batch, self.cfg.micro_batch_tokens, self.cfg.micro_batch_size)
 
     def _agreed_micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
         """This rank's micro-batches, padded to the most any rank has with empty ones ([] rows: one short row

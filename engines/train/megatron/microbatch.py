@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from rlflow.engines.core.batch import TrainBatch
 from rlflow.engines.models.packed import PackedRows
-from rlflow.engines.train.microbatch import token_budget_groups
+from rlflow.engines.train.microbatch import packed_micro_batches
 
 
 @dataclass
@@ -44,12 +44,8 @@ def plan_micro_batches(batch: TrainBatch, max_rows: int, max_tokens: int = 0, pa
     if not packed:
         return [Micro(list(range(a, b)), _cut(batch, a, b, w))
                 for a, b, w in _consecutive(batch, max_rows, max_tokens, multiple)]
-    lengths = [max(int(n), 1) for n in batch["attention_mask"].sum(-1).tolist()]
     out = []
-    for rows in token_budget_groups(lengths, max_tokens, max_rows):
-        index = torch.tensor(rows)
-        width = max(lengths[i] for i in rows)
-        part = {k: v[index][:, :width] if v.dim() == 2 else v[index] for k, v in batch.items()}
+    for rows, part in packed_micro_batches(batch, max_tokens, max_rows, min_length=1):
         packed_rows = PackedRows.from_padded(part["input_ids"], part["attention_mask"])
         out.append(Micro(rows, part, packed_rows, packed_rows.cu_seqlens.clone()))
     return out
