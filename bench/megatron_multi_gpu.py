@@ -47,7 +47,17 @@ import torch
 
 from bench import megatron_checks as checks
 from bench.megatron_gpu import MODEL_SMOKE, versions
-from bench.ranks import rank_result, rendezvous, run_and_collect, run_ranks, step_figures, sync, time_left
+from bench.ranks import (
+    add_workload_args,
+    finish_workload_args,
+    rank_result,
+    rendezvous,
+    run_and_collect,
+    run_ranks,
+    step_figures,
+    sync,
+    time_left,
+)
 from bench.train_scale import PEAK_TFLOPS, QWEN2_1_5B, QWEN2_5_7B, flops_per_step, workload
 
 SHAPES = {"1.5b": dict(arch="qwen2", **QWEN2_1_5B), "7b": dict(arch="qwen2", **QWEN2_5_7B), "smoke": MODEL_SMOKE}
@@ -254,30 +264,16 @@ def main(argv: list[str] | None = None) -> dict:
         help="comma-separated tp<N>, pp<N> or tp<N>pp<M>; parity compares each with the first",
     )
     p.add_argument("--sections", default="parity,throughput", help=f"comma-separated subset of {list(SECTIONS)}")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
-    p.add_argument("--smoke", action="store_true", help="a toy shape on CPU, gloo ranks: checks the script")
+    add_workload_args(p, SHAPES, steps=2)
     p.add_argument("--parity-seq", type=int, default=512, help="longest row of the parity batch")
-    p.add_argument("--steps", type=int, default=2, help="timed train steps (after one warm-up); median reported")
-    p.add_argument("--samples", type=int, default=64, help="workload samples per GPU (the batch is N x this)")
-    p.add_argument("--prompt", type=int, default=256)
-    p.add_argument("--response-min", type=int, default=64)
-    p.add_argument("--response-max", type=int, default=1792)
     p.add_argument("--micro-batch-tokens", type=int, default=8192, help="megatron.micro_batch_tokens")
     p.add_argument("--packing", action="store_true", help="megatron.packing (THD); default: padded rows")
     p.add_argument("--timeout", type=int, default=240, help="seconds per (layout, section) run, loading included")
-    p.add_argument(
-        "--deadline",
-        type=float,
-        default=570,
-        help="seconds for the whole script: a run that would start later is skipped, one that would end later gets "
-        "less than --timeout (default: under a 10-minute device call)",
-    )
     p.add_argument("--out", type=Path, required=True, help="JSON results (rewritten after each section)")
     a = p.parse_args(argv)
-    a.end = time.monotonic() + a.deadline
+    finish_workload_args(a)
     if a.smoke:
-        a.shape, a.samples, a.prompt, a.response_min, a.response_max, a.parity_seq = "smoke", 4, 16, 4, 48, 32
-        a.steps, a.micro_batch_tokens = min(a.steps, 2), 256
+        a.parity_seq, a.micro_batch_tokens = 32, 256
     try:
         layouts = a.layouts.split(",")
         for name in layouts:

@@ -9,6 +9,7 @@ GPU r % visible GPUs), so CUDA_VISIBLE_DEVICES decides which GPUs a run gets.
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
 import os
@@ -146,3 +147,30 @@ def rendezvous(out: str) -> str:
     path = Path(f"{out}.rendezvous")
     path.unlink(missing_ok=True)
     return f"file://{path.resolve()}"
+
+
+def add_workload_args(p: argparse.ArgumentParser, shapes: dict, steps: int) -> None:
+    """The flags both multi-GPU benches share: the model shape, bench/train_scale.py's RL workload per GPU, the timed
+    steps and the whole script's deadline. `finish_workload_args` completes them after parsing."""
+    p.add_argument("--shape", choices=sorted(shapes), default="1.5b")
+    p.add_argument("--smoke", action="store_true", help="a toy shape on CPU, gloo ranks: checks the script")
+    p.add_argument("--steps", type=int, default=steps, help="timed steps (after one warm-up); the median is reported")
+    p.add_argument("--samples", type=int, default=64, help="samples per GPU (the batch is N x this)")
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--response-min", type=int, default=64)
+    p.add_argument("--response-max", type=int, default=1792)
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=570,
+        help="seconds for the whole script: a run that would start later is skipped, one that would end later gets "
+        "less than --timeout (default: under a 10-minute device call)",
+    )
+
+
+def finish_workload_args(a: argparse.Namespace) -> None:
+    """The deadline as a clock time; --smoke shrinks the workload to a toy run on CPU."""
+    a.end = time.monotonic() + a.deadline
+    if a.smoke:
+        a.shape, a.samples, a.prompt, a.response_min, a.response_max = "smoke", 4, 16, 4, 48
+        a.steps = min(a.steps, 2)

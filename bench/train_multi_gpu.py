@@ -41,7 +41,17 @@ from pathlib import Path
 
 import torch
 
-from bench.ranks import rank_result, rendezvous, run_and_collect, run_ranks, step_figures, sync, time_left
+from bench.ranks import (
+    add_workload_args,
+    finish_workload_args,
+    rank_result,
+    rendezvous,
+    run_and_collect,
+    run_ranks,
+    step_figures,
+    sync,
+    time_left,
+)
 from bench.train_scale import PEAK_TFLOPS, SHAPES, VARIANTS, build_model, flops_per_step, workload
 
 # the native trainer's variants (baseline is a plain one-process loop; megatron-* is bench/megatron_multi_gpu.py)
@@ -147,27 +157,11 @@ def main(argv: list[str] | None = None) -> dict:
         help=f"comma-separated, of {', '.join(TORCH_VARIANTS)}; default: "
         f"{DEFAULT_VARIANT['1.5b']} (1.5b), {DEFAULT_VARIANT['7b']} (7b)",
     )
-    p.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
-    p.add_argument("--smoke", action="store_true", help="a toy shape on CPU, gloo ranks: checks the script")
-    p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up); the median is reported")
-    p.add_argument("--samples", type=int, default=64, help="samples per GPU (the batch is N x this)")
-    p.add_argument("--prompt", type=int, default=256)
-    p.add_argument("--response-min", type=int, default=64)
-    p.add_argument("--response-max", type=int, default=1792)
+    add_workload_args(p, SHAPES, steps=3)
     p.add_argument("--timeout", type=int, default=300, help="seconds per (variant, N) run, model loading included")
-    p.add_argument(
-        "--deadline",
-        type=float,
-        default=570,
-        help="seconds for the whole script: a run that would start later is skipped, one that would end later gets "
-        "less than --timeout (default: under a 10-minute device call)",
-    )
     p.add_argument("--out", type=Path, required=True, help="JSON results (rewritten after each run)")
     a = p.parse_args(argv)
-    a.end = time.monotonic() + a.deadline
-    if a.smoke:
-        a.shape, a.samples, a.prompt, a.response_min, a.response_max = "smoke", 4, 16, 4, 48
-        a.steps = min(a.steps, 2)
+    finish_workload_args(a)
     variants = (a.variants or DEFAULT_VARIANT[a.shape]).split(",")
     unknown = [v for v in variants if v not in TORCH_VARIANTS]
     if unknown:
