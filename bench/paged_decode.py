@@ -131,7 +131,6 @@ def decode_step(batch: int = 256, span: int = 512, page: int = 16) -> dict:
         result["max_abs_logit_diff"] = float((out.float() - eager.float()).abs().max())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes = 2 * int(positions.sum() + batch) * cfg.num_hidden_layers * cfg.num_key_value_heads * 64 * 2
-    result["ideal_s_at_copy_bw"] = None
     result["bytes"] = weight_bytes + kv_bytes
     return result
 
