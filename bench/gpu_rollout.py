@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -114,12 +115,13 @@ def kv_settings(args: argparse.Namespace, **changes) -> KVCacheConfig:
 
 def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int, device: str,
               profile: bool, kv: KVCacheConfig | None = None, warmup_tokens: int | None = None,
-              compile: bool = False) -> dict:
+              compile: bool = False, fused: bool = True) -> dict:
     from rlflow.engines.core.sampling import SamplingParams
     from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 
     backend = TorchRolloutBackend(str(path), device=device, dtype=torch.bfloat16, batch_size=len(prompts),
                                   context_len=len(prompts[0]) + new_tokens + 16, kv_cache=kv, compile=compile)
+    backend.engine.lm.use_fused(fused)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
     t0 = time.perf_counter()
     warmup = params.model_copy(update={"max_new_tokens": warmup_tokens or new_tokens})
@@ -135,7 +137,8 @@ def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: in
         times.append(time.perf_counter() - t0)
         tokens = sum(len(g.output_ids) for g in gens)
     assert tokens == len(prompts) * new_tokens, tokens
-    out = {"warmup_s": warmup_s, "warmup_tokens": warmup.max_new_tokens, "seconds": times, "output_tokens": tokens,
+    out = {"fused_groups": backend.engine.lm.fused_groups, "warmup_s": warmup_s,
+           "warmup_tokens": warmup.max_new_tokens, "seconds": times, "output_tokens": tokens,
            "tokens_per_s": tokens / statistics.median(times), "kv": backend.engine.stats(),
            "paged_kernel": "triton" if uses_fast_kernel(torch.device(device), backend.engine.lm.head_dim) else "torch",
            "sample": [(g.prompt_ids, g.output_ids, g.output_logprobs) for g in gens[:8]]}
@@ -187,14 +190,15 @@ def shared_prefix(path: Path, args: argparse.Namespace, device: str, vocab: int)
     return result
 
 
-def sweep(path: Path, args: argparse.Namespace, device: str, vocab: int, gbps: float | None) -> list[dict]:
+def sweep(path: Path, args: argparse.Namespace, device: str, vocab: int, gbps: float | None, points: list[dict],
+          save: Callable[[], None]) -> None:
     """Decode tokens/s at every batch x new-token point (prompt --prompt-len), with the bandwidth-limit
-    fraction on CUDA and HF generate at the same point when asked."""
+    fraction on CUDA and HF generate at the same point when asked; each point appended to `points` and saved
+    as it ends (a run cut short by its time limit keeps the points it finished)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
-    points = []
     for new_tokens in args.sweep_new_tokens:
         for batch in args.sweep_batches:
             g = torch.Generator().manual_seed(batch)
@@ -220,7 +224,7 @@ def sweep(path: Path, args: argparse.Namespace, device: str, vocab: int, gbps: f
                   + (f", {point['ratio']:.2f}x HF" if "ratio" in point else "")
                   + f", preemptions {ours['kv']['num_preemptions']}", flush=True)
             points.append(point)
-    return points
+            save()
 
 
 def time_hf(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int, device: str
@@ -370,6 +374,8 @@ def main() -> None:
     ap.add_argument("--only-extras", action="store_true", help="skip the main timing; run --sweep/--shared-prefix")
     ap.add_argument("--compile", action="store_true", help="rollout.compile: torch.compile the decode step")
     ap.add_argument("--uncompiled-too", action="store_true", help="with --compile, also time the engine without it")
+    ap.add_argument("--unfused-too", action="store_true",
+                    help="also time the engine running q/k/v and gate/up as separate GEMMs (the fused GEMMs' gain)")
     ap.add_argument("--out", default="gpu_rollout.json")
     args = ap.parse_args()
     smoke = args.size == "smoke"
@@ -412,8 +418,8 @@ def main() -> None:
     gbps = copy_bandwidth() if device == "cuda" else None
     if args.sweep:
         result["copy_gb_per_s"] = gbps
-        result["sweep"] = sweep(path, args, device, vocab, gbps)
-        save()
+        result["sweep"] = []
+        sweep(path, args, device, vocab, gbps, result["sweep"], save)
     if args.long_context:
         g = torch.Generator().manual_seed(3)
         prompt_len = args.long_prompt_len or args.prompt_len
@@ -434,6 +440,11 @@ def main() -> None:
                                               kv_settings(args))
         result["ours_uncompiled"].pop("sample")
         print(f"ours uncompiled: {result['ours_uncompiled']['tokens_per_s']:.0f} tokens/s", flush=True)
+    if args.unfused_too:  # the same engine with every projection its own GEMM, same run
+        result["ours_unfused"] = time_ours(path, prompts, args.new_tokens, args.repeats, device, False,
+                                           kv_settings(args), compile=args.compile, fused=False)
+        result["ours_unfused"].pop("sample")
+        print(f"ours unfused: {result['ours_unfused']['tokens_per_s']:.0f} tokens/s", flush=True)
     result["ours"] = time_ours(path, prompts, args.new_tokens, args.repeats, device, args.profile, kv_settings(args),
                                compile=args.compile)
     sample = result["ours"].pop("sample")

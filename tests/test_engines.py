@@ -244,13 +244,27 @@ def _arch_model(tmp_path, arch: str) -> str:
     return str(out)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["per-projection", "fused"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_own_forward_matches_hf(tmp_path, arch):
+def test_own_forward_matches_hf(tmp_path, arch, fused):
+    """Our decoder's prefill, chunked prefill and paged decode give HF's logits. `fused`: the weights laid out as
+    a GPU rollout worker keeps them (one flat buffer in fusable_order), so q/k/v and gate/up run as one GEMM each
+    over views of that buffer; also after the buffer moves (a colocated release and resume re-allocates it)."""
     from rlflow.engines.models.decoder import DecoderLM
+    from rlflow.engines.models.flat_weights import flatten_, fusable_order
     from rlflow.engines.models.hf import load_model
 
     hf = load_model(_arch_model(tmp_path, arch)).eval()
+    params = dict(hf.named_parameters())
+    if fused:
+        flatten_({n: params[n] for n in fusable_order(list(params))})
     lm = DecoderLM(hf)
+    assert lm.fused_groups == (2 * hf.config.num_hidden_layers if fused else 0)
+    if fused:  # the buffer moves: the fused views follow it
+        flatten_({n: params[n] for n in fusable_order(list(params))})
+        lm.fuse_projections()
+        assert lm._qkv[0][0].data_ptr() == params["model.layers.0.self_attn.q_proj.weight"].data_ptr()
+        assert lm._gate_up[1][0].data_ptr() == params["model.layers.1.mlp.gate_proj.weight"].data_ptr()
     cache = lm.new_cache(rows=3, max_len=32, num_pages=12, page_size=4)
     prompts = [[1, 5, 9, 2, 7], [3, 3, 8]]
     seqs = [list(p) for p in prompts]

@@ -123,8 +123,8 @@ def test_flat_weights_copy_as_one_slice():
     """GPU transports lay weights out flat (flatten_) so a whole run of them is one slice (flat_span); the
     copy through that slice must give the same weights as the per-tensor path. Checked here on CPU tensors;
     the CUDA IPC and NCCL paths that use it run on the device machine (bench/gpu_rl.py)."""
+    from rlflow.engines.models.flat_weights import flat_span, flatten_
     from rlflow.engines.sync.cuda_ipc import copy_plan
-    from rlflow.engines.sync.gpu import flat_span, flatten_
 
     gen = torch.Generator().manual_seed(0)
     shapes = {"a": (3, 4), "b": (5,), "c": (2, 2, 2)}
@@ -149,3 +149,35 @@ def test_flat_weights_copy_as_one_slice():
 
     released = flatten_(dst, shapes={n: torch.Size(s) for n, s in shapes.items()})  # re-allocation
     assert released.numel() == flat.numel() and flat_span(list(dst.values())) is not None
+
+
+def test_sync_order_puts_each_fused_projection_in_one_slice():
+    """The flat order (fusable_order) that the GPU rollout worker's buffer and the sync's bucket plan share: HF's
+    order, except that each layer's q/k/v weights follow one another, then their biases (Qwen2 interleaves them),
+    so the decoder's fused GEMMs and a bucket are each one slice of the buffer. The sync plans the trainer's layout
+    (reported in HF's order) in the same order."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from rlflow.engines.models.flat_weights import flat_span, flatten_, fusable_order
+    from rlflow.engines.sync.base import WeightSource
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)
+    hf_names = [n for n, _ in AutoModelForCausalLM.from_config(cfg).named_parameters()]
+    order = fusable_order(hf_names)
+    assert sorted(order) == sorted(hf_names) and len(order) == len(hf_names)
+    attn = "model.layers.0.self_attn."
+    i = order.index(attn + "q_proj.weight")
+    assert order[i : i + 6] == [attn + f"{p}_proj.{k}" for k in ("weight", "bias") for p in "qkv"]
+    rest = [n for n in hf_names if "_proj.bias" not in n and not n.endswith(("k_proj.weight", "v_proj.weight"))]
+    assert [n for n in order if n in rest] == rest, "everything else keeps HF's order"
+
+    class Trainer:  # the one call WeightSource makes of its train group, answered in HF's order
+        def call_rank0(self, method):
+            return [(n, 8) for n in hf_names] if method.__name__ == "weight_layout" else None
+
+    source = WeightSource(Trainer(), bucket_bytes=8 * 5)
+    assert [n for n, _ in source.layout()] == order
+    tensors = {n: torch.zeros(2) for n in order}
+    flatten_(tensors)
+    assert all(flat_span([tensors[n] for n in bucket]) is not None for bucket in source.buckets())

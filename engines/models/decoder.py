@@ -5,6 +5,9 @@ Why not HF's forward: continuous batching needs every sequence in its own pages,
 the batch at any decode step, and a fixed-shape decode step that a GPU captures in CUDA graphs
 (`DecodeRunner`). The weights stay the HF model's `nn.Parameter`s, so weight updates (`copy_`,
 released/resumed `.data`) are seen here with no extra step (a graph is captured again when they move).
+Where the weights lie in one flat buffer in `fusable_order` (the rollout worker's on GPU), q/k/v and gate/up
+run as one GEMM each over views of that memory: at decode batch sizes the projections are small GEMMs whose
+launch and tail costs add up, and a fused view costs nothing to keep current.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from rlflow.engines.models.flat_weights import fused_linear
 from rlflow.engines.models.kv_pages import PagedKVCache
 from rlflow.engines.models.paged_attention import (
     decode_attention,
@@ -65,6 +69,13 @@ class DecoderLM:
         self.decode_attention = decode_attention(self.device, self.head_dim)
         # the Parameter objects stay (updates copy into them or swap their .data); listed once, not walked per step
         self._params = list(hf_model.parameters())
+        # per layer: (weight, bias) of q/k/v and of gate/up as one GEMM, or None (run one by one); found again
+        # whenever the weights move (`fuse_projections`)
+        layers = len(hf_model.model.layers)
+        self._qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * layers
+        self._gate_up: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * layers
+        self._fused_at: tuple[int, ...] | None = None
+        self.use_fused(True)
 
     @property
     def device(self) -> torch.device:
@@ -95,14 +106,44 @@ class DecoderLM:
         cos, sin = self._rope
         return cos[positions], sin[positions]
 
-    def _layer(self, layer, x: torch.Tensor, cos, sin, attend) -> torch.Tensor:
-        """One decoder layer on x [B, T, hidden]; `attend(i, q, k, v)` stores k/v and returns attention."""
+    def use_fused(self, enabled: bool) -> None:
+        """Run q/k/v and gate/up as one GEMM each where the weights' layout allows it (the default), or every
+        projection alone (what a benchmark compares against)."""
+        self._fuse, self._fused_at = enabled, None
+        self.fuse_projections()
+
+    @property
+    def fused_groups(self) -> int:
+        """How many projection groups (q/k/v, gate/up: two a layer) run as one GEMM now."""
+        return sum(f is not None for f in self._qkv + self._gate_up)
+
+    def fuse_projections(self) -> tuple[int, ...]:
+        """Point the fused q/k/v and gate/up GEMMs at the weights' current memory (the first time, or after a
+        re-allocation; otherwise nothing to do) and return where the weights are (`weight_pointers`)."""
+        at = self.weight_pointers()
+        if at == self._fused_at:
+            return at
+        self._fused_at = at
+        for i, layer in enumerate(self.model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            self._qkv[i] = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj]) if self._fuse else None
+            self._gate_up[i] = fused_linear([mlp.gate_proj, mlp.up_proj]) if self._fuse else None
+        return at
+
+    def _layer(self, i: int, x: torch.Tensor, cos, sin, attend) -> torch.Tensor:
+        """Decoder layer i on x [B, T, hidden]; `attend(q, k, v)` stores k/v and returns attention."""
+        layer = self.model.model.layers[i]
         attn, mlp = layer.self_attn, layer.mlp
         bsz, t, _ = x.shape
         h = rms_norm(x, layer.input_layernorm.weight, self.eps)
-        q = attn.q_proj(h).view(bsz, t, self.num_heads, self.head_dim)
-        k = attn.k_proj(h).view(bsz, t, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(bsz, t, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if (qkv := self._qkv[i]) is not None:
+            q, k, v = F.linear(h, *qkv).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        q = q.view(bsz, t, self.num_heads, self.head_dim)
+        k = k.view(bsz, t, self.num_kv_heads, self.head_dim)
+        v = v.view(bsz, t, self.num_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm on q and k before rotary
             q = rms_norm(q, attn.q_norm.weight, self.eps)
             k = rms_norm(k, attn.k_norm.weight, self.eps)
@@ -111,7 +152,11 @@ class DecoderLM:
         o = attend(q, k, v.transpose(1, 2))
         x = x + attn.o_proj(o.transpose(1, 2).reshape(bsz, t, self.num_heads * self.head_dim))
         h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
-        return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        if (gate_up := self._gate_up[i]) is not None:
+            gate, up = F.linear(h, *gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+        return x + mlp.down_proj(F.silu(gate) * up)
 
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,6 +172,7 @@ class DecoderLM:
         after every real token, so no real query sees it, and only real tokens are stored). A piece that
         continues a sequence (chunked prefill, or a preempted request's recompute in parts) attends to the
         sequence's cached pages plus itself, causally; it runs alone."""
+        self.fuse_projections()
         if any(starts):
             return torch.cat([self._prefill_continued(cache, t, s, p) for t, s, p in
                               zip(pieces, starts, pages, strict=True)])
@@ -145,14 +191,14 @@ class DecoderLM:
             lengths))], torch.long, self.device)
         group = self.num_heads // self.num_kv_heads
         x = self.model.model.embed_tokens(ids)
-        for i, layer in enumerate(self.model.model.layers):
+        for i in range(len(self.model.model.layers)):
             def attend(q, k, v, i=i):
                 cache.write(i, index[2], index[3], k[index[0], :, index[1]], v[index[0], :, index[1]])
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
                 with sdpa_backends(q.device, flash=True):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-            x = self._layer(layer, x, cos, sin, attend)
+            x = self._layer(i, x, cos, sin, attend)
         return self._logits(x[torch.arange(len(pieces), device=self.device), index[4, :len(pieces)]])
 
     def _prefill_continued(self, cache: PagedKVCache, tokens: list[int], start: int, pages: list[int]
@@ -168,7 +214,7 @@ class DecoderLM:
         cos, sin = self._cos_sin(positions)
         group = self.num_heads // self.num_kv_heads
         x = self.model.model.embed_tokens(to_device([tokens], torch.long, self.device))
-        for i, layer in enumerate(self.model.model.layers):
+        for i in range(len(self.model.model.layers)):
             def attend(q, k, v, i=i):
                 cache.write(i, where[0], where[1], k[0].transpose(0, 1), v[0].transpose(0, 1))
                 keys = gather_pages(cache.k[i], table)[:, :, :stop].repeat_interleave(group, dim=1)
@@ -176,7 +222,7 @@ class DecoderLM:
                 with sdpa_backends(q.device, flash=False):
                     return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
 
-            x = self._layer(layer, x, cos, sin, attend)
+            x = self._layer(i, x, cos, sin, attend)
         return self._logits(x[:, n - 1])
 
     @torch.no_grad()
@@ -195,12 +241,12 @@ class DecoderLM:
         cos, sin = self._cos_sin(positions[:, None])
         cos, sin = cos[:, None], sin[:, None]
         x = self.model.model.embed_tokens(tokens[:, None])
-        for i, layer in enumerate(self.model.model.layers):
+        for i in range(len(self.model.model.layers)):
             def attend(q, k, v, i=i):
                 store_kv(cache.k[i], cache.v[i], table, positions, k[:, :, 0], v[:, :, 0])
                 return attention(q[:, :, 0], cache.k[i], cache.v[i], table, lengths, scale)[:, :, None]
 
-            x = self._layer(layer, x, cos, sin, attend)
+            x = self._layer(i, x, cos, sin, attend)
         h = rms_norm(x[:, -1], self.model.model.norm.weight, self.eps)
         head = self.model.lm_head
         torch.matmul(h, head.weight.t(), out=out[:rows])
@@ -249,9 +295,9 @@ class DecodeRunner:
         """Decode `tokens[b]` at `positions[b]` of row `slots[b]` (device tensors; every row < rows, every
         position < span); the other rows below `rows` decode padding."""
         self.cache.flush()
+        weights = self.lm.fuse_projections()  # the fused GEMMs follow weights that moved
         if self.use_graphs:
             rows, pages = self.bucket(rows, span)
-            weights = self.lm.weight_pointers()
             if weights != self.weights:  # weights re-allocated (released and resumed): capture again
                 self.graphs.clear()
                 self.weights = weights

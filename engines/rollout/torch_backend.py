@@ -25,6 +25,7 @@ from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.core.trace import TraceRecorder
 from rlflow.engines.models.decoder import DecoderLM
+from rlflow.engines.models.flat_weights import flatten_, fusable_order
 from rlflow.engines.models.hf import load_model, load_tokenizer
 from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Generation, Request, request_generator
 from rlflow.engines.rollout.http_api import auth_headers
@@ -39,7 +40,6 @@ from rlflow.engines.sync.endpoints import (
     NcclReceiver,
     StoreReceiver,
 )
-from rlflow.engines.sync.gpu import flatten_
 from rlflow.engines.sync.nccl import NcclChannel
 from rlflow.engines.sync.store import get_bucket
 
@@ -65,8 +65,10 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         self.weight_dirs = list(weight_dirs)
         self.model = load_model(model_path, dtype=dtype, device=device).eval()
         self.tokenizer = load_tokenizer(model_path)
-        self.params = dict(self.model.named_parameters())
-        self.flat = device == "cuda"  # weights in one buffer, HF-name order: GPU syncs fill slices of it
+        params = dict(self.model.named_parameters())
+        self.params = {n: params[n] for n in fusable_order(list(params))}
+        # on GPU the weights are one buffer in that order: syncs fill slices of it, q/k/v and gate/up run as one GEMM
+        self.flat = device == "cuda"
         if self.flat:
             flatten_(self.params)
         self.weight_version = 0

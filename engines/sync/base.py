@@ -17,6 +17,7 @@ import torch
 
 from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.protocols import RolloutBackend, TrainBackend, WorkerGroup
+from rlflow.engines.models.flat_weights import fusable_order
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -68,9 +69,12 @@ class WeightSource:
         return cls(train, int(cfg.weight_sync.bucket_mb * 1024 * 1024), collective=collective)
 
     def layout(self) -> list[tuple[str, int]]:
-        """(HF name, bytes) of every weight, in the trainer's order."""
+        """(HF name, bytes) of every weight, in the flat order of the rollout engine's weights (HF's order with
+        each layer's q/k/v and gate/up consecutive: engines/models/flat_weights.py), so that a bucket is one
+        slice of the receiver's memory."""
         if self._layout is None:
-            self._layout = self.train.call_rank0(TrainBackend.weight_layout)
+            nbytes = dict(self.train.call_rank0(TrainBackend.weight_layout))
+            self._layout = [(n, nbytes[n]) for n in fusable_order(list(nbytes))]
         return self._layout
 
     def buckets(self) -> list[list[str]]:

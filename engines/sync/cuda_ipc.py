@@ -13,9 +13,9 @@ from collections.abc import Callable
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from rlflow.engines.models.flat_weights import flat_span
 from rlflow.engines.sync.base import NamedTensors, WeightTransport
 from rlflow.engines.sync.endpoints import IpcReceiver, IpcSender
-from rlflow.engines.sync.gpu import flat_span
 
 
 def export_ipc_handles(named: NamedTensors) -> list[tuple[str, tuple]]:

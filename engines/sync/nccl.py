@@ -13,9 +13,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rlflow.engines.models.flat_weights import flat_span
 from rlflow.engines.sync.base import WeightTransport
 from rlflow.engines.sync.endpoints import NcclReceiver, NcclSender
-from rlflow.engines.sync.gpu import flat_span
 
 
 class NcclChannel:
