@@ -99,12 +99,12 @@ def flops_per_step(cfg: dict, lengths: torch.Tensor) -> float:
     return 6.0 * matmul_params * tokens + attention
 
 
-def build_model(cfg: dict, out: Path) -> None:
-    """Random weights of the shape, saved in bf16 (initialised on the GPU when there is one: a 7B shape takes
-    minutes on a CPU)."""
+def build_model(cfg: dict, out: Path, seed: int = 0) -> None:
+    """Random weights of the shape (drawn from `seed`), saved in bf16 (initialised on the GPU when there is one: a
+    7B shape takes minutes on a CPU)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(Qwen2Config(**cfg), dtype=torch.bfloat16)
     model.save_pretrained(out)

@@ -243,13 +243,13 @@ GPU = {"train": {"device": "cuda", "steps": 3, "threads": 1}, "cluster": {"use_r
 @pytest.mark.parametrize(
     "sections, problem",
     [
-        ({"weight_sync": {"transport": "nccl"}},
-         r"weight_sync\.transport: nccl needs train\.device and rollout\.device"),
+        ({"weight_sync": {"transport": "cuda_ipc"}},
+         r"weight_sync\.transport: cuda_ipc needs train\.device and rollout\.device 'cuda'"),
         ({**GPU, "weight_sync": {"transport": "cuda_ipc"}}, r"cuda_ipc needs cluster\.colocate: true"),
         ({**GPU, "weight_sync": {"transport": "nccl"}, "cluster": {"use_ray": False}},
          r"weight_sync\.transport: nccl .* cluster\.use_ray: true"),
         ({**GPU, "weight_sync": {"transport": "nccl"}, "rollout": {"device": "cpu"}},
-         r"nccl needs train\.device and rollout\.device 'cuda'"),
+         r"nccl needs train\.device and rollout\.device alike"),
         ({"weight_sync": {"transport": "distributed"}, "cluster": {"use_ray": False}},
          r"weight_sync\.transport: distributed with the embedded engine needs cluster\.use_ray: true"),
         ({"weight_sync": {"transport": "distributed"}, "rollout": {"device": "cuda"}, "cluster": {"use_ray": True}},
@@ -284,6 +284,10 @@ def test_gpu_placement_recipes_load(tmp_path):
         tmp_path, **GPU, rollout={"precision": "bf16", "max_staleness": 1}, weight_sync={"transport": "nccl"}
     )))
     assert split.rollout.precision == "bf16" and split.weight_sync.transport == "nccl"
+    on_cpu = load_recipe(write(tmp_path, small_recipe(  # both sides on the CPU: the nccl channel runs over gloo
+        tmp_path, cluster={"use_ray": True}, weight_sync={"transport": "nccl"}
+    )))
+    assert on_cpu.train.device == on_cpu.rollout_device == "cpu" and on_cpu.weight_sync.transport == "nccl"
 
 
 @pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk", "passk"])

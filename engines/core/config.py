@@ -739,7 +739,8 @@ class WeightSyncConfig(Section):
         "distributed: every rollout server joins a process group with train rank 0 and receives its broadcasts "
         "(SGLang's /init_weights_update_group and /update_weights_from_distributed; gloo on CPU, NCCL on GPUs). "
         "cuda_ipc (colocated GPUs): rollout workers copy straight from their train worker's parameters. "
-        "nccl (separate GPUs, embedded engine): train rank 0 broadcasts buckets to the rollout workers over NCCL.",
+        "nccl (separate GPUs, embedded engine): train rank 0 broadcasts buckets to the rollout workers over NCCL "
+        "(over gloo when both sides are on the CPU).",
     )
     disk_dir: str = Field(
         default_factory=lambda: str(Path(tempfile.gettempdir()) / "rlflow-weights"),
@@ -925,8 +926,11 @@ class RLConfig(Section):
             raise ValueError("train.kernels: liger runs Triton kernels in the torch backend's model; it needs "
                              "train.device 'cuda' and train.backend 'torch'")
         if transport in ("cuda_ipc", "nccl"):
-            if not on_gpu or not self.cluster.use_ray:
-                raise ValueError(f"weight_sync.transport: {transport} needs train.device and rollout.device 'cuda' "
+            # nccl's channel is gloo when both sides are on the CPU (engines/sync/nccl.py); cuda_ipc maps GPU memory
+            same_device = self.train.device == self.rollout_device
+            if not (on_gpu or (transport == "nccl" and same_device)) or not self.cluster.use_ray:
+                needs = "'cuda'" if transport == "cuda_ipc" else "alike ('cuda': NCCL; 'cpu': gloo)"
+                raise ValueError(f"weight_sync.transport: {transport} needs train.device and rollout.device {needs} "
                                  "and cluster.use_ray: true (train and rollout in separate processes)")
             if self.train.backend != "torch":
                 raise ValueError(f"weight_sync.transport: {transport} works with train.backend 'torch'; "

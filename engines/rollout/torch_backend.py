@@ -40,6 +40,7 @@ from rlflow.engines.sync.endpoints import (
     NcclReceiver,
     StoreReceiver,
 )
+from rlflow.engines.sync.gpu import sync_device
 from rlflow.engines.sync.nccl import NcclChannel
 from rlflow.engines.sync.store import get_bucket
 
@@ -141,7 +142,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
     # GPU transports (rlflow.engines.sync.gpu) and colocation
     def attach_ipc(self, handles: list[tuple[str, tuple]]) -> None:
         """cuda_ipc: map the colocated train worker's parameters; every later sync copies from them."""
-        self._ipc_sources = open_ipc_handles(handles, torch.device(self.device, torch.cuda.current_device()))
+        self._ipc_sources = open_ipc_handles(handles, sync_device(self.device))
         self._ipc_copy = None
 
     def update_weights_from_ipc(self, version: int) -> int:
@@ -155,7 +156,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             return self._weights_updated(version, t0)
 
     def nccl_connect(self, host: str, port: int, rank: int, world_size: int) -> None:
-        self._nccl = NcclChannel(host, port, rank, world_size, torch.device(self.device, torch.cuda.current_device()))
+        self._nccl = NcclChannel(host, port, rank, world_size, sync_device(self.device))
 
     def update_weights_from_nccl(self, buckets: list[list[str]], version: int) -> int:
         with self._between_steps():

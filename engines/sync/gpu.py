@@ -1,11 +1,17 @@
-"""The copy-bandwidth probe the GPU transports' benchmarks compare against (the flat weight layout they
-build on is engines/models/flat_weights.py)."""
+"""The device a worker's weight sync runs on, and the copy-bandwidth probe the GPU transports' benchmarks
+compare against (the flat weight layout they build on is engines/models/flat_weights.py)."""
 
 from __future__ import annotations
 
 import time
 
 import torch
+
+
+def sync_device(kind: str) -> torch.device:
+    """The device a worker's weight sync runs on: its current GPU for 'cuda' (the worker set it when it
+    started), the CPU otherwise (the nccl transport's gloo path: tests and CPU runs)."""
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
 """The `nccl` transport, for disaggregated GPUs: train rank 0 and every rollout worker form a private NCCL group
-(its own TCP store, so it never touches the trainer's data-parallel group). Weights go in buckets of the
+(its own TCP store, so it never touches the trainer's data-parallel group; gloo when both sides are on the
+CPU, so the same code runs in CPU tests and the GPU benchmark's smoke run). Weights go in buckets of the
 driver's plan, so both ends agree on it: rank 0 packs a bucket into a flat buffer in the rollout dtype and
 broadcasts it; receivers unpack it into their weights (or receive straight into them when they are flat,
 engines/sync/gpu.py). Two buffers alternate, so packing bucket i+1 overlaps the broadcast of bucket i.
@@ -19,16 +20,26 @@ from rlflow.engines.sync.endpoints import NcclReceiver, NcclSender
 
 
 class NcclChannel:
-    """A private NCCL group: rank 0 is the train worker that sends, ranks 1.. are rollout workers."""
+    """A private NCCL group (gloo on the CPU): rank 0 is the train worker that sends, ranks 1.. are rollout
+    workers."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, device: torch.device, timeout_s: float = 300):
-        torch.cuda.set_device(device)
         self.rank, self.world_size, self.device = rank, world_size, device
         store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
-        self.group = dist.ProcessGroupNCCL(dist.PrefixStore("rlflow-weight-sync", store), rank, world_size)
+        prefixed = dist.PrefixStore("rlflow-weight-sync", store)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            self.group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+        else:
+            self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout_s))
         self._buffers: list[torch.Tensor] = []
-        self.broadcast(torch.zeros(1, device=device))  # connect now, not inside the first timed sync
-        torch.cuda.synchronize(device)
+        self.broadcast(torch.zeros(1, device=device)).wait()  # connect now, not inside the first timed sync
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        """Wait for this device's queued work (nothing to wait for on the CPU: gloo's wait() is the end)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def broadcast(self, tensor: torch.Tensor):
         opts = dist.BroadcastOptions()
@@ -84,7 +95,7 @@ class NcclChannel:
         for p in pending:
             if p is not None:
                 self._finish(*p)
-        torch.cuda.synchronize(self.device)
+        self._synchronize()
         return total
 
     @staticmethod
@@ -98,11 +109,11 @@ class NcclChannel:
         """GB/s of a plain broadcast of `nbytes` over this group: the link speed a bucketed sync compares to."""
         buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=self.device)
         self.broadcast(buf).wait()
-        torch.cuda.synchronize(self.device)
+        self._synchronize()
         t0 = time.perf_counter()
         for _ in range(repeats):
             self.broadcast(buf).wait()
-        torch.cuda.synchronize(self.device)
+        self._synchronize()
         return nbytes * repeats / (time.perf_counter() - t0) / 1e9
 
     def close(self) -> None:

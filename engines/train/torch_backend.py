@@ -37,7 +37,7 @@ from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.cuda_ipc import export_ipc_handles
 from rlflow.engines.sync.distributed import DistributedWeightSender
 from rlflow.engines.sync.endpoints import GpuLinkProbe, IpcSender, NcclSender, StoreSender
-from rlflow.engines.sync.gpu import device_copy_bandwidth
+from rlflow.engines.sync.gpu import device_copy_bandwidth, sync_device
 from rlflow.engines.sync.nccl import NcclChannel
 from rlflow.engines.sync.store import put_bucket
 from rlflow.engines.train import fsdp
@@ -289,7 +289,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         return export_ipc_handles(list(self._whole_parameters("cuda_ipc").items()))
 
     def nccl_connect(self, host: str, port: int, world_size: int, rollout_precision: str) -> None:
-        self._nccl = NcclChannel(host, port, 0, world_size, torch.device(self.device, torch.cuda.current_device()))
+        self._nccl = NcclChannel(host, port, 0, world_size, sync_device(self.device))
         self._nccl_dtype = DTYPES[rollout_precision]
 
     def nccl_send(self, buckets: list[list[str]]) -> int:
@@ -302,8 +302,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         if kind == "nccl":
             return self._nccl.measure_bandwidth(nbytes)
         source = {"copy": torch.bfloat16, "cast_copy": torch.float32}[kind]
-        return device_copy_bandwidth(torch.device(self.device, torch.cuda.current_device()), nbytes,
-                                     source_dtype=source)
+        return device_copy_bandwidth(sync_device(self.device), nbytes, source_dtype=source)
 
     @torch.no_grad()
     def weights_digest(self, dtype: str) -> float:

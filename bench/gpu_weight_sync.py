@@ -1,0 +1,337 @@
+"""Weight sync of a Qwen2.5-7B-shaped model from the trainer to a rollout worker, without Ray (issue 24, item 4):
+
+    PYTHONUNBUFFERED=1 python -m bench.gpu_weight_sync --size 7B --out bench/results/gpu_weight_sync_7b.json
+
+on two H100s (or H200s): about 3-4 minutes in all, the two random 7B checkpoints included (each built on the
+GPU in bf16 and saved with safetensors in ~15-25 s; the trainer then loads its fp32 copy on the host, ~1 min).
+`--size 0.5B|1.5B` for the smaller shapes; `--smoke` runs a toy model on the CPU with gloo in ~15 s (what the
+CPU test does). Every call to a worker ends by `--timeout` seconds after the start (then the workers are
+killed and the JSON names the error).
+
+The real sync code runs between real processes: the torch train backend (engines/train/torch_backend.py,
+fp32 master weights, no optimizer state: no step is taken) in one process on GPU 0, the embedded rollout
+backend (engines/rollout/torch_backend.py, bf16, a small KV pool of --kv-tokens) in another, driven through
+the transports of engines/sync/transports.py exactly as a run drives them, only over bench/proc_group.py's
+process worker group instead of Ray actors:
+- colocated, `cuda_ipc`: the rollout worker shares GPU 0 with the trainer, maps its parameters once through
+  CUDA IPC and copies (fp32 -> bf16) from them at every update. Its link is the device-to-device copy
+  bandwidth of GPU 0 (bf16 -> bf16, bytes written per second) and, what the update really does, the fp32 ->
+  bf16 cast copy; both measured in the same run.
+- distributed, `nccl@<MB>`: the rollout worker is on GPU 1; train rank 0 broadcasts buckets of <MB> (of the
+  trainer's fp32 layout, so a bucket carries half as many bf16 bytes) over a private NCCL group. Its link is
+  a plain NCCL broadcast of --link-mb between the same two processes, measured in the same run.
+
+Per mode: one warm-up update (it also connects), then --repeats timed ones; `sync_s` is the median of the
+driver's wall time of `transport.update` (what a run waits for), `in_worker_s` the rollout worker's own time
+of it. GB/s counts the bf16 bytes the rollout worker receives. Correctness: the rollout worker starts from
+another random checkpoint, so its weights differ from the trainer's before the first update; after the
+warm-up and after the last timed update, the sum of all its weights must equal the sum of the trainer's
+weights cast to bf16 (a worker reused for a second mode is reset to its own checkpoint first). Targets
+(issue 24): under 1 s per update for 7B, and at least 70% of the measured link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.gpu_rollout import SHAPES as ROLLOUT_SHAPES
+from bench.proc_group import ProcessWorkerGroup
+from bench.train_scale import QWEN2_1_5B, QWEN2_5_7B, SMOKE, build_model
+from rlflow.engines.core.config import RLConfig, config_from_dict
+from rlflow.engines.core.protocols import RolloutBackend
+from rlflow.engines.models.hf import DTYPES, build_char_tokenizer
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.sync.endpoints import DiskReceiver, GpuLinkProbe
+from rlflow.engines.sync.transports import make_transport
+from rlflow.engines.train.torch_backend import TorchTrainBackend
+
+SIZES = {  # the shapes of bench/gpu_rollout.py (0.5B) and bench/train_scale.py
+    "0.5B": {**ROLLOUT_SHAPES["0.5B"], "tie_word_embeddings": True},
+    "1.5B": QWEN2_1_5B,
+    "7B": QWEN2_5_7B,
+    "smoke": SMOKE,
+}
+TARGET_S, TARGET_FRACTION = 1.0, 0.7  # issue 24 item 4, for the 7B shape
+
+
+def say(what: str) -> None:
+    print(f"[{time.strftime('%X')}] {what}", flush=True)
+
+
+def recipe(device: str, transport: str, bucket_mb: float, kv_tokens: int, threads: int) -> RLConfig:
+    """The run configuration a mode stands for (validated as a run's would be): the backends' sections, and the
+    transport with its bucket size. The data section is required by every recipe; nothing here reads it."""
+    return config_from_dict(
+        {
+            "name": "weight-sync-bench",
+            "data": {"train_path": "prompts.jsonl"},
+            "train": {"device": device, "precision": "bf16", "threads": threads},
+            "algorithm": {"kl_coef": 0.0},  # no reference model
+            "rollout": {"device": device, "precision": "bf16", "kv_cache": {"tokens": kv_tokens}},
+            "cluster": {"use_ray": True, "colocate": transport == "cuda_ipc"},  # separate processes, as with Ray
+            "weight_sync": {"transport": transport, "bucket_mb": bucket_mb},
+        },
+        source="bench/gpu_weight_sync.py",
+    )
+
+
+def parse_mode(mode: str) -> tuple[str, float]:
+    """'cuda_ipc' or 'nccl@<bucket MB>' -> (transport, bucket MB)."""
+    transport, _, bucket = mode.partition("@")
+    if transport not in ("cuda_ipc", "nccl"):
+        raise ValueError(f"--modes: unknown transport {transport!r} in {mode!r} (cuda_ipc or nccl@<bucket MB>)")
+    try:
+        return transport, float(bucket or 512)
+    except ValueError:
+        raise ValueError(f"--modes: the bucket size in {mode!r} is not a number of MB") from None
+
+
+def build_checkpoints(size: str, work: Path) -> tuple[Path, Path]:
+    """Two random checkpoints of the shape (bf16 safetensors, built on the GPU when there is one): the
+    trainer's, and another the rollout workers start from, so that an update has to change every weight."""
+    dirs = (work / "trainer", work / "rollout")
+    for seed, d in enumerate(dirs):
+        build_model(SIZES[size], d, seed=seed)
+        build_char_tokenizer().save_pretrained(d)
+    return dirs
+
+
+def skip_reason(transport: str, device: str, gpus: int) -> str | None:
+    if transport == "cuda_ipc" and device != "cuda":
+        return "cuda_ipc maps GPU memory between processes: needs CUDA (not run on the CPU)"
+    if transport == "nccl" and device == "cuda" and gpus < 2:
+        return "nccl needs a second GPU for the rollout worker (NCCL refuses two ranks on one GPU)"
+    return None
+
+
+class Bench:
+    """The trainer and the rollout groups (started together, so they load at the same time) and the figures."""
+
+    def __init__(self, a: argparse.Namespace, device: str, trainer_ckpt: Path, rollout_ckpt: Path, deadline: float):
+        self.a, self.device, self.rollout_ckpt = a, device, rollout_ckpt
+        base = recipe(device, "ray", 512, a.kv_tokens, a.threads)
+        gpu = 0 if device == "cuda" else None
+        self.train = ProcessWorkerGroup(
+            TorchTrainBackend,
+            [
+                dict(
+                    model_path=str(trainer_ckpt),
+                    train=base.train,
+                    algorithm=base.algorithm,
+                    rank=0,
+                    world_size=1,
+                    seed=base.seed,
+                    collective_timeout_s=a.timeout,
+                )
+            ],
+            [gpu],
+            deadline,
+            name="trainer",
+        )
+        kw = dict(
+            model_path=str(rollout_ckpt),
+            device=base.rollout_device,
+            dtype=DTYPES[base.rollout.precision],
+            threads=a.threads,
+            batch_size=base.rollout.batch_size,
+            kv_cache=base.rollout.kv_cache,
+            rank=0,
+        )
+        self.rollouts: dict[str, ProcessWorkerGroup] = {}
+        for transport, gpu_of in (("cuda_ipc", 0), ("nccl", 1 if device == "cuda" else None)):
+            if any(parse_mode(m)[0] == transport and not skip_reason(transport, device, a.gpus) for m in a.modes):
+                self.rollouts[transport] = ProcessWorkerGroup(
+                    TorchRolloutBackend, [kw], [gpu_of], deadline, name=f"rollout-{transport}"
+                )
+        self.synced: set[str] = set()  # rollout groups that hold the trainer's weights already
+
+    def ready(self) -> float:
+        t0 = time.perf_counter()
+        for g in [self.train, *self.rollouts.values()]:
+            g.ready()
+        return time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        for g in [*self.rollouts.values(), self.train]:
+            g.shutdown()
+
+    def run(self, mode: str, trainer_digest: float) -> dict:
+        transport_name, bucket_mb = parse_mode(mode)
+        rollout = self.rollouts[transport_name]
+        if transport_name in self.synced:  # start again from the other weights: the first update must change all
+            rollout.call(DiskReceiver.update_weights_from_disk, str(self.rollout_ckpt), 0)
+        before = rollout.call_rank0(GpuLinkProbe.weights_digest)
+        if abs(before - trainer_digest) < 1e-3:
+            raise RuntimeError(
+                f"{mode}: the rollout worker holds the trainer's weights before any update; the "
+                "check would prove nothing"
+            )
+        cfg = recipe(self.device, transport_name, bucket_mb, self.a.kv_tokens, self.a.threads)
+        transport = make_transport(cfg, self.train, rollout)
+        try:
+            nbytes = transport.update(1)  # connects, then the first update
+            self.synced.add(transport_name)
+            warm_match = abs(rollout.call_rank0(GpuLinkProbe.weights_digest) - trainer_digest) < 1e-3
+            times, in_worker = [], []
+            for version in range(2, self.a.repeats + 2):
+                t0 = time.perf_counter()
+                transport.update(version)
+                times.append(time.perf_counter() - t0)
+                in_worker.append(rollout.call_rank0(RolloutBackend.last_update_seconds))
+            digest = rollout.call_rank0(GpuLinkProbe.weights_digest)
+            link = self.link(transport_name, rollout)
+        finally:
+            transport.close()
+        t, w = statistics.median(times), statistics.median(in_worker)
+        gbps = nbytes / t / 1e9
+        out = {
+            "mode": mode,
+            "transport": transport_name,
+            "bucket_mb": bucket_mb if transport_name == "nccl" else None,
+            "buckets": len(transport.source.buckets()) if transport_name == "nccl" else None,
+            "bytes": nbytes,
+            "sync_s": t,
+            "sync_s_all": times,
+            "gb_per_s": gbps,
+            "in_worker_s": w,
+            "in_worker_gb_per_s": nbytes / w / 1e9,
+            "weights_match": bool(warm_match and abs(digest - trainer_digest) < 1e-3),
+            "digest_before": before,
+            "digest_after": digest,
+            "digest_trainer_bf16": trainer_digest,
+        } | link
+        out["fraction_of_link"] = gbps / out["link_gb_per_s"] if out["link_gb_per_s"] else None
+        if out.get("cast_copy_gb_per_s"):
+            out["fraction_of_cast_copy"] = gbps / out["cast_copy_gb_per_s"]
+        out["meets_targets"] = bool(t < TARGET_S and (out["fraction_of_link"] or 0) >= TARGET_FRACTION)
+        return out
+
+    def link(self, transport_name: str, rollout: ProcessWorkerGroup) -> dict:
+        """The link this mode's bytes cross, measured now between the same processes."""
+        nbytes = int(self.a.link_mb * 2**20)
+        if transport_name == "cuda_ipc":
+            return {
+                "link": "device-to-device copy, bf16 -> bf16 (GPU 0)",
+                "link_gb_per_s": self.train.call_rank0(GpuLinkProbe.link_bandwidth, "copy", nbytes),
+                "cast_copy_gb_per_s": self.train.call_rank0(GpuLinkProbe.link_bandwidth, "cast_copy", nbytes),
+            }
+        probe = self.train.submit_rank0(GpuLinkProbe.link_bandwidth, "nccl", nbytes)  # both ends of the broadcast
+        rollout.call(GpuLinkProbe.link_bandwidth, "nccl", nbytes)
+        name = "NCCL broadcast GPU 0 -> GPU 1" if self.device == "cuda" else "gloo broadcast (CPU)"
+        return {"link": f"{name}, {self.a.link_mb:g} MiB", "link_gb_per_s": self.train.wait([probe])[0]}
+
+
+def markdown_row(report: dict, r: dict) -> str:
+    frac = f"{r['fraction_of_link']:.0%}" if r.get("fraction_of_link") is not None else "-"
+    return (
+        f"| {report['date']} | {report['device']} x{report['gpus']} | {report['size']} | {r['mode']} | "
+        f"{r['sync_s']:.3f} | {r['gb_per_s']:.1f} | {r['link_gb_per_s']:.1f} ({r['link']}) | {frac} | "
+        f"{'yes' if r['weights_match'] else 'NO'} | `{report['command']}` |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="7B")
+    ap.add_argument("--smoke", action="store_true", help="the toy shape on the CPU with gloo (checks the script)")
+    ap.add_argument(
+        "--modes",
+        default="cuda_ipc,nccl@512,nccl@1024",
+        help="comma-separated: cuda_ipc (colocated on GPU 0), nccl@<bucket MB> (GPU 0 -> GPU 1)",
+    )
+    ap.add_argument("--repeats", type=int, default=5, help="timed updates per mode, after one warm-up")
+    ap.add_argument("--link-mb", type=float, default=1024, help="bytes of the link measurements, MiB")
+    ap.add_argument("--kv-tokens", type=int, default=4096, help="the rollout worker's KV pool, tokens")
+    ap.add_argument("--threads", type=int, default=8, help="torch threads per worker")
+    ap.add_argument("--timeout", type=float, default=540, help="seconds for the whole run")
+    ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a new folder in /tmp)")
+    ap.add_argument("--out", default="gpu_weight_sync.json")
+    a = ap.parse_args(argv)
+    start = time.monotonic()
+    if a.smoke:
+        a.size, a.link_mb, a.kv_tokens, a.threads = "smoke", 4, 256, 1
+        if a.modes == ap.get_default("modes"):  # buckets small enough that the toy model takes several
+            a.modes = "cuda_ipc,nccl@0.1,nccl@0.5"
+    a.modes = [m for m in a.modes.split(",") if m]
+    for m in a.modes:
+        parse_mode(m)
+    device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    a.gpus = torch.cuda.device_count() if device == "cuda" else 0
+    report = {
+        "date": dt.date.today().isoformat(),
+        "size": a.size,
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "gpus": a.gpus,
+        "torch": torch.__version__,
+        "command": "python -m bench.gpu_weight_sync " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "shape": SIZES[a.size],
+        "repeats": a.repeats,
+        "modes": [],
+        "skipped": [],
+        "error": None,
+    }
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write() -> None:
+        out.write_text(json.dumps(report, indent=1) + "\n")
+
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="rlflow-wsync-"))
+    t0 = time.perf_counter()
+    trainer_ckpt, rollout_ckpt = build_checkpoints(a.size, work)
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the workers get the GPUs
+    report["build_s"] = time.perf_counter() - t0
+    say(f"built two random {a.size} checkpoints in {report['build_s']:.0f} s under {work}")
+    runnable = []
+    for m in a.modes:
+        reason = skip_reason(parse_mode(m)[0], device, a.gpus)
+        if reason:
+            report["skipped"].append({"mode": m, "reason": reason})
+            say(f"skip {m}: {reason}")
+        else:
+            runnable.append(m)
+    bench = Bench(a, device, trainer_ckpt, rollout_ckpt, start + a.timeout)
+    try:
+        report["load_s"] = bench.ready()
+        say(f"trainer and rollout workers loaded in {report['load_s']:.0f} s")
+        t0 = time.perf_counter()
+        trainer_digest = bench.train.call_rank0(GpuLinkProbe.weights_digest, "bf16")
+        report["trainer_digest_s"] = time.perf_counter() - t0
+        report["params"] = sum(n for _, n in bench.train.call_rank0(TorchTrainBackend.weight_layout)) // 4
+        for m in runnable:
+            r = bench.run(m, trainer_digest)
+            report["modes"].append(r)
+            write()
+            say(
+                f"{m}: {r['sync_s']:.3f} s/update, {r['gb_per_s']:.1f} GB/s, link {r['link_gb_per_s']:.1f} GB/s, "
+                f"weights match: {r['weights_match']}"
+            )
+    except (RuntimeError, TimeoutError) as e:
+        report["error"] = str(e)
+        say(f"error: {e}")
+    finally:
+        bench.shutdown()
+        report["wall_s"] = time.monotonic() - start
+        write()
+    print("| date | GPU | size | mode | s/update | GB/s | link GB/s | of link | weights match | command |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in report["modes"]:
+        print(markdown_row(report, r))
+    ok = report["error"] is None and all(r["weights_match"] for r in report["modes"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
