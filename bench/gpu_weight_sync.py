@@ -161,9 +161,9 @@ class Bench:
             g.ready()
         return time.perf_counter() - t0
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace_s: float) -> None:
         for g in [*self.rollouts.values(), self.train]:
-            g.shutdown()
+            g.shutdown(grace_s)
 
     def run(self, mode: str, trainer_digest: float) -> dict:
         transport_name, bucket_mb = parse_mode(mode)
@@ -317,11 +317,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{m}: {r['sync_s']:.3f} s/update, {r['gb_per_s']:.1f} GB/s, link {r['link_gb_per_s']:.1f} GB/s, "
                 f"weights match: {r['weights_match']}"
             )
-    except (RuntimeError, TimeoutError) as e:
-        report["error"] = str(e)
+    except Exception as e:  # noqa: BLE001 - any failure ends the run with its message in the JSON
+        report["error"] = f"{type(e).__name__}: {e}"
         say(f"error: {e}")
     finally:
-        bench.shutdown()
+        bench.shutdown(30 if report["error"] is None else 5)  # after an error a worker may hang in a collective
         report["wall_s"] = time.monotonic() - start
         write()
     print("| date | GPU | size | mode | s/update | GB/s | link GB/s | of link | weights match | command |")
