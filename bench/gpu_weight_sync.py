@@ -2,8 +2,10 @@
 
     PYTHONUNBUFFERED=1 python -m bench.gpu_weight_sync --size 7B --out bench/results/gpu_weight_sync_7b.json
 
-on two H100s (or H200s): about 3-4 minutes in all, the two random 7B checkpoints included (each built on the
-GPU in bf16 and saved with safetensors in ~15-25 s; the trainer then loads its fp32 copy on the host, ~1 min).
+on two H100s (or H200s): an estimated 3-4 minutes in all (not yet timed there), the two random 7B checkpoints
+included (each built on the GPU in bf16 and saved with safetensors, ~15 GB; the trainer then loads its fp32
+copy on the host, as a run does). The checkpoints go to a new folder in /tmp that is removed at the end
+(unless --workdir names one).
 `--size 0.5B|1.5B` for the smaller shapes; `--smoke` runs a toy model on the CPU with gloo in ~15 s (what the
 CPU test does). Every call to a worker ends by `--timeout` seconds after the start (then the workers are
 killed and the JSON names the error).
@@ -36,10 +38,12 @@ import argparse
 import datetime as dt
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -287,6 +291,17 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(report, indent=1) + "\n")
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="rlflow-wsync-"))
+    try:
+        return measure(a, device, report, work, start, write)
+    finally:
+        if a.workdir is None:  # 30 GB at 7B: a second run would fill a small disk
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(
+    a: argparse.Namespace, device: str, report: dict, work: Path, start: float, write: Callable[[], None]
+) -> int:
+    """Build the checkpoints, start the workers, run every mode; the report is rewritten after each."""
     t0 = time.perf_counter()
     trainer_ckpt, rollout_ckpt = build_checkpoints(a.size, work)
     if device == "cuda":

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -45,6 +47,9 @@ def _serve(conn, cls: type, kwargs: dict, gpu: int | None) -> None:
             conn.send(("error", traceback.format_exc()))
     if hasattr(backend, "close"):
         backend.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: destroying an NCCL group at exit can block on its peer, gone already
 
 
 @dataclass(frozen=True)
