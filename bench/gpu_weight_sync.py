@@ -28,7 +28,8 @@ driver's wall time of `transport.update` (what a run waits for), `in_worker_s` t
 of it. GB/s counts the bf16 bytes the rollout worker receives. Correctness: the rollout worker starts from
 another random checkpoint, so its weights differ from the trainer's before the first update; after the
 warm-up and after the last timed update, the sum of all its weights must equal the sum of the trainer's
-weights cast to bf16 (a worker reused for a second mode is reset to its own checkpoint first). Targets
+weights cast to bf16, and three small weights (k_proj of the first, middle and last layer) must equal the
+trainer's cast to bf16 bit for bit (a worker reused for a second mode is reset to its own checkpoint first). Targets
 (issue 24): under 1 s per update for 7B, and at least 70% of the measured link.
 """
 
@@ -169,13 +170,19 @@ class Bench:
         for g in [*self.rollouts.values(), self.train]:
             g.shutdown(grace_s)
 
-    def run(self, mode: str, trainer_digest: float) -> dict:
+    def same_tensors(self, rollout: ProcessWorkerGroup, names: list[str]) -> bool:
+        """Whether these weights of the rollout worker equal the trainer's cast to bf16, bit for bit."""
+        mine = dict(rollout.call_rank0(TorchRolloutBackend.named_tensors, names))
+        theirs = self.train.call_rank0(TorchTrainBackend.named_tensors, names)
+        return all(torch.equal(mine[n], t.to(mine[n].dtype)) for n, t in theirs)
+
+    def run(self, mode: str, trainer_digest: float, exact: list[str]) -> dict:
         transport_name, bucket_mb = parse_mode(mode)
         rollout = self.rollouts[transport_name]
         if transport_name in self.synced:  # start again from the other weights: the first update must change all
             rollout.call(DiskReceiver.update_weights_from_disk, str(self.rollout_ckpt), 0)
         before = rollout.call_rank0(GpuLinkProbe.weights_digest)
-        if abs(before - trainer_digest) < 1e-3:
+        if abs(before - trainer_digest) < 1e-3 or self.same_tensors(rollout, exact):
             raise RuntimeError(
                 f"{mode}: the rollout worker holds the trainer's weights before any update; the "
                 "check would prove nothing"
@@ -186,6 +193,7 @@ class Bench:
             nbytes = transport.update(1)  # connects, then the first update
             self.synced.add(transport_name)
             warm_match = abs(rollout.call_rank0(GpuLinkProbe.weights_digest) - trainer_digest) < 1e-3
+            warm_match = warm_match and self.same_tensors(rollout, exact)
             times, in_worker = [], []
             for version in range(2, self.a.repeats + 2):
                 t0 = time.perf_counter()
@@ -193,6 +201,7 @@ class Bench:
                 times.append(time.perf_counter() - t0)
                 in_worker.append(rollout.call_rank0(RolloutBackend.last_update_seconds))
             digest = rollout.call_rank0(GpuLinkProbe.weights_digest)
+            exact_match = self.same_tensors(rollout, exact)
             link = self.link(transport_name, rollout)
         finally:
             transport.close()
@@ -209,7 +218,8 @@ class Bench:
             "gb_per_s": gbps,
             "in_worker_s": w,
             "in_worker_gb_per_s": nbytes / w / 1e9,
-            "weights_match": bool(warm_match and abs(digest - trainer_digest) < 1e-3),
+            "weights_match": bool(warm_match and exact_match and abs(digest - trainer_digest) < 1e-3),
+            "exact_tensors_match": exact_match,
             "digest_before": before,
             "digest_after": digest,
             "digest_trainer_bf16": trainer_digest,
@@ -323,9 +333,12 @@ def measure(
         t0 = time.perf_counter()
         trainer_digest = bench.train.call_rank0(GpuLinkProbe.weights_digest, "bf16")
         report["trainer_digest_s"] = time.perf_counter() - t0
-        report["params"] = sum(n for _, n in bench.train.call_rank0(TorchTrainBackend.weight_layout)) // 4
+        layout = bench.train.call_rank0(TorchTrainBackend.weight_layout)
+        report["params"] = sum(n for _, n in layout) // 4  # fp32 master weights
+        k_proj = [n for n, _ in layout if n.endswith("k_proj.weight")]  # small, random: first, middle, last layer
+        report["exact_tensors"] = exact = list(dict.fromkeys([k_proj[0], k_proj[len(k_proj) // 2], k_proj[-1]]))
         for m in runnable:
-            r = bench.run(m, trainer_digest)
+            r = bench.run(m, trainer_digest, exact)
             report["modes"].append(r)
             write()
             say(

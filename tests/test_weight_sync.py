@@ -181,3 +181,17 @@ def test_sync_order_puts_each_fused_projection_in_one_slice():
     tensors = {n: torch.zeros(2) for n in order}
     flatten_(tensors)
     assert all(flat_span([tensors[n] for n in bucket]) is not None for bucket in source.buckets())
+
+
+def test_rollout_named_tensors_gives_the_named_ones_and_names_an_unknown_one(tiny_model_dir):
+    """The weight-sync benchmark compares a few weights with the trainer's without copying the whole model."""
+    rollout = TorchRolloutBackend(tiny_model_dir, threads=1)
+    try:
+        everything = dict(rollout.named_tensors())
+        names = list(everything)[-1:] + list(everything)[:1]
+        some = rollout.named_tensors(names)
+        assert [n for n, _ in some] == names and all(torch.equal(t, everything[n]) for n, t in some)
+        with pytest.raises(KeyError, match=r"named_tensors: unknown parameter\(s\) \['no.such.weight'\]"):
+            rollout.named_tensors(["no.such.weight"])
+    finally:
+        rollout.close()

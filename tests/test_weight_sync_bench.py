@@ -53,11 +53,19 @@ def test_smoke_syncs_real_backends_over_gloo_without_ray(tmp_path):
     assert report["skipped"] == [
         {"mode": "cuda_ipc", "reason": "cuda_ipc maps GPU memory between processes: needs CUDA (not run on the CPU)"}
     ]
+    assert report["exact_tensors"] == [
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+    ]
     modes = {r["mode"]: r for r in report["modes"]}
     assert sorted(modes) == ["nccl@0.1", "nccl@0.5"]
     assert modes["nccl@0.1"]["buckets"] > modes["nccl@0.5"]["buckets"] >= 1
     for r in modes.values():
-        assert r["weights_match"] and r["digest_after"] == pytest.approx(r["digest_trainer_bf16"], abs=1e-3)
+        assert (
+            r["weights_match"]
+            and r["exact_tensors_match"]
+            and r["digest_after"] == pytest.approx(r["digest_trainer_bf16"], abs=1e-3)
+        )
         assert abs(r["digest_before"] - r["digest_trainer_bf16"]) > 1.0  # the update had something to change
         assert r["bytes"] == report["params"] * 2  # every weight, in bf16
         assert len(r["sync_s_all"]) == 2 and r["link_gb_per_s"] > 0 and r["fraction_of_link"] > 0

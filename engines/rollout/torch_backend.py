@@ -217,9 +217,13 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         self.trace.instant("weight_update", tid=QUEUE_TID, args={"version": version})
         return version
 
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """The weights generation uses now, HF-named (tests compare them across transports)."""
-        return [(n, p.detach().cpu().clone()) for n, p in self.params.items()]
+    def named_tensors(self, names: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """The weights generation uses now (all, or the named ones), HF-named, copied to the CPU: tests compare
+        them across transports, and the weight-sync benchmark a few of them with the trainer's."""
+        unknown = [n for n in names or () if n not in self.params]
+        if unknown:
+            raise KeyError(f"named_tensors: unknown parameter(s) {unknown[:3]}")
+        return [(n, self.params[n].detach().cpu().clone()) for n in (names or self.params)]
 
     # ---- generation ----------------------------------------------------------------------------------
     def requests(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
