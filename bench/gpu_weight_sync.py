@@ -29,8 +29,10 @@ of it. GB/s counts the bf16 bytes the rollout worker receives. Correctness: the 
 another random checkpoint, so its weights differ from the trainer's before the first update; after the
 warm-up and after the last timed update, the sum of all its weights must equal the sum of the trainer's
 weights cast to bf16, and three small weights (k_proj of the first, middle and last layer) must equal the
-trainer's cast to bf16 bit for bit (a worker reused for a second mode is reset to its own checkpoint first). Targets
-(issue 24): under 1 s per update for 7B, and at least 70% of the measured link.
+trainer's cast to bf16 bit for bit (a worker reused for a second mode is reset to its own checkpoint first).
+Targets (issue 24): under 1 s per update for 7B, and at least 70% of the measured link. A colocated update
+reads 4 bytes (fp32) and writes 2 per weight where the bf16 copy reads and writes 2, so against that copy its
+ceiling is about 67%; `fraction_of_cast_copy` compares it with the fp32 -> bf16 copy it really is.
 """
 
 from __future__ import annotations
@@ -225,9 +227,10 @@ class Bench:
             "digest_trainer_bf16": trainer_digest,
         } | link
         out["fraction_of_link"] = gbps / out["link_gb_per_s"] if out["link_gb_per_s"] else None
+        out["meets_targets"] = bool(t < TARGET_S and (out["fraction_of_link"] or 0) >= TARGET_FRACTION)
         if out.get("cast_copy_gb_per_s"):
             out["fraction_of_cast_copy"] = gbps / out["cast_copy_gb_per_s"]
-        out["meets_targets"] = bool(t < TARGET_S and (out["fraction_of_link"] or 0) >= TARGET_FRACTION)
+            out["meets_targets_vs_cast_copy"] = bool(t < TARGET_S and out["fraction_of_cast_copy"] >= TARGET_FRACTION)
         return out
 
     def link(self, transport_name: str, rollout: ProcessWorkerGroup) -> dict:
