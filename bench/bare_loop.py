@@ -57,7 +57,8 @@ def run_steps(session: RLSession, cfg: RLConfig, log=print, trace_dir: str | Non
                                lambda: session.weight_version, chain=cfg.rollout.dynamic_sampling.enabled)
     stages = (("reward", "reward"),)
     if cfg.debug.trains:
-        stages += (("advantages", "advantages"), ("train", "train"))
+        stages += ((("teacher", "teacher"),) if cfg.distill.enabled else ()) + (
+            ("advantages", "advantages"), ("train", "train"))
     for step in range(cfg.train.steps):
         t0 = time.perf_counter()
         m = {"step": step} | rollouts.take(step)

@@ -1,6 +1,6 @@
 """The post-training flow: one flow run per training run, one task per stage per step.
 
-    rollout -> reward -> advantages -> train -> sync weights -> (eval) -> log metrics -> (checkpoint)
+    rollout -> reward -> (teacher) -> advantages -> train -> sync weights -> (eval) -> log metrics -> (checkpoint)
 
 With rollout.max_staleness = k > 0 (asynchronous training) the rollout tasks of up to k later steps run beside
 the step that trains (engines/session/schedule.py): with k = 1 the sync waits for the one in flight (one-step-off),
@@ -81,6 +81,8 @@ def post_train(
             metrics = rollouts.take(step)
             metrics |= s.reward(r, step)
             if debug.trains:
+                if config.distill.enabled:  # the teacher scores the student's samples (on-policy distillation)
+                    metrics |= s.teacher(r, step)
                 metrics |= s.advantages(r, step)
                 metrics |= s.train(r, step)
                 metrics |= rollouts.before_sync(step)  # k = 1: waits for the rollout in flight; k >= 2 syncs under it

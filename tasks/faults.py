@@ -2,7 +2,7 @@
 
     RLFLOW_FAULT="<stage>:<step>:<when>:<target>"   e.g. "train:3:before:flow", "rollout:1:after:rollout"
 
-stage is a task name (rollout, reward, advantages, train, sync-weights, checkpoint, evaluate), when is
+stage is a task name (rollout, reward, teacher, advantages, train, sync-weights, checkpoint, evaluate), when is
 `before` or `after` that task's work, target is `flow` (this process), `train`, `rollout` or `critic` (rank 0
 of that actor group), or `raise`: an exception in the flow's first attempt only, so a Prefect flow retry
 (orchestration.flow_retries) gets past it. Unset (the normal case), it costs one dict lookup per task.

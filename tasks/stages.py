@@ -76,6 +76,12 @@ def reward(run: RunContext, step: int) -> dict[str, float]:
     return _timed("reward", run.session.reward, step)
 
 
+@_stage("teacher")
+def teacher(run: RunContext, step: int) -> dict[str, float]:
+    """On-policy distillation: the teacher scores the step's samples (distill.teacher_path)."""
+    return _timed("teacher", run.session.teacher, step)
+
+
 @_stage("advantages")
 def advantages(run: RunContext, step: int) -> dict[str, float]:
     return _timed("advantages", run.session.advantages, step)
@@ -150,7 +156,7 @@ def collect(run: RunContext, step: int) -> dict[str, float]:
     return metrics | session.use_rounds(rnd) | {"time/collect": time.perf_counter() - t0}
 
 
-IDEMPOTENT = ("rollout", "reward", "checkpoint", "evaluate", "collect", "trace")
+IDEMPOTENT = ("rollout", "reward", "teacher", "checkpoint", "evaluate", "collect", "trace")
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,7 @@ class Stages:
 
     rollout: Task
     reward: Task
+    teacher: Task
     advantages: Task
     train: Task
     sync_weights: Task

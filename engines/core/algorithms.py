@@ -14,7 +14,7 @@ import torch
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum", "seq_mean_token_sum")
 SUM_AGG_MODES = ("token_sum",)  # no denominator: micro-batch losses add up as they are
 # metrics that are loss_agg aggregates of a loss term: over micro-batches they add up like the loss, not like a mean
-AGGREGATED_METRICS = frozenset({"loss", "pg_loss", "kl", "entropy", "value_loss"})
+AGGREGATED_METRICS = frozenset({"loss", "pg_loss", "kl", "entropy", "value_loss", "distill_loss", "distill_kl"})
 LOG_RATIO_CLAMP = 20.0  # |log(p / p_old)| beyond this is clamped (verl's bound): exp() stays finite
 GSPO_SEQ_LOG_RATIO_MAX = 10.0  # GSPO's sequence log-ratio is clamped above at this (verl's bound)
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
@@ -22,6 +22,7 @@ POLICY_LOSSES = ("ppo", "gspo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov")
 IS_CORRECTIONS = ("none", "tis", "icepop")
 IS_LEVELS = ("token", "sequence")
 REJECTIONS = ("none", "token", "sequence", "geometric")
+DISTILL_LOSSES = ("reverse_kl",)
 
 
 # ----------------------------------------------------------------------------- logits -> per-token quantities
@@ -893,6 +894,56 @@ def value_loss(
     return loss, metrics
 
 
+def distill_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    estimator: str = "k1",
+    policy_gradient: bool = True,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    loss_agg: str = "token_mean",
+    norm_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """On-policy distillation: the reverse KL(student || teacher) on the student's own sampled tokens.
+
+    `teacher_logprobs` [B, T] are the teacher's log-probabilities of the tokens the student sampled (one forward
+    pass of the frozen teacher, no gradient), so only the sampled token's probability is needed on either side.
+    policy_gradient (verl's use_policy_gradient, Thinking Machines' on-policy distillation): the per-token
+    estimate kl_penalty(old_logprobs, teacher_logprobs, estimator) at the policy that sampled the tokens, negated,
+    is a per-token advantage of the PPO-clip loss against old_logprobs; with k1 (log p - log q) its gradient at
+    the sampling policy is E_p[(log p - log q) grad log p], the gradient of the per-token reverse KL. Otherwise
+    (GKD-style, backpropagated directly) the estimator of the current logprobs is the loss: k2's gradient is the
+    same reverse-KL gradient, k3's is in expectation the gradient of the forward KL(teacher || student), and k1's
+    is 0 in expectation (it only lowers the sampled tokens' logprobs): use k2 or policy_gradient.
+    `token_weights` (importance weights of rollout correction) multiply the per-token loss, as in policy_loss.
+    Metrics: distill_loss (the aggregated loss), distill_kl (k1 of the current logprobs, aggregated like the loss:
+    the reverse-KL estimate on these samples), distill_clip_frac (policy_gradient only).
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"distill_loss: unknown estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
+    teacher = teacher_logprobs.detach()
+    valid = mask > 0
+    teacher = torch.where(valid, teacher, 0.0)  # what sits off the mask (-inf, NaN) never reaches a gradient
+    metrics: dict[str, torch.Tensor] = {}
+    if policy_gradient:
+        reward = -kl_penalty(torch.where(valid, old_logprobs, 0.0).detach(), teacher, estimator)
+        reward = torch.where(torch.isfinite(reward), reward, 0.0)  # an old logprob the rollout did not give (-inf)
+        loss, pg = policy_loss(logprobs, old_logprobs, reward, mask, clip_low, clip_high, loss_agg, norm_len,
+                               token_weights=token_weights)
+        metrics["distill_clip_frac"] = pg["clip_frac"]
+    else:
+        per_token = kl_penalty(torch.where(valid, logprobs, 0.0), teacher, estimator)
+        loss = aggregate_loss(_weighted(per_token, token_weights, valid), mask, loss_agg, norm_len)
+    with torch.no_grad():
+        metrics["distill_kl"] = aggregate_loss(torch.where(valid, logprobs, 0.0) - teacher, mask, loss_agg, norm_len)
+    metrics["distill_loss"] = loss.detach()
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
 def rl_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -924,8 +975,14 @@ def rl_loss(
     clip_cov_ub: float = 5.0,
     kl_cov_ratio: float = 2e-4,
     kl_cov_coef: float = 1.0,
+    teacher_logprobs: torch.Tensor | None = None,
+    distill_coef: float = 0.0,
+    distill_estimator: str = "k1",
+    distill_policy_gradient: bool = True,
+    distill_alone: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The training objective: policy loss + kl_coef * KL to the reference - entropy_coef * entropy.
+    """The training objective: policy loss + kl_coef * KL to the reference - entropy_coef * entropy
+    (+ distill_coef * distill_loss).
 
     policy (POLICY_LOSSES): "ppo" (policy_loss, with dual clip when clip_ratio_c is set), "gspo" (gspo_loss),
     "cispo" (cispo_loss), "gmpo" (gmpo_loss: clip_low / clip_high bound the log-ratio), "sapo" (sapo_loss, with
@@ -943,8 +1000,12 @@ def rl_loss(
     the mismatch is measured and not corrected. `is_weights` [B, T], weights already computed over the whole
     step's batch (the session does, for batch normalisation), replace the ones computed here; the measurements
     are still taken from rollout_logprobs.
+    On-policy distillation (DistillConfig.loss_kwargs): with teacher_logprobs and distill_coef > 0,
+    distill_coef * distill_loss (estimator distill_estimator, distill_policy_gradient; clipped, aggregated and
+    importance-weighted like the policy loss) is added; distill_alone drops the policy loss (the task reward's
+    gradient) and keeps the distillation, KL and entropy terms. pg_loss is reported either way.
     Metrics: those of the policy loss, of importance_weights (when rollout_logprobs are given), pg_loss,
-    kl (when computed), entropy (when given), loss.
+    kl (when computed), entropy (when given), those of distill_loss (when distilling), loss.
     """
     weights, is_metrics = None, {}
     if rollout_logprobs is not None:
@@ -977,6 +1038,14 @@ def rl_loss(
         raise ValueError(f"rl_loss: unknown policy {policy!r}; expected one of {', '.join(POLICY_LOSSES)}")
     metrics |= is_metrics
     metrics["pg_loss"] = loss.detach()
+    if distill_coef > 0:
+        if teacher_logprobs is None:
+            raise ValueError("rl_loss: distill_coef > 0 needs teacher_logprobs (the teacher's pass of the batch)")
+        distill, distill_metrics = distill_loss(
+            logprobs, old_logprobs, teacher_logprobs, mask, estimator=distill_estimator,
+            policy_gradient=distill_policy_gradient, **clip, **agg)
+        loss = distill_coef * distill if distill_alone else loss + distill_coef * distill
+        metrics |= distill_metrics
     if ref_logprobs is not None and kl_coef > 0:
         kl = aggregate_loss(kl_penalty(logprobs, ref_logprobs, kl_estimator), mask, loss_agg, norm_len)
         loss = loss + kl_coef * kl

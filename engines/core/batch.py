@@ -7,7 +7,11 @@ rejection sampling's rounds).
 
 `TrainBatch`: the samples packed into right-padded tensors for the train workers. Logprob tensors are aligned
 with tokens: column t holds log p(x_t | x_<t) (column 0 is 0), so a loss mask over response tokens selects
-exactly the logprobs the policy is trained on.
+exactly the logprobs the policy is trained on. `to_train_batch` makes input_ids, attention_mask, loss_mask,
+old_logprobs and advantages; the stages add the columns they compute over the whole step, in the same [N, L]
+layout: ref_logprobs, rollout_logprobs (the train engine's become old_logprobs), is_weights, and
+`teacher_logprobs` (on-policy distillation: the teacher's log-probabilities of the student's sampled tokens, from
+the teacher stage; TEACHER_LOGPROBS). They are recomputed from the persisted samples on resume, never stored.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import pyarrow as pa
 import torch
 
 TrainBatch = dict[str, torch.Tensor]
+TEACHER_LOGPROBS = "teacher_logprobs"  # the distillation teacher's column of a TrainBatch
 
 # one row per sample; `response` and `reward` are null until the reward stage has run
 ROLLOUT_SCHEMA = pa.schema([

@@ -562,6 +562,57 @@ class CriticConfig(Section):
         })
 
 
+class DistillConfig(Section):
+    """On-policy distillation (docs/distillation.md): a frozen teacher scores the student's own samples token by
+    token, and the reverse KL(student || teacher) on them joins the loss (or replaces the RL loss)."""
+
+    teacher_path: str | None = Field(
+        None, description="HF causal-LM directory of the teacher; empty: no distillation. Any size and architecture "
+        "our loaders take, larger than the student or not, with the student's tokenizer (the same vocabulary: "
+        "checked at the start).",
+    )
+    loss: Literal["reverse_kl"] = Field(
+        "reverse_kl", description="reverse_kl: KL(student || teacher) estimated on the student's sampled tokens "
+        "from the teacher's per-token logprobs (verl's k1/k3 estimator modes, Thinking Machines' on-policy "
+        "distillation). Forward KL and JSD need the teacher's distribution beyond the sampled token (verl's "
+        "forward_kl_topk): not offered yet.",
+    )
+    estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "k1", description="Per-token KL estimator (as algorithm.kl_estimator). With policy_gradient its negation, "
+        "taken at the sampling policy, is the token's advantage (k1: log q - log p, the reverse-KL gradient); "
+        "without, it is backpropagated directly (k2: the reverse-KL gradient; k3: the forward KL's in expectation).",
+    )
+    policy_gradient: bool = Field(
+        True, description="Use the negated per-token estimate as an advantage in the PPO-clip loss (verl's "
+        "use_policy_gradient); false: backpropagate the estimator as a loss (GKD-style).",
+    )
+    coef: float = Field(1.0, gt=0.0, description="Weight of the distillation loss.")
+    mode: Literal["added", "alone"] = Field(
+        "added", description="added: the distillation loss is added to the RL loss; alone: the RL policy loss "
+        "is dropped, the student learns from the teacher only (rewards are still scored and logged).",
+    )
+    num_workers: int = Field(1, gt=0, description="Teacher workers: data-parallel copies, each scoring its slice.")
+    nodes: int = nodes_field("teacher's workers")
+    precision: Literal["fp32", "bf16"] | None = Field(
+        None, description="The teacher's weights and compute dtype; empty: train.precision.",
+    )
+    gpus_per_worker: float = Field(
+        1.0, gt=0.0, description="GPUs each teacher worker reserves on cuda (a fraction packs a small teacher "
+        "beside others).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher_path)
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        """rl_loss's distillation arguments, so every train backend passes the same ones ({} when off)."""
+        if not self.enabled:
+            return {}
+        return {"distill_coef": self.coef, "distill_estimator": self.estimator,
+                "distill_policy_gradient": self.policy_gradient, "distill_alone": self.mode == "alone"}
+
+
 class MegatronConfig(Section):
     """The Megatron-core backend (train.backend: megatron). The three dicts reach megatron-core untouched."""
 
@@ -758,6 +809,7 @@ class StageTimeouts(Section):
 
     rollout: float = Field(7200, ge=0, description="Generating the step's samples (rollout.fn).")
     reward: float = Field(1800, ge=0, description="Scoring them (reward.fn).")
+    teacher: float = Field(1800, ge=0, description="The distillation teacher scoring the samples (distill).")
     advantages: float = Field(1800, ge=0, description="Advantages (reference, critic and train logprobs).")
     train: float = Field(7200, ge=0, description="The optimizer steps of the step.")
     sync_weights: float = Field(1800, ge=0, description="Sending the weights to the rollout workers.")
@@ -822,6 +874,7 @@ class RLConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -862,6 +915,7 @@ class RLConfig(Section):
                 f"({self.train.mini_batches})"
             )
         self._check_critic(batch)
+        self._check_distill(batch)
         if self.rollout.max_staleness and not self.checkpoint.save_rollouts:
             raise ValueError(
                 "checkpoint.save_rollouts: must be true with rollout.max_staleness > 0 (a resumed run needs the "
@@ -899,6 +953,22 @@ class RLConfig(Section):
         if self.critic.freeze_policy_steps >= self.train.steps:
             raise ValueError(f"critic.freeze_policy_steps ({self.critic.freeze_policy_steps}) must be below "
                              f"train.steps ({self.train.steps}): the policy would never train")
+
+    def _check_distill(self, batch: int) -> None:
+        d = self.distill
+        fields = type(d).model_fields
+        changed = [k for k in fields if k != "teacher_path" and getattr(d, k) != fields[k].default]
+        if not d.enabled:
+            if changed:
+                raise ValueError(f"distill.teacher_path: distill.{', distill.'.join(changed)} set without a teacher "
+                                 "(set distill.teacher_path to the teacher's HF directory)")
+            return
+        if batch % d.num_workers:
+            raise ValueError(f"distill.num_workers: the step's samples, {self._step_samples_text} = {batch}, must "
+                             f"divide evenly into {d.num_workers} teacher workers")
+        if d.mode == "alone" and self.use_critic:
+            raise ValueError("distill.mode: alone drops the RL loss, so a critic (critic.enabled, advantage gae) "
+                             "would train for nothing: use mode added, or no critic")
 
     @property
     def use_critic(self) -> bool:

@@ -24,7 +24,7 @@ import torch
 
 from rlflow.engines.cluster.addresses import LOOPBACK, node_ip
 from rlflow.engines.core import algorithms
-from rlflow.engines.core.batch import RolloutBatch, TrainBatch, batch_size, select, shard_for_workers
+from rlflow.engines.core.batch import TEACHER_LOGPROBS, RolloutBatch, TrainBatch, batch_size, select, shard_for_workers
 from rlflow.engines.core.config import RLConfig, StorageConfig
 from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
 from rlflow.engines.data.prompts import DataError, load_prompts
@@ -62,6 +62,7 @@ class StepState:
     keep: torch.Tensor | None = None  # [N, L] 0 on the tokens rollout correction rejected (algorithm.rejection)
     is_weights: torch.Tensor | None = None  # [N, L] importance weights computed over the whole batch
     kl_coef: float | None = None  # the KL-in-reward coefficient this step used (adaptive kl_ctrl moves it)
+    teacher_logprobs: torch.Tensor | None = None  # [N, L] the distillation teacher's, aligned with the packed batch
 
 
 
@@ -69,10 +70,12 @@ class StepState:
 
 class RLSession:
     def __init__(self, cfg: RLConfig, model_path: str, train_group: WorkerGroup[TrainBackend],
-                 rollout_group: WorkerGroup[RolloutBackend], critic_group: WorkerGroup[CriticBackend] | None = None):
+                 rollout_group: WorkerGroup[RolloutBackend], critic_group: WorkerGroup[CriticBackend] | None = None,
+                 teacher_group: WorkerGroup[TrainBackend] | None = None):
         self.cfg, self.model_path = cfg, model_path
         self.train_group, self.rollout_group = train_group, rollout_group
         self.critic_group = critic_group  # the value model's train workers (role "critic"), when the run has one
+        self.teacher_group = teacher_group  # on-policy distillation's frozen teacher (role "teacher"), when distilling
         self.tokenizer = load_tokenizer(model_path)
         self.reward_fn = load_reward_fn(cfg.reward.fn)
         self.rollout_fn = load_rollout_fn(cfg.rollout.fn)
@@ -106,7 +109,7 @@ class RLSession:
         self.server_urls: list[str] = []  # each rollout worker's SGLang-compatible server
         self.router = None  # ... and one least-loaded endpoint in front of them (engines/rollout/router.py)
         # the groups with their placement groups, rollout servers' addresses and control token (create sets them)
-        self.workers = Workers(train_group, rollout_group, critic_group)
+        self.workers = Workers(train_group, rollout_group, critic_group, teacher_group)
         # colocated: whose turn it is on the shared GPUs (the trainer parks its state while rollout runs)
         self.gpu = ColocatedMemory(cfg, train_group, rollout_group)
 
@@ -117,7 +120,7 @@ class RLSession:
         rollout workers' servers, which rollout functions talk HTTP to."""
         workers = start_workers(cfg, model_path, cfg.cluster.use_ray if use_ray is None else use_ray)
         try:
-            session = cls(cfg, model_path, workers.train, workers.rollout, workers.critic)
+            session = cls(cfg, model_path, workers.train, workers.rollout, workers.critic, workers.teacher)
         except BaseException:
             workers.shutdown()
             raise
@@ -271,6 +274,24 @@ class RLSession:
             metrics["rollout/greedy_reward_mean"] = float(all_rewards[torch.as_tensor(b.baseline)].mean())
         return metrics
 
+    def teacher(self, step: int) -> dict[str, float]:
+        """On-policy distillation: the teacher's per-token logprobs of the step's sampled tokens (its own stage,
+        beside the reference pass of the advantages stage), kept for the train stage's distillation term.
+
+        distill/kl is the mean over the trained tokens of log p - log q at the policy that sampled them: the k1
+        estimate of the per-token reverse KL(student || teacher), which falls as the student learns."""
+        if self.teacher_group is None:
+            return {}
+        st = self._state(step)
+        batch = self._pack(st, torch.zeros(len(st.batch)))
+        st.teacher_logprobs = self._group_logprobs(self.teacher_group, batch)
+        mask, student = batch["loss_mask"], batch["old_logprobs"]
+        return {
+            "distill/kl": float(algorithms.masked_mean(student - st.teacher_logprobs, mask)),
+            "distill/teacher_logprob_mean": float(algorithms.masked_mean(st.teacher_logprobs, mask)),
+            "distill/student_logprob_mean": float(algorithms.masked_mean(student, mask)),
+        }
+
     def advantages(self, step: int) -> dict[str, float]:
         """Rewards -> advantages: overlong shaping and KL-in-reward first, then the recipe's estimator.
 
@@ -410,6 +431,11 @@ class RLSession:
             batch["loss_mask"] = batch["loss_mask"] * st.keep
         if st.is_weights is not None:
             batch["is_weights"] = st.is_weights
+        if self.teacher_group is not None:
+            if st.teacher_logprobs is None:
+                raise RuntimeError(f"step {step}: distill.teacher_path is set but the teacher stage has not scored "
+                                   "this step's samples (run it before train)")
+            batch[TEACHER_LOGPROBS] = st.teacher_logprobs
         t0 = time.perf_counter()
         critic = self._submit_critic_step(st, batch)  # the critic trains beside the policy (other actors)
         metrics = {"train/staleness_mean": float(staleness.mean()), "train/staleness_max": float(staleness.max())}
@@ -570,10 +596,16 @@ class RLSession:
     def _train_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Per-token logprobs [N, L] of the train engine's policy (or reference), each worker on its slice."""
         self.gpu.for_training()
-        n = len(self.train_group)
+        return self._group_logprobs(self.train_group, batch, reference)
+
+    @staticmethod
+    def _group_logprobs(group: WorkerGroup[TrainBackend], batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """Per-token logprobs [N, L] of `group`'s model (the policy, its reference, or the distillation teacher),
+        each worker on its slice (one call per worker)."""
+        n = len(group)
         per = batch_size(batch) // n
         parts = [(select(batch, slice(w * per, (w + 1) * per)), reference) for w in range(n)]
-        return torch.cat(self.train_group.call_each(TrainBackend.forward_logprobs, parts))
+        return torch.cat(group.call_each(TrainBackend.forward_logprobs, parts))
 
     def _critic_values(self, batch: TrainBatch) -> torch.Tensor:
         """The critic's values [N, L] of the batch, each critic worker on its slice (one call per worker)."""

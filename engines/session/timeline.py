@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 from rlflow.engines.core.trace import TraceRecorder, chrome_trace, merge, now_us, within
 
-STAGE_LANES = ("rollout", "reward", "advantages", "train", "sync-weights", "evaluate", "checkpoint")
+STAGE_LANES = ("rollout", "reward", "teacher", "advantages", "train", "sync-weights", "evaluate", "checkpoint")
 
 
 class StageTimeline:

@@ -8,6 +8,8 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from rlflow.engines.cluster.addresses import LOOPBACK
 from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, init_ray
 from rlflow.engines.cluster.placement import Placement, PlacementError, RoleDemand, driver_node_id, place
@@ -15,7 +17,7 @@ from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
 from rlflow.engines.core.sglang_args import gpus_per_server
 from rlflow.engines.data.builtin_tasks import write_task_files
-from rlflow.engines.models.hf import DTYPES, build_tiny_model
+from rlflow.engines.models.hf import DTYPES, build_tiny_model, load_tokenizer
 from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.store.run_store import workers_write_checkpoints
@@ -64,6 +66,7 @@ class Workers:
     train: WorkerGroup[TrainBackend]
     rollout: WorkerGroup[RolloutBackend]
     critic: WorkerGroup[CriticBackend] | None = None
+    teacher: WorkerGroup[TrainBackend] | None = None  # on-policy distillation's frozen teacher (forward_logprobs)
     placements: list[Placement] = field(default_factory=list)
     spans_nodes: bool = False
     control_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))  # the rollout servers' (per run)
@@ -75,7 +78,7 @@ class Workers:
 
     def shutdown(self) -> None:
         """Stop every worker, then release the placement groups they ran in."""
-        for group in (self.train, self.rollout, self.critic):
+        for group in (self.train, self.rollout, self.critic, self.teacher):
             if group is not None:
                 group.shutdown()
         for placement in self.placements:
@@ -87,6 +90,7 @@ def start_workers(cfg: RLConfig, model_path: str, use_ray: bool) -> Workers:
     """Ray actors in placement groups, or objects in this process (the bare loop)."""
     make_train, make_rollout = train_kwargs(cfg, model_path), rollout_kwargs(cfg, model_path)
     make_critic = critic_kwargs(cfg, model_path) if cfg.use_critic and cfg.debug.trains else None
+    make_teacher = teacher_kwargs(cfg, model_path) if cfg.distill.enabled and cfg.debug.trains else None
     train_cls, rollout_cls = train_backend_class(cfg), rollout_backend_class(cfg)
     n_train = cfg.train.num_workers if cfg.debug.trains else 0  # debug modes start one kind of worker
     n_rollout = cfg.rollout.num_workers if cfg.debug.generates else 0
@@ -95,17 +99,21 @@ def start_workers(cfg: RLConfig, model_path: str, use_ray: bool) -> Workers:
         local = Workers(LocalWorkerGroup([]), LocalWorkerGroup([]))
         if cfg.rollout.backend == "sglang":
             make_rollout = _with_server(make_rollout, lambda rank: LOOPBACK, local.control_token)
-        if n_train > 1 or (make_critic and cfg.critic.num_workers > 1):
-            raise ValueError("train.num_workers / critic.num_workers > 1 need cluster.use_ray: true")
+        teachers = cfg.distill.num_workers if make_teacher else 0
+        if n_train > 1 or (make_critic and cfg.critic.num_workers > 1) or teachers > 1:
+            raise ValueError("train.num_workers / critic.num_workers / distill.num_workers > 1 need cluster.use_ray: "
+                             "true")
         local.train = LocalWorkerGroup([train_cls(**make_train(r)) for r in range(n_train)],
                                        protocols=train_protocols)
         local.rollout = LocalWorkerGroup([rollout_cls(**make_rollout(r)) for r in range(n_rollout)],
                                          factory=lambda r: rollout_cls(**make_rollout(r)), protocols=rollout_protocols)
         if make_critic:
             local.critic = LocalWorkerGroup([TorchTrainBackend(**make_critic(0))], protocols=CRITIC)
+        if make_teacher:
+            local.teacher = LocalWorkerGroup([TorchTrainBackend(**make_teacher(0))], protocols=TRAIN)
         return local
     init_ray(cfg.cluster)
-    return ray_workers(cfg, train_cls, make_train, make_rollout, make_critic, n_train, n_rollout)
+    return ray_workers(cfg, train_cls, make_train, make_rollout, make_critic, n_train, n_rollout, make_teacher)
 
 
 def train_backend_class(cfg: RLConfig) -> type:
@@ -132,6 +140,9 @@ def train_kwargs(cfg: RLConfig, model_path: str):
     norm_len = cfg.rollout.max_new_tokens
     extra = {"megatron": cfg.megatron} if cfg.train.backend == "megatron" else {}
 
+    if cfg.distill.enabled:
+        extra["distill"] = cfg.distill
+
     def make(rank: int) -> dict:
         return dict(model_path=model_path, train=cfg.train, algorithm=cfg.algorithm,
                     temperature=cfg.rollout.temperature or 1.0, norm_len=norm_len, rank=rank,
@@ -155,6 +166,41 @@ def critic_kwargs(cfg: RLConfig, model_path: str):
     return make
 
 
+def teacher_kwargs(cfg: RLConfig, model_path: str):
+    """On-policy distillation's teacher: the torch backend as role "teacher" (frozen, forward_logprobs only) on
+    distill.teacher_path, in distill.precision, scoring at the rollout's temperature as the student's logprobs
+    are taken; its workers are data-parallel over their own process group, whatever train.backend is."""
+    d = cfg.distill
+    if not (Path(d.teacher_path) / "config.json").is_file():
+        raise FileNotFoundError(f"distill.teacher_path: no Hugging Face model (config.json) in {d.teacher_path}")
+    check_teacher_vocabulary(model_path, d.teacher_path)
+    train = cfg.train.model_copy(update={"num_workers": d.num_workers, "precision": d.precision or cfg.train.precision,
+                                         "activation_checkpointing": False})
+
+    def make(rank: int) -> dict:
+        return dict(model_path=d.teacher_path, train=train, algorithm=cfg.algorithm,
+                    temperature=cfg.rollout.temperature or 1.0, rank=rank, world_size=d.num_workers, seed=cfg.seed,
+                    role="teacher", collective_timeout_s=cfg.cluster.collective_timeout_s)
+
+    return make
+
+
+def check_teacher_vocabulary(model_path: str, teacher_path: str) -> None:
+    """The teacher scores the student's token ids: both must mean the same tokens by the same ids (the same
+    tokenizer vocabulary), and the teacher's embedding must have a row for every id. A mismatch would give
+    logprobs of other tokens, silently: refuse it before any worker starts."""
+    student, teacher = load_tokenizer(model_path).get_vocab(), load_tokenizer(teacher_path).get_vocab()
+    if student != teacher:
+        differ = sorted(set(student.items()) ^ set(teacher.items()), key=lambda kv: kv[1])[:5]
+        raise ValueError(f"distill.teacher_path: the teacher's tokenizer ({teacher_path}, {len(teacher)} tokens) "
+                         f"is not the student's ({model_path}, {len(student)} tokens); on-policy distillation "
+                         f"needs the same vocabulary (first differences, token: id: {differ})")
+    rows = AutoConfig.from_pretrained(teacher_path).vocab_size
+    if rows < len(student):
+        raise ValueError(f"distill.teacher_path: the teacher's embedding has {rows} rows (config.json vocab_size) "
+                         f"for a vocabulary of {len(student)} tokens")
+
+
 def rollout_kwargs(cfg: RLConfig, model_path: str):
     dirs = weight_dirs(cfg)  # what the servers' /update_weights_from_disk may read
 
@@ -170,7 +216,8 @@ def rollout_kwargs(cfg: RLConfig, model_path: str):
     return make
 
 
-def role_demands(cfg: RLConfig, n_train: int, n_rollout: int, critic: bool) -> list[RoleDemand]:
+def role_demands(cfg: RLConfig, n_train: int, n_rollout: int, critic: bool, teacher: bool = False
+                 ) -> list[RoleDemand]:
     """What each role asks of the cluster: one GPU per train or critic worker, one per rollout worker (an SGLang
     server's tensor x pipeline parallel GPUs), or with cluster.colocate one GPU per train/rollout pair; CPUs
     from cluster.cpus_per_worker. A debug mode that starts no workers of a kind asks nothing for them."""
@@ -192,7 +239,14 @@ def role_demands(cfg: RLConfig, n_train: int, n_rollout: int, critic: bool) -> l
     if critic:  # GPUs of its own, also when colocated
         demands.append(RoleDemand("critic", cfg.critic.num_workers, cfg.critic.nodes,
                                   bundle(1.0 if cfg.train.device == "cuda" else 0.0)))
+    if teacher:  # the distillation teacher: its own placement group, also when colocated
+        demands.append(RoleDemand("teacher", cfg.distill.num_workers, cfg.distill.nodes, bundle(teacher_gpus(cfg))))
     return demands
+
+
+def teacher_gpus(cfg: RLConfig) -> float:
+    """GPUs of one distillation teacher worker (none on CPU)."""
+    return cfg.distill.gpus_per_worker if cfg.train.device == "cuda" else 0.0
 
 
 def worker_gpus(cfg: RLConfig) -> tuple[float, float]:
@@ -219,11 +273,11 @@ def reaches_all_by_store(cfg: RLConfig) -> bool:
 
 
 def ray_workers(cfg: RLConfig, train_cls: type, make_train, make_rollout, make_critic, n_train: int,
-                n_rollout: int) -> Workers:
+                n_rollout: int, make_teacher=None) -> Workers:
     """Plan every role on the cluster (a recipe it cannot hold fails here, before any actor starts), reserve
     the placement groups, then start the actors in them."""
     cpus, name = cfg.cluster.cpus_per_worker, cfg.name
-    placements = place(role_demands(cfg, n_train, n_rollout, make_critic is not None), name)
+    placements = place(role_demands(cfg, n_train, n_rollout, make_critic is not None, make_teacher is not None), name)
     spans = len({p.node(r).node_id for p in placements.values() for r in range(len(p))} | {driver_node_id()}) > 1
     workers = Workers(LocalWorkerGroup([]), LocalWorkerGroup([]), placements=list(placements.values()),
                       spans_nodes=spans)
@@ -249,6 +303,10 @@ def ray_workers(cfg: RLConfig, train_cls: type, make_train, make_rollout, make_c
             workers.critic = RayWorkerGroup(TorchTrainBackend, cfg.critic.num_workers, make_critic, cpus,
                                             f"{name}-critic", 1.0 if cfg.train.device == "cuda" else 0.0,
                                             placements["critic"], CRITIC, rendezvous=True)
+        if make_teacher:
+            workers.teacher = RayWorkerGroup(TorchTrainBackend, cfg.distill.num_workers, make_teacher, cpus,
+                                             f"{name}-teacher", teacher_gpus(cfg), placements["teacher"], TRAIN,
+                                             rendezvous=True)
     except BaseException:
         workers.shutdown()
         raise

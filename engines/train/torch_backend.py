@@ -9,10 +9,11 @@ unpacked batch. Every loss is normalised by the *global* token/sequence count of
 normalised, its sums add up) and FSDP2 sums the gradients, so W ranks take the same optimizer steps as one rank on
 the whole batch.
 
-A worker has one of two roles. "policy" (the default) trains the causal LM with rl_loss. "critic" trains a
+A worker has one of three roles. "policy" (the default) trains the causal LM with rl_loss. "critic" trains a
 value model (rlflow.engines.models.hf.load_value_model: the same body with a scalar head) with value_loss on the same
 packed batches; micro-batching, normalisation, sharding, the optimizer and checkpoints are the same code for
-both.
+both. "teacher" (on-policy distillation) is a frozen causal LM in its own precision that only scores batches
+(forward_logprobs): the same packed logprob pass, no optimizer step.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from rlflow.engines.core import algorithms
-from rlflow.engines.core.batch import TrainBatch, batch_size, select
-from rlflow.engines.core.config import AlgorithmConfig, StorageConfig, TrainConfig
+from rlflow.engines.core.batch import TEACHER_LOGPROBS, TrainBatch, batch_size, select
+from rlflow.engines.core.config import AlgorithmConfig, DistillConfig, StorageConfig, TrainConfig
 from rlflow.engines.core.protocols import CriticBackend, TrainBackend
 from rlflow.engines.models.hf import DTYPES, load_model, load_value_model
 from rlflow.engines.models.packed import PackedLM, PackedRows
@@ -80,16 +81,20 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         world_size: int = 1,
         dist_url: str | None = None,
         seed: int = 0,
-        role: Literal["policy", "critic"] = "policy",
+        role: Literal["policy", "critic", "teacher"] = "policy",
         value_clip: float | None = None,
         collective_timeout_s: float = 1800,
+        distill: DistillConfig | None = None,
     ):
-        """`role` "critic": a value model from `model_path` trained with value_loss (clipped at `value_clip`).
-        `collective_timeout_s`: how long a collective waits for the other ranks before it raises."""
+        """`role` "critic": a value model from `model_path` trained with value_loss (clipped at `value_clip`);
+        "teacher": a frozen LM in train.precision that only runs forward_logprobs. `distill`: the run's
+        on-policy distillation (its terms join rl_loss). `collective_timeout_s`: how long a collective waits
+        for the other ranks before it raises."""
         torch.set_num_threads(train.threads)
         self.cfg, self.algo, self.role, self.value_clip = train, algorithm, role, value_clip
         # the critic regresses every response token's value with the same weight, whatever the policy's aggregation
         self.loss_agg = algorithm.loss_agg if role == "policy" else "token_mean"
+        self.loss_kwargs = algorithm.loss_kwargs() | (distill.loss_kwargs() if distill is not None else {})
         self.temperature, self.norm_len = temperature, norm_len
         self.rank, self.world_size = rank, world_size
         fsdp.init_process_group(train.device, rank, world_size, dist_url, collective_timeout_s)
@@ -97,13 +102,17 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         self.device = train.device
         load = load_value_model if role == "critic" else load_model
         # fp32 master weights, loaded on the host: fully_shard moves each layer to the GPU as it shards it (and
-        # keeps offloaded shards on the host), so no rank ever holds the whole model on its GPU
-        self.model = load(model_path, dtype=torch.float32, device="cpu")
+        # keeps offloaded shards on the host), so no rank ever holds the whole model on its GPU. A teacher is
+        # never trained: its weights are loaded in the compute dtype, frozen, like the reference model's
+        frozen = role == "teacher"
+        self.model = load(model_path, dtype=DTYPES[train.precision] if frozen else torch.float32, device="cpu")
         apply_kernels(self.model, train.kernels)
-        compute = DTYPES[train.precision] if train.precision != "fp32" else None
+        if frozen:
+            self.model.eval().requires_grad_(False)
+        compute = DTYPES[train.precision] if train.precision != "fp32" and not frozen else None
         self.lm = fsdp.shard(
-            PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing, train.compile),
-            compute, train.cpu_offload, train.reshard_after_forward)
+            PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing and not frozen,
+                     train.compile), compute, train.cpu_offload, train.reshard_after_forward)
         self.ref_model = self.ref_lm = None
         if algorithm.kl_coef > 0 and role == "policy":  # frozen copy of the starting policy, for the KL penalty
             self.ref_model = load_model(model_path, dtype=DTYPES[train.precision], device="cpu").eval()
@@ -184,6 +193,8 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
 
         A critic's batch holds input_ids, attention_mask, loss_mask, returns and old_values (the values the
         advantages were computed with)."""
+        if self.role == "teacher":
+            raise ValueError("train_step: this worker is a distillation teacher; it only scores (forward_logprobs)")
         self._resident("train_step", optimizer=True)
         if self.ref_model is not None and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
@@ -253,8 +264,8 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         return algorithms.rl_loss(
             logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], norm_len=self.norm_len,
             ref_logprobs=micro.get("ref_logprobs"), rollout_logprobs=micro.get("rollout_logprobs"),
-            is_weights=micro.get("is_weights"),
-            entropy=entropy if self.algo.entropy_coef else entropy.detach(), **self.algo.loss_kwargs(),
+            is_weights=micro.get("is_weights"), teacher_logprobs=micro.get(TEACHER_LOGPROBS),
+            entropy=entropy if self.algo.entropy_coef else entropy.detach(), **self.loss_kwargs,
         )
 
     # ---- weights and checkpoints ---------------------------------------------------------------------

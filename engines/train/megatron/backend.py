@@ -34,8 +34,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from rlflow.engines.core import algorithms
-from rlflow.engines.core.batch import TrainBatch, batch_size, select
-from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig, StorageConfig, TrainConfig
+from rlflow.engines.core.batch import TEACHER_LOGPROBS, TrainBatch, batch_size, select
+from rlflow.engines.core.config import AlgorithmConfig, DistillConfig, MegatronConfig, StorageConfig, TrainConfig
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.models.hf import DTYPES
 from rlflow.engines.sync.distributed import DistributedWeightSender
@@ -94,8 +94,11 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         dist_url: str | None = None,
         seed: int = 0,
         collective_timeout_s: float = 1800,
+        distill: DistillConfig | None = None,
     ):
         torch.set_num_threads(train.threads)
+        # rl_loss's arguments: the algorithm's and, when distilling, the teacher term's (the torch backend's too)
+        self.loss_kwargs = algorithm.loss_kwargs() | (distill.loss_kwargs() if distill is not None else {})
         self._collective_timeout_s = collective_timeout_s
         self.cfg, self.algo, self.mcfg = train, algorithm, megatron or MegatronConfig()
         self.temperature, self.norm_len = temperature, norm_len
@@ -144,8 +147,8 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         # the metric names rl_loss reports for this algorithm (every rank must reduce the same vector)
         self.metric_keys = sorted(self._rl_loss(*[torch.zeros(1, 1)] * 4, ref=torch.zeros(1, 1),
                                                 entropy=torch.zeros(1, 1),
-                                                rollout=torch.zeros(1, 1) if algorithm.corrects_rollout else None
-                                                )[1])
+                                                rollout=torch.zeros(1, 1) if algorithm.corrects_rollout else None,
+                                                teacher=torch.zeros(1, 1))[1])
 
     def _load_core(self) -> torch.nn.Module:
         core = build_model(self.spec, self.tf_config, self.use_te, self.mcfg.attention)
@@ -272,11 +275,14 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         return loss, micro.batch["loss_mask"].sum().int().to(output.device), {"metrics": vec}
 
     # ---- training ------------------------------------------------------------------------------------
-    def _rl_loss(self, logprobs, old_logprobs, advantages, mask, *, ref, entropy, rollout=None, is_weights=None):
-        """The shared objective with exactly the torch backend's arguments (AlgorithmConfig.loss_kwargs)."""
+    def _rl_loss(self, logprobs, old_logprobs, advantages, mask, *, ref, entropy, rollout=None, is_weights=None,
+                 teacher=None):
+        """The shared objective with exactly the torch backend's arguments (AlgorithmConfig.loss_kwargs,
+        DistillConfig.loss_kwargs)."""
         return algorithms.rl_loss(
             logprobs, old_logprobs, advantages, mask, norm_len=self.norm_len, ref_logprobs=ref,
-            rollout_logprobs=rollout, is_weights=is_weights, entropy=entropy, **self.algo.loss_kwargs(),
+            rollout_logprobs=rollout, is_weights=is_weights, entropy=entropy, teacher_logprobs=teacher,
+            **self.loss_kwargs,
         )
 
     def _keys(self) -> list[str]:
@@ -296,7 +302,8 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
                                                      "loss" if self.algo.entropy_coef else "metric")
             loss, metrics = self._rl_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
                                           ref=mb.get("ref_logprobs"), entropy=entropy,
-                                          rollout=mb.get("rollout_logprobs"), is_weights=mb.get("is_weights"))
+                                          rollout=mb.get("rollout_logprobs"), is_weights=mb.get("is_weights"),
+                                          teacher=mb.get(TEACHER_LOGPROBS))
         scaled = algorithms.scale_metrics(metrics, mb["loss_scale"], mb["share"])
         vec = torch.stack([scaled[k] for k in self._keys()])
         return loss * mb["loss_scale"].float(), vec
