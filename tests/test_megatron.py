@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from rlflow.engines.core.batch import shard_for_workers
-from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig
+from rlflow.engines.core.config import AlgorithmConfig, DistillConfig, MegatronConfig
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.train.megatron.checkpoint import optimizer_state
 from rlflow.engines.train.megatron.hf_config import UnsupportedModel, spec_from_hf
@@ -261,6 +261,27 @@ def test_backend_matches_torch_backend_with_whole_batch_is_weights(hf_models, mc
             "is_weights": weights}
     m_t, m_m = global_metrics(torch_be.train_step(step)), global_metrics(mega.train_step(step))
     assert set(m_t) == set(m_m) and "is_weight_mean" in m_t
+    for k in m_t:
+        assert m_m[k] == pytest.approx(m_t[k], rel=1e-4, abs=5e-6), k
+    assert_same_weights(dict(torch_be.named_tensors()), dict(mega.named_tensors()))
+
+
+@pytest.mark.parametrize("distill", [DistillConfig(teacher_path="teacher"),  # added to PPO, policy-gradient form
+                                     DistillConfig(teacher_path="teacher", mode="alone", estimator="k2",
+                                                   policy_gradient=False)])
+def test_distillation_term_matches_torch_backend(hf_models, mcore, distill):
+    """On-policy distillation: both backends add the teacher term of rl_loss alike from the batch's
+    teacher_logprobs (same distill_* metrics, loss and update)."""
+    path = hf_models["llama"][0]
+    torch_be = TorchTrainBackend(path, train_config(), AlgorithmConfig(), distill=distill)
+    mega = _backend(path, train_config(), AlgorithmConfig(), MegatronConfig(micro_batch_tokens=20), distill=distill)
+    batch = toy_batch()
+    lp = torch_be.forward_logprobs(batch)
+    gen = torch.Generator().manual_seed(1)
+    step = {**batch, "old_logprobs": lp, "teacher_logprobs": lp - 0.3 * torch.rand(lp.shape, generator=gen)}
+    m_t, m_m = global_metrics(torch_be.train_step(step)), global_metrics(mega.train_step(step))
+    assert set(m_t) == set(m_m) and {"distill_kl", "distill_loss"} <= set(m_t)
+    assert m_t["distill_loss"] > 0.05  # the teacher finds the student's tokens less likely (by 0.15 on average)
     for k in m_t:
         assert m_m[k] == pytest.approx(m_t[k], rel=1e-4, abs=5e-6), k
     assert_same_weights(dict(torch_be.named_tensors()), dict(mega.named_tensors()))
