@@ -16,6 +16,7 @@ from rlflow.engines.data.prompts import DataError, load_pairs, load_prompts
 from rlflow.engines.data.rewards import RewardError, load_reward_fn
 from rlflow.engines.models.hf import rollout_context
 from rlflow.engines.rollout.functions import load_rollout_fn
+from rlflow.engines.session.workers import check_teacher_vocabulary
 from rlflow.engines.store.run_store import StorageError, replay_source
 from rlflow.engines.train.megatron.hf_config import UnsupportedModel, spec_from_hf
 from rlflow.engines.train.megatron.weights import check_tensor_parallel
@@ -30,6 +31,22 @@ def _model_problems(cfg: RLConfig) -> list[str]:
 def _critic_problems(cfg: RLConfig) -> list[str]:
     if cfg.use_critic and cfg.critic.model_path and not (Path(cfg.critic.model_path) / "config.json").is_file():
         return [f"critic.model_path: no Hugging Face model (config.json) in {cfg.critic.model_path}"]
+    return []
+
+
+def _teacher_problems(cfg: RLConfig) -> list[str]:
+    """distill.teacher_path is an HF model, with the student's vocabulary when the student is a model on disk (a
+    model built from the recipe is compared when the run starts)."""
+    teacher = cfg.distill.teacher_path
+    if not teacher:
+        return []
+    if not (Path(teacher) / "config.json").is_file():
+        return [f"distill.teacher_path: no Hugging Face model (config.json) in {teacher}"]
+    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        try:
+            check_teacher_vocabulary(cfg.model.path, teacher)
+        except (OSError, ValueError) as e:
+            return [str(e)]
     return []
 
 
@@ -104,6 +121,7 @@ def _megatron_or_none(cfg: RLConfig) -> list[str]:
 CHECKS: list[tuple[frozenset[str], Callable[[RLConfig], list[str]]]] = [
     (frozenset({"model"}), _model_problems),
     (frozenset({"critic", "algorithm"}), _critic_problems),
+    (frozenset({"distill", "model"}), _teacher_problems),
     (frozenset({"data"}), _data_problems),
     (frozenset({"data", "sft"}), _sft_problems),
     (frozenset({"reward"}), _reward_problems),
