@@ -13,11 +13,13 @@ from mlflow.tracking import MlflowClient
 
 from bench.bare_loop import run_bare
 from rlflow.engines.core import algorithms as A
-from rlflow.engines.core.config import DistillConfig, config_from_dict, load_recipe
+from rlflow.engines.core.batch import pack_samples
+from rlflow.engines.core.config import AlgorithmConfig, DistillConfig, TrainConfig, config_from_dict, load_recipe
 from rlflow.engines.models.hf import load_tokenizer
 from rlflow.engines.session.preflight import find_problems
 from rlflow.engines.session.sft import SFTSession
 from rlflow.engines.session.workers import check_teacher_vocabulary, prepare_data, prepare_model, role_demands
+from rlflow.engines.train.torch_backend import TorchTrainBackend
 from rlflow.flows.post_train import post_train
 from rlflow.tasks.run_context import STEP_LISTENERS
 from tests.conftest import small_recipe
@@ -149,6 +151,36 @@ def test_teacher_is_its_own_role_with_its_gpus(tmp_path):
     demands = {d.field: d for d in role_demands(config_from_dict(raw), 2, 2, False, True)}
     assert demands["teacher"].workers == 2 and demands["teacher"].bundle["GPU"] == 0.5
     assert set(demands) == {"train", "teacher"}
+
+
+def test_teacher_role_is_frozen_and_scores_like_a_policy(tiny_model_dir):
+    """The teacher worker is the torch backend's logprob pass on frozen weights: the same logprobs as a policy
+    worker of the same model (fp32), its weights in the teacher's precision (bf16), and no train step."""
+    batch = pack_samples([[1, 5, 6], [1, 7]], [[8, 9, 2], [10, 2]], [[-1.0] * 3, [-1.0] * 2], torch.zeros(2), 0)
+    policy = TorchTrainBackend(tiny_model_dir, TrainConfig(threads=1), AlgorithmConfig())
+    teacher = TorchTrainBackend(tiny_model_dir, TrainConfig(threads=1), AlgorithmConfig(), role="teacher")
+    mask = batch["attention_mask"].bool()
+    assert torch.allclose(teacher.forward_logprobs(batch)[mask], policy.forward_logprobs(batch)[mask], atol=1e-6)
+    assert not any(p.requires_grad for p in teacher.model.parameters())
+    bf16 = TorchTrainBackend(tiny_model_dir, TrainConfig(threads=1, precision="bf16"), AlgorithmConfig(),
+                             role="teacher")
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="distillation teacher; it only scores"):
+        teacher.train_step({**batch, "advantages": torch.zeros(2)})
+
+
+@pytest.mark.slow
+def test_teacher_workers_as_ray_actors_beside_two_train_workers(tmp_path):
+    """Two teacher actors in their own placement group score beside two train workers (mode added); ~100 s."""
+    raw = small_recipe(tmp_path, cluster={"use_ray": False}, eval={"every": 0}, train={"steps": 3, "threads": 1})
+    teacher = _sft_teacher(tmp_path, raw, 10, hidden_size=64, num_layers=3, intermediate_size=128)
+    cfg = config_from_dict({**raw, "cluster": {"use_ray": True, "cpus_per_worker": 0.25},
+                            "train": {"steps": 3, "threads": 1, "num_workers": 2},
+                            "distill": {"teacher_path": teacher, "num_workers": 2}})
+    history = run_bare(cfg, str(tmp_path), log=lambda line: None, use_ray=True)
+    # measured: distill/kl 0.33, 0.22, 0.30; with policy_gradient and ratio 1 the loss equals the KL estimate
+    assert all(m["distill/kl"] > 0 and m["train/distill_loss"] == pytest.approx(m["distill/kl"], rel=0.2, abs=0.02)
+               for m in history), history
 
 
 # ----------------------------------------------------------------------------- the student learns
