@@ -862,6 +862,12 @@ class RLConfig(Section):
                 f"({self.train.mini_batches})"
             )
         self._check_critic(batch)
+        if self.rollout.max_staleness >= 2 and not self.algorithm.corrects_rollout:
+            warnings.warn(
+                f"rollout.max_staleness {self.rollout.max_staleness} with algorithm.is_correction 'none': samples up "
+                "to that many updates old are clipped against a policy as old as they are, which holds updates "
+                "back (the CPU demo reaches 0.947 instead of 0.965 in 100 steps at k = 2); set "
+                "algorithm.is_correction: tis (decoupled PPO, docs/algorithms.md)", UserWarning, stacklevel=2)
         if self.rollout.max_staleness and not self.checkpoint.save_rollouts:
             raise ValueError(
                 "checkpoint.save_rollouts: must be true with rollout.max_staleness > 0 (a resumed run needs the "
