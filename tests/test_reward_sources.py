@@ -15,26 +15,25 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import pytest
+import ray
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
+from rlflow.engines.cluster.groups import LocalWorkerGroup
 from rlflow.engines.core.config import (
-    DEFAULT_REWARD_FN,
     JudgeRewardSource,
-    ModelConfig,
     RecipeError,
     RewardConfig,
     config_from_dict,
     public_tree,
 )
 from rlflow.engines.core.protocols import RewardModelBackend
-from rlflow.engines.models.hf import build_tiny_model
 from rlflow.engines.reward.judge import JudgeError, LLMJudge
 from rlflow.engines.reward.model_worker import SequenceClassifierReward
 from rlflow.engines.reward.sources import RewardSources, split_evenly
@@ -42,6 +41,7 @@ from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.session.preflight import _reward_problems
 from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data, prepare_model, role_demands
+from rlflow.tasks.tracking import Tracker, flatten
 from tests.conftest import small_recipe
 
 TARGET = "R"
@@ -97,8 +97,6 @@ def test_reward_model_errors_name_the_field(reward_model_dir, tmp_path):
 
 def test_model_source_splits_the_batch_over_its_workers(reward_model_dir):
     """Two workers of one group: each scores its contiguous share, the results come back in order."""
-    from rlflow.engines.cluster.groups import LocalWorkerGroup
-
     calls: list[int] = []
 
     class Counting(SequenceClassifierReward):
@@ -123,7 +121,8 @@ def test_reward_fn_recipes_mean_the_same():
     metrics; reward.fn together with sources is refused, naming both."""
     cfg = RewardConfig(fn="rlflow.engines.data.rewards:exact_match_reward", kwargs={})
     (src,) = cfg.resolved_sources()
-    assert (src.kind, src.name, src.weight, src.fn) == ("fn", "fn", 1.0, "rlflow.engines.data.rewards:exact_match_reward")
+    assert (src.kind, src.name, src.weight) == ("fn", "fn", 1.0)
+    assert src.fn == "rlflow.engines.data.rewards:exact_match_reward"
     sources = RewardSources(cfg)
     assert sources.score(["p", "q"], ["a", "b"], ["a", "c"], [{}, {}]) == [1.0, 0.0]
     assert sources.take_metrics() == {}
@@ -264,8 +263,6 @@ def test_judge_retries_transient_errors_and_fails_on_refusal(fixed_judge, caplog
 
 def test_judge_times_out(tmp_path):
     """A server that accepts but never answers: each attempt ends at timeout_s and the request fails."""
-    import socket
-
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(8)
@@ -310,8 +307,6 @@ def test_judge_against_the_embedded_server(tiny_model_dir, monkeypatch):
 def test_api_key_stays_out_of_logged_params(tmp_path, monkeypatch):
     """The key lives in the environment only: the recipe names the variable, so neither MLflow's params and
     recipe.json (Tracker), the flow's config parameter (public_tree) nor the stored config.json hold it."""
-    from rlflow.tasks.tracking import Tracker, flatten
-
     monkeypatch.setenv("JUDGE_KEY_FOR_TEST", "sk-should-never-appear")
     cfg = config_from_dict(small_recipe(tmp_path, reward={"sources": [
         {"kind": "fn"}, {"kind": "judge", "url": "https://judge.example/v1", "api_key_env": "JUDGE_KEY_FOR_TEST"}]}))
@@ -360,3 +355,27 @@ def test_policy_learns_to_please_the_reward_model(tmp_path, reward_model_dir):
         session.shutdown()
     print("reward/rm_mean by step:", [round(m, 3) for m in means])
     assert sum(means[:3]) / 3 < 0.3 and sum(means[-3:]) / 3 > 0.8  # measured: 0.13 -> 0.99
+
+
+def test_reward_model_as_ray_workers(tmp_path, reward_model_dir):
+    """With Ray the reward model is a group of actors in a placement group of its own (2 workers here), named
+    after its source, scoring a real step's samples; shutdown releases it."""
+    raw = small_recipe(tmp_path, reward={"sources": [
+        {"kind": "model", "name": "rm", "path": reward_model_dir, "num_workers": 2, "weight": 0.5}]},
+        debug={"mode": "rollout_only"}, cluster={"num_cpus": 4, "cpus_per_worker": 0.5})
+    cfg = config_from_dict(raw)
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=True)
+    try:
+        group = session.workers.reward["rm"]
+        assert len(group) == 2 and len(set(group.call(RewardModelBackend.pid))) == 2
+        assert len(group.placement) == 2  # its own placement group, planned with the run's
+        session.rollout(0)
+        metrics = session.reward(0)
+        b = session.rollout_batch(0)
+        local = SequenceClassifierReward(reward_model_dir).score(b.prompt, b.response, b.label)
+        assert list(b.reward) == pytest.approx([0.5 * x for x in local], abs=1e-5)
+        assert metrics["rollout/reward_mean"] == pytest.approx(0.5 * metrics["reward/rm_mean"], abs=1e-5)
+    finally:
+        session.shutdown()
+        ray.shutdown()
