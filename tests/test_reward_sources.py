@@ -31,6 +31,7 @@ from rlflow.engines.core.config import (
     RecipeError,
     RewardConfig,
     config_from_dict,
+    load_recipe,
     public_tree,
 )
 from rlflow.engines.core.protocols import RewardModelBackend
@@ -379,3 +380,13 @@ def test_reward_model_as_ray_workers(tmp_path, reward_model_dir):
     finally:
         session.shutdown()
         ray.shutdown()
+
+
+def test_reward_model_recipe_validates():
+    """deployments/gsm8k-qwen-reward-model.yaml: three sources, their names, weights and the key by variable name;
+    on this machine its model folders are missing, which validation reports naming the field."""
+    cfg = load_recipe("deployments/gsm8k-qwen-reward-model.yaml")
+    assert [(s.kind, s.name, s.weight) for s in cfg.reward.resolved_sources()] == [
+        ("fn", "correct", 1.0), ("model", "rm", 0.1), ("judge", "judge", 0.2)]
+    assert cfg.reward.sources[2].api_key_env == "JUDGE_API_KEY"
+    assert "reward.sources[1].path: no Hugging Face model" in "\n".join(_reward_problems(cfg))
