@@ -165,8 +165,23 @@ def test_weights_combine_and_each_source_is_logged(tmp_path):
     out = sources.score(["p", "q"], ["12", "13"], ["12", "12"], [{}, {}])
     assert out == pytest.approx([2.0 - 0.5, -0.5 * 0.5])
     sources.score(["p"], ["99"], ["12"], [{}], record=False)
-    assert sources.take_metrics() == pytest.approx({"reward/exact_mean": 0.5, "reward/partial_mean": 0.75})
+    metrics = sources.take_metrics()
+    assert {k: v for k, v in metrics.items() if k.startswith("reward/")} == pytest.approx(
+        {"reward/exact_mean": 0.5, "reward/partial_mean": 0.75})
+    assert metrics["time/reward_exact"] >= 0 and metrics["time/reward_partial"] >= 0
     assert sources.take_metrics() == {}
+
+
+def test_flows_without_the_session_take_one_function():
+    """The evaluate flow (and a pipeline's evaluate stage) score with one function: a recipe's single source of
+    kind fn, weight 1, is that function; a reward model, a judge or a weighted sum is refused, naming the flow."""
+    assert RewardConfig(fn="rlflow.engines.data.rewards:exact_match_reward").only_fn("the evaluate flow").fn == \
+        "rlflow.engines.data.rewards:exact_match_reward"
+    assert RewardConfig(sources=[{"kind": "fn", "fn": "m:f"}]).only_fn("x").fn == "m:f"
+    for sources in ([{"kind": "fn", "weight": 2.0}], [{"kind": "fn"}, {"kind": "fn", "name": "b"}],
+                    [{"kind": "judge", "url": "http://x/v1"}]):
+        with pytest.raises(ValueError, match="reward.sources: the evaluate flow scores with one reward function"):
+            RewardConfig(sources=sources).only_fn("the evaluate flow")
 
 
 # ---------------------------------------------------------------------------------------------------- judges
@@ -230,9 +245,10 @@ def test_judge_parses_scores_counts_failures_and_sends_the_key(fixed_judge, monk
     sources = RewardSources(cfg)
     out = sources.score(["p0", "p1", "p2", "p3"], ["r0", "r1", "r2", "r3"], ["l0", "l1", "l2", "l3"], [{}] * 4)
     assert out == pytest.approx([0.7, -1.0, -1.0, 0.25])
-    assert sources.take_metrics() == pytest.approx({"reward/judge_mean": (0.7 - 1 - 1 + 0.25) / 4,
-                                                    "reward/judge_parse_failures": 2.0,
-                                                    "reward/judge_request_failures": 0.0})
+    metrics = sources.take_metrics()
+    assert metrics.pop("time/reward_judge") > 0
+    assert metrics == pytest.approx({"reward/judge_mean": (0.7 - 1 - 1 + 0.25) / 4,
+                                     "reward/judge_parse_failures": 2.0, "reward/judge_request_failures": 0.0})
     first = FixedJudge.seen[0]
     assert first["path"] == "/v1/chat/completions" and first["auth"] == "Bearer sk-test-secret-42"
     assert first["body"]["messages"] == [{"role": "system", "content": "You grade."},

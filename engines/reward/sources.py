@@ -6,7 +6,9 @@ request failures) is kept until the reward stage takes the metrics."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -86,15 +88,26 @@ class RewardSources:
         """The weighted sum of every source's score per sample; with `record`, the sources' figures are kept for
         `take_metrics` (evaluation passes False: its samples are not the step's)."""
         prompts, responses, labels, metas = list(prompts), list(responses), list(labels), list(metas)
+
+        def run(scorer: Scorer) -> tuple[list[float], dict[str, float], float]:
+            t0 = time.perf_counter()
+            scores, counts = scorer(prompts, responses, labels, metas)
+            return scores, counts, time.perf_counter() - t0
+
+        if len(self.scorers) == 1:
+            results = [run(self.scorers[0][2])]
+        else:  # a reward model's workers, a judge's server and a function work at the same time
+            with ThreadPoolExecutor(max_workers=len(self.scorers)) as pool:
+                results = list(pool.map(run, [scorer for _, _, scorer in self.scorers]))
         total = np.zeros(len(prompts))
         figures: dict[str, float] = {}
-        for name, weight, scorer in self.scorers:
-            scores, counts = scorer(prompts, responses, labels, metas)
+        for (name, weight, _), (scores, counts, seconds) in zip(self.scorers, results, strict=True):
             if len(scores) != len(prompts):
                 raise RewardError(f"reward source {name!r} gave {len(scores)} scores for {len(prompts)} samples")
             values = np.asarray(scores, dtype=float)
             total += weight * values
             figures[f"{name}_sum"] = float(values.sum())
+            figures[f"{name}_seconds"] = seconds
             figures |= {f"{name}_{k}": float(v) for k, v in counts.items()}
         if record and self.explicit:
             with self._lock:
@@ -104,7 +117,8 @@ class RewardSources:
         return total.tolist()
 
     def take_metrics(self) -> dict[str, float]:
-        """reward/<name>_mean of every source over the samples scored since the last call, and each judge's
+        """reward/<name>_mean of every source over the samples scored since the last call, the seconds it took
+        (time/reward_<name>; sources score concurrently, so they overlap), and each judge's
         reward/<name>_parse_failures and _request_failures (counts), summed over judges as
         reward/judge_parse_failures."""
         with self._lock:
@@ -115,6 +129,7 @@ class RewardSources:
         out: dict[str, Any] = {}
         for name, _, _ in self.scorers:
             out[f"reward/{name}_mean"] = sums.get(f"{name}_sum", 0.0) / n
+            out[f"time/reward_{name}"] = sums.get(f"{name}_seconds", 0.0)
             for k in ("parse_failures", "request_failures"):
                 if f"{name}_{k}" in sums:
                     out[f"reward/{name}_{k}"] = sums[f"{name}_{k}"]
