@@ -137,7 +137,8 @@ def test_reward_fn_recipes_mean_the_same():
     ({"kind": "judge", "url": "http://x/v1", "score_pattern": "("}, "score_pattern: not a regular expression"),
     ({"kind": "judge", "url": "http://x/v1", "min_score": 5, "max_score": 5}, "max_score .* must be above"),
     ({"kind": "judge", "url": "http://u:p@x/v1"}, "url: credentials in the URL"),
-    ({"kind": "judge", "url": "http://x/v1", "api_key_env": "sk-abc"}, "api_key_env"),
+    ({"kind": "judge", "url": "http://x/v1", "api_key_env": "sk-secret-123"}, "api_key_env: expected the NAME"),
+    ({"kind": "judge", "url": "u:sk-secret-123@x/v1"}, "url: credentials in the URL"),
     ({"kind": "model"}, "path: required field is missing"),
     ({"kind": "oracle"}, "reward.sources.0"),
 ])

@@ -281,7 +281,7 @@ class JudgeRewardSource(_RewardSource):
                      "http://host:port/v1 (requests go to <url>/chat/completions or <url>/completions).")
     model: str | None = Field(None, description="The request's model field (a hosted API needs it; the embedded "
                               "server and a one-model SGLang ignore it).")
-    api_key_env: str | None = Field(None, pattern=_ENV_NAME, description="Name of the environment variable "
+    api_key_env: str | None = Field(None, description="Name of the environment variable "
                                     "holding the API key, sent as a bearer token. The key itself never goes in a "
                                     "recipe (recipes are logged to MLflow and Prefect).")
     route: Literal["chat", "completions"] = Field("chat", description="chat: /chat/completions with the rubric as "
@@ -315,13 +315,21 @@ class JudgeRewardSource(_RewardSource):
                              "it in an environment variable and give that variable's name as api_key_env")
         return data
 
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(_ENV_NAME, v):  # the value is not echoed: it may be a key
+            raise ValueError("api_key_env: expected the NAME of an environment variable (letters, digits, _), "
+                             "not the key itself")
+        return v
+
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
+        if "@" in v.split("//", 1)[-1].split("/", 1)[0]:  # checked first: such a URL is never echoed
+            raise ValueError("url: credentials in the URL would be logged; give the key through api_key_env")
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"url: expected an http:// or https:// base URL, got {v!r}")
-        if "@" in v.split("//", 1)[1].split("/", 1)[0]:
-            raise ValueError("url: credentials in the URL would be logged; give the key through api_key_env")
         return v.rstrip("/")
 
     @field_validator("rubric")
