@@ -407,3 +407,11 @@ def test_reward_model_recipe_validates():
         ("fn", "correct", 1.0), ("model", "rm", 0.1), ("judge", "judge", 0.2)]
     assert cfg.reward.sources[2].api_key_env == "JUDGE_API_KEY"
     assert "reward.sources[1].path: no Hugging Face model" in "\n".join(_reward_problems(cfg))
+
+
+def test_a_hung_reward_stage_names_its_sources(tmp_path):
+    from rlflow.tasks.stages import timeout_message  # Prefect's import cost, for this test only
+
+    cfg = config_from_dict(small_recipe(tmp_path, reward={"sources": [{"kind": "fn"}, {
+        "kind": "judge", "name": "grader", "url": "http://127.0.0.1:9/v1"}]}))
+    assert "in reward.sources ['fn', 'grader']" in timeout_message(cfg, "reward", "reward", 3, 10)
