@@ -249,8 +249,8 @@ class ModelRewardSource(_RewardSource):
     path: str = Field(..., description="Local Hugging Face directory of a *ForSequenceClassification model and "
                       "its tokenizer.")
     num_workers: int = Field(1, gt=0, description="Workers of its group; a batch is split evenly among them.")
-    num_gpus: float = Field(1.0, gt=0, le=8, description="GPUs per worker when device is cuda (0.5: two share "
-                            "one GPU, e.g. with a rollout worker's spare memory).")
+    num_gpus: float = Field(1.0, gt=0, le=1, description="The share of a GPU each worker reserves when device is "
+                            "cuda (0.5: two workers share one GPU); a worker holds the whole model on one GPU.")
     nodes: int = Field(1, gt=0, description="Nodes its workers spread over.")
     device: Literal["cpu", "cuda"] | None = Field(None, description="Default: train.device.")
     precision: Literal["fp32", "bf16"] = "fp32"
