@@ -17,6 +17,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -194,12 +195,18 @@ class FixedJudge(BaseHTTPRequestHandler):
     replies: list[str] = ["Score: 7"]
     seen: list[dict] = []
     lock = threading.Lock()
+    delay_s, in_flight, most_in_flight = 0.0, 0, 0
 
     def do_POST(self):  # noqa: N802 - http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with self.lock:
             FixedJudge.seen.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
             reply = self.replies[(len(self.seen) - 1) % len(self.replies)]
+            FixedJudge.in_flight += 1
+            FixedJudge.most_in_flight = max(FixedJudge.most_in_flight, FixedJudge.in_flight)
+        time.sleep(self.delay_s)
+        with self.lock:
+            FixedJudge.in_flight -= 1
         if reply == "503":
             self.send_response(503)
             self.end_headers()
@@ -222,7 +229,7 @@ class FixedJudge(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fixed_judge():
-    FixedJudge.seen = []
+    FixedJudge.seen, FixedJudge.delay_s, FixedJudge.in_flight, FixedJudge.most_in_flight = [], 0.0, 0, 0
     server = ThreadingHTTPServer(("127.0.0.1", 0), FixedJudge)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -277,6 +284,16 @@ def test_judge_retries_transient_errors_and_fails_on_refusal(fixed_judge, caplog
     with pytest.raises(JudgeError, match="answered 401") as err:
         judge.score(["p"], ["r"], ["l"])
     assert "sk-never-logged" not in str(err.value) and err.value.__cause__ is None
+
+
+def test_judge_keeps_to_its_concurrency_limit(fixed_judge):
+    """8 samples, max_concurrency 3, a judge taking 0.2 s a reply: never more than 3 requests in flight, and
+    they do overlap (the batch takes about 3 rounds, not 8)."""
+    FixedJudge.replies, FixedJudge.delay_s = ["Score: 5"], 0.2
+    judge = LLMJudge(_judge(fixed_judge, max_concurrency=3), "reward.sources[0]")
+    t0 = time.perf_counter()
+    assert judge.score(["p"] * 8, ["r"] * 8, ["l"] * 8).scores == [0.5] * 8
+    assert FixedJudge.most_in_flight == 3 and time.perf_counter() - t0 < 8 * 0.2
 
 
 def test_judge_times_out(tmp_path):
