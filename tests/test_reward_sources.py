@@ -432,3 +432,31 @@ def test_a_hung_reward_stage_names_its_sources(tmp_path):
     cfg = config_from_dict(small_recipe(tmp_path, reward={"sources": [{"kind": "fn"}, {
         "kind": "judge", "name": "grader", "url": "http://127.0.0.1:9/v1"}]}))
     assert "in reward.sources ['fn', 'grader']" in timeout_message(cfg, "reward", "reward", 3, 10)
+
+
+def test_session_sums_a_function_and_a_judge(tmp_path, tiny_model_dir):
+    """A run's reward stage with reward.sources [the sort verifier, weight 1; a judge on the embedded server,
+    weight 0.5]: the judge (a random tiny model) fails to parse every reply, scored default_score 0.2, so each
+    sample's reward is its verifier score + 0.1, and the step's metrics count the failures."""
+    judge = TorchRolloutBackend(tiny_model_dir, threads=1, batch_size=32)
+    judge.start_server()
+    try:
+        cfg = config_from_dict(small_recipe(tmp_path, eval={"every": 0}, reward={"sources": [
+            {"kind": "fn", "name": "sort", "fn": "rlflow.engines.data.rewards:sort_reward"},
+            {"kind": "judge", "url": f"{judge.server_url()}/v1", "weight": 0.5, "default_score": 0.2,
+             "max_tokens": 2, "score_pattern": "R{6}", "rubric": "{prompt}{response}"}]}))
+        prepare_data(cfg)
+        session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
+        try:
+            session.rollout(0)
+            metrics = session.reward(0)
+            b = session.rollout_batch(0)
+        finally:
+            session.shutdown()
+    finally:
+        judge.close()
+    n = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    assert metrics["reward/judge_parse_failures"] == n and metrics["reward/judge_mean"] == pytest.approx(0.2)
+    assert metrics["rollout/reward_mean"] == pytest.approx(metrics["reward/sort_mean"] + 0.1)
+    verifier = [r + 0.1 for r in RewardSources(RewardConfig()).score(b.prompt, b.response, b.label, [{}] * n)]
+    assert list(b.reward) == pytest.approx(verifier)
