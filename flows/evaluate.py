@@ -120,8 +120,8 @@ def load_checkpoint(cfg: EvaluationConfig, workdir: str) -> dict:
 def evaluate_shard(cfg: EvaluationConfig, model_dir: str, dataset: str, rows: list[dict], first_prompt: int) -> dict:
     """Generate and reward one shard of a dataset's prompts (`rows`, from prompt `first_prompt` on). Returns plain
     lists (rewards, lengths, sample rows): no tensors through Prefect or Ray results."""
-    e = cfg.eval
-    return generate_and_reward(shard_engine(cfg, model_dir), load_reward_fn(cfg.reward.fn), cfg.reward.kwargs,
+    e, fn = cfg.eval, cfg.reward.only_fn("the evaluate flow")
+    return generate_and_reward(shard_engine(cfg, model_dir), load_reward_fn(fn.fn), fn.kwargs,
                                dataset, rows, first_prompt, e, e.max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
 
 
@@ -217,6 +217,7 @@ def evaluate(
         overrides: KEY.PATH=VALUE changes applied last (e.g. checkpoint=runs/sort-tiny/checkpoints/49).
     """
     cfg = resolve_config(EvaluationConfig, config, recipe, overrides)
+    cfg.reward.only_fn("the evaluate flow")  # before any shard starts: it scores with one function
     workdir = tempfile.mkdtemp(prefix=f"rlflow-eval-{cfg.name}-")
     try:
         source = load_checkpoint(cfg, workdir)

@@ -96,6 +96,7 @@ def pipeline(
     """
     cfg = resolve_config(PipelineConfig, config, recipe, overrides)
     train = load_recipe(cfg.train_recipe, cfg.train_overrides)  # the same file the training stage reads
+    train.reward.only_fn(f"the pipeline's evaluate stage ({cfg.train_recipe})")  # fail before training, not after
 
     run_stage(cfg.train_deployment, {"config": None, "recipe": cfg.train_recipe, "overrides": cfg.train_overrides},
               "train", f"{train.name}-train")

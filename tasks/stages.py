@@ -193,6 +193,8 @@ class StageTimeout(TimeoutError):
 
 def timeout_message(cfg: RLConfig, name: str, field: str, step: int, limit: float) -> str:
     """Which stage of which step, the field of its limit, and the user function it was running, by import path."""
-    user = {"reward": f" in reward.fn {cfg.reward.fn!r}", "rollout": f" in rollout.fn {cfg.rollout.fn!r}"}
+    scorer = (f"reward.sources {[s.name or s.kind for s in cfg.reward.sources]}" if cfg.reward.sources
+              else f"reward.fn {cfg.reward.fn!r}")
+    user = {"reward": f" in {scorer}", "rollout": f" in rollout.fn {cfg.rollout.fn!r}"}
     return (f"stage {name} of step {step} ran longer than orchestration.stage_timeout_s.{field} "
             f"({limit:g} s){user.get(name, '')}; the run resumes from its last checkpoint")

@@ -50,7 +50,8 @@ def train_config(**kw) -> TrainConfig:
 def parallel_worker(rank: int, world: int, tp: int, pp: int, url: str, model_dir: str, hf_dirs: dict[str, str],
                     out: str, resume: str = "") -> None:
     """One rank of a 2-process layout: TP round trips of every family's HF weights (after loading into a
-    TP-sharded model), then a logprob pass and a train step of the backend. Rank 0 writes results as JSON and
+    TP-sharded model; also written as a sharded HF checkpoint into `out + ".hf/<family>"`), then a logprob
+    pass and a train step of the backend. Rank 0 writes results as JSON and
     the final weights as safetensors. Then a checkpoint into `out + ".ckpt"`, and, given `resume` (a checkpoint
     of another layout), its weights loaded into this layout and their logprobs."""
     warnings.filterwarnings("ignore")
@@ -74,7 +75,9 @@ def parallel_worker(rank: int, world: int, tp: int, pp: int, url: str, model_dir
             model = build_model(spec, transformer_config(spec, mcfg, torch.float32, "cpu"), use_te=False,
                                 attention=mcfg.attention)
             load_hf_weights(model, spec, path)
-            exported = WeightExporter(spec, stage_params(model), fused_norms=False).gather(list(_hf_names(path)))
+            exporter = WeightExporter(spec, stage_params(model), fused_norms=False)
+            exported = exporter.gather(list(_hf_names(path)))
+            exporter.save_hf(f"{out}.hf/{family}", max_file_bytes=1 << 12)  # small files: several per stage
             if rank == 0:
                 from safetensors.torch import load_file
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -318,6 +319,18 @@ def test_remax_settings_are_checked(tmp_path):
         with pytest.raises(RecipeError) as e:
             load_recipe(write(tmp_path, raw))
         assert re.search(problem, e.value.problems[0]), e.value.problems
+
+
+def test_staleness_of_two_or_more_without_a_correction_warns(tmp_path):
+    """k >= 2 without algorithm.is_correction learns more slowly (tests/test_e2e.py::test_demo_learns_with_k2_async):
+    the recipe still loads, with a warning that names the fix; with the correction, or at k = 1, no warning."""
+    with pytest.warns(UserWarning, match=r"rollout\.max_staleness 2 .* set algorithm\.is_correction: tis"):
+        load_recipe(write(tmp_path, small_recipe(tmp_path, rollout={"max_staleness": 2})))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        load_recipe(write(tmp_path, small_recipe(tmp_path, rollout={"max_staleness": 2},
+                                                 algorithm={"is_correction": "tis"})))
+        load_recipe(write(tmp_path, small_recipe(tmp_path, rollout={"max_staleness": 1})))
 
 
 def test_off_policy_steps_reads_as_max_staleness_with_a_warning(tmp_path):

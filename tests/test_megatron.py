@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -428,6 +429,7 @@ def parallel_runs(hf_models, tmp_path_factory, mcore):
                                         resume), nprocs=2)
         tp2 = tp2 or target + ".ckpt"
         out[(tp, pp)] = json.loads(Path(target).read_text()), load_file(target + ".safetensors")
+        out["hf", tp, pp] = Path(target + ".hf")
     out["tp2_ckpt"], out["model"] = tp2, dirs["qwen2"]
     return out
 
@@ -439,6 +441,29 @@ def test_round_trip_through_sharded_model_is_bit_exact(parallel_runs, hf_models,
     for family, (_, hf) in hf_models.items():
         assert results[family].pop("__count__") == len(hf)
         assert all(results[family].values()), [n for n, ok in results[family].items() if not ok]
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_hf_export_is_written_by_each_stage(parallel_runs, hf_models, layout):
+    """save_hf writes the HF checkpoint from the shards: tensor-parallel halves rebuilt per tensor, each pipeline
+    stage its own files (never the whole model on one rank), an index naming each tensor's file; every tensor
+    equals the HF original bit for bit and transformers loads the folder as it is."""
+    for family, (_, hf) in hf_models.items():
+        folder = parallel_runs["hf", *layout] / family
+        index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        assert index.keys() == hf.keys()
+        files = sorted(folder.glob("model-*-of-*.safetensors"))
+        assert sorted(set(index.values())) == [f.name for f in files] and len(files) > 2
+        written = {n: t for f in files for n, t in load_file(f).items()}
+        assert written.keys() == hf.keys() and all(torch.equal(written[n], hf[n]) for n in hf), family
+    family = "qwen2"
+    folder = parallel_runs["hf", *layout] / family
+    shutil.copy(Path(hf_models[family][0]) / "config.json", folder)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
+    original = AutoModelForCausalLM.from_pretrained(hf_models[family][0]).eval()
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, original(ids).logits)
 
 
 def test_checkpoint_reshards_tp2_to_tp1_and_pp2(parallel_runs, mcore):

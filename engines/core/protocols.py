@@ -96,6 +96,16 @@ class CriticBackend(Protocol):
     def load(self, path: str | Path, storage: StorageConfig | None = None) -> None: ...
 
 
+class RewardModelBackend(Protocol):
+    """One worker of a reward model's group (reward.sources of kind model): scores whole texts, a batch a call."""
+
+    def score(self, prompts: list, responses: list[str], labels: list) -> list[float]:
+        """One score per (prompt, response): the reward model's logit of its configured class."""
+        ...
+
+    def pid(self) -> int: ...
+
+
 class RolloutBackend(Protocol):
     """One rollout worker: an engine behind an HTTP server that speaks SGLang's API (embedded or SGLang)."""
 

@@ -11,10 +11,19 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from rlflow.engines.core.config import RecipeError, RLConfig, config_from_dict, valid_sections
+from rlflow.engines.core.config import (
+    FnRewardSource,
+    JudgeRewardSource,
+    ModelRewardSource,
+    RecipeError,
+    RLConfig,
+    config_from_dict,
+    valid_sections,
+)
 from rlflow.engines.data.prompts import DataError, load_pairs, load_prompts
-from rlflow.engines.data.rewards import RewardError, load_reward_fn
+from rlflow.engines.data.rewards import RewardError, load_callable, load_reward_fn
 from rlflow.engines.models.hf import rollout_context
+from rlflow.engines.reward.judge import read_api_key
 from rlflow.engines.rollout.functions import load_rollout_fn
 from rlflow.engines.session.workers import check_teacher_vocabulary
 from rlflow.engines.store.run_store import StorageError, replay_source
@@ -75,11 +84,26 @@ def _sft_problems(cfg: RLConfig) -> list[str]:
 
 
 def _reward_problems(cfg: RLConfig) -> list[str]:
-    try:
-        load_reward_fn(cfg.reward.fn)
-    except RewardError as e:
-        return [str(e)]
-    return []
+    """Every reward source loadable: functions import, reward models are on disk, judges' keys are set."""
+    if not cfg.reward.sources:
+        try:
+            load_reward_fn(cfg.reward.fn)
+        except RewardError as e:
+            return [str(e)]
+        return []
+    problems = []
+    for i, src in enumerate(cfg.reward.sources):
+        field = f"reward.sources[{i}]"
+        try:
+            if isinstance(src, FnRewardSource):
+                load_callable(src.fn, f"{field}.fn", RewardError)
+            elif isinstance(src, ModelRewardSource) and not (Path(src.path) / "config.json").is_file():
+                problems.append(f"{field}.path: no Hugging Face model (config.json) in {src.path}")
+            elif isinstance(src, JudgeRewardSource):
+                read_api_key(src, field)
+        except (RewardError, ValueError) as e:
+            problems.append(str(e))
+    return problems
 
 
 def _rollout_fn_problems(cfg: RLConfig) -> list[str]:

@@ -26,10 +26,10 @@ from rlflow.engines.cluster.addresses import LOOPBACK, node_ip
 from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import TEACHER_LOGPROBS, RolloutBatch, TrainBatch, batch_size, select, shard_for_workers
 from rlflow.engines.core.config import RLConfig, StorageConfig
-from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
+from rlflow.engines.core.protocols import CriticBackend, RewardModelBackend, RolloutBackend, TrainBackend, WorkerGroup
 from rlflow.engines.data.prompts import DataError, load_prompts
-from rlflow.engines.data.rewards import compute_rewards, load_reward_fn
 from rlflow.engines.models.hf import encode_prompt, load_tokenizer, prompt_input, rollout_context
+from rlflow.engines.reward.sources import RewardSources
 from rlflow.engines.rollout.dynamic_sampling import collect_groups
 from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample, load_rollout_fn
 from rlflow.engines.rollout.router import start_router
@@ -71,13 +71,15 @@ class StepState:
 class RLSession:
     def __init__(self, cfg: RLConfig, model_path: str, train_group: WorkerGroup[TrainBackend],
                  rollout_group: WorkerGroup[RolloutBackend], critic_group: WorkerGroup[CriticBackend] | None = None,
+                 reward_groups: dict[str, WorkerGroup[RewardModelBackend]] | None = None,
                  teacher_group: WorkerGroup[TrainBackend] | None = None):
         self.cfg, self.model_path = cfg, model_path
         self.train_group, self.rollout_group = train_group, rollout_group
         self.critic_group = critic_group  # the value model's train workers (role "critic"), when the run has one
         self.teacher_group = teacher_group  # on-policy distillation's frozen teacher (role "teacher"), when distilling
         self.tokenizer = load_tokenizer(model_path)
-        self.reward_fn = load_reward_fn(cfg.reward.fn)
+        # the recipe's reward: reward.fn, or the weighted sum of reward.sources (functions, reward models, judges)
+        self.rewards = RewardSources(cfg.reward, reward_groups)
         self.rollout_fn = load_rollout_fn(cfg.rollout.fn)
         self._fn_tokenizer = load_tokenizer(model_path)  # rollout functions' own: HF tokenizers are not thread-safe
         self.runner: RolloutRunner | None = None  # runs rollout_fn against the router (set by create)
@@ -109,7 +111,8 @@ class RLSession:
         self.server_urls: list[str] = []  # each rollout worker's SGLang-compatible server
         self.router = None  # ... and one least-loaded endpoint in front of them (engines/rollout/router.py)
         # the groups with their placement groups, rollout servers' addresses and control token (create sets them)
-        self.workers = Workers(train_group, rollout_group, critic_group, teacher_group)
+        self.workers = Workers(train_group, rollout_group, critic_group, reward=dict(reward_groups or {}),
+                               teacher=teacher_group)
         # colocated: whose turn it is on the shared GPUs (the trainer parks its state while rollout runs)
         self.gpu = ColocatedMemory(cfg, train_group, rollout_group)
 
@@ -120,7 +123,8 @@ class RLSession:
         rollout workers' servers, which rollout functions talk HTTP to."""
         workers = start_workers(cfg, model_path, cfg.cluster.use_ray if use_ray is None else use_ray)
         try:
-            session = cls(cfg, model_path, workers.train, workers.rollout, workers.critic, workers.teacher)
+            session = cls(cfg, model_path, workers.train, workers.rollout, workers.critic, workers.reward,
+                          workers.teacher)
         except BaseException:
             workers.shutdown()
             raise
@@ -140,7 +144,7 @@ class RLSession:
         """Stop what the session started. A part that cannot stop cleanly (a worker of it died with its node) is
         logged and passed over: the workers and their placement groups are released whatever happens."""
         try:
-            for part, stop in (("rollout runner", self.runner and self.runner.close),
+            for part, stop in (("rollout runner", self.runner and self.runner.close), ("judges", self.rewards.close),
                                ("router", self.router and self.router.stop),
                                ("weight transport", self.weight_transport and self.weight_transport.close)):
                 try:
@@ -272,7 +276,7 @@ class RLSession:
         }
         if b.baseline.any():
             metrics["rollout/greedy_reward_mean"] = float(all_rewards[torch.as_tensor(b.baseline)].mean())
-        return metrics
+        return metrics | self.rewards.take_metrics()
 
     def teacher(self, step: int) -> dict[str, float]:
         """On-policy distillation: the teacher's per-token logprobs of the step's sampled tokens (its own stage,
@@ -490,7 +494,8 @@ class RLSession:
         groups = self.runner.run(prompts, self._sampling(self.cfg.eval.temperature))
         b = RolloutBatch.from_samples(prompts, [g[:1] for g in groups])
         responses = self._responses(b.split("output_ids"), b.text)
-        rewards = self._rewards(b.prompt, responses, b.label, b.fn_reward, [r.get("meta", {}) for r in rows])
+        rewards = self._rewards(b.prompt, responses, b.label, b.fn_reward, [r.get("meta", {}) for r in rows],
+                                record=False)
         samples = [
             {"step": step, "prompt": r["prompt"], "response": s, "label": str(r["label"]), "reward": w}
             for r, s, w in zip(rows, responses, rewards, strict=True)
@@ -671,14 +676,14 @@ class RLSession:
         return out
 
     def _rewards(self, prompts: list[str], responses: list[str], labels: list, given: np.ndarray,
-                 metas: list[dict]) -> list[float]:
+                 metas: list[dict], record: bool = True) -> list[float]:
         """The recipe's reward for every sample whose rollout function did not score it (NaN in `given`); `metas`:
-        each sample's row's other columns."""
+        each sample's row's other columns. `record`: the sources' figures count in the step's reward metrics."""
         todo = np.flatnonzero(np.isnan(given)).tolist()
         out = given.astype(float).tolist()
         if todo:
-            scored = compute_rewards(self.reward_fn, [prompts[i] for i in todo], [responses[i] for i in todo],
-                                     [labels[i] for i in todo], self.cfg.reward.kwargs, [metas[i] for i in todo])
+            scored = self.rewards.score([prompts[i] for i in todo], [responses[i] for i in todo],
+                                        [labels[i] for i in todo], [metas[i] for i in todo], record=record)
             for i, r in zip(todo, scored, strict=True):
                 out[i] = r
         return out

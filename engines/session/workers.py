@@ -13,11 +13,18 @@ from transformers import AutoConfig
 from rlflow.engines.cluster.addresses import LOOPBACK
 from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, init_ray
 from rlflow.engines.cluster.placement import Placement, PlacementError, RoleDemand, driver_node_id, place
-from rlflow.engines.core.config import RLConfig
-from rlflow.engines.core.protocols import CriticBackend, RolloutBackend, TrainBackend, WorkerGroup
+from rlflow.engines.core.config import ModelRewardSource, RLConfig
+from rlflow.engines.core.protocols import (
+    CriticBackend,
+    RewardModelBackend,
+    RolloutBackend,
+    TrainBackend,
+    WorkerGroup,
+)
 from rlflow.engines.core.sglang_args import gpus_per_server
 from rlflow.engines.data.builtin_tasks import write_task_files
 from rlflow.engines.models.hf import DTYPES, build_tiny_model, load_tokenizer
+from rlflow.engines.reward.model_worker import SequenceClassifierReward
 from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.store.run_store import workers_write_checkpoints
@@ -26,7 +33,7 @@ from rlflow.engines.sync.transports import TRANSPORTS
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 
 # what the session calls on each group; the recipe's weight transport adds what it needs of either side
-TRAIN, ROLLOUT, CRITIC = (TrainBackend,), (RolloutBackend,), (CriticBackend,)
+TRAIN, ROLLOUT, CRITIC, REWARD = (TrainBackend,), (RolloutBackend,), (CriticBackend,), (RewardModelBackend,)
 
 
 def group_protocols(cfg: RLConfig) -> tuple[tuple[type, ...], tuple[type, ...]]:
@@ -66,6 +73,7 @@ class Workers:
     train: WorkerGroup[TrainBackend]
     rollout: WorkerGroup[RolloutBackend]
     critic: WorkerGroup[CriticBackend] | None = None
+    reward: dict[str, WorkerGroup[RewardModelBackend]] = field(default_factory=dict)  # by reward source name
     teacher: WorkerGroup[TrainBackend] | None = None  # on-policy distillation's frozen teacher (forward_logprobs)
     placements: list[Placement] = field(default_factory=list)
     spans_nodes: bool = False
@@ -78,7 +86,7 @@ class Workers:
 
     def shutdown(self) -> None:
         """Stop every worker, then release the placement groups they ran in."""
-        for group in (self.train, self.rollout, self.critic, self.teacher):
+        for group in (self.train, self.rollout, self.critic, self.teacher, *self.reward.values()):
             if group is not None:
                 group.shutdown()
         for placement in self.placements:
@@ -111,6 +119,10 @@ def start_workers(cfg: RLConfig, model_path: str, use_ray: bool) -> Workers:
             local.critic = LocalWorkerGroup([TorchTrainBackend(**make_critic(0))], protocols=CRITIC)
         if make_teacher:
             local.teacher = LocalWorkerGroup([TorchTrainBackend(**make_teacher(0))], protocols=TRAIN)
+        for i, src in reward_models(cfg):
+            make = reward_model_kwargs(cfg, src, i)
+            local.reward[str(src.name)] = LocalWorkerGroup([SequenceClassifierReward(**make(r))
+                                                            for r in range(src.num_workers)], protocols=REWARD)
         return local
     init_ray(cfg.cluster)
     return ray_workers(cfg, train_cls, make_train, make_rollout, make_critic, n_train, n_rollout, make_teacher)
@@ -216,6 +228,27 @@ def rollout_kwargs(cfg: RLConfig, model_path: str):
     return make
 
 
+def reward_models(cfg: RLConfig) -> list[tuple[int, ModelRewardSource]]:
+    """The recipe's reward-model sources with their index in reward.sources (named in errors and placement)."""
+    return [(i, s) for i, s in enumerate(cfg.reward.resolved_sources()) if isinstance(s, ModelRewardSource)]
+
+
+def reward_model_device(cfg: RLConfig, src: ModelRewardSource) -> str:
+    return src.device or cfg.train.device
+
+
+def reward_model_kwargs(cfg: RLConfig, src: ModelRewardSource, index: int):
+    """Constructor arguments of a reward model's worker `rank` (every rank holds the whole model)."""
+
+    def make(rank: int) -> dict:
+        return dict(path=src.path, device=reward_model_device(cfg, src), dtype=DTYPES[src.precision],
+                    batch_size=src.batch_size, max_length=src.max_length, template=src.template,
+                    chat_template=src.chat_template, label=src.label, threads=cfg.train.threads,
+                    field=f"reward.sources[{index}]")
+
+    return make
+
+
 def role_demands(cfg: RLConfig, n_train: int, n_rollout: int, critic: bool, teacher: bool = False
                  ) -> list[RoleDemand]:
     """What each role asks of the cluster: one GPU per train or critic worker, one per rollout worker (an SGLang
@@ -241,6 +274,9 @@ def role_demands(cfg: RLConfig, n_train: int, n_rollout: int, critic: bool, teac
                                   bundle(1.0 if cfg.train.device == "cuda" else 0.0)))
     if teacher:  # the distillation teacher: its own placement group, also when colocated
         demands.append(RoleDemand("teacher", cfg.distill.num_workers, cfg.distill.nodes, bundle(teacher_gpus(cfg))))
+    for i, src in reward_models(cfg):  # each reward model: a placement of its own
+        gpus = src.num_gpus if reward_model_device(cfg, src) == "cuda" else 0.0
+        demands.append(RoleDemand(f"reward.sources[{i}]", src.num_workers, src.nodes, bundle(gpus)))
     return demands
 
 
@@ -307,6 +343,11 @@ def ray_workers(cfg: RLConfig, train_cls: type, make_train, make_rollout, make_c
             workers.teacher = RayWorkerGroup(TorchTrainBackend, cfg.distill.num_workers, make_teacher, cpus,
                                              f"{name}-teacher", teacher_gpus(cfg), placements["teacher"], TRAIN,
                                              rendezvous=True)
+        for i, src in reward_models(cfg):
+            gpus = src.num_gpus if reward_model_device(cfg, src) == "cuda" else 0.0
+            workers.reward[str(src.name)] = RayWorkerGroup(
+                SequenceClassifierReward, src.num_workers, reward_model_kwargs(cfg, src, i), cpus,
+                f"{name}-reward-{src.name}", gpus, placements[f"reward.sources[{i}]"], REWARD)
     except BaseException:
         workers.shutdown()
         raise

@@ -407,17 +407,16 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
 
     @_on_device
     def save(self, path: str | Path, storage: StorageConfig | None = None) -> None:
-        """HF model (rank 0), this rank's optimizer shard, and schedule/RNG state: safetensors + JSON. Collective.
-        Local folders only: the run uploads them (`storage` is the torch backend's straight-to-store path)."""
+        """The HF model (written by each pipeline stage, never gathered on one rank), this rank's model shards and
+        optimizer shard, and schedule/RNG state: safetensors + JSON. Collective. Local folders only: the run
+        uploads them (`storage` is the torch backend's straight-to-store path)."""
         self._resident("save", optimizer=True)
         _local_only(storage)
         path = Path(path)
         (path / "model").mkdir(parents=True, exist_ok=True)
-        weights = self.named_tensors()
+        self.exporter.save_hf(path / "model")
         if self.rank == 0:
-            save_file({n: t.contiguous() for n, t in weights}, str(path / "model" / "model.safetensors"))
             self.hf_config.save_pretrained(path / "model")
-        del weights
         save_shards(self.core, path / "model_shards", self.rank)  # this rank's own slices: loads on any layout
         tensors, scalars = optimizer_state(self.optimizer)
         save_file(tensors, str(path / f"optimizer_rank{self.rank}.safetensors"))
