@@ -15,6 +15,7 @@ LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"
 SUM_AGG_MODES = ("token_sum",)  # no denominator: micro-batch losses add up as they are
 # metrics that are loss_agg aggregates of a loss term: over micro-batches they add up like the loss, not like a mean
 AGGREGATED_METRICS = frozenset({"loss", "pg_loss", "kl", "entropy", "value_loss", "distill_loss", "distill_kl"})
+TOPK_DISTILL_LOSSES = ("forward_kl", "jsd")  # need the teacher's top-k log-probs, not only the sampled token's
 LOG_RATIO_CLAMP = 20.0  # |log(p / p_old)| beyond this is clamped (verl's bound): exp() stays finite
 GSPO_SEQ_LOG_RATIO_MAX = 10.0  # GSPO's sequence log-ratio is clamped above at this (verl's bound)
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
@@ -22,7 +23,7 @@ POLICY_LOSSES = ("ppo", "gspo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov")
 IS_CORRECTIONS = ("none", "tis", "icepop")
 IS_LEVELS = ("token", "sequence")
 REJECTIONS = ("none", "token", "sequence", "geometric")
-DISTILL_LOSSES = ("reverse_kl",)
+DISTILL_LOSSES = ("reverse_kl", "forward_kl", "jsd")
 
 
 # ----------------------------------------------------------------------------- logits -> per-token quantities
@@ -944,6 +945,49 @@ def distill_loss(
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
+def topk_distill_loss(
+    student_topk_logprobs: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss: str = "forward_kl",
+    beta: float = 0.5,
+    loss_agg: str = "token_mean",
+    norm_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Distillation over the teacher's top-k tokens at each position (verl's forward_kl_topk): both [B, T, K]
+    log-probabilities of the same K token ids, the teacher's k likeliest (teacher_topk_logprobs, constants) and
+    the student's at those ids (with gradient), each under its own full softmax (not renormalised on the k).
+
+    forward_kl: sum_k q_k (log q_k - log p_k), KL(teacher || student) restricted to the teacher's top k (the
+    whole forward KL when k is the vocabulary); its gradient is -sum_k q_k grad log p_k, mode-covering.
+    jsd: the generalised Jensen-Shannon divergence of GKD (arXiv:2306.13649) on the same support,
+    beta KL(q || m) + (1 - beta) KL(p || m) with m = beta q + (1 - beta) p, beta in (0, 1).
+    Aggregated over the mask like the policy loss. Metrics: distill_loss, distill_kl (the top-k forward KL,
+    whichever the loss), distill_teacher_mass (sum_k q_k: how much of the teacher's distribution the k cover).
+    """
+    if loss not in TOPK_DISTILL_LOSSES:
+        raise ValueError(f"topk_distill_loss: unknown loss {loss!r}; expected one of {', '.join(TOPK_DISTILL_LOSSES)}")
+    if loss == "jsd" and not 0.0 < beta < 1.0:
+        raise ValueError(f"topk_distill_loss: jsd needs 0 < beta < 1, got {beta}")
+    valid = (mask > 0)[..., None]
+    log_q = torch.where(valid, teacher_topk_logprobs.detach().float(), 0.0)
+    log_p = torch.where(valid, student_topk_logprobs.float(), 0.0)
+    q = log_q.exp()
+    forward = (q * (log_q - log_p)).sum(-1)
+    if loss == "forward_kl":
+        per_token = forward
+    else:
+        p = log_p.exp()
+        log_m = torch.logsumexp(torch.stack([log_q + math.log(beta), log_p + math.log(1 - beta)]), dim=0)
+        per_token = beta * (q * (log_q - log_m)).sum(-1) + (1 - beta) * (p * (log_p - log_m)).sum(-1)
+    value = aggregate_loss(per_token, mask, loss_agg, norm_len)
+    with torch.no_grad():
+        metrics = {"distill_loss": value.detach(), "distill_kl": aggregate_loss(forward, mask, loss_agg, norm_len),
+                   "distill_teacher_mass": masked_mean(q.sum(-1), mask)}
+    return value, metrics
+
+
 def rl_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -980,6 +1024,10 @@ def rl_loss(
     distill_estimator: str = "k1",
     distill_policy_gradient: bool = True,
     distill_alone: bool = False,
+    distill_loss_name: str = "reverse_kl",
+    distill_beta: float = 0.5,
+    student_topk_logprobs: torch.Tensor | None = None,
+    teacher_topk_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The training objective: policy loss + kl_coef * KL to the reference - entropy_coef * entropy
     (+ distill_coef * distill_loss).
@@ -1003,7 +1051,9 @@ def rl_loss(
     On-policy distillation (DistillConfig.loss_kwargs): with teacher_logprobs and distill_coef > 0,
     distill_coef * distill_loss (estimator distill_estimator, distill_policy_gradient; clipped, aggregated and
     importance-weighted like the policy loss) is added; distill_alone drops the policy loss (the task reward's
-    gradient) and keeps the distillation, KL and entropy terms. pg_loss is reported either way.
+    gradient) and keeps the distillation, KL and entropy terms. pg_loss is reported either way. With
+    distill_loss_name forward_kl or jsd (distill_beta) the term is topk_distill_loss of student_topk_logprobs
+    against teacher_topk_logprobs ([B, T, K], the teacher's top-k ids) instead.
     Metrics: those of the policy loss, of importance_weights (when rollout_logprobs are given), pg_loss,
     kl (when computed), entropy (when given), those of distill_loss (when distilling), loss.
     """
@@ -1038,7 +1088,16 @@ def rl_loss(
         raise ValueError(f"rl_loss: unknown policy {policy!r}; expected one of {', '.join(POLICY_LOSSES)}")
     metrics |= is_metrics
     metrics["pg_loss"] = loss.detach()
-    if distill_coef > 0:
+    if distill_coef > 0 and distill_loss_name in TOPK_DISTILL_LOSSES:
+        if student_topk_logprobs is None or teacher_topk_logprobs is None:
+            raise ValueError(f"rl_loss: distillation by {distill_loss_name} needs student_topk_logprobs and "
+                             "teacher_topk_logprobs (the teacher's top-k pass of the batch)")
+        distill, distill_metrics = topk_distill_loss(student_topk_logprobs, teacher_topk_logprobs, mask,
+                                                     loss=distill_loss_name, beta=distill_beta, loss_agg=loss_agg,
+                                                     norm_len=norm_len)
+        loss = distill_coef * distill if distill_alone else loss + distill_coef * distill
+        metrics |= distill_metrics
+    elif distill_coef > 0:
         if teacher_logprobs is None:
             raise ValueError("rl_loss: distill_coef > 0 needs teacher_logprobs (the teacher's pass of the batch)")
         distill, distill_metrics = distill_loss(

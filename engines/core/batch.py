@@ -11,7 +11,9 @@ exactly the logprobs the policy is trained on. `to_train_batch` makes input_ids,
 old_logprobs and advantages; the stages add the columns they compute over the whole step, in the same [N, L]
 layout: ref_logprobs, rollout_logprobs (the train engine's become old_logprobs), is_weights, and
 `teacher_logprobs` (on-policy distillation: the teacher's log-probabilities of the student's sampled tokens, from
-the teacher stage; TEACHER_LOGPROBS). They are recomputed from the persisted samples on resume, never stored.
+the teacher stage; TEACHER_LOGPROBS), or for the top-k losses `teacher_topk_ids` and `teacher_topk_logprobs`
+([N, L, k]: a trailing dimension that micro-batching keeps). They are recomputed from the persisted samples on
+resume, never stored.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import torch
 
 TrainBatch = dict[str, torch.Tensor]
 TEACHER_LOGPROBS = "teacher_logprobs"  # the distillation teacher's column of a TrainBatch
+# ... and with distill.loss forward_kl / jsd its top-k at each position, [N, L, k] each
+TEACHER_TOPK_IDS, TEACHER_TOPK_LOGPROBS = "teacher_topk_ids", "teacher_topk_logprobs"
 
 # one row per sample; `response` and `reward` are null until the reward stage has run
 ROLLOUT_SCHEMA = pa.schema([

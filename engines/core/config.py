@@ -770,12 +770,17 @@ class DistillConfig(Section):
         "our loaders take, larger than the student or not, with the student's tokenizer (the same vocabulary: "
         "checked at the start).",
     )
-    loss: Literal["reverse_kl"] = Field(
+    loss: Literal["reverse_kl", "forward_kl", "jsd"] = Field(
         "reverse_kl", description="reverse_kl: KL(student || teacher) estimated on the student's sampled tokens "
         "from the teacher's per-token logprobs (verl's k1/k3 estimator modes, Thinking Machines' on-policy "
-        "distillation). Forward KL and JSD need the teacher's distribution beyond the sampled token (verl's "
-        "forward_kl_topk): not offered yet.",
+        "distillation). forward_kl: KL(teacher || student) over the teacher's top_k tokens at each position "
+        "(verl's forward_kl_topk); jsd: GKD's generalised Jensen-Shannon divergence (beta) on the same top_k "
+        "(train.backend torch).",
     )
+    top_k: int = Field(32, gt=0, description="forward_kl / jsd: the teacher's likeliest tokens per position the "
+                       "divergence is taken over.")
+    beta: float = Field(0.5, gt=0.0, lt=1.0, description="jsd: the teacher's weight in the mixture m = beta q + "
+                        "(1 - beta) p.")
     estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
         "k1", description="Per-token KL estimator (as algorithm.kl_estimator). With policy_gradient its negation, "
         "taken at the sampling policy, is the token's advantage (k1: log q - log p, the reverse-KL gradient); "
@@ -809,7 +814,13 @@ class DistillConfig(Section):
         if not self.enabled:
             return {}
         return {"distill_coef": self.coef, "distill_estimator": self.estimator,
-                "distill_policy_gradient": self.policy_gradient, "distill_alone": self.mode == "alone"}
+                "distill_policy_gradient": self.policy_gradient, "distill_alone": self.mode == "alone",
+                "distill_loss_name": self.loss, "distill_beta": self.beta}
+
+    @property
+    def uses_top_k(self) -> bool:
+        """The loss needs the teacher's top-k log-probs and ids (forward_kl, jsd), not its sampled-token ones."""
+        return self.loss in ("forward_kl", "jsd")
 
 
 class MegatronConfig(Section):
@@ -1168,6 +1179,14 @@ class RLConfig(Section):
                 raise ValueError(f"distill.teacher_path: distill.{', distill.'.join(changed)} set without a teacher "
                                  "(set distill.teacher_path to the teacher's HF directory)")
             return
+        for keys, applies in ((("estimator", "policy_gradient"), not d.uses_top_k), (("top_k",), d.uses_top_k),
+                              (("beta",), d.loss == "jsd")):
+            wrong = [k for k in keys if k in changed and not applies]
+            if wrong:
+                raise ValueError(f"distill.{', distill.'.join(wrong)}: does not apply to distill.loss {d.loss!r}")
+        if d.uses_top_k and self.train.backend != "torch":
+            raise ValueError(f"distill.loss: {d.loss} takes the student's logprobs of the teacher's top-k tokens "
+                             "inside the torch backend's LM head; train.backend megatron offers reverse_kl only")
         if batch % d.num_workers:
             raise ValueError(f"distill.num_workers: the step's samples, {self._step_samples_text} = {batch}, must "
                              f"divide evenly into {d.num_workers} teacher workers")

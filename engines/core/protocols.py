@@ -80,6 +80,14 @@ class TrainBackend(Protocol):
     def num_parameters(self) -> int: ...
 
 
+class TeacherBackend(Protocol):
+    """A distillation teacher's rank that also gives its top-k distribution (distill.loss forward_kl / jsd)."""
+
+    def forward_topk(self, batch: TrainBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [N, L, k], logprobs [N, L, k]): the k likeliest tokens at each position, aligned with input_ids."""
+        ...
+
+
 class CriticBackend(Protocol):
     """One rank of the value model's worker group (PPO with GAE)."""
 

@@ -58,8 +58,9 @@ class PackedRows:
                    tuple(input_ids.shape))
 
     def unpack(self, flat: torch.Tensor) -> torch.Tensor:
-        """Per-token values [T] back into the padded [rows, width] layout (0 at padding)."""
-        out = flat.new_zeros(self.shape)
+        """Per-token values [T] (or [T, K]) back into the padded [rows, width] (or [rows, width, K]) layout (0 at
+        padding)."""
+        out = flat.new_zeros(self.shape + tuple(flat.shape[1:]))
         out[self.rows, self.cols] = flat
         return out
 
@@ -157,29 +158,61 @@ class PackedLM(torch.nn.Module):
             for layer in self.body.layers:  # FSDP2's gather hooks stay outside the compiled code
                 layer.forward = torch.compile(layer.forward, dynamic=True)
 
-    def forward(self, packed: PackedRows, temperature: float = 1.0, with_entropy: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, packed: PackedRows, temperature: float = 1.0, with_entropy: bool = False,
+                other_ids: torch.Tensor | None = None, top_k: int = 0) -> tuple[torch.Tensor, ...]:
         """Policy: (logprobs [T], entropy [T] or None), aligned with the tokens: entry t is about token t given
         the tokens before it in its sample (0 at each sample's first token). Critic: (values [T], None), entry t
-        the value of the state before token t."""
+        the value of the state before token t. `other_ids` [T, K] (aligned with the tokens like the result):
+        also the logprobs [T, K] of those ids at each position, from the same distributions, with their
+        gradient (on-policy distillation's top-k terms), as a third result. `top_k` > 0 (no gradient): instead,
+        the k likeliest tokens at each position, (ids [T, k], logprobs [T, k]) aligned the same way: a
+        distillation teacher's top k. One method, so FSDP2's hooks on it gather the weights either way."""
         hidden = self.body(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None],
                            packed=packed).last_hidden_state[0]
-        first = torch.zeros_like(packed.input_ids, dtype=torch.bool)
-        first[packed.cu_seqlens[:-1].long()] = True
+        if top_k:
+            return self._top_k(packed, hidden, temperature, top_k)
+        first = _first_tokens(packed)
         if self.critic:  # the head's output at t - 1 has seen x_<t
             values = self.model.score(hidden)[:, 0].float()
             return _shift_right(values, first), None
-        head = self.model.lm_head
         targets = torch.roll(packed.input_ids, -1)  # token t+1, read from hidden t (wrapped ends are masked)
-        device = hidden.device.type  # under autocast, the head's matmuls run in its dtype, backward included
+        if other_ids is not None:  # ids of token t+1's position, read from hidden t as well
+            targets = torch.cat([targets[:, None], torch.roll(other_ids, -1, dims=0)], dim=1)
+        hidden, weight = self._head_inputs(hidden)
+        logprobs, entropy = ChunkedHeadLogprobs.apply(hidden, weight, targets, temperature, self.chunk_tokens,
+                                                      with_entropy)
+        entropy = _shift_right(entropy, first) if with_entropy else None
+        if other_ids is None:
+            return _shift_right(logprobs, first), entropy
+        return _shift_right(logprobs[:, 0], first), entropy, _shift_right(logprobs[:, 1:], first)
+
+    @torch.no_grad()
+    def _top_k(self, packed: PackedRows, hidden: torch.Tensor, temperature: float, k: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k likeliest next tokens at each position: (ids [T, k], logprobs [T, k]) aligned with the tokens
+        (entry t: the distribution of token t given the tokens before it; 0 at each sample's first token), a
+        chunk of [tokens, vocab] logits at a time."""
+        hidden, weight = self._head_inputs(hidden)
+        n = hidden.shape[0]
+        ids = torch.zeros(n, k, dtype=torch.long, device=hidden.device)
+        logprobs = torch.zeros(n, k, dtype=torch.float32, device=hidden.device)
+        for a in range(0, n, self.chunk_tokens):
+            top = _chunk_logp(hidden[a:a + self.chunk_tokens], weight, temperature).topk(k, dim=-1)
+            logprobs[a:a + self.chunk_tokens], ids[a:a + self.chunk_tokens] = top.values, top.indices
+        first = _first_tokens(packed)
+        return _shift_right(ids, first), _shift_right(logprobs, first)
+
+    def _head_inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states and LM head weight in the dtype the head's matmuls run in (under autocast its
+        dtype, backward included)."""
+        device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-        logprobs, entropy = ChunkedHeadLogprobs.apply(hidden.to(dtype), head.weight.to(dtype), targets,
-                                                      temperature, self.chunk_tokens, with_entropy)
-        return _shift_right(logprobs, first), _shift_right(entropy, first) if with_entropy else None
+        return hidden.to(dtype), self.model.lm_head.weight.to(dtype)
 
 
 class ChunkedHeadLogprobs(torch.autograd.Function):
-    """log p(target) and entropy of softmax(scaled_logits(hidden @ weight.T, temperature)), chunk by chunk.
+    """log p(target) (targets [T], or [T, M]: M per token) and entropy of softmax(scaled_logits(hidden @ weight.T,
+    temperature)), chunk by chunk.
 
     The [tokens, vocab] logits of one chunk exist at a time, in fp32: once in the forward pass, once again in
     the backward pass, where the gradient of the logits is formed in place and multiplied out at once. One
@@ -192,11 +225,12 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):
         ctx.set_materialize_grads(False)
         n = hidden.shape[0]
-        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        entropy = torch.zeros_like(logprobs)
+        logprobs = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        columns = targets if targets.dim() == 2 else targets[:, None]
         for a in range(0, n, chunk):
             logp = _chunk_logp(hidden[a:a + chunk], weight, temperature)
-            logprobs[a:a + chunk] = logp.gather(-1, targets[a:a + chunk, None])[:, 0]
+            logprobs[a:a + chunk] = logp.gather(-1, columns[a:a + chunk]).reshape(logprobs[a:a + chunk].shape)
             if with_entropy:
                 entropy[a:a + chunk] = entropy_from_logprobs(logp)
         ctx.save_for_backward(hidden, weight, targets, entropy)
@@ -209,20 +243,23 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         if grad_logprobs is None:
-            grad_logprobs = torch.zeros_like(entropy)
+            grad_logprobs = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+        if targets.dim() == 1:  # one target per token, or several ([T, M]: each gets its own gradient)
+            targets, grad_logprobs = targets[:, None], grad_logprobs[:, None]
         scale = 1.0 / ctx.temperature if ctx.temperature > 0 else 1.0  # d(scaled logits) / d(logits)
         for a in range(0, hidden.shape[0], ctx.chunk):
             b = min(a + ctx.chunk, hidden.shape[0])
             logp = _chunk_logp(hidden[a:b], weight, ctx.temperature)
             p = logp.exp()
-            g = grad_logprobs[a:b, None]
+            g = grad_logprobs[a:b]
+            total = g.sum(-1, keepdim=True)  # d log p_j / dz = onehot_j - p: the -p parts add up
             if grad_entropy is not None:  # -p (log p + H) * dH, with 0 * -inf read as 0 where p = 0
                 finite = torch.where(logp.isfinite(), logp, 0.0)
                 dz = p * (finite + entropy[a:b, None]) * -grad_entropy[a:b, None]
-                dz -= p * g
+                dz -= p * total
             else:
-                dz = p.mul_(-g)
-            dz.scatter_add_(-1, targets[a:b, None], g)
+                dz = p.mul_(-total)
+            dz.scatter_add_(-1, targets[a:b], g)
             dz = (dz * scale).to(hidden.dtype)
             grad_hidden[a:b] = dz @ weight
             grad_weight += (dz.T @ hidden[a:b]).float()
@@ -233,7 +270,15 @@ def _chunk_logp(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) 
     return torch.log_softmax(scaled_logits(hidden @ weight.T, temperature), dim=-1)
 
 
+def _first_tokens(packed: PackedRows) -> torch.Tensor:
+    """[T] True at each sample's first token of the packed stream."""
+    first = torch.zeros_like(packed.input_ids, dtype=torch.bool)
+    first[packed.cu_seqlens[:-1].long()] = True
+    return first
+
+
 def _shift_right(x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """Entry t of the result is entry t-1 of x, and 0 at each sample's first token."""
-    out = torch.roll(x, 1)
-    return torch.where(first, torch.zeros_like(out), out)
+    """Row t of the result ([T] or [T, K]) is row t-1 of x, and 0 at each sample's first token."""
+    out = torch.roll(x, 1, dims=0)
+    mask = first if x.dim() == 1 else first[:, None]
+    return torch.where(mask, torch.zeros_like(out), out)

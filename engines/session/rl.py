@@ -24,9 +24,25 @@ import torch
 
 from rlflow.engines.cluster.addresses import LOOPBACK, node_ip
 from rlflow.engines.core import algorithms
-from rlflow.engines.core.batch import TEACHER_LOGPROBS, RolloutBatch, TrainBatch, batch_size, select, shard_for_workers
+from rlflow.engines.core.batch import (
+    TEACHER_LOGPROBS,
+    TEACHER_TOPK_IDS,
+    TEACHER_TOPK_LOGPROBS,
+    RolloutBatch,
+    TrainBatch,
+    batch_size,
+    select,
+    shard_for_workers,
+)
 from rlflow.engines.core.config import RLConfig, StorageConfig
-from rlflow.engines.core.protocols import CriticBackend, RewardModelBackend, RolloutBackend, TrainBackend, WorkerGroup
+from rlflow.engines.core.protocols import (
+    CriticBackend,
+    RewardModelBackend,
+    RolloutBackend,
+    TeacherBackend,
+    TrainBackend,
+    WorkerGroup,
+)
 from rlflow.engines.data.prompts import DataError, load_prompts
 from rlflow.engines.models.hf import encode_prompt, load_tokenizer, prompt_input, rollout_context
 from rlflow.engines.reward.sources import RewardSources
@@ -63,6 +79,7 @@ class StepState:
     is_weights: torch.Tensor | None = None  # [N, L] importance weights computed over the whole batch
     kl_coef: float | None = None  # the KL-in-reward coefficient this step used (adaptive kl_ctrl moves it)
     teacher_logprobs: torch.Tensor | None = None  # [N, L] the distillation teacher's, aligned with the packed batch
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None  # ... or its top-k (ids, logprobs) [N, L, k]
 
 
 
@@ -288,6 +305,8 @@ class RLSession:
             return {}
         st = self._state(step)
         batch = self._pack(st, torch.zeros(len(st.batch)))
+        if self.cfg.distill.uses_top_k:
+            return self._teacher_topk(st, batch)
         st.teacher_logprobs = self._group_logprobs(self.teacher_group, batch)
         mask, student = batch["loss_mask"], batch["old_logprobs"]
         return {
@@ -295,6 +314,21 @@ class RLSession:
             "distill/teacher_logprob_mean": float(algorithms.masked_mean(st.teacher_logprobs, mask)),
             "distill/student_logprob_mean": float(algorithms.masked_mean(student, mask)),
         }
+
+    def _teacher_topk(self, st: StepState, batch: TrainBatch) -> dict[str, float]:
+        """distill.loss forward_kl / jsd: the teacher's top_k tokens at each position, each worker on its slice.
+        distill/teacher_topk_mass: how much of the teacher's distribution the k cover; distill/sampled_in_topk:
+        the share of the student's sampled tokens among them (rises as the student learns)."""
+        n, k = len(self.teacher_group), self.cfg.distill.top_k
+        per = batch_size(batch) // n
+        parts = self.teacher_group.call_each(TeacherBackend.forward_topk,
+                                             [(select(batch, slice(w * per, (w + 1) * per)), k) for w in range(n)])
+        ids, logprobs = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        st.teacher_topk = (ids, logprobs)
+        mask = batch["loss_mask"]
+        sampled = (ids == batch["input_ids"][..., None]).any(-1).float()
+        return {"distill/teacher_topk_mass": float(algorithms.masked_mean(logprobs.exp().sum(-1), mask)),
+                "distill/sampled_in_topk": float(algorithms.masked_mean(sampled, mask))}
 
     def advantages(self, step: int) -> dict[str, float]:
         """Rewards -> advantages: overlong shaping and KL-in-reward first, then the recipe's estimator.
@@ -436,10 +470,13 @@ class RLSession:
         if st.is_weights is not None:
             batch["is_weights"] = st.is_weights
         if self.teacher_group is not None:
-            if st.teacher_logprobs is None:
+            if st.teacher_logprobs is None and st.teacher_topk is None:
                 raise RuntimeError(f"step {step}: distill.teacher_path is set but the teacher stage has not scored "
                                    "this step's samples (run it before train)")
-            batch[TEACHER_LOGPROBS] = st.teacher_logprobs
+            if st.teacher_topk is not None:
+                batch[TEACHER_TOPK_IDS], batch[TEACHER_TOPK_LOGPROBS] = st.teacher_topk
+            else:
+                batch[TEACHER_LOGPROBS] = st.teacher_logprobs
         t0 = time.perf_counter()
         critic = self._submit_critic_step(st, batch)  # the critic trains beside the policy (other actors)
         metrics = {"train/staleness_mean": float(staleness.mean()), "train/staleness_max": float(staleness.max())}

@@ -18,6 +18,7 @@ from rlflow.engines.core.protocols import (
     CriticBackend,
     RewardModelBackend,
     RolloutBackend,
+    TeacherBackend,
     TrainBackend,
     WorkerGroup,
 )
@@ -33,6 +34,7 @@ from rlflow.engines.sync.transports import TRANSPORTS
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 
 # what the session calls on each group; the recipe's weight transport adds what it needs of either side
+TEACHER = (TrainBackend, TeacherBackend)  # the distillation teacher: logprobs of the sampled tokens, or its top k
 TRAIN, ROLLOUT, CRITIC, REWARD = (TrainBackend,), (RolloutBackend,), (CriticBackend,), (RewardModelBackend,)
 
 
@@ -118,7 +120,7 @@ def start_workers(cfg: RLConfig, model_path: str, use_ray: bool) -> Workers:
         if make_critic:
             local.critic = LocalWorkerGroup([TorchTrainBackend(**make_critic(0))], protocols=CRITIC)
         if make_teacher:
-            local.teacher = LocalWorkerGroup([TorchTrainBackend(**make_teacher(0))], protocols=TRAIN)
+            local.teacher = LocalWorkerGroup([TorchTrainBackend(**make_teacher(0))], protocols=TEACHER)
         for i, src in reward_models(cfg):
             make = reward_model_kwargs(cfg, src, i)
             local.reward[str(src.name)] = LocalWorkerGroup([SequenceClassifierReward(**make(r))
@@ -341,7 +343,7 @@ def ray_workers(cfg: RLConfig, train_cls: type, make_train, make_rollout, make_c
                                             placements["critic"], CRITIC, rendezvous=True)
         if make_teacher:
             workers.teacher = RayWorkerGroup(TorchTrainBackend, cfg.distill.num_workers, make_teacher, cpus,
-                                             f"{name}-teacher", teacher_gpus(cfg), placements["teacher"], TRAIN,
+                                             f"{name}-teacher", teacher_gpus(cfg), placements["teacher"], TEACHER,
                                              rendezvous=True)
         for i, src in reward_models(cfg):
             gpus = src.num_gpus if reward_model_device(cfg, src) == "cuda" else 0.0

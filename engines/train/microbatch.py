@@ -47,7 +47,7 @@ def packed_micro_batches(
     for rows in token_budget_groups(lengths, max_tokens, max_rows):
         index = torch.tensor(rows)
         width = max(lengths[i] for i in rows)
-        out.append((rows, {k: v[index][:, :width] if v.dim() == 2 else v[index] for k, v in batch.items()}))
+        out.append((rows, {k: v[index][:, :width] if v.dim() >= 2 else v[index] for k, v in batch.items()}))
     return out
 
 

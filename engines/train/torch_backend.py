@@ -29,9 +29,16 @@ import torch
 import torch.distributed as dist
 
 from rlflow.engines.core import algorithms
-from rlflow.engines.core.batch import TEACHER_LOGPROBS, TrainBatch, batch_size, select
+from rlflow.engines.core.batch import (
+    TEACHER_LOGPROBS,
+    TEACHER_TOPK_IDS,
+    TEACHER_TOPK_LOGPROBS,
+    TrainBatch,
+    batch_size,
+    select,
+)
 from rlflow.engines.core.config import AlgorithmConfig, DistillConfig, StorageConfig, TrainConfig
-from rlflow.engines.core.protocols import CriticBackend, TrainBackend
+from rlflow.engines.core.protocols import CriticBackend, TeacherBackend, TrainBackend
 from rlflow.engines.models.hf import DTYPES, load_model, load_value_model
 from rlflow.engines.models.packed import PackedLM, PackedRows
 from rlflow.engines.store.run_store import RunStore
@@ -65,8 +72,8 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
-class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, StoreSender, IpcSender, NcclSender,
-                        GpuLinkProbe):
+class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, TeacherBackend, StoreSender, IpcSender,
+                        NcclSender, GpuLinkProbe):
     """One FSDP2 rank of the policy (or, as role "critic", of the value model)."""
 
     def __init__(
@@ -136,6 +143,14 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
         out, entropy = lm(packed, self.temperature if temperature is None else temperature, with_entropy)
         return packed.unpack(out), None if entropy is None else packed.unpack(entropy)
 
+    def _forward_with_topk(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The policy's logprobs and entropy [rows, width] as _forward gives them, and its logprobs [rows, width,
+        k] of the teacher's top-k ids at each position (TEACHER_TOPK_IDS), all with their gradient."""
+        packed = PackedRows.from_padded(mb["input_ids"], mb["attention_mask"]).to(self.device)
+        ids = mb[TEACHER_TOPK_IDS][packed.rows, packed.cols].to(self.device)
+        out, entropy, topk = self.lm(packed, self.temperature, True, other_ids=ids)
+        return packed.unpack(out), packed.unpack(entropy), packed.unpack(topk)
+
     def micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
         """The batch's rows in micro-batches of at most train.micro_batch_tokens tokens (summed: they run
         packed) and train.micro_batch_size samples: (row indices, the rows cut to their longest one's width)."""
@@ -153,14 +168,30 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
             return micros
         return micros + [([], _padding_row(batch))] * (int(count) - len(micros))
 
-    def _per_token(self, batch: TrainBatch, run) -> torch.Tensor:
-        """`run(micro)` [rows, w] over every micro-batch, back into the batch's [N, width] layout on CPU."""
-        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+    def _per_token(self, batch: TrainBatch, run, extra: tuple[int, ...] = (), dtype=torch.float32) -> torch.Tensor:
+        """`run(micro)` [rows, w, *extra] over every micro-batch, back into the batch's [N, width, *extra] layout
+        on CPU."""
+        out = torch.zeros(tuple(batch["input_ids"].shape) + extra, dtype=dtype)
         for idx, micro in self._agreed_micro_batches(batch):
             result = run(micro)
             if idx:
-                out[torch.tensor(idx)[:, None], torch.arange(micro["input_ids"].shape[1])] = result.float().cpu()
+                out[torch.tensor(idx)[:, None], torch.arange(micro["input_ids"].shape[1])] = result.to(dtype).cpu()
         return out
+
+    @torch.no_grad()
+    def forward_topk(self, batch: TrainBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k likeliest tokens at each position under this model (a distillation teacher's top-k): (ids
+        [N, L, k], logprobs [N, L, k]) aligned with input_ids (position t: the distribution of token t)."""
+        self._resident("forward_topk")
+        self.lm.eval()
+
+        def top(micro: TrainBatch) -> torch.Tensor:  # ids and logprobs side by side (ids < 2^24: exact in fp32)
+            packed = PackedRows.from_padded(micro["input_ids"], micro["attention_mask"]).to(self.device)
+            ids, logprobs = self.lm(packed, self.temperature, top_k=k)
+            return packed.unpack(torch.cat([ids.float(), logprobs], dim=-1))
+
+        both = self._per_token(batch, top, (2 * k,))
+        return both[..., :k].long(), both[..., k:]
 
     @torch.no_grad()
     def forward_values(self, batch: TrainBatch) -> torch.Tensor:
@@ -260,11 +291,16 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, St
                 clip_range=self.value_clip, loss_agg=self.loss_agg,
             )
             return loss, metrics | {"value_loss": loss.detach()}
-        logprobs, entropy = self._forward(self.lm, micro, True)  # entropy is logged even when not in the loss
+        topk = None
+        if TEACHER_TOPK_IDS in micro:  # distill.loss forward_kl / jsd: the student's logprobs of the teacher's top k
+            logprobs, entropy, topk = self._forward_with_topk(micro)
+        else:
+            logprobs, entropy = self._forward(self.lm, micro, True)  # entropy is logged even when not in the loss
         return algorithms.rl_loss(
             logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], norm_len=self.norm_len,
             ref_logprobs=micro.get("ref_logprobs"), rollout_logprobs=micro.get("rollout_logprobs"),
             is_weights=micro.get("is_weights"), teacher_logprobs=micro.get(TEACHER_LOGPROBS),
+            student_topk_logprobs=topk, teacher_topk_logprobs=micro.get(TEACHER_TOPK_LOGPROBS),
             entropy=entropy if self.algo.entropy_coef else entropy.detach(), **self.loss_kwargs,
         )
 
@@ -431,8 +467,8 @@ def _padding_row(batch: TrainBatch) -> TrainBatch:
     lengths = batch["attention_mask"].sum(-1)
     if len(lengths):
         i = int(lengths.argmin())
-        return {k: v[i:i + 1, :max(int(lengths[i]), 1)] if v.dim() == 2 else v[i:i + 1] for k, v in batch.items()}
-    row = {k: torch.zeros((1, 1) if v.dim() == 2 else (1,), dtype=v.dtype) for k, v in batch.items()}
+        return {k: v[i:i + 1, :max(int(lengths[i]), 1)] if v.dim() >= 2 else v[i:i + 1] for k, v in batch.items()}
+    row = {k: torch.zeros((1, 1, *v.shape[2:]) if v.dim() >= 2 else (1,), dtype=v.dtype) for k, v in batch.items()}
     row["attention_mask"][0, 0] = 1
     return row
 
