@@ -256,7 +256,7 @@ def test_teacher_role_is_frozen_and_scores_like_a_policy(tiny_model_dir):
 
 @pytest.mark.slow
 def test_teacher_workers_as_ray_actors_beside_two_train_workers(tmp_path):
-    """Two teacher actors in their own placement group score beside two train workers (mode added); ~100 s."""
+    """Two teacher actors in their own placement group score beside two train workers (mode added); ~35 s."""
     raw = small_recipe(tmp_path, cluster={"use_ray": False}, eval={"every": 0}, train={"steps": 3, "threads": 1})
     teacher = _sft_teacher(tmp_path, raw, 10, hidden_size=64, num_layers=3, intermediate_size=128)
     cfg = config_from_dict({**raw, "cluster": {"use_ray": True, "cpus_per_worker": 0.25},
