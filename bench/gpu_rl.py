@@ -170,8 +170,10 @@ def async_speedup(steps: int, smoke: bool) -> dict:
 
 
 # ---- driver ----------------------------------------------------------------------------------------------
-def _section(args: list[str], timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "bench.gpu_rl", "--child", *args]
+def _section(args: list[str], timeout: float, module: str = "bench.gpu_rl") -> dict:
+    """`python -m <module> --child <args>` in a fresh process under `timeout`: its last `RESULT <json>` line, or
+    an error with the output's tail."""
+    cmd = [sys.executable, "-m", module, "--child", *args]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -320,6 +320,7 @@ def test_model_shards_bad_input_is_an_error(hf_models, mcore, tmp_path):
     the saving layout loads the trained weights and leaves the LR clock at 0."""
     from safetensors.torch import save_file
 
+    from rlflow.engines.store.run_store import RunStore
     from rlflow.engines.train.megatron.shards import load_shards
 
     path, batch = hf_models["qwen2"][0], toy_batch()
@@ -330,13 +331,37 @@ def test_model_shards_bad_input_is_an_error(hf_models, mcore, tmp_path):
     other.load(tmp_path / "ckpt", weights_only=True)
     assert other.updates == 0
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first.named_tensors(), other.named_tensors(), strict=True))
+    store = RunStore(str(tmp_path.parent), tmp_path.name)
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="empty"):
-        load_shards(other.core, tmp_path / "empty")
+        load_shards(other.core, store, "empty")
     (tmp_path / "bare").mkdir()
     save_file({"x": torch.zeros(2)}, str(tmp_path / "bare" / "shard-0.safetensors"))
     with pytest.raises(ValueError, match="shard-0.safetensors: no .* offsets"):
-        load_shards(other.core, tmp_path / "bare")
+        load_shards(other.core, store, "bare")
+
+
+def test_checkpoint_straight_to_the_run_store_resumes_exactly(hf_models, mcore, storage):
+    """save(path, storage) puts every rank's files in the run store (a local one, and S3 through moto's server)
+    with no local checkpoint folder; load(path, storage) reads them back (the model shards by ranged reads), and
+    the next step equals never stopping. `model/` is the HF export, loadable as it is."""
+    from rlflow.engines.store.run_store import RunStore
+
+    path, batch = hf_models["qwen3"][0], toy_batch()
+    first = _backend(path)
+    first.train_step(batch)
+    store = RunStore(storage, "run")
+    target = store.begin_checkpoint(1)
+    first.save(target, storage)
+    files = store.files("checkpoints", 1)
+    assert {"model/model.safetensors", "model/config.json", "model_shards/shard-0.safetensors",
+            "optimizer_rank0.safetensors", "trainer_rank0.json"} <= set(files), files
+    expected = global_metrics(first.train_step(batch)), dict(first.named_tensors())
+    second = _backend(path)
+    second.load(target, storage)
+    got = global_metrics(second.train_step(batch)), dict(second.named_tensors())
+    assert got[0] == expected[0]
+    assert all(torch.equal(got[1][n], t) for n, t in expected[1].items())
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

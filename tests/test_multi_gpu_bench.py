@@ -82,3 +82,25 @@ def test_megatron_multi_gpu_smoke_runs_every_layout(tmp_path):
     # data parallel: two shards covering the batch; TP / PP: both ranks train the one shard (the whole batch)
     assert sum(x["local_tokens"] for x in throughput["layouts"]["tp1"]["ranks"]) == throughput["useful_tokens"]
     assert [x["local_tokens"] for x in throughput["layouts"]["tp2"]["ranks"]] == [throughput["useful_tokens"]] * 2
+
+
+@pytest.mark.slow
+def test_e2e_grpo_smoke_runs_the_cpu_modes(tmp_path):
+    """bench/e2e_grpo.py end to end on the CPU (Ray actors, the nccl transport over gloo): each step trains the
+    workload's token count, k = 2 stays within its bound, and the colocated mode (cuda_ipc) is skipped with a
+    reason rather than run wrongly."""
+    import subprocess
+    import sys
+
+    from bench.workload_rollout import PROMPT_TOKENS
+
+    out = tmp_path / "e2e.json"
+    modes = "colocated-sync,disagg-sync,disagg-k2"
+    subprocess.run([sys.executable, "-m", "bench.e2e_grpo", "--smoke", "--modes", modes,
+                    "--prompts", "2", "--steps", "3", "--timeout", "300", "--out", str(out)], check=True, timeout=900)
+    modes = {m["mode"]: m for m in json.loads(out.read_text())["modes"]}
+    assert "skipped" in modes["colocated-sync"]
+    for mode, bound in (("disagg-sync", 0), ("disagg-k2", 2)):
+        m = modes[mode]
+        assert m["tokens_per_step"] == m["samples"] * (PROMPT_TOKENS + 8), m  # smoke responses: 8 tokens each
+        assert m["steps"] == 3 and m["staleness_max"] <= bound and m["tokens_per_s"] > 0

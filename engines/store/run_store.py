@@ -291,10 +291,10 @@ class RunStore:
 
 
 def workers_write_checkpoints(cfg: RLConfig) -> bool:
-    """Whether the train workers write (and read back) checkpoints straight in the run store: the torch backend
-    on object storage. A local store keeps the driver's staged folder, uploaded after the save (same files)."""
-    protocol = fsspec.utils.get_protocol(cfg.storage.uri)
-    return cfg.train.backend == "torch" and protocol not in ("file", "local")
+    """Whether the train workers write (and read back) checkpoints straight in the run store: on object storage
+    (both backends: the torch one through DCP, megatron's ranks each uploading their own files). A local store
+    keeps the driver's staged folder, uploaded after the save (same files)."""
+    return fsspec.utils.get_protocol(cfg.storage.uri) not in ("file", "local")
 
 
 def worker_storage(storage: StorageConfig) -> StorageConfig:

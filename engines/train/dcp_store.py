@@ -124,9 +124,7 @@ class StoreReader(HuggingFaceStorageReader):
 
     def _header(self, file: str) -> tuple[int, dict]:
         if file not in self._headers:
-            (n,) = struct.unpack("<Q", self.store.read_range(0, _HEADER_LEN, file))
-            header = json.loads(self.store.read_range(_HEADER_LEN, _HEADER_LEN + n, file))
-            self._headers[file] = (_HEADER_LEN + n, header)
+            self._headers[file] = safetensors_header(self.store, file)
         return self._headers[file]
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
@@ -163,13 +161,7 @@ class StoreReader(HuggingFaceStorageReader):
         for req in plan.items:
             info: _HFStorageInfo = self.storage_data[req.storage_index]
             start, header = self._header(info.relative_path)
-            begin, end = header[req.storage_index.fqn]["data_offsets"]
-            raw = bytearray(self.store.read_range(start + begin, start + end, info.relative_path))
-            tensor = (
-                torch.frombuffer(raw, dtype=info.dtype).reshape(info.shape)
-                if raw
-                else torch.empty(info.shape, dtype=info.dtype)
-            )
+            tensor = read_stored_tensor(self.store, info.relative_path, start, header[req.storage_index.fqn])
             for dim, (offset, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
                 tensor = tensor.narrow(dim, offset, length)
             target = planner.resolve_tensor(req).detach()
@@ -183,3 +175,18 @@ class StoreReader(HuggingFaceStorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+
+def safetensors_header(store: RunStore, file: str) -> tuple[int, dict]:
+    """(where the data starts, the JSON header) of the safetensors file `file` of `store`: two ranged reads."""
+    (n,) = struct.unpack("<Q", store.read_range(0, _HEADER_LEN, file))
+    return _HEADER_LEN + n, json.loads(store.read_range(_HEADER_LEN, _HEADER_LEN + n, file))
+
+
+def read_stored_tensor(store: RunStore, file: str, start: int, info: dict) -> torch.Tensor:
+    """One tensor of a safetensors file by one ranged read: `start` and `info` (its header entry) from
+    safetensors_header."""
+    begin, end = info["data_offsets"]
+    dtype, shape = _get_dtype(info["dtype"]), info["shape"]
+    raw = bytearray(store.read_range(start + begin, start + end, file))
+    return torch.frombuffer(raw, dtype=dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)

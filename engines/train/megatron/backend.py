@@ -16,6 +16,7 @@ import contextlib
 import functools
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from rlflow.engines.core import algorithms
@@ -38,6 +40,7 @@ from rlflow.engines.core.batch import TEACHER_LOGPROBS, TrainBatch, batch_size, 
 from rlflow.engines.core.config import AlgorithmConfig, DistillConfig, MegatronConfig, StorageConfig, TrainConfig
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.models.hf import DTYPES
+from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.distributed import DistributedWeightSender
 from rlflow.engines.sync.endpoints import StoreSender
 from rlflow.engines.sync.store import put_bucket
@@ -408,11 +411,24 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
     @_on_device
     def save(self, path: str | Path, storage: StorageConfig | None = None) -> None:
         """The HF model (written by each pipeline stage, never gathered on one rank), this rank's model shards and
-        optimizer shard, and schedule/RNG state: safetensors + JSON. Collective. Local folders only: the run
-        uploads them (`storage` is the torch backend's straight-to-store path)."""
+        optimizer shard, and schedule/RNG state: safetensors + JSON. Collective.
+
+        With `storage`, `path` is a folder of that run store (s3:// too): every rank writes its own files into a
+        local scratch folder and uploads them itself (nothing is gathered; the driver commits the checkpoint
+        after every rank returned); without it, a local folder."""
         self._resident("save", optimizer=True)
-        _local_only(storage)
-        path = Path(path)
+        if storage is None:
+            self._write_checkpoint(Path(path))
+            return
+        store = RunStore.at(storage, str(path))
+        with tempfile.TemporaryDirectory(prefix=f"rlflow-megatron-rank{self.rank}-") as tmp:
+            self._write_checkpoint(Path(tmp))  # this rank's files only: each rank has its own scratch folder
+            for f in sorted(Path(tmp).rglob("*")):
+                if f.is_file():
+                    store.upload_file(f, *f.relative_to(tmp).parts)
+        dist.barrier()
+
+    def _write_checkpoint(self, path: Path) -> None:
         (path / "model").mkdir(parents=True, exist_ok=True)
         self.exporter.save_hf(path / "model")
         if self.rank == 0:
@@ -427,29 +443,33 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
 
     @_on_device
     def load(self, path: str | Path, storage: StorageConfig | None = None, weights_only: bool = False) -> None:
-        """Resume from save(). The model's weights load on any TP/PP/DP layout from the per-rank shards (each
-        rank reads only the slices it owns). The optimizer state, schedule and RNG need the saving layout:
+        """Resume from save() (with `storage`: straight from that run store's folder `path`, each rank reading
+        only its own files and the byte ranges of the model shards it needs). The model's weights load on any
+        TP/PP/DP layout from the per-rank shards. The optimizer state, schedule and RNG need the saving layout:
         another layout is refused unless `weights_only`, which loads the weights alone (fresh optimizer)."""
         self._resident("load", optimizer=True)
-        _local_only(storage)
-        path = Path(path)
-        saved = json.loads((path / "trainer_rank0.json").read_text())["layout"]
+        local = Path(path).resolve()
+        store = RunStore.at(storage, str(path)) if storage is not None else RunStore(str(local.parent), local.name)
+        saved = json.loads(store.read_bytes("trainer_rank0.json"))["layout"]
         same = saved == self._layout_meta()
         if not same and not weights_only:
-            raise ValueError(f"checkpoint {path}: layout {saved} differs from this run's {self._layout_meta()}; "
+            raise ValueError(f"checkpoint {store.uri()}: layout {saved} differs from this run's {self._layout_meta()}; "
                              "the weights reshard (load(weights_only=True)) but the optimizer state does not")
-        if (path / "model_shards").exists():
-            load_shards(self.core, path / "model_shards")
-        else:  # written before model shards existed: the gathered HF model, fine on any layout
-            load_hf_weights(self.core, self.spec, path / "model", fused_norms=self.use_te)
+        if store.exists("model_shards"):
+            load_shards(self.core, store, "model_shards")
+        elif storage is None:  # written before model shards existed: the gathered HF model, fine on any layout
+            load_hf_weights(self.core, self.spec, local / "model", fused_norms=self.use_te)
+        else:
+            raise FileNotFoundError(f"checkpoint {store.uri()}: no model_shards/ (the model's weights)")
         if weights_only or not same:
             self.optimizer.reload_model_params()  # fp32 master copies (bf16, distributed optimizer) from weights
             return
-        state = json.loads((path / f"trainer_rank{self.rank}.json").read_text())
-        load_optimizer_state(self.optimizer, load_file(str(path / f"optimizer_rank{self.rank}.safetensors")),
-                             state["optimizer_scalars"])
+        own = f"trainer_rank{self.rank}.json"
+        state = json.loads(store.read_bytes(own))
+        optimizer = load_safetensors(store.read_bytes(f"optimizer_rank{self.rank}.safetensors"))
+        load_optimizer_state(self.optimizer, optimizer, state["optimizer_scalars"])
         self.updates = state["updates"]
-        restore_rng(state, path / f"trainer_rank{self.rank}.json")
+        restore_rng(state, store.uri(own))
         if self.device == "cuda":
             set_tracker_rng_state(state["rng"].get("megatron_cuda", {}))
 
@@ -503,12 +523,6 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
     def num_parameters(self) -> int:
         """Parameters of the whole model (all stages, all TP shards)."""
         return sum(torch.Size(s).numel() for s in self.exporter.shapes.values())
-
-
-def _local_only(storage: StorageConfig | None) -> None:
-    if storage is not None:
-        raise ValueError("train.backend megatron saves and loads checkpoints in a local folder; writing them "
-                         "straight to the run store is the torch backend's (tasks/run_context.py)")
 
 
 def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:

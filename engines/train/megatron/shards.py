@@ -7,7 +7,8 @@ laid out like the native trainer's sharded checkpoints (engines/train/dcp_store.
 file's metadata. One difference: a tensor is named `<key>@<offsets>`, because megatron gives every layer's copy of
 a weight one key (the layer index is a global axis), so a file holds several chunks of a key, which DCP's HF
 format (one chunk per name and file) cannot; hence DCP's reader is not reused. load_shards reads, for each local
-tensor of the running layout, the overlapping parts of every saved chunk and assembles its slice. No pickle:
+tensor of the running layout, the overlapping parts of every saved chunk (by ranged reads, from a local folder or
+object storage alike) and assembles its slice. No pickle:
 megatron's dist_checkpointing `torch_dist` backend writes DCP's pickled `.metadata`, so it is not used.
 """
 
@@ -15,14 +16,27 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY, SUFFIX
+
+from rlflow.engines.store.run_store import RunStore
+from rlflow.engines.train.dcp_store import read_stored_tensor, safetensors_header
+
+
+class Chunk(NamedTuple):
+    """One saved slice of a key: its file (in the store), tensor name, global offset and shape, the key's global
+    shape."""
+
+    file: str
+    name: str
+    offset: list[int]
+    shape: list[int]
+    global_shape: list[int]
 
 
 def _local_tensors(model: torch.nn.Module) -> list[ShardedTensor]:
@@ -68,53 +82,60 @@ def save_shards(model: torch.nn.Module, folder: str | Path, rank: int) -> int:
     return len(tensors)
 
 
-def _chunks(folder: Path) -> dict[str, list[tuple[Path, str, list[int], list[int], list[int]]]]:
-    """key -> [(file, tensor name, global offset, chunk shape, global shape)] over every shard file."""
-    files = sorted(folder.glob(f"*{SUFFIX}"))
+def _chunks(store: RunStore, folder: str) -> tuple[dict[str, list[Chunk]], dict[str, tuple[int, dict]]]:
+    """key -> every saved chunk of it over the shard files of `folder` in `store`, and each file's header; only
+    the files' headers are read (two ranged reads a file)."""
+    files = [f"{folder}/{f}" for f in store.files(folder) if f.endswith(SUFFIX) and "/" not in f]
     if not files:
-        raise FileNotFoundError(f"model shards {folder}: no *{SUFFIX} files")
-    out: dict[str, list[Any]] = {}
+        raise FileNotFoundError(f"model shards {store.uri(folder)}: no *{SUFFIX} files")
+    out: dict[str, list[Chunk]] = {}
+    headers = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            meta = f.metadata() or {}
-            if CUSTOM_METADATA_KEY not in meta:
-                raise ValueError(f"model shards {file}: no '{CUSTOM_METADATA_KEY}' offsets in its metadata")
-            offsets = json.loads(meta[CUSTOM_METADATA_KEY])
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                shape = list(f.get_slice(name).get_shape())
-                info = offsets[name]
-                chunk = (file, name, info[SAVED_OFFSETS_KEY], shape, info["global_shape"])
-                out.setdefault(info["key"], []).append(chunk)
-    return out
+        headers[file] = start, header = safetensors_header(store, file)
+        meta = header.get("__metadata__") or {}
+        if CUSTOM_METADATA_KEY not in meta:
+            raise ValueError(f"model shards {store.uri(file)}: no '{CUSTOM_METADATA_KEY}' offsets in its metadata")
+        offsets = json.loads(meta[CUSTOM_METADATA_KEY])
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            info = offsets[name]
+            out.setdefault(info["key"], []).append(
+                Chunk(file, name, info[SAVED_OFFSETS_KEY], list(entry["shape"]), info["global_shape"]))
+    return out, headers
 
 
 @torch.no_grad()
-def load_shards(model: torch.nn.Module, folder: str | Path) -> None:
-    """Fill every local tensor of `model` (any TP/PP/DP layout) from the overlapping saved chunks. Each element
-    must be covered: a key or region missing from the checkpoint is an error naming it."""
-    folder = Path(folder)
-    chunks = _chunks(folder)
+def load_shards(model: torch.nn.Module, store: RunStore, folder: str) -> None:
+    """Fill every local tensor of `model` (any TP/PP/DP layout) from the overlapping chunks saved in `folder` of
+    `store` (a local folder or object storage alike): each chunk that overlaps this rank's slices is fetched by
+    one ranged read, the others not at all. Each element must be covered: a key or region missing from the
+    checkpoint is an error naming it."""
+    chunks, headers = _chunks(store, folder)
+    where = store.uri(folder)
     for item in _local_tensors(model):
         if item.key not in chunks:
-            raise KeyError(f"model shards {folder}: no tensor '{item.key}' (saved from another model?)")
+            raise KeyError(f"model shards {where}: no tensor '{item.key}' (saved from another model?)")
         target = _full_view(item)
         lo, hi = list(item.global_offset), [o + s for o, s in zip(item.global_offset, target.shape, strict=True)]
         covered = 0
-        for file, name, off, shape, global_shape in chunks[item.key]:
-            if list(global_shape) != list(item.global_shape):
+        for chunk in chunks[item.key]:
+            if list(chunk.global_shape) != list(item.global_shape):
                 raise ValueError(
-                    f"model shards {file}: '{item.key}' has global shape {global_shape}, this run "
-                    f"{list(item.global_shape)}"
+                    f"model shards {store.uri(chunk.file)}: '{item.key}' has global shape {chunk.global_shape}, "
+                    f"this run {list(item.global_shape)}"
                 )
+            off, shape = chunk.offset, chunk.shape
             a = [max(x, o) for x, o in zip(lo, off, strict=True)]
             b = [min(y, o + s) for y, o, s in zip(hi, off, shape, strict=True)]
             if any(x >= y for x, y in zip(a, b, strict=True)):
                 continue
-            with safe_open(str(file), framework="pt") as f:
-                part = f.get_slice(name)[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, off, strict=True))]
+            start, header = headers[chunk.file]
+            saved = read_stored_tensor(store, chunk.file, start, header[chunk.name])
+            part = saved[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, off, strict=True))]
             target[tuple(slice(x - t, y - t) for x, y, t in zip(a, b, lo, strict=True))].copy_(part)
             covered += part.numel()
         if covered != target.numel():
             raise ValueError(
-                f"model shards {folder}: '{item.key}' covers {covered} of this rank's {target.numel()} elements"
+                f"model shards {where}: '{item.key}' covers {covered} of this rank's {target.numel()} elements"
             )

@@ -1,0 +1,144 @@
+"""End-to-end GRPO on the RL workload, per placement and staleness: tokens/s/GPU side by side (issue 24 item 3).
+
+    PYTHONUNBUFFERED=1 python -m bench.e2e_grpo --shape 7b --out bench/results/e2e_grpo_7b.json   # 2 GPUs (H200s)
+    PYTHONUNBUFFERED=1 python -m bench.e2e_grpo --shape 1.5b --out e2e_grpo_15b.json              # 2 GPUs, any
+    python -m bench.e2e_grpo --smoke --out /tmp/e2e_grpo_smoke.json                                # CPU: the script
+
+The loop is bench/bare_loop.py's with the engines as Ray actors, as the flow has them (no Prefect or MLflow: the
+GPU machines have neither; bench/overhead.py measures what they add). Ray must be importable: on the GPU machines,
+carry it (`bash bench/device_wheels.sh --ray`). The model is random weights of one of bench/train_scale.py's
+shapes (Qwen2-1.5B or Qwen2.5-7B dims) with the demo's char tokenizer beside it (ids outside it decode to nothing,
+which is all the reward of random text needs). Each step: --prompts x 8 samples of bench/workload_rollout.py
+(256-token prompts, responses of 64-1,792 tokens drawn uniformly and generated to length), the sort task's reward
+(0 for random text, so GRPO's advantages are 0: the step computes the same either way), one train step (token
+budget 8,192, activation checkpointing, bf16 compute over fp32 master weights, one optimizer step), a weight sync.
+
+Modes (--modes; each in a fresh process under --timeout seconds):
+- colocated-sync: trainer and rollout engine share GPU 0 (cuda_ipc sync; the trainer's state parked in host
+  memory while the engine runs: train.offload_during_rollout), synchronous;
+- disagg-sync, disagg-k1, disagg-k2: the trainer on GPU 0, the rollout engine on GPU 1, nccl sync,
+  rollout.max_staleness 0, 1, 2 (k = 2 with algorithm.is_correction: tis, as docs/algorithms.md advises).
+Each mode trains on the same batch (the same seeds: bench/workload_rollout.py draws from them). Per mode, medians
+over the steps after the first (--steps in all): the step time and its stages, and tokens/s/GPU = (prompt +
+response tokens of the step's samples) / step time / GPUs the mode uses, the unit of issue 24's anchor (NeMo-RL
+GRPO Llama3.1-8B on 16 H100s: 1,581 on-policy, 2,478 one-step-off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.train_scale import SHAPES, build_model
+from bench.workload_rollout import PROMPT_TOKENS
+from rlflow.engines.core.config import RLConfig, load_recipe
+
+SAMPLES_PER_PROMPT = 8
+MODES = {  # name: (GPUs, recipe overrides)
+    "colocated-sync": (1, ["cluster.colocate=true", "weight_sync.transport=cuda_ipc",
+                           "train.offload_during_rollout=true"]),
+    "disagg-sync": (2, ["weight_sync.transport=nccl", "rollout.max_staleness=0"]),
+    "disagg-k1": (2, ["weight_sync.transport=nccl", "rollout.max_staleness=1"]),
+    "disagg-k2": (2, ["weight_sync.transport=nccl", "rollout.max_staleness=2", "algorithm.is_correction=tis"]),
+}
+
+
+def build_workload_model(shape: str, out: Path) -> Path:
+    """Random weights of the shape (bf16 safetensors) and the demo's char tokenizer."""
+    from rlflow.engines.models.hf import build_char_tokenizer
+
+    build_model(SHAPES[shape], out)
+    build_char_tokenizer().save_pretrained(out)
+    return out
+
+
+def recipe(work: Path, model: Path, mode: str, prompts: int, steps: int, device: str, max_new_tokens: int
+           ) -> RLConfig:
+    """The demo recipe turned into the workload: the model, the rollout function, the batch, one optimizer step."""
+    _, placement = MODES[mode]
+    return load_recipe("deployments/sort-tiny.yaml", [
+        f"name=e2e-{mode}", f"model.path={model}", f"data.train_path={work}/train.jsonl",
+        f"data.eval_path={work}/eval.jsonl", f"storage.uri=file://{work}/runs",
+        "rollout.fn=bench.workload_rollout:fixed_lengths", f"rollout.prompts_per_step={prompts}",
+        f"rollout.samples_per_prompt={SAMPLES_PER_PROMPT}", f"rollout.max_new_tokens={max_new_tokens}",
+        f"train.device={device}", f"rollout.device={device}", "train.precision=bf16", "rollout.precision=bf16",
+        "train.micro_batch_tokens=8192", "train.activation_checkpointing=true", "train.mini_batches=1",
+        "train.epochs=1", f"train.steps={steps}", "eval.every=0", "checkpoint.every=0",
+        "checkpoint.save_rollouts=true", "cluster.cpus_per_worker=1", "cluster.num_cpus=8", *placement,
+    ])
+
+
+def run_mode(shape: str, mode: str, prompts: int, steps: int) -> dict:
+    from bench.bare_loop import run_bare
+
+    work = Path(tempfile.mkdtemp(prefix=f"rlflow-e2e-{mode}-"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_workload_model(shape, work / "model")
+    max_new = 1792 if shape != "smoke" else 8
+    history = run_bare(recipe(work, model, mode, prompts, steps, device, max_new), str(work),
+                       log=lambda line: print(line, flush=True), use_ray=True)
+    gpus = MODES[mode][0] if device == "cuda" else 0
+    samples = prompts * SAMPLES_PER_PROMPT
+    warm = history[1:]
+
+    def median(key: str) -> float | None:
+        values = [h[key] for h in warm if key in h]
+        return statistics.median(values) if values else None
+
+    tokens = statistics.median(h["rollout/tokens"] + PROMPT_TOKENS * samples for h in warm)
+    step_s = median("time/step")
+    return {"mode": mode, "gpus": gpus, "samples": samples, "tokens_per_step": tokens, "step_s": step_s,
+            "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": tokens / step_s / gpus if gpus else None,
+            "rollout_s": median("time/rollout"), "train_s": median("time/train"), "sync_s": median("time/sync"),
+            "staleness_max": max(h.get("train/staleness_max", 0) for h in history), "steps": len(history)}
+
+
+def main() -> None:
+    from bench.gpu_rl import _section
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="1.5b", choices=["1.5b", "7b"])
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--prompts", type=int, default=16, help="prompts a step (x 8 samples)")
+    ap.add_argument("--steps", type=int, default=4, help="steps a mode (the first is not timed)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds a mode may take")
+    ap.add_argument("--smoke", action="store_true", help="a toy shape on the CPU: checks the script")
+    ap.add_argument("--out", default="e2e_grpo.json")
+    ap.add_argument("--child", nargs="*")
+    a = ap.parse_args()
+    if a.child is not None:
+        shape, mode = a.child
+        print("RESULT " + json.dumps(run_mode(shape, mode, a.prompts, a.steps)), flush=True)
+        return
+    shape = "smoke" if a.smoke else a.shape
+    gpus = torch.cuda.device_count()
+    report = {"date": dt.date.today().isoformat(), "command": " ".join(["python -m bench.e2e_grpo", *sys.argv[1:]]),
+              "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)], "torch": torch.__version__,
+              "shape": shape, "prompts": a.prompts, "steps": a.steps, "modes": []}
+    for mode in a.modes.split(","):
+        needs = MODES[mode][0]
+        if (gpus and gpus < needs) or (not gpus and mode.startswith("colocated")):  # on CPUs: cuda_ipc has no path
+            report["modes"].append({"mode": mode, "skipped": f"needs {needs} GPU(s), {gpus} here"})
+            continue
+        r = _section([shape, mode, "--prompts", str(a.prompts), "--steps", str(a.steps)], a.timeout,
+                     module="bench.e2e_grpo")
+        report["modes"].append({"mode": mode} | r)
+        print(f"[e2e_grpo] {mode}: {json.dumps(r)[:400]}", flush=True)
+        Path(a.out).write_text(json.dumps(report, indent=1))
+    done = {m["mode"]: m for m in report["modes"] if m.get("step_s")}
+    if "disagg-sync" in done:
+        for mode in ("disagg-k1", "disagg-k2", "colocated-sync"):
+            if mode in done:
+                report[f"speedup_{mode}_vs_disagg_sync"] = done["disagg-sync"]["step_s"] / done[mode]["step_s"]
+    Path(a.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
