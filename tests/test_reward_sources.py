@@ -394,7 +394,8 @@ def test_policy_learns_to_please_the_reward_model(tmp_path, reward_model_dir):
 
 def test_reward_model_as_ray_workers(tmp_path, reward_model_dir):
     """With Ray the reward model is a group of actors in a placement group of its own (2 workers here), named
-    after its source, scoring a real step's samples; shutdown releases it."""
+    after its source, scoring a real step's samples; a worker that dies is replaced at the next reward stage
+    (counted), which scores the same; shutdown releases it."""
     raw = small_recipe(tmp_path, reward={"sources": [
         {"kind": "model", "name": "rm", "path": reward_model_dir, "num_workers": 2, "weight": 0.5}]},
         debug={"mode": "rollout_only"}, cluster={"num_cpus": 4, "cpus_per_worker": 0.5})
@@ -411,6 +412,11 @@ def test_reward_model_as_ray_workers(tmp_path, reward_model_dir):
         local = SequenceClassifierReward(reward_model_dir).score(b.prompt, b.response, b.label)
         assert list(b.reward) == pytest.approx([0.5 * x for x in local], abs=1e-5)
         assert metrics["rollout/reward_mean"] == pytest.approx(0.5 * metrics["reward/rm_mean"], abs=1e-5)
+        assert "reward/workers_restarted" not in metrics
+        ray.kill(group.workers[1], no_restart=True)  # a worker dies: the next reward stage replaces it
+        again = session.reward(0)
+        assert again["reward/workers_restarted"] == 1.0 and group.alive() == [True, True]
+        assert list(session.rollout_batch(0).reward) == pytest.approx(list(b.reward), abs=1e-6)
     finally:
         session.shutdown()
         ray.shutdown()

@@ -123,6 +123,7 @@ class RLSession:
         self._tokenizer_lock = threading.Lock()  # the rollout thread and the main thread share the tokenizer
         self._heal_lock = threading.Lock()  # one replacement of dead rollout workers at a time
         self.workers_restarted = 0
+        self.reward_workers_restarted = 0
         self.replay = replay_source(cfg)
         self.timeline = StageTimeline(enabled=cfg.debug.trace_every > 0)  # the driver's side of a step's trace
         self.server_urls: list[str] = []  # each rollout worker's SGLang-compatible server
@@ -279,6 +280,7 @@ class RLSession:
         return batch.metrics()
 
     def reward(self, step: int) -> dict[str, float]:
+        healed = self.replace_dead_reward_workers()
         st = self._state(step)
         b = st.batch
         responses = self._responses(b.split("output_ids"), b.text)
@@ -293,7 +295,19 @@ class RLSession:
         }
         if b.baseline.any():
             metrics["rollout/greedy_reward_mean"] = float(all_rewards[torch.as_tensor(b.baseline)].mean())
-        return metrics | self.rewards.take_metrics()
+        return metrics | self.rewards.take_metrics() | healed
+
+    def replace_dead_reward_workers(self) -> dict[str, float]:
+        """Restart every reward-model worker that no longer answers. A worker holds a frozen model and nothing
+        else, so a fresh actor in the same bundle is the same worker; a dead one would otherwise fail this and
+        every later reward stage, the stage's retries included."""
+        for group in self.workers.reward.values():
+            for rank, ok in enumerate(group.alive()):
+                if not ok:
+                    group.restart(rank)
+                    self.reward_workers_restarted += 1
+        n = self.reward_workers_restarted
+        return {"reward/workers_restarted": float(n)} if n else {}
 
     def teacher(self, step: int) -> dict[str, float]:
         """On-policy distillation: the teacher's per-token logprobs of the step's sampled tokens (its own stage,
