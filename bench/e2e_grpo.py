@@ -101,7 +101,7 @@ def run_mode(shape: str, mode: str, prompts: int, steps: int) -> dict:
 
 
 def main() -> None:
-    from bench.gpu_rl import _section
+    from bench.gpu_rl import run_section
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="1.5b", choices=["1.5b", "7b"])
@@ -127,7 +127,7 @@ def main() -> None:
         if (gpus and gpus < needs) or (not gpus and mode.startswith("colocated")):  # on CPUs: cuda_ipc has no path
             report["modes"].append({"mode": mode, "skipped": f"needs {needs} GPU(s), {gpus} here"})
             continue
-        r = _section([shape, mode, "--prompts", str(a.prompts), "--steps", str(a.steps)], a.timeout,
+        r = run_section([shape, mode, "--prompts", str(a.prompts), "--steps", str(a.steps)], a.timeout,
                      module="bench.e2e_grpo")
         report["modes"].append({"mode": mode} | r)
         print(f"[e2e_grpo] {mode}: {json.dumps(r)[:400]}", flush=True)

@@ -170,7 +170,7 @@ def async_speedup(steps: int, smoke: bool) -> dict:
 
 
 # ---- driver ----------------------------------------------------------------------------------------------
-def _section(args: list[str], timeout: float, module: str = "bench.gpu_rl") -> dict:
+def run_section(args: list[str], timeout: float, module: str = "bench.gpu_rl") -> dict:
     """`python -m <module> --child <args>` in a fresh process under `timeout`: its last `RESULT <json>` line, or
     an error with the output's tail."""
     cmd = [sys.executable, "-m", module, "--child", *args]
@@ -212,11 +212,11 @@ def main() -> None:
             for mode in a.modes.split(","):
                 if not mode.startswith("cuda_ipc") and gpus < 2:
                     continue
-                r = _section(["weight_sync", size, mode, *smoke, "--repeats", str(a.repeats)], 240)
+                r = run_section(["weight_sync", size, mode, *smoke, "--repeats", str(a.repeats)], 240)
                 report["weight_sync"].append({"size": size, "transport": mode} | r)
                 Path(a.out).write_text(json.dumps(report, indent=1))
     if "async" in a.sections and gpus >= 2:
-        report["async"] = _section(["async", *smoke, "--steps", str(a.steps)], 420)
+        report["async"] = run_section(["async", *smoke, "--steps", str(a.steps)], 420)
         Path(a.out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
 

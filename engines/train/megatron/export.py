@@ -11,7 +11,6 @@ so no rank ever holds more than one file's tensors.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -84,12 +83,12 @@ class WeightExporter:
     def file_plan(self, max_file_bytes: int) -> list[tuple[int, list[Rule]]]:
         """The files of a sharded HF export: (pipeline stage, rules) each, a stage's rules in model order, at most
         `max_file_bytes` a file (a larger tensor alone). The same on every rank, with no communication."""
-        size = torch.empty((), dtype=self.dtype).element_size()
+        nbytes_of = dict(self.layout())
         plan: list[tuple[int, list[Rule]]] = []
         for stage in range(len(self.pp_ranks)):
             rules, nbytes = [], 0
             for rule in (r for r in self.rules if self.owner[r.megatron] == stage):
-                more = sum(size * math.prod(self.shapes[n]) for n in rule.hf)
+                more = sum(nbytes_of[n] for n in rule.hf)
                 if rules and nbytes + more > max_file_bytes:
                     plan.append((stage, rules))
                     rules, nbytes = [], 0
@@ -126,9 +125,8 @@ class WeightExporter:
                 save_file(tensors, str(folder / name), metadata={"format": "pt"})
             del tensors
         if dist.get_rank() == 0 and len(files) > 1:
-            size = torch.empty((), dtype=self.dtype).element_size()
             weight_map = {n: f for (_, rules), f in zip(plan, files, strict=True) for r in rules for n in r.hf}
-            total = sum(size * math.prod(self.shapes[n]) for n in weight_map)
+            total = sum(nbytes for n, nbytes in self.layout() if n in weight_map)
             (folder / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         return files
