@@ -414,6 +414,9 @@ def test_reward_model_as_ray_workers(tmp_path, reward_model_dir):
         assert metrics["rollout/reward_mean"] == pytest.approx(0.5 * metrics["reward/rm_mean"], abs=1e-5)
         assert "reward/workers_restarted" not in metrics
         ray.kill(group.workers[1], no_restart=True)  # a worker dies: the next reward stage replaces it
+        deadline = time.monotonic() + 30  # ray.kill returns before the actor is gone; wait until it is
+        while group.alive(timeout_s=2)[1] and time.monotonic() < deadline:
+            time.sleep(0.1)
         again = session.reward(0)
         assert again["reward/workers_restarted"] == 1.0 and group.alive() == [True, True]
         assert list(session.rollout_batch(0).reward) == pytest.approx(list(b.reward), abs=1e-6)
