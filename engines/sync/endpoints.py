@@ -26,6 +26,34 @@ class DiskReceiver(Protocol):
         ...
 
 
+class AdapterSender(Protocol):
+    """The trainer's side of LoRA sync (train.lora): only the adapter moves."""
+
+    def save_adapter(self, path: str, storage: StorageConfig | None = None) -> int:
+        """Write the current LoRA adapter in PEFT's format (adapter_config.json + adapter_model.safetensors)
+        into `path` (a local folder; with `storage`, a folder of that run store). Collective over the train
+        ranks (each holds a shard); rank 0 writes. Returns the adapter's bytes."""
+        ...
+
+
+class AdapterReceiver(Protocol):
+    """A rollout worker's side of LoRA sync: SGLang's adapter routes, with their field names."""
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """/load_lora_adapter: serve the PEFT adapter in the local folder `lora_path` under `lora_name`
+        (requests then name it in /generate's `lora_path`)."""
+        ...
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """/unload_lora_adapter."""
+        ...
+
+    def update_weight_version(self, version: int) -> None:
+        """/update_weight_version: the version the server stamps on what it generates from now on (a loaded
+        adapter does not change it by itself)."""
+        ...
+
+
 class IpcSender(Protocol):
     def cuda_ipc_handles(self) -> list[tuple[str, tuple]]: ...
 
