@@ -12,7 +12,7 @@ import string
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -669,6 +669,41 @@ class SFTConfig(Section):
         return r.rounds * r.steps_per_round if rejection else self.steps
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Section):
+    """LoRA RL (docs/lora.md): the base model stays frozen in the train precision and only low-rank adapters
+    train; weight sync moves the adapter alone (weight_sync.transport adapter), the reference model is the base
+    with the adapters switched off, and checkpoints hold the adapter, its optimizer state, a PEFT export and the
+    merged weights."""
+
+    ADAPTER_NAME: ClassVar[str] = "policy"  # what rollout workers serve the adapter as (/generate's lora_path)
+
+    rank: int = Field(16, gt=0, description="r: the adapters' rank.")
+    alpha: float = Field(32.0, gt=0.0, description="lora_alpha: the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input while training.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS), min_length=1,
+        description="Linear layers that get an adapter, by module name (Llama/Qwen: q_proj k_proj v_proj o_proj "
+        "gate_proj up_proj down_proj).",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, v: list[str]) -> list[str]:
+        unknown = sorted(set(v) - set(LORA_TARGETS))
+        if unknown:
+            raise ValueError(f"unknown module(s) {unknown}; the decoders rlflow runs have {list(LORA_TARGETS)}")
+        return list(dict.fromkeys(v))
+
+    def peft_config(self) -> dict:
+        """The adapter_config.json fields PEFT (and SGLang's adapter loader) read."""
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
+                "lora_dropout": self.dropout, "target_modules": self.target_modules, "bias": "none",
+                "use_rslora": False, "fan_in_fan_out": False}
+
+
 class TrainConfig(Section):
     backend: Literal["torch", "megatron"] = Field(
         "torch", description="Train engine: the native PyTorch backend, or Megatron-core (see the megatron section)."
@@ -724,6 +759,9 @@ class TrainConfig(Section):
     )
     threads: int = Field(2, gt=0, description="torch threads per worker.")
     device: Literal["cpu", "cuda"] = "cpu"
+    lora: LoraConfig | None = Field(
+        None, description="torch backend: train LoRA adapters on a frozen base instead of every weight "
+        "(docs/lora.md); needs weight_sync.transport adapter. Empty: full fine-tuning.")
 
 
 class CriticConfig(Section):
@@ -991,7 +1029,7 @@ class StorageConfig(Section):
 
 
 class WeightSyncConfig(Section):
-    transport: Literal["ray", "store", "disk", "distributed", "cuda_ipc", "nccl"] = Field(
+    transport: Literal["ray", "store", "disk", "distributed", "cuda_ipc", "nccl", "adapter"] = Field(
         "ray",
         description="ray: tensors go actor to actor through Ray's object store, bucket by bucket. store: rank 0 "
         "writes safetensors under the run store and rollout workers read them (works wherever the store does). "
@@ -1001,12 +1039,15 @@ class WeightSyncConfig(Section):
         "(SGLang's /init_weights_update_group and /update_weights_from_distributed; gloo on CPU, NCCL on GPUs). "
         "cuda_ipc (colocated GPUs): rollout workers copy straight from their train worker's parameters. "
         "nccl (separate GPUs, embedded engine): train rank 0 broadcasts buckets to the rollout workers over NCCL "
-        "(over gloo when both sides are on the CPU).",
+        "(over gloo when both sides are on the CPU). "
+        "adapter (train.lora): rank 0 writes the LoRA adapter in PEFT's format into a folder per version under "
+        "disk_dir and every rollout worker loads it (SGLang's /load_lora_adapter); the base weights never move.",
     )
     disk_dir: str = Field(
         default_factory=lambda: str(Path(tempfile.gettempdir()) / "rlflow-weights"),
-        description="transport disk: a local folder that train rank 0 and every rollout worker see (one node, or a "
-        "shared file system); versions go to <disk_dir>/<run>/weights/v<version>/ and are removed once loaded.",
+        description="transports disk and adapter: a local folder that train rank 0 and every rollout worker see "
+        "(one node, or a shared file system); versions go to <disk_dir>/<run>/weights/v<version>/ (adapters/ for "
+        "adapter) and are removed once the next is loaded.",
     )
     bucket_mb: float = Field(64, gt=0, description="Size of one weight bucket, MiB.")
 
@@ -1242,6 +1283,14 @@ class RLConfig(Section):
                                  "true (its server and train rank 0 join one process group from two processes)")
             if self.rollout.backend == "sglang":
                 weight_update_ranks(self.rollout.sglang.args)  # refuses ranks that would collide (pipeline stages)
+        if (transport == "adapter") != (self.train.lora is not None):
+            raise ValueError("weight_sync.transport: adapter moves LoRA adapters alone; it goes with train.lora, "
+                             "and train.lora needs it (the rollout engines keep the base and load each adapter)"
+                             if transport == "adapter" else "train.lora: needs weight_sync.transport: adapter (only "
+                             "the adapter moves; the rollout engines keep the base weights)")
+        if self.train.lora is not None and self.train.backend != "torch":
+            raise ValueError("train.lora: LoRA is built on the torch backend (peft); train.backend is "
+                             f"{self.train.backend!r}")
         if transport == "cuda_ipc" and not self.cluster.colocate:
             raise ValueError("weight_sync.transport: cuda_ipc needs cluster.colocate: true (a shared GPU)")
         for name, section in (("train", self.train), ("rollout", self.rollout), ("critic", self.critic)):

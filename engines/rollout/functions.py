@@ -212,12 +212,17 @@ class _Batcher:
                 asyncio.ensure_future(self._post(batch[i : i + per]))
 
     async def _post(self, items: list) -> None:
+        adapter = _ADAPTERS.get(self.url)
         if self.batched:
             body = {"input_ids": [it[0] for it in items], "sampling_params": [it[1] for it in items],
                     "return_logprob": [it[2] for it in items], "rid": [it[3] for it in items]}
+            if adapter is not None:
+                body["lora_path"] = [adapter] * len(items)
         else:  # one item, in SGLang's single-request form
             (ids, params, logprob, rid, *_), = items
             body = {"input_ids": ids, "sampling_params": params, "return_logprob": logprob, "rid": rid}
+            if adapter is not None:
+                body["lora_path"] = adapter
         try:
             if self.session is None or self.session.closed:
                 self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
@@ -245,6 +250,13 @@ _BATCHERS: dict[tuple[int, str], _Batcher] = {}
 _WORKERS: dict[str, list[str]] = {}  # router url -> its rollout workers' server URLs (RolloutRunner registers them)
 _SINGLE: set[str] = set()  # router urls that take one /generate item a request (sglang-router)
 _TOKENS: dict[str, str] = {}  # router url -> the run's control token (RolloutRunner registers it)
+_ADAPTERS: dict[str, str] = {}  # router url -> the LoRA adapter its requests name (train.lora runs)
+
+
+def adapter_name(router_url: str) -> str | None:
+    """The LoRA adapter the policy is served as behind this router (train.lora), which /generate requests
+    name in `lora_path` (`generate` adds it); None: the model's own weights."""
+    return _ADAPTERS.get(router_url)
 
 
 def control_headers(router_url: str) -> dict[str, str]:
@@ -273,13 +285,16 @@ class RolloutRunner:
     gives rollout functions for the router's control routes."""
 
     def __init__(self, fn: RolloutFn, router_url: str, worker_urls: list[str], token: str | None = None,
-                 batched: bool = True):
+                 batched: bool = True, adapter: str | None = None):
         """`worker_urls`: the servers behind the router (control requests it may not forward go to each; the
         list is shared, so a restarted worker's new URL reaches them). `batched`: the router takes SGLang's
-        batched /generate (rlflow's does; sglang-router does not)."""
+        batched /generate (rlflow's does; sglang-router does not). `adapter`: the LoRA adapter every request
+        names (train.lora)."""
         self.fn, self.router_url, self.worker_urls = fn, router_url, worker_urls
         self.name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
         _WORKERS[router_url] = worker_urls
+        if adapter is not None:
+            _ADAPTERS[router_url] = adapter
         if not batched:
             _SINGLE.add(router_url)
         if token:
@@ -323,3 +338,4 @@ class RolloutRunner:
         _WORKERS.pop(self.router_url, None)
         _SINGLE.discard(self.router_url)
         _TOKENS.pop(self.router_url, None)
+        _ADAPTERS.pop(self.router_url, None)

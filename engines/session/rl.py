@@ -34,7 +34,7 @@ from rlflow.engines.core.batch import (
     select,
     shard_for_workers,
 )
-from rlflow.engines.core.config import RLConfig, StorageConfig
+from rlflow.engines.core.config import LoraConfig, RLConfig, StorageConfig
 from rlflow.engines.core.protocols import (
     CriticBackend,
     RewardModelBackend,
@@ -154,8 +154,12 @@ class RLSession:
             # elsewhere (its control routes need the token; generation is open, as the servers' is)
             host = node_ip() if workers.spans_nodes else LOOPBACK
             session.router = start_router(cfg.rollout, session.server_urls, host, workers.control_token)
+            lora = cfg.train.lora is not None
             session.runner = RolloutRunner(session.rollout_fn, session.router.url, session.server_urls,
-                                           workers.control_token, batched=session.router.kind != "sglang-router")
+                                           workers.control_token, batched=session.router.kind != "sglang-router",
+                                           adapter=LoraConfig.ADAPTER_NAME if lora else None)
+            if lora and session.weight_transport is not None:  # fresh adapters (B = 0): what the base computes
+                session.weight_transport.update(session.weight_version)
         return session
 
     def shutdown(self) -> None:

@@ -48,10 +48,11 @@ def disk_folder(cfg: RLConfig) -> RunStore:
 
 
 def weight_dirs(cfg: RLConfig) -> list[str]:
-    """The folders a rollout server of this run may load weights from over /update_weights_from_disk (besides its
-    model): the disk transport's versions of this run and, with a local run store, the run's folder (checkpoints).
-    Another run's folders and the rest of the file system stay out of reach."""
-    dirs = [disk_folder(cfg).path("weights")]
+    """The folders a rollout server of this run may load weights from over /update_weights_from_disk and
+    /load_lora_adapter (besides its model): the disk and adapter transports' versions of this run and, with a
+    local run store, the run's folder (checkpoints). Another run's folders and the rest of the file system stay
+    out of reach."""
+    dirs = [disk_folder(cfg).path("weights"), disk_folder(cfg).path("adapters")]
     store = RunStore(cfg.storage, cfg.name)
     if store.protocol == "file":
         dirs.append(store.run_dir)

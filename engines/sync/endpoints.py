@@ -41,7 +41,8 @@ class AdapterReceiver(Protocol):
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
         """/load_lora_adapter: serve the PEFT adapter in the local folder `lora_path` under `lora_name`
-        (requests then name it in /generate's `lora_path`)."""
+        (requests then name it in /generate's `lora_path`), replacing the adapter this worker serves under that
+        name, if any (SGLang refuses a loaded name: its backend unloads it first)."""
         ...
 
     def unload_lora_adapter(self, lora_name: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.protocols import RolloutBackend, TrainBackend, WorkerGroup
+from rlflow.engines.sync.adapter import AdapterTransport
 from rlflow.engines.sync.base import WeightSource, WeightTransport
 from rlflow.engines.sync.cuda_ipc import CudaIpcTransport
 from rlflow.engines.sync.disk import DiskTransport
@@ -16,7 +17,8 @@ from rlflow.engines.sync.store import StoreTransport
 
 TRANSPORTS: dict[str, type[WeightTransport]] = {
     t.name: t
-    for t in (RayObjectsTransport, StoreTransport, DiskTransport, DistributedTransport, CudaIpcTransport, NcclTransport)
+    for t in (RayObjectsTransport, StoreTransport, DiskTransport, DistributedTransport, CudaIpcTransport, NcclTransport,
+              AdapterTransport)
 }
 
 

@@ -33,7 +33,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -117,49 +122,60 @@ def grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
 # ---- checkpoints --------------------------------------------------------------------------------------------
 
-def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+# train.lora: only the trainable parameters (the adapters) are saved and loaded; the frozen base comes from the
+# run's model. Not strict: the frozen parameters are absent on purpose.
+TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
+ADAPTER_SHARDS = "lora"  # the adapters' sharded state in a LoRA checkpoint (model/ holds the merged weights)
+LORA_RESUME_HINT = " (train.lora: a LoRA run resumes from a LoRA run's checkpoint)"
+
+
+def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path,
+                    trainable_only: bool = False) -> None:
     """Every rank writes its shards: the model into `path/model` (then consolidated there into an HF
     checkpoint, the shards removed) and the optimizer state into `path/optimizer` (none before the first
-    step: an empty state is what a resumed run must start from). Collective."""
+    step: an empty state is what a resumed run must start from). Collective. `trainable_only` (LoRA): the
+    adapters' shards go to `path/lora` as they are; the caller writes model/."""
+    model_dir = path / (ADAPTER_SHARDS if trainable_only else "model")
     if dist.get_rank() == 0:  # a folder saved into before keeps no shards of another rank count
-        shutil.rmtree(path / "model", ignore_errors=True)
+        shutil.rmtree(model_dir, ignore_errors=True)
         shutil.rmtree(path / "optimizer", ignore_errors=True)
     dist.barrier()
-    model_state, optim_state = _state_to_save(model, optimizer)
+    model_state, optim_state = _state_to_save(model, optimizer, trainable_only)
     dcp.save(model_state, storage_writer=dcp.HuggingFaceStorageWriter(
-        str(path / "model"), save_distributed=True, enable_consolidation=True))
+        str(model_dir), save_distributed=True, enable_consolidation=not trainable_only))
     if optim_state is not None:
         dcp.save(optim_state, storage_writer=dcp.HuggingFaceStorageWriter(
             str(path / "optimizer"), save_distributed=True))
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and not trainable_only:
         _save_configs(model, path / "model")
         shutil.rmtree(path / "model" / "sharded", ignore_errors=True)  # consolidated into model/ above
         _single_file_name(path / "model")
     dist.barrier()
 
 
-def save_checkpoint_to_store(model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: RunStore) -> None:
+def save_checkpoint_to_store(model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: RunStore,
+                             trainable_only: bool = False) -> None:
     """save_checkpoint straight into a run store folder (`RunStore.at(storage, checkpoint URI)`, S3 or local):
     every rank puts its own shards there through fsspec, nothing is staged on a local disk but rank 0's HF
     export (the model shards consolidated into `model/`). Collective; the caller commits afterwards."""
     if dist.get_rank() == 0:
-        store.remove("model")
+        store.remove(ADAPTER_SHARDS if trainable_only else "model")
         store.remove("optimizer")
     dist.barrier()
-    model_state, optim_state = _state_to_save(model, optimizer)
-    dcp.save(model_state, storage_writer=StoreWriter(store, "model/sharded"))
+    model_state, optim_state = _state_to_save(model, optimizer, trainable_only)
+    dcp.save(model_state, storage_writer=StoreWriter(store, ADAPTER_SHARDS if trainable_only else "model/sharded"))
     if optim_state is not None:
         dcp.save(optim_state, storage_writer=StoreWriter(store, "optimizer"))
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and not trainable_only:
         _export_from_store(model, store, list(model_state))
     dist.barrier()
 
 
-def _state_to_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+def _state_to_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
                    ) -> tuple[dict, dict[str, torch.Tensor] | None]:
     """The model's sharded state dict and the optimizer's as flat tensors (None before the first step)."""
     fresh = not optimizer.state
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY if trainable_only else None)
     if fresh:  # get_state_dict stepped the empty optimizer at lr 0 to make its state: undo that
         optimizer.state.clear()
         return model_state, None
@@ -199,32 +215,40 @@ def _single_file_name(folder: Path) -> None:
         (folder / "model.safetensors.index.json").unlink(missing_ok=True)
 
 
-def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path,
+                    trainable_only: bool = False) -> None:
     """Load save_checkpoint's files onto this run's ranks (any number: each reads its shards' slices)."""
-    if not any((path / "model").glob("*.safetensors")):
-        raise FileNotFoundError(f"checkpoint {path}: no model shards (*.safetensors) in {path / 'model'}")
+    model_dir = path / (ADAPTER_SHARDS if trainable_only else "model")
+    if not any(model_dir.glob("*.safetensors")):
+        raise FileNotFoundError(f"checkpoint {path}: no model shards (*.safetensors) in {model_dir}"
+                                + (LORA_RESUME_HINT if trainable_only else ""))
     optimizer_saved = any((path / "optimizer").glob("*.safetensors"))
-    _load(model, optimizer, dcp.HuggingFaceStorageReader(str(path / "model")),
-          dcp.HuggingFaceStorageReader(str(path / "optimizer")) if optimizer_saved else None)
+    _load(model, optimizer, dcp.HuggingFaceStorageReader(str(model_dir)),
+          dcp.HuggingFaceStorageReader(str(path / "optimizer")) if optimizer_saved else None, trainable_only)
 
 
-def load_checkpoint_from_store(model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: RunStore) -> None:
+def load_checkpoint_from_store(model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: RunStore,
+                               trainable_only: bool = False) -> None:
     """load_checkpoint straight from a run store folder: each rank reads, by byte ranges, only the slices of
     its own shards (any rank count)."""
-    if not any(f.endswith(".safetensors") and "/" not in f for f in store.files("model")):
-        raise FileNotFoundError(f"checkpoint {store.uri()}: no model shards (*.safetensors) in {store.uri('model')}")
+    model_dir = ADAPTER_SHARDS if trainable_only else "model"
+    if not any(f.endswith(".safetensors") and "/" not in f for f in store.files(model_dir)):
+        raise FileNotFoundError(f"checkpoint {store.uri()}: no model shards (*.safetensors) in {store.uri(model_dir)}"
+                                + (LORA_RESUME_HINT if trainable_only else ""))
     optimizer_saved = any(f.endswith(".safetensors") for f in store.files("optimizer"))
-    _load(model, optimizer, StoreReader(store, "model"), StoreReader(store, "optimizer") if optimizer_saved else None)
+    _load(model, optimizer, StoreReader(store, model_dir),
+          StoreReader(store, "optimizer") if optimizer_saved else None, trainable_only)
 
 
 def _load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_reader: StorageReader,
-          optimizer_reader: StorageReader | None) -> None:
+          optimizer_reader: StorageReader | None, trainable_only: bool = False) -> None:
     """The model's and the optimizer's state from their readers; no optimizer reader: saved before the first
     optimizer step, so the optimizer starts empty."""
-    model_state, optim_state = get_state_dict(model, optimizer)  # templates: this run's shards
+    options = TRAINABLE_ONLY if trainable_only else None
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)  # templates: this run's shards
     dcp.load(model_state, storage_reader=model_reader)
     if optimizer_reader is None:
-        set_model_state_dict(model, model_state)
+        set_model_state_dict(model, model_state, options=options)
         optimizer.state.clear()
         return
     flat = _flat_optimizer_state(optim_state)
@@ -232,7 +256,7 @@ def _load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_reader
     for fqn, state in optim_state["state"].items():
         for key in state:
             state[key] = flat[f"{fqn}.{key}"]
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options)
 
 
 def _flat_optimizer_state(optim_state: dict) -> dict[str, torch.Tensor]:

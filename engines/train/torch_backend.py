@@ -21,7 +21,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Literal
 
@@ -44,11 +47,11 @@ from rlflow.engines.models.packed import PackedLM, PackedRows
 from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.cuda_ipc import export_ipc_handles
 from rlflow.engines.sync.distributed import DistributedWeightSender
-from rlflow.engines.sync.endpoints import GpuLinkProbe, IpcSender, NcclSender, StoreSender
+from rlflow.engines.sync.endpoints import AdapterSender, GpuLinkProbe, IpcSender, NcclSender, StoreSender
 from rlflow.engines.sync.gpu import device_copy_bandwidth, sync_device
 from rlflow.engines.sync.nccl import NcclChannel
 from rlflow.engines.sync.store import put_bucket
-from rlflow.engines.train import fsdp
+from rlflow.engines.train import fsdp, lora
 from rlflow.engines.train.kernels import apply_kernels
 from rlflow.engines.train.microbatch import packed_micro_batches
 from rlflow.engines.train.offload import HostParking, memory_moved
@@ -73,7 +76,7 @@ def lr_lambda(cfg: TrainConfig):
 
 
 class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, TeacherBackend, StoreSender, IpcSender,
-                        NcclSender, GpuLinkProbe):
+                        NcclSender, GpuLinkProbe, AdapterSender):
     """One FSDP2 rank of the policy (or, as role "critic", of the value model)."""
 
     def __init__(
@@ -111,24 +114,33 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         # fp32 master weights, loaded on the host: fully_shard moves each layer to the GPU as it shards it (and
         # keeps offloaded shards on the host), so no rank ever holds the whole model on its GPU. A teacher is
         # never trained: its weights are loaded in the compute dtype, frozen, like the reference model's
+        # train.lora: the base is frozen in the compute dtype as well, and only the adapters train (fp32 masters)
         frozen = role == "teacher"
-        self.model = load(model_path, dtype=DTYPES[train.precision] if frozen else torch.float32, device="cpu")
+        self.lora = train.lora if role == "policy" else None
+        self.model_path = model_path
+        base_dtype = DTYPES[train.precision] if frozen or self.lora else torch.float32
+        self.model = load(model_path, dtype=base_dtype, device="cpu")
         apply_kernels(self.model, train.kernels)
         if frozen:
             self.model.eval().requires_grad_(False)
+        if self.lora is not None:
+            lora.add_adapters(self.model, self.lora)
         compute = DTYPES[train.precision] if train.precision != "fp32" and not frozen else None
         self.lm = fsdp.shard(
             PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing and not frozen,
                      train.compile), compute, train.cpu_offload, train.reshard_after_forward)
         self.ref_model = self.ref_lm = None
-        if algorithm.kl_coef > 0 and role == "policy":  # frozen copy of the starting policy, for the KL penalty
+        # the KL penalty's reference: a frozen copy of the starting policy (with LoRA, the base: adapters off)
+        self.has_reference = algorithm.kl_coef > 0 and role == "policy"
+        if self.has_reference and self.lora is None:
             self.ref_model = load_model(model_path, dtype=DTYPES[train.precision], device="cpu").eval()
             self.ref_model.requires_grad_(False)
             apply_kernels(self.ref_model, train.kernels)
             self.ref_lm = fsdp.shard(PackedLM(self.ref_model, train.logprob_chunk_tokens), None, train.cpu_offload)
         # fused on the GPU: one kernel per step and no temporaries the size of the model (foreach's are)
         fused = self.device == "cuda" and not train.cpu_offload
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=train.betas,
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=train.lr, betas=train.betas,
                                            weight_decay=train.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train))
         # colocated: what offload() parked in host memory while the rollout engine has the GPU
@@ -206,12 +218,13 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
     @torch.no_grad()
     def forward_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Per-token logprobs [N, L] (aligned with input_ids) under the policy or the reference model."""
-        lm = self.ref_lm if reference else self.lm
-        if lm is None:
+        if reference and not self.has_reference:
             raise ValueError("forward_logprobs(reference=True) needs algorithm.kl_coef > 0")
+        lm = self.ref_lm if reference and self.lora is None else self.lm
         self._resident("forward_logprobs")
         lm.eval()
-        return self._per_token(batch, lambda micro: self._forward(lm, micro, False)[0])
+        with lora.adapters_off(self.model) if reference and self.lora is not None else nullcontext():
+            return self._per_token(batch, lambda micro: self._forward(lm, micro, False)[0])
 
     # ---- training ------------------------------------------------------------------------------------
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -227,7 +240,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         if self.role == "teacher":
             raise ValueError("train_step: this worker is a distillation teacher; it only scores (forward_logprobs)")
         self._resident("train_step", optimizer=True)
-        if self.ref_model is not None and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
+        if self.has_reference and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
         if self.role == "policy" and self.algo.corrects_rollout and "rollout_logprobs" not in batch:
             batch = with_train_logprobs(batch, self.forward_logprobs(batch))
@@ -375,15 +388,57 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         self._resident("save", optimizer=True)
         state = json.dumps({"scheduler": self.scheduler.state_dict() | {"lr_lambdas": None}, "rng": rng_state()})
         own = f"trainer_rank{self.rank}.json"
+        adapters_only = self.lora is not None
         if storage is not None:
             store = RunStore.at(storage, str(path))
-            fsdp.save_checkpoint_to_store(self.model, self.optimizer, store)
+            fsdp.save_checkpoint_to_store(self.model, self.optimizer, store, adapters_only)
             store.write_bytes(state.encode(), own)
-            return
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        fsdp.save_checkpoint(self.model, self.optimizer, path)
-        (path / own).write_text(state)
+        else:
+            path = Path(path)
+            path.mkdir(parents=True, exist_ok=True)
+            fsdp.save_checkpoint(self.model, self.optimizer, path, adapters_only)
+            (path / own).write_text(state)
+        if adapters_only:
+            self._export_lora(path, storage)
+
+    def _export_lora(self, path: str | Path, storage: StorageConfig | None) -> None:
+        """A LoRA checkpoint's exports beside its sharded state: `adapter/` (PEFT's format, what SGLang, vLLM
+        and peft load) and `model/` (the base with the adapter merged: an HF checkpoint like a full run's, for
+        evaluation and serving). Collective (the adapter is gathered); rank 0 writes."""
+        with tempfile.TemporaryDirectory(prefix="rlflow-lora-export-") as tmp:
+            adapter = Path(path) / "adapter" if storage is None else Path(tmp) / "adapter"
+            self.save_adapter(str(adapter))
+            if self.rank != 0:
+                return
+            merged = Path(path) / "model" if storage is None else Path(tmp) / "model"
+            shutil.rmtree(merged, ignore_errors=True)
+            lora.merge_into_checkpoint(Path(self.model_path), adapter, merged)
+            if storage is not None:
+                store = RunStore.at(storage, str(path))
+                for folder in (adapter, merged):
+                    store.remove(folder.name)
+                    for f in sorted(folder.iterdir()):
+                        store.upload_file(f, folder.name, f.name)
+
+    def save_adapter(self, path: str, storage: StorageConfig | None = None) -> int:
+        """The LoRA adapter as a PEFT folder at `path` (local; with `storage`, a folder of that run store): the
+        adapter weight sync's payload and a checkpoint's adapter/. Collective (each rank gathers its shards of
+        the adapters); rank 0 writes and returns the bytes, the others 0."""
+        if self.lora is None:
+            raise ValueError("save_adapter: this worker trains every weight (train.lora is empty)")
+        self._resident("save_adapter")
+        params = dict(self.model.named_parameters())
+        tensors = dict(fsdp.gather(params, [n for n in params if lora.is_adapter(n)], keep=self.rank == 0))
+        if self.rank != 0:
+            return 0
+        if storage is None:
+            return lora.write_adapter(Path(path), tensors, self.lora, self.model_path)
+        with tempfile.TemporaryDirectory(prefix="rlflow-adapter-") as tmp:
+            nbytes = lora.write_adapter(Path(tmp), tensors, self.lora, self.model_path)
+            store = RunStore.at(storage, path)
+            for f in sorted(Path(tmp).iterdir()):
+                store.upload_file(f, f.name)
+        return nbytes
 
     def load(self, path: str | Path, storage: StorageConfig | None = None) -> None:
         """Resume from save(), written by any number of ranks (with `storage`: read straight from that run
@@ -391,9 +446,10 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         no random numbers) and takes rank 0's schedule (the same on every rank)."""
         self._resident("load", optimizer=True)
         own = f"trainer_rank{self.rank}.json"
+        adapters_only = self.lora is not None
         if storage is not None:
             store = RunStore.at(storage, str(path))
-            fsdp.load_checkpoint_from_store(self.model, self.optimizer, store)
+            fsdp.load_checkpoint_from_store(self.model, self.optimizer, store, adapters_only)
             state = json.loads(store.read_bytes(own if store.exists(own) else "trainer_rank0.json"))
             self._restore_trainer_state(state, store.exists(own), store.uri(own))
             return
@@ -402,7 +458,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
             raise ValueError(f"checkpoint {path}: written before the FSDP2 backend (optimizer.safetensors, one full "
                              "copy); this backend reads sharded optimizer/ state. Its model/ is a Hugging Face "
                              "checkpoint: start a new run from it with model.path")
-        fsdp.load_checkpoint(self.model, self.optimizer, path)
+        fsdp.load_checkpoint(self.model, self.optimizer, path, adapters_only)
         state = json.loads(((path / own) if (path / own).is_file() else path / "trainer_rank0.json").read_text())
         self._restore_trainer_state(state, (path / own).is_file(), path / own)
 
