@@ -1,0 +1,133 @@
+"""LoRA RL on the native trainer (train.lora, engines/train/lora.py): only adapters train, the reference policy is
+the base with adapters off, checkpoints resume and export PEFT adapters and merged weights, and the recipe
+refuses combinations that cannot work, naming the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from rlflow.engines.core.config import AlgorithmConfig, LoraConfig, TrainConfig, config_from_dict
+from rlflow.engines.train import lora
+from rlflow.engines.train.torch_backend import TorchTrainBackend
+from tests.conftest import small_recipe
+from tests.test_engines import _toy_batch
+
+LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+TRAIN = TrainConfig(threads=1, lr=5e-2, lora=LORA)
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_dir):
+    return _toy_batch(tiny_model_dir, n=8)
+
+
+def _params(trainer: TorchTrainBackend) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_only_the_adapters_train_and_the_reference_is_the_base(tiny_model_dir, batch):
+    """A step moves every lora_B (zero at the start) and nothing of the base; Adam holds state for adapters only;
+    the reference logprobs (adapters off) stay the base model's after training, while the policy's move."""
+    trainer = TorchTrainBackend(tiny_model_dir, TRAIN, AlgorithmConfig(kl_coef=0.1))
+    base = TorchTrainBackend(tiny_model_dir, TrainConfig(threads=1), AlgorithmConfig())
+    assert trainer.ref_model is None  # no second copy of the model
+    before = _params(trainer)
+    assert all(t.abs().max() == 0 for n, t in before.items() if ".lora_B." in n)
+    assert torch.allclose(trainer.forward_logprobs(batch), base.forward_logprobs(batch), atol=1e-6)
+    trainer.train_step(batch)
+    after = _params(trainer)
+    adapters = [n for n in after if lora.is_adapter(n)]
+    assert len(adapters) == 2 * len(LORA.target_modules) * 2  # A and B per target, 2 layers
+    assert all(not torch.equal(before[n], after[n]) for n in adapters if ".lora_B." in n)
+    assert all(torch.equal(before[n], after[n]) for n in after if not lora.is_adapter(n))
+    state = trainer.optimizer.state
+    assert len(state) == len(adapters) and all(p.requires_grad for p in state)
+    reference = trainer.forward_logprobs(batch, reference=True)
+    assert torch.allclose(reference, base.forward_logprobs(batch), atol=1e-6)
+    assert not torch.allclose(trainer.forward_logprobs(batch), reference, atol=1e-3)
+
+
+def test_checkpoint_resumes_and_exports_peft_and_merged(tiny_model_dir, batch, tmp_path):
+    """save() writes the adapters' shards (lora/), Adam's state, a PEFT folder that peft loads onto the base, and
+    merged HF weights equal to that PEFT model; load() into a fresh trainer continues bit for bit."""
+    trainer = TorchTrainBackend(tiny_model_dir, TRAIN, AlgorithmConfig())
+    trainer.train_step(batch)
+    trainer.save(tmp_path / "ckpt")
+    files = {p.relative_to(tmp_path / "ckpt").parts[0] for p in (tmp_path / "ckpt").rglob("*") if p.is_file()}
+    assert {"lora", "optimizer", "adapter", "model"} <= files
+    shard_bytes = sum(f.stat().st_size for f in (tmp_path / "ckpt" / "lora").glob("*.safetensors"))
+    assert shard_bytes < sum(f.stat().st_size for f in (tmp_path / "ckpt" / "model").glob("*.safetensors"))
+
+    config = json.loads((tmp_path / "ckpt" / "adapter" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
+    ids = batch["input_ids"][:2]
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                           str(tmp_path / "ckpt" / "adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model").eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+        assert torch.allclose(merged(ids).logits, expected, atol=1e-5)
+        assert not torch.allclose(base(ids).logits, expected, atol=1e-4)  # the adapter is not a no-op
+
+    resumed = TorchTrainBackend(tiny_model_dir, TRAIN, AlgorithmConfig())
+    resumed.load(tmp_path / "ckpt")
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(_params(trainer).items(), _params(resumed).items(),
+                                                             strict=True))
+    m1, m2 = trainer.train_step(batch), resumed.train_step(batch)
+    assert m1["loss"] == m2["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(_params(trainer).values(), _params(resumed).values(), strict=True))
+
+
+def test_a_full_checkpoint_is_not_a_lora_one(tiny_model_dir, tmp_path):
+    TorchTrainBackend(tiny_model_dir, TrainConfig(threads=1), AlgorithmConfig()).save(tmp_path / "full")
+    with pytest.raises(FileNotFoundError, match=r"no model shards .*/full/lora \(train.lora: a LoRA run resumes"):
+        TorchTrainBackend(tiny_model_dir, TRAIN, AlgorithmConfig()).load(tmp_path / "full")
+
+
+def test_save_adapter_is_the_sync_payload(tiny_model_dir, tmp_path):
+    """The adapter transport's payload: a PEFT folder of fp32 adapters (a small share of the model's bytes)."""
+    trainer = TorchTrainBackend(tiny_model_dir, TRAIN, AlgorithmConfig())
+    nbytes = trainer.save_adapter(str(tmp_path / "a"))
+    config, weights = lora.read_adapter(tmp_path / "a")
+    assert nbytes == sum(t.numel() * 4 for t in weights.values())
+    assert all(k.startswith("base_model.model.model.layers.") for k in weights)
+    assert set(config["target_modules"]) == set(LORA.target_modules)
+    with pytest.raises(ValueError, match="train.lora is empty"):
+        TorchTrainBackend(tiny_model_dir, TrainConfig(threads=1), AlgorithmConfig()).save_adapter(str(tmp_path / "b"))
+
+
+def test_merge_names_a_weight_the_base_lacks(tiny_model_dir, tmp_path):
+    trainer = TorchTrainBackend(tiny_model_dir, TRAIN, AlgorithmConfig())
+    trainer.save_adapter(str(tmp_path / "a"))
+    _, weights = lora.read_adapter(tmp_path / "a")
+    renamed = {k.replace("layers.0.", "layers.9."): v for k, v in weights.items()}
+    from safetensors.torch import save_file
+
+    save_file(renamed, str(tmp_path / "a" / lora.ADAPTER_FILE))
+    with pytest.raises(ValueError, match=r"has no weight model\.layers\.9\."):
+        lora.merge_into_checkpoint(Path(tiny_model_dir), tmp_path / "a", tmp_path / "merged")
+    with pytest.raises(FileNotFoundError, match="no adapter_config.json"):
+        lora.read_adapter(tmp_path)
+
+
+def test_recipe_pairs_lora_with_the_adapter_transport(tmp_path):
+    def cfg(**sections):
+        return config_from_dict(small_recipe(tmp_path, **sections))
+
+    with pytest.raises(ValueError, match="train.lora: needs weight_sync.transport: adapter"):
+        cfg(train={"lora": {"rank": 4}})
+    with pytest.raises(ValueError, match="weight_sync.transport: adapter moves LoRA adapters alone"):
+        cfg(weight_sync={"transport": "adapter"})
+    with pytest.raises(ValueError, match=r"target_modules.*unknown module\(s\) \['qkv'\]"):
+        cfg(train={"lora": {"target_modules": ["qkv"]}}, weight_sync={"transport": "adapter"})
+    with pytest.raises(ValueError, match="train.lora: LoRA is built on the torch backend"):
+        cfg(train={"backend": "megatron", "lora": {}}, weight_sync={"transport": "adapter"})
+    ok = cfg(train={"lora": {"rank": 8, "alpha": 16}}, weight_sync={"transport": "adapter"})
+    assert ok.train.lora.peft_config()["r"] == 8
