@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM
 from rlflow.engines.core.config import AlgorithmConfig, LoraConfig, TrainConfig, config_from_dict
 from rlflow.engines.train import lora
 from rlflow.engines.train.torch_backend import TorchTrainBackend
-from tests.conftest import small_recipe
+from tests.conftest import assert_same_update, small_recipe
 from tests.test_engines import _toy_batch
+from tests.test_fsdp import _ranks, _step, ray_cluster  # noqa: F401 - ray_cluster is a fixture
 
 LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
 TRAIN = TrainConfig(threads=1, lr=5e-2, lora=LORA)
@@ -131,3 +132,22 @@ def test_recipe_pairs_lora_with_the_adapter_transport(tmp_path):
         cfg(train={"backend": "megatron", "lora": {}}, weight_sync={"transport": "adapter"})
     ok = cfg(train={"lora": {"rank": 8, "alpha": 16}}, weight_sync={"transport": "adapter"})
     assert ok.train.lora.peft_config()["r"] == 8
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_two_ranks_train_the_adapters_one_rank_does(tiny_model_dir, batch, ray_cluster, tmp_path, precision):
+    """FSDP2 over two ranks (Ray actors, gloo): the same adapter update as one rank on the whole batch (bf16: the
+    frozen base in bf16 beside fp32 adapters in one FSDP unit), and save_adapter gathers the adapters' shards."""
+    train = TRAIN.model_copy(update={"precision": precision})
+    one, two = _ranks(tiny_model_dir, train, 1, "lora-one"), _ranks(tiny_model_dir, train, 2, f"lora-two-{precision}")
+    start = lora.read_adapter(_saved(one, tmp_path / "start"))[1]
+    _step(one, batch, 1)
+    _step(two, batch, 2)
+    single, parallel = (lora.read_adapter(_saved(g, tmp_path / name))[1] for g, name in ((one, "one"), (two, "two")))
+    assert_same_update(start, list(single.items()), list(parallel.items()))
+    assert any(not torch.equal(start[k], single[k]) for k in single)
+
+
+def _saved(group, path: Path) -> Path:
+    assert group.call(TorchTrainBackend.save_adapter, str(path))[0] > 0  # rank 0 writes; the others gather
+    return path

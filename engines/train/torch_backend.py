@@ -123,9 +123,14 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         apply_kernels(self.model, train.kernels)
         if frozen:
             self.model.eval().requires_grad_(False)
-        if self.lora is not None:
-            lora.add_adapters(self.model, self.lora)
-        compute = DTYPES[train.precision] if train.precision != "fp32" and not frozen else None
+        if self.lora is not None:  # every rank draws the same A: FSDP2 keeps each rank's slice of its own copy
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                lora.add_adapters(self.model, self.lora)
+        # FSDP2 casts fp32 masters to the compute dtype; a frozen model is in it already, and with LoRA each part
+        # keeps its own (FSDP2 cannot reduce the fp32 adapters' gradients beside a bf16 base in one unit): the
+        # base runs in train.precision, the small adapter GEMMs in fp32 (peft casts their input)
+        compute = DTYPES[train.precision] if train.precision != "fp32" and not frozen and not self.lora else None
         self.lm = fsdp.shard(
             PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing and not frozen,
                      train.compile), compute, train.cpu_offload, train.reshard_after_forward)
