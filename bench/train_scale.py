@@ -13,7 +13,9 @@ Each variant runs in a fresh process (its own peak memory), one warm-up step, th
   logits and log-softmax, a policy-gradient loss;
 - `rlflow-*`: TorchTrainBackend.train_step with precision bf16 (FSDP2 on one rank: fp32 master weights, bf16
   compute copies made per layer gather) and the named options (packing and chunked log-probs always; token
-  budget, activation checkpointing, torch.compile per layer, FSDP2 CPU offload).
+  budget, activation checkpointing, torch.compile per layer, FSDP2 CPU offload); `*-lora`: train.lora, rank-16
+  adapters on every linear of a frozen bf16 base (their MFU counts 4 FLOPs per frozen parameter and token, no
+  weight gradients, plus the adapters' 6).
 `--shape 7b` takes Qwen2.5-7B's dims (vocab 152,064, hidden 3,584, 28 layers, 28 query / 4 KV heads, untied).
 Figures: useful (non-padding) tokens per second, MFU = (6 x matmul params x tokens + 6 x layers x hidden x
 sum(len^2)) / time / peak, with the GPU's dense bf16 peak (H100 989 TFLOP/s), and peak memory.
@@ -59,6 +61,11 @@ VARIANTS = {
     "rlflow-16k-ckpt-liger": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "kernels": "liger"},
     "rlflow-16k-compile": {"micro_batch_tokens": 16384, "compile": True},
     "rlflow-16k-ckpt-compile": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "compile": True},
+    # train.lora (issue 23): rank-16 adapters on every linear of the frozen bf16 base, side by side with full FT
+    "rlflow-16k-lora": {"micro_batch_tokens": 16384, "lora": {"rank": 16, "alpha": 32}},
+    "rlflow-16k-ckpt-lora": {"micro_batch_tokens": 16384, "activation_checkpointing": True,
+                             "lora": {"rank": 16, "alpha": 32}},
+    "rlflow-16k-liger-lora": {"micro_batch_tokens": 16384, "kernels": "liger", "lora": {"rank": 16, "alpha": 32}},
     "rlflow-4k-ckpt-c1k": {"micro_batch_tokens": 4096, "activation_checkpointing": True, "logprob_chunk_tokens": 1024},
     "rlflow-8k-ckpt-offload": {"micro_batch_tokens": 8192, "activation_checkpointing": True, "cpu_offload": True},
     "rlflow-16k-ckpt-offload": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "cpu_offload": True},
@@ -87,16 +94,24 @@ def workload(vocab: int, n: int, prompt: int, response_min: int, response_max: i
             "old_logprobs": torch.zeros(n, width), "advantages": torch.randn(n, generator=g)}
 
 
-def flops_per_step(cfg: dict, lengths: torch.Tensor) -> float:
-    """Training FLOPs of one pass over the samples (forward + backward) on useful tokens only."""
+def flops_per_step(cfg: dict, lengths: torch.Tensor, lora_rank: int = 0) -> float:
+    """Training FLOPs of one pass over the samples (forward + backward) on useful tokens only. With LoRA
+    (`lora_rank`, adapters on every linear of the layers) the frozen weights get no weight gradient, so their
+    matmuls cost 4 FLOPs per parameter and token instead of 6, and the adapters add their own 6."""
     d, layers, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    heads, kv, ffn = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
     head_dim = d // heads
-    per_layer = d * heads * head_dim + 2 * d * kv * head_dim + heads * head_dim * d + 3 * d * cfg["intermediate_size"]
+    per_layer = d * heads * head_dim + 2 * d * kv * head_dim + heads * head_dim * d + 3 * d * ffn
     matmul_params = layers * per_layer + v * d  # + the LM head (the embedding lookup is no matmul)
     tokens = float(lengths.sum())
     attention = 6.0 * layers * d * float((lengths.double() ** 2).sum())  # causal: QK^T and AV over half of s^2
-    return 6.0 * matmul_params * tokens + attention
+    if not lora_rank:
+        return 6.0 * matmul_params * tokens + attention
+    # (in, out) of q, k, v, o, gate, up, down
+    shapes = [(d, heads * head_dim), (d, kv * head_dim), (d, kv * head_dim), (heads * head_dim, d), (d, ffn),
+              (d, ffn), (ffn, d)]
+    adapter_params = layers * lora_rank * sum(i + o for i, o in shapes)
+    return 4.0 * matmul_params * tokens + 6.0 * adapter_params * tokens + attention
 
 
 def build_model(cfg: dict, out: Path, seed: int = 0) -> None:
@@ -209,9 +224,10 @@ def child(args) -> None:
     except torch.OutOfMemoryError as e:
         times, logprob_s, error = [], None, f"out of memory: {str(e).splitlines()[0]}"
     lengths = batch["attention_mask"].sum(-1)
+    lora_rank = VARIANTS.get(args.variant, {}).get("lora", {}).get("rank", 0)
     result = {"variant": args.variant, "step_s": times, "error": error,
               "useful_tokens": int(lengths.sum()), "padded_tokens": int(lengths.numel() * lengths.max()),
-              "flops_per_step": flops_per_step(cfg, lengths)}
+              "flops_per_step": flops_per_step(cfg, lengths, lora_rank)}
     if times:
         best = sorted(times)[len(times) // 2]
         result |= {"step_s_median": best, "tokens_per_s": result["useful_tokens"] / best,
