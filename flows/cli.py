@@ -6,7 +6,7 @@
     rlflow validate deployments/sort-tiny.yaml [--offline]   also tries the run store and MLflow
     rlflow runs [--store s3://bucket/runs]
     rlflow resume RUN [--store ...] [--set train.steps=200]
-    rlflow export RUN OUT_DIR [--step N] [--store ...]
+    rlflow export RUN OUT_DIR [--step N] [--store ...] [--adapter]   --adapter: a LoRA run's PEFT adapter
     rlflow run RECIPE --debug rollout_only [--trace-every 1]
     rlflow run RECIPE --debug train_only --replay OTHER_RUN [--replay-store s3://...]
     rlflow trace render FILE_OR_RUN --out timeline.png [--step N] [--store ...]
@@ -148,7 +148,8 @@ def cmd_runs(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """Copy a committed checkpoint's model/ (HF safetensors + config + tokenizer) to a local directory."""
+    """Copy a committed checkpoint's model/ (HF safetensors + config + tokenizer; a LoRA run's: merged) or, with
+    --adapter, a LoRA run's adapter/ (PEFT's format) to a local directory."""
     from rlflow.engines.store.run_store import RunStore, StorageError  # deferred: pyarrow and fsspec
 
     store = RunStore(_store_config(args), args.run)
@@ -158,6 +159,15 @@ def cmd_export(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
+    if args.adapter:
+        if not store.exists("checkpoints", step, "adapter", "adapter_config.json"):
+            print(f"error: step {step} of '{args.run}' has no LoRA adapter (the run trains every weight: export "
+                  "without --adapter)", file=sys.stderr)
+            return 2
+        store.download_checkpoint(step, out, only="adapter")
+        print(f"exported the LoRA adapter of step {step} of '{args.run}' to {out} (load with "
+              "peft.PeftModel.from_pretrained(base_model, out), or SGLang's /load_lora_adapter)")
+        return 0
     store.export_model(step, out)
     print(f"exported step {step} of '{args.run}' to {out} (load with AutoModelForCausalLM.from_pretrained)")
     return 0
@@ -341,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "export":
             p.add_argument("out")
             p.add_argument("--step", type=int, help="checkpoint step (default: the newest committed)")
+            p.add_argument("--adapter", action="store_true",
+                           help="a LoRA run's adapter in PEFT's format instead of the merged model")
         p.add_argument("--store", default="runs", help="run store root (default: runs)")
         p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY.PATH=VALUE",
                        help="override a field (storage.endpoint_url=..., train.steps=...)")
