@@ -107,3 +107,23 @@ def test_workers_get_the_drivers_credentials_when_the_recipe_names_none(monkeypa
     assert worker_storage(own) is own
     assert worker_storage(StorageConfig(uri="s3://bucket/runs", profile="p")).key is None
     assert worker_storage(StorageConfig(uri="/tmp/runs")).key is None
+
+
+def test_a_reader_fetches_only_the_rows_it_needs(tmp_path, monkeypatch):
+    """read_stored_tensor with `rows`: one ranged read of exactly those rows' bytes (a rank resharding along the
+    first dimension, e.g. a Megatron load onto more tensor-parallel ranks, reads its part and no more)."""
+    from safetensors.torch import save
+
+    from rlflow.engines.train.dcp_store import read_stored_tensor, safetensors_header
+
+    store = RunStore(StorageConfig(uri=str(tmp_path)), "r")
+    w = torch.arange(6 * 5, dtype=torch.float32).reshape(6, 5)
+    store.write_bytes(save({"b": torch.ones(3), "w": w}), "f.safetensors")
+    start, header = safetensors_header(store, "f.safetensors")
+    reads = []
+    read_range = store.read_range
+    monkeypatch.setattr(store, "read_range", lambda a, b, *p: reads.append(b - a) or read_range(a, b, *p))
+    assert torch.equal(read_stored_tensor(store, "f.safetensors", start, header["w"], (2, 5)), w[2:5])
+    assert reads == [3 * 5 * 4]
+    assert torch.equal(read_stored_tensor(store, "f.safetensors", start, header["w"]), w)
+    assert torch.equal(read_stored_tensor(store, "f.safetensors", start, header["w"], (6, 6)), w[6:6])

@@ -135,7 +135,7 @@ def test_recipe_pairs_lora_with_the_adapter_transport(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_two_ranks_train_the_adapters_one_rank_does(tiny_model_dir, batch, ray_cluster, tmp_path, precision):
+def test_two_ranks_train_the_adapters_one_rank_does(tiny_model_dir, batch, ray_cluster, tmp_path, precision):  # noqa: F811
     """FSDP2 over two ranks (Ray actors, gloo): the same adapter update as one rank on the whole batch (bf16: the
     frozen base in bf16 beside fp32 adapters in one FSDP unit), and save_adapter gathers the adapters' shards."""
     train = TRAIN.model_copy(update={"precision": precision})

@@ -183,10 +183,16 @@ def safetensors_header(store: RunStore, file: str) -> tuple[int, dict]:
     return _HEADER_LEN + n, json.loads(store.read_range(_HEADER_LEN, _HEADER_LEN + n, file))
 
 
-def read_stored_tensor(store: RunStore, file: str, start: int, info: dict) -> torch.Tensor:
+def read_stored_tensor(store: RunStore, file: str, start: int, info: dict,
+                       rows: tuple[int, int] | None = None) -> torch.Tensor:
     """One tensor of a safetensors file by one ranged read: `start` and `info` (its header entry) from
-    safetensors_header."""
+    safetensors_header. `rows` (lo, hi): only those indices of the first dimension, which lie contiguously in
+    the file (a reader resharding along it fetches only its part)."""
     begin, end = info["data_offsets"]
-    dtype, shape = _get_dtype(info["dtype"]), info["shape"]
+    dtype, shape = _get_dtype(info["dtype"]), list(info["shape"])
+    if rows is not None and shape:
+        row_bytes = (end - begin) // shape[0] if shape[0] else 0
+        begin, end = begin + rows[0] * row_bytes, begin + rows[1] * row_bytes
+        shape[0] = rows[1] - rows[0]
     raw = bytearray(store.read_range(start + begin, start + end, file))
     return torch.frombuffer(raw, dtype=dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)

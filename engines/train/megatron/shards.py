@@ -108,9 +108,9 @@ def _chunks(store: RunStore, folder: str) -> tuple[dict[str, list[Chunk]], dict[
 @torch.no_grad()
 def load_shards(model: torch.nn.Module, store: RunStore, folder: str) -> None:
     """Fill every local tensor of `model` (any TP/PP/DP layout) from the overlapping chunks saved in `folder` of
-    `store` (a local folder or object storage alike): each chunk that overlaps this rank's slices is fetched by
-    one ranged read, the others not at all. Each element must be covered: a key or region missing from the
-    checkpoint is an error naming it."""
+    `store` (a local folder or object storage alike): of each chunk that overlaps this rank's slices, one ranged
+    read fetches the overlapping rows (first dimension), the others are not read at all. Each element must be
+    covered: a key or region missing from the checkpoint is an error naming it."""
     chunks, headers = _chunks(store, folder)
     where = store.uri(folder)
     for item in _local_tensors(model):
@@ -131,7 +131,12 @@ def load_shards(model: torch.nn.Module, store: RunStore, folder: str) -> None:
             if any(x >= y for x, y in zip(a, b, strict=True)):
                 continue
             start, header = headers[chunk.file]
-            saved = read_stored_tensor(store, chunk.file, start, header[chunk.name])
+            if shape:  # only the overlapping rows (contiguous in the file); the other dimensions are sliced here
+                saved = read_stored_tensor(store, chunk.file, start, header[chunk.name],
+                                           (a[0] - off[0], b[0] - off[0]))
+                off = [a[0], *off[1:]]  # where `saved` starts
+            else:  # a scalar
+                saved = read_stored_tensor(store, chunk.file, start, header[chunk.name])
             part = saved[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, off, strict=True))]
             target[tuple(slice(x - t, y - t) for x, y, t in zip(a, b, lo, strict=True))].copy_(part)
             covered += part.numel()
