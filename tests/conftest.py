@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
 
@@ -34,6 +36,21 @@ def tiny_model_dir(tmp_path_factory) -> str:
     build_tiny_model(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                                  max_seq_len=32), out, seed=0)
     return str(out)
+
+
+def step_metrics(run: Callable[[], Any], listeners: Iterable[Callable[[int, dict], None]] = ()
+                 ) -> tuple[dict[int, dict], Any]:
+    """Call `run` (a flow) with `listeners` and a collector on every finished step: (each step's metrics, what
+    `run` returned). A retried attempt's step replaces the failed attempt's."""
+    from rlflow.tasks.run_context import STEP_LISTENERS  # Prefect's import cost, for the tests that run flows
+
+    seen: dict[int, dict] = {}
+    STEP_LISTENERS.extend([*listeners, lambda step, m: seen.__setitem__(step, m)])
+    try:
+        result = run()
+    finally:
+        STEP_LISTENERS.clear()
+    return seen, result
 
 
 def small_recipe(tmp_path, **sections) -> dict:

@@ -28,8 +28,7 @@ from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.store.run_store import RunStore, replay_source
 from rlflow.flows.cli import main as cli
 from rlflow.flows.post_train import post_train
-from rlflow.tasks.run_context import STEP_LISTENERS
-from tests.conftest import small_recipe
+from tests.conftest import small_recipe, step_metrics
 
 STEPS = 2
 REQUESTS = 8 * 4  # prompts_per_step x samples_per_prompt of small_recipe
@@ -42,12 +41,9 @@ def _recipe(tmp: Path, name: str, **sections):
 
 
 def _flow(cfg) -> list[dict]:
-    by_step: dict[int, dict] = {}
-    STEP_LISTENERS.append(lambda step, m: by_step.__setitem__(step, m))
     try:
-        post_train(cfg)
+        by_step, _ = step_metrics(lambda: post_train(cfg))
     finally:
-        STEP_LISTENERS.clear()
         mlflow.set_tracking_uri(None)
     return [by_step[k] for k in sorted(by_step)]
 

@@ -22,8 +22,7 @@ from rlflow.engines.session.sft import SFTSession
 from rlflow.engines.session.workers import check_teacher_vocabulary, prepare_data, prepare_model, role_demands
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 from rlflow.flows.post_train import post_train
-from rlflow.tasks.run_context import STEP_LISTENERS
-from tests.conftest import small_recipe
+from tests.conftest import small_recipe, step_metrics
 
 LN2 = math.log(2.0)
 
@@ -298,12 +297,7 @@ def test_student_moves_toward_the_teacher_through_the_flow(tmp_path):
     raw["model"]["hidden_size"] = 64
     teacher = _sft_teacher(tmp_path, raw, 40, hidden_size=96, num_layers=3, intermediate_size=192)
     cfg = config_from_dict({**raw, "distill": {"teacher_path": teacher, "mode": "alone"}})
-    seen: dict[int, dict] = {}
-    STEP_LISTENERS.append(lambda step, m: seen.__setitem__(step, m))
-    try:
-        post_train(cfg)
-    finally:
-        STEP_LISTENERS.clear()
+    seen, _ = step_metrics(lambda: post_train(cfg))
     kl = [seen[s]["distill/kl"] for s in range(steps)]
     teacher_lp = [seen[s]["distill/teacher_logprob_mean"] for s in range(steps)]
     print("distill/kl", [round(k, 3) for k in kl], "teacher logprob", [round(t, 3) for t in teacher_lp])

@@ -19,22 +19,19 @@ from mlflow.tracking import MlflowClient
 from rlflow.engines.core.config import load_recipe
 from rlflow.engines.store.run_store import RunStore
 from rlflow.flows.post_train import post_train
-from rlflow.tasks.run_context import STEP_LISTENERS
+from tests.conftest import step_metrics
 
 DEMO = Path(__file__).resolve().parent.parent / "deployments" / "sort-tiny.yaml"
 
 
-def _run_demo(tmp_path: Path, *overrides: str, flow_retries: int = 0):
+def _run_demo(tmp_path: Path, *overrides: str, flow_retries: int = 0, listeners=()):
     cfg = load_recipe(DEMO, [
         f"data.train_path={tmp_path}/data/train.jsonl", f"data.eval_path={tmp_path}/data/eval.jsonl",
         f"storage.uri={tmp_path}/runs", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *overrides,
     ])
-    by_step: dict[int, dict] = {}  # a retried attempt's steps replace the failed attempt's
-    STEP_LISTENERS.append(lambda step, m: by_step.__setitem__(step, m))
-    try:
-        state = post_train.with_options(retries=flow_retries, retry_delay_seconds=0)(cfg, return_state=True)
-    finally:
-        STEP_LISTENERS.clear()
+    by_step, state = step_metrics(  # a retried attempt's steps replace the failed attempt's
+        lambda: post_train.with_options(retries=flow_retries, retry_delay_seconds=0)(cfg, return_state=True),
+        listeners)
     _run_demo.flow_run_id = state.state_details.flow_run_id
     return cfg, [by_step[k] for k in sorted(by_step)], state.result()
 
@@ -129,11 +126,10 @@ def test_k2_async_bounds_staleness_records_versions_and_resumes(tmp_path, monkey
         if step not in seen:
             seen[step] = Path(store_of.path("steps", step, "rollout.parquet")).stat().st_mtime_ns
 
-    STEP_LISTENERS.append(snapshot)
     cfg, history, _ = _run_demo(tmp_path, "rollout.max_staleness=2", "name=sort-tiny-k2", "train.steps=8",
                                 "rollout.prompts_per_step=16", "train.epochs=1", "data.generate.num_train=2000",
                                 "checkpoint.every=3", "checkpoint.keep_rollouts=true", "eval.every=0",
-                                "eval.max_prompts=32", flow_retries=1)
+                                "eval.max_prompts=32", flow_retries=1, listeners=[snapshot])
 
     assert len(history) == 8
     store = RunStore(cfg.storage.uri, cfg.name)

@@ -25,8 +25,8 @@ from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.session.workers import start_workers
 from rlflow.engines.store.run_store import RunStore
 from rlflow.flows.post_train import post_train
-from rlflow.tasks.run_context import STEP_LISTENERS, active_run
-from tests.conftest import small_recipe
+from rlflow.tasks.run_context import active_run
+from tests.conftest import small_recipe, step_metrics
 
 # ---- the plan: pure, no Ray ---------------------------------------------------------------------------------
 
@@ -132,13 +132,7 @@ def _cfg(tmp_path, c: Cluster, name: str, **sections):
 
 def _run(cfg, listeners=()) -> dict[int, dict]:
     """post_train(cfg); the metrics of each step it ran (raises what the flow raised)."""
-    history: dict[int, dict] = {}
-    STEP_LISTENERS.extend([*listeners, lambda step, m: history.__setitem__(step, m)])
-    try:
-        post_train(cfg)
-    finally:
-        STEP_LISTENERS.clear()
-    return history
+    return step_metrics(lambda: post_train(cfg), listeners)[0]
 
 
 def test_a_run_over_three_nodes_learns_as_on_one_and_survives_losing_a_node(cluster, tmp_path):

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from rlflow.engines.core.config import BuiltinTaskConfig, StorageConfig
 from rlflow.engines.data.builtin_tasks import write_task_files
 from rlflow.engines.store.run_store import RunStore
-from tests.conftest import small_recipe
+from tests.conftest import small_recipe, step_metrics
 
 STEPS = 5
 STAGES = ["rollout", "reward", "advantages", "train", "sync-weights", "checkpoint", "evaluate"]
@@ -322,7 +322,6 @@ def test_a_run_without_checkpoint_settings_resumes_after_a_crash(tmp_path, monke
     from the default step-49 checkpoint instead of starting over at step 0."""
     from rlflow.engines.core.config import config_from_dict
     from rlflow.flows.post_train import post_train
-    from rlflow.tasks.run_context import STEP_LISTENERS
 
     raw = small_recipe(tmp_path, cluster={"use_ray": False}, train={"steps": 51, "threads": 1}, eval={"every": 0},
                        rollout={"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 1})
@@ -330,10 +329,7 @@ def test_a_run_without_checkpoint_settings_resumes_after_a_crash(tmp_path, monke
     cfg = config_from_dict(raw)
     monkeypatch.setenv("RLFLOW_FAULT", "train:50:before:raise")
     steps: list[int] = []
-    STEP_LISTENERS.append(lambda step, m: steps.append(step))
-    try:
-        post_train.with_options(retries=1, retry_delay_seconds=0)(cfg)
-    finally:
-        STEP_LISTENERS.clear()
+    step_metrics(lambda: post_train.with_options(retries=1, retry_delay_seconds=0)(cfg),
+                 [lambda step, m: steps.append(step)])
     assert steps == list(range(51))  # step 50 ran once, after the resume; no step ran twice
     assert RunStore(cfg.storage, cfg.name).committed_steps() == [49, 50]

@@ -21,8 +21,7 @@ from rlflow.engines.store.run_store import RunStore
 from rlflow.flows.cli import main as cli_main
 from rlflow.flows.rejection_sampling import rejection_sampling
 from rlflow.flows.sft import sft
-from rlflow.tasks.run_context import STEP_LISTENERS
-from tests.conftest import small_recipe
+from tests.conftest import small_recipe, step_metrics
 
 SORT3 = {"task": "sort", "num_digits": 3, "num_train": 2000, "num_eval": 32}
 
@@ -35,13 +34,7 @@ def _cfg(tmp_path, **sections):
 
 
 def _run(flow_fn, cfg) -> dict[int, dict]:
-    seen: dict[int, dict] = {}
-    STEP_LISTENERS.append(lambda step, m: seen.__setitem__(step, m))
-    try:
-        flow_fn(cfg)
-    finally:
-        STEP_LISTENERS.clear()
-    return seen
+    return step_metrics(lambda: flow_fn(cfg))[0]
 
 
 def test_accept_samples_by_hand():
