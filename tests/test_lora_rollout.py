@@ -205,7 +205,7 @@ def test_bad_adapters_name_the_file_and_key(tiny_model_dir, adapters):
             dict(config={"target_modules": ["q_proj", "foo_proj"]}),
             r"adapter_config.json: target_modules \['foo_proj'\]",
         ),
-        (dict(config={"r": 16}), r"adapter_config.json: r = 16 is above the rank the engine was started for \(8"),
+        (dict(config={"r": 16}), r"lora_A \[4, 64\] and lora_B \[32, 4\] do not fit r = 16"),
         (dict(config={"use_dora": True}), "adapter_config.json: use_dora = True is not supported"),
         (
             dict(tensors=lambda t: t | {f"{key}.lora_A.weight": t[f"{key}.lora_A.weight"][:, :-1].contiguous()}),
@@ -229,6 +229,12 @@ def test_bad_adapters_name_the_file_and_key(tiny_model_dir, adapters):
         with pytest.raises(ValueError, match=r"target_modules \['down_proj', 'gate_proj', .* are outside"):
             narrow.load_lora_adapter("a1", str(src))
         narrow.close()
+        low = _backend(tiny_model_dir, adapters, lora={"rank": 2, "target_modules": ["all"]})
+        with pytest.raises(
+            ValueError, match=r"adapter_config.json: r = 4 is above the rank the engine was started for"
+        ):
+            low.load_lora_adapter("a1", str(src))
+        low.close()
         plain = _backend(tiny_model_dir, adapters, lora=None)
         with pytest.raises(RuntimeError, match="started without LoRA"):
             plain.load_lora_adapter("a1", str(src))
