@@ -59,6 +59,12 @@ def build_app(model_path: str, legacy_info: bool) -> FastAPI:
         state.update(model_path=body["model_path"], weight_version=body.get("weight_version") or "default")
         return fixture("update_weights_from_disk.json")
 
+    flushes: list[int] = []  # /flush_cache calls, reported by /get_flushes (the tests' own route, not SGLang's)
+
+    @app.get("/get_flushes")
+    async def get_flushes():
+        return {"flushes": len(flushes)}
+
     loras: dict[str, str] = {}  # SGLang's LoRA registry: a loaded name is refused, an unknown one cannot unload
 
     def lora_answer(error: str | None = None) -> JSONResponse:
@@ -93,6 +99,7 @@ def build_app(model_path: str, legacy_info: bool) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
+        flushes.append(len(flushes))
         return Response("Cache flushed.\n", status_code=200)
 
     return app

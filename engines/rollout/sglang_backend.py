@@ -513,6 +513,9 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
             self.unload_lora_adapter(lora_name)
         self._lora_route("/load_lora_adapter", {"lora_name": lora_name, "lora_path": str(lora_path)})
         self.adapters[lora_name] = str(lora_path)
+        # prefixes cached under the previous version of this name are stale, as after a weight update
+        # (end_weight_update): flushed, unless requests still run (then SGLang refuses, and they finish first)
+        self._post("/flush_cache", ok=(200, 400))
         self.last_update_s = time.perf_counter() - t0
 
     def unload_lora_adapter(self, lora_name: str) -> None:
