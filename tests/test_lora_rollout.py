@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.models.flat_weights import flatten_
+from rlflow.engines.rollout.router import RolloutRouter
 from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend, lora_server_args
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 
@@ -307,6 +308,19 @@ def test_adapter_routes_and_requests_over_http(tiny_model_dir, adapters, tmp_pat
         r = http.post("/update_weight_version", json={"new_version": "7", "abort_all_requests": False}, headers=auth)
         assert r.json() == {"success": True, "message": "Weight version updated to 7", "new_version": "7"}
         assert http.post("/generate", json=gen | {"lora_path": "a1"}).json()["meta_info"]["weight_version"] == "7"
+
+        router = RolloutRouter([url], token=TOKEN)  # the run's router sends adapter routes to every worker
+        try:
+            with httpx.Client(base_url=router.url, timeout=60) as via:
+                assert via.post("/update_weight_version", json={"new_version": "8"}).status_code == 401
+                r = via.post("/update_weight_version", json={"new_version": "8"}, headers=auth)
+                assert r.status_code == 200 and r.json()["success"]
+                r = via.post("/load_lora_adapter", json=body, headers=auth)  # loaded already: the worker's 400
+                assert r.status_code == 400 and "'a1' is already loaded" in r.json()["message"]
+                out = via.post("/generate", json=gen | {"lora_path": "a1"}).json()
+                assert out["meta_info"]["weight_version"] == "8"
+        finally:
+            router.stop()
 
         r = http.post("/unload_lora_adapter", json={"lora_name": "a1"}, headers=auth)
         assert r.json() == {"success": True, "error_message": "", "loaded_adapters": {}}
