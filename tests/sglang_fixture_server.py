@@ -59,8 +59,47 @@ def build_app(model_path: str, legacy_info: bool) -> FastAPI:
         state.update(model_path=body["model_path"], weight_version=body.get("weight_version") or "default")
         return fixture("update_weights_from_disk.json")
 
+    flushes: list[int] = []  # /flush_cache calls, reported by /get_flushes (the tests' own route, not SGLang's)
+
+    @app.get("/get_flushes")
+    async def get_flushes():
+        return {"flushes": len(flushes)}
+
+    loras: dict[str, str] = {}  # SGLang's LoRA registry: a loaded name is refused, an unknown one cannot unload
+
+    def lora_answer(error: str | None = None) -> JSONResponse:
+        if error is not None:
+            return JSONResponse(fixture("lora_update_failed.json") | {"error_message": error}, status_code=400)
+        return JSONResponse(fixture("lora_update.json") | {"loaded_adapters": dict(loras)})
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await request.json()
+        name, path = body["lora_name"], body["lora_path"]
+        if name in loras:
+            return lora_answer(f"LoRA with name {name} already exists. Loaded LoRAs: dict_keys({list(loras)})")
+        if not (Path(path) / "adapter_config.json").is_file():
+            return lora_answer(f"Can't find 'adapter_config.json' at '{path}'")
+        loras[name] = path
+        return lora_answer()
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        name = (await request.json())["lora_name"]
+        if loras.pop(name, None) is None:
+            return lora_answer(f"LoRA with name {name} does not exist. Loaded LoRAs: dict_keys({list(loras)})")
+        return lora_answer()
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        body = await request.json()
+        state["weight_version"] = body["new_version"]
+        return fixture("update_weight_version.json") | {"message": f"Weight version updated to {body['new_version']}",
+                                                         "new_version": body["new_version"]}
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
+        flushes.append(len(flushes))
         return Response("Cache flushed.\n", status_code=200)
 
     return app

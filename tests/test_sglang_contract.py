@@ -9,6 +9,7 @@ import math
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from rlflow.engines.core.config import SGLangConfig
@@ -69,6 +70,21 @@ def test_the_sglang_worker_against_recorded_answers(tiny_model_dir, tmp_path, le
         assert worker.model_info()["model_path"] == str(folder) and worker.model_info()["weight_version"] == "5"
         with pytest.raises(RuntimeError, match="answered 400.*Failed to get weights iterator"):
             worker.update_weights_from_disk(tmp_path / "gone", 6)
+        # LoRA (train.lora): a loaded name is unloaded before it is loaded again, as SGLang refuses it twice
+        adapter = tmp_path / "adapter"
+        adapter.mkdir()
+        (adapter / "adapter_config.json").write_text("{}")
+        flushes = httpx.get(worker.server_url() + "/get_flushes").json()["flushes"]
+        worker.load_lora_adapter("policy", str(adapter))
+        worker.load_lora_adapter("policy", str(adapter))
+        assert httpx.get(worker.server_url() + "/get_flushes").json()["flushes"] == flushes + 2, "stale prefixes go"
+        with pytest.raises(RuntimeError, match=r"/load_lora_adapter 'other' failed \(400\): Can't find"):
+            worker.load_lora_adapter("other", str(tmp_path / "gone"))
+        worker.update_weight_version(7)
+        assert worker.model_info()["weight_version"] == "7"
+        worker.unload_lora_adapter("policy")
+        with pytest.raises(RuntimeError, match="LoRA with name policy does not exist"):
+            worker.unload_lora_adapter("policy")
     finally:
         worker.close()
 

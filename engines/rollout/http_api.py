@@ -202,6 +202,7 @@ CONTROL_ROUTES = frozenset({
     "/abort_request", "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
     "/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed",
     "/init_weights_update_group", "/destroy_weights_update_group", "/pause_generation", "/continue_generation",
+    "/load_lora_adapter", "/unload_lora_adapter", "/update_weight_version",
 })
 
 

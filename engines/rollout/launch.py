@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> None:
     """Serve one model as `sglang.launch_server` would, with the subset of its flags the embedded engine has:
     --model-path (--model), --host, --port, --dtype, --device, --context-length, --max-running-requests,
     --random-seed, --enable-deterministic-inference (always on here), --api-key (here required on control routes
-    only); and rlflow's --weight-dir. Stops on
-    SIGTERM / SIGINT."""
+    only), --enable-lora with --max-lora-rank and --lora-target-modules (one adapter served at a time, merged:
+    engines/rollout/lora.py); and rlflow's --weight-dir. Stops on SIGTERM / SIGINT."""
     parser = argparse.ArgumentParser(prog="python -m rlflow.engines.rollout.launch", allow_abbrev=False,
                                      description="rlflow's embedded rollout server with SGLang's routes and a "
                                      "subset of sglang.launch_server's flags.")
@@ -66,6 +66,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=None,
                         help="Required as 'Authorization: Bearer <key>' on the control routes (weights, memory, "
                         "aborts, cache, process groups).")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="Serve LoRA adapters (/load_lora_adapter); the embedded engine merges one at a time.")
+    parser.add_argument("--max-lora-rank", type=int, default=None,
+                        help="The largest adapter rank /load_lora_adapter takes (required with --enable-lora).")
+    parser.add_argument("--lora-target-modules", nargs="+", default=None,
+                        help="The modules adapters may target (q_proj k_proj ...; 'all': every linear module).")
+    parser.add_argument("--max-loras-per-batch", type=int, default=None,
+                        help="Accepted for SGLang's sake: the embedded engine serves one adapter at a time.")
     parser.add_argument("--weight-dir", dest="weight_dirs", action="append",
                         default=[d for d in os.environ.get(WEIGHT_DIRS_ENV, "").split(os.pathsep) if d],
                         help="A folder /update_weights_from_disk may load from besides --model-path (repeat for "
@@ -76,6 +84,14 @@ def main(argv: list[str] | None = None) -> None:
         known = sorted({s for a in parser._actions for s in a.option_strings} - {"-h", "--help"})
         parser.error(f"the embedded server does not support {', '.join(flags)} (it takes SGLang's {', '.join(known)})")
 
+    lora = None
+    if args.enable_lora:
+        if args.max_lora_rank is None or not args.lora_target_modules:
+            parser.error("--enable-lora: give --max-lora-rank and --lora-target-modules (the embedded server loads "
+                         "adapters after start-up only, so it cannot infer them from --lora-paths)")
+        lora = {"rank": args.max_lora_rank, "target_modules": args.lora_target_modules}
+    elif args.max_lora_rank is not None or args.lora_target_modules:
+        parser.error("--max-lora-rank / --lora-target-modules: give --enable-lora too")
     if args.random_seed is not None:
         random.seed(args.random_seed)
         np.random.seed(args.random_seed % 2**32)
@@ -91,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     kv = {"page_size": args.page_size, "tokens": args.max_total_tokens, "memory_fraction": args.kv_memory_fraction,
           "prefill_chunk_tokens": args.chunked_prefill_size}
     backend = TorchRolloutBackend(args.model_path, device=device, dtype=getattr(torch, dtype_name),
-                                  kv_cache=KVCacheConfig(**{k: v for k, v in kv.items() if v is not None}),
+                                  kv_cache=KVCacheConfig(**{k: v for k, v in kv.items() if v is not None}), lora=lora,
                                   **{k: v for k, v in kwargs.items() if v is not None})
     app = build_app(backend, args.api_key, args.weight_dirs)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,

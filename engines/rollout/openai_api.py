@@ -1,6 +1,7 @@
 """OpenAI-compatible routes of the embedded rollout server: `/v1/models`, `/v1/completions` and
 `/v1/chat/completions` (also streamed), usable by the official `openai` client. SGLang's extra sampling
 fields (top_k, min_p, stop_token_ids, ignore_eos) may come in the body (the client's `extra_body`).
+A LoRA adapter is chosen as SGLang chooses it, by `"model": "<base>:<adapter name>"` (engines/rollout/lora_routes.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from rlflow.engines.rollout.http_api import BadRequest, EngineClient, finite, read_json, sampling_params, sse
+from rlflow.engines.rollout.lora_routes import check_adapter
 
 COMMON = {"model", "n", "temperature", "top_p", "stop", "seed", "stream", "user", "max_tokens", "top_k", "min_p",
           "stop_token_ids", "ignore_eos", "rid", "stream_options"}
@@ -51,18 +53,30 @@ def _usage(gens) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def requested_adapter(model: Any, base: str) -> str | None:
+    """The adapter an OpenAI request names in `model` ("<base>:<adapter>", SGLang's syntax), or None (the base)."""
+    if not isinstance(model, str) or model == base or ":" not in model:
+        return None
+    return model.rsplit(":", 1)[1]
+
+
 def add_openai_routes(app: FastAPI, backend, client: EngineClient) -> None:
     model_name = backend.model_path
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "rlflow",
-                                            "root": model_name, "max_model_len": client.engine.max_len}]}
+        cards = [{"id": model_name, "object": "model", "created": 0, "owned_by": "rlflow", "root": model_name,
+                  "max_model_len": client.engine.max_len}]
+        for name, path in backend.loaded_adapters().items():  # as SGLang lists a loaded adapter
+            cards.append({"id": name, "object": "model", "created": 0, "owned_by": "rlflow", "root": path,
+                          "parent": model_name, "max_model_len": client.engine.max_len})
+        return {"object": "list", "data": cards}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_json(request)
         _check(body, COMPLETION_FIELDS, "/v1/completions")
+        check_adapter(backend, requested_adapter(body.get("model"), model_name), 1, "model")
         prompts = _completion_prompts(client, body.get("prompt"))
         params, seed = _params(body, body.get("max_tokens") if body.get("max_tokens") is not None else 16)
         requests = [r for p in prompts for r in client.requests([p], params, seed)]
@@ -90,6 +104,7 @@ def add_openai_routes(app: FastAPI, backend, client: EngineClient) -> None:
     async def chat_completions(request: Request):
         body = await read_json(request)
         _check(body, CHAT_FIELDS, "/v1/chat/completions")
+        check_adapter(backend, requested_adapter(body.get("model"), model_name), 1, "model")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages: expected a non-empty list of {role, content} objects")

@@ -3,8 +3,8 @@
 Generation requests (`/generate`, `/v1/completions`, `/v1/chat/completions`) go to the healthy worker
 with the fewest requests in flight through this router (ties: the lowest index), streamed or not. A
 worker that cannot be reached is marked unhealthy and the request is retried on the next one;
-`/health` probes bring it back. Control routes (`/abort_request`, `/flush_cache`, weight and memory
-routes) go to every worker. sglang-router can front the embedded servers for generation too
+`/health` probes bring it back. Control routes (`/abort_request`, `/flush_cache`, weight, LoRA adapter and
+memory routes) go to every worker. sglang-router can front the embedded servers for generation too
 (docs/rollout.md), but it does not forward abort or weight routes; this router does.
 
 `start_router` picks the router of a run (`rollout.router`): sglang-router (engines/rollout/sglang_router.py) for the
@@ -28,7 +28,8 @@ from rlflow.engines.rollout.sglang_router import SGLangRouter, sglang_router_ins
 
 GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions")
 BROADCAST = ("/abort_request", "/flush_cache", "/update_weights_from_disk", "/update_weights_from_tensor",
-             "/release_memory_occupation", "/resume_memory_occupation")
+             "/release_memory_occupation", "/resume_memory_occupation", "/load_lora_adapter", "/unload_lora_adapter",
+             "/update_weight_version")
 
 
 @dataclass

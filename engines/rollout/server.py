@@ -32,14 +32,15 @@ from rlflow.engines.rollout.http_api import (
     sse,
     weight_version_text,
 )
+from rlflow.engines.rollout.lora_routes import add_lora_routes, check_adapter
 from rlflow.engines.rollout.openai_api import add_openai_routes
 from rlflow.engines.rollout.weight_routes import add_weight_routes
 
 # /generate fields the embedded server reads; others it accepts only at their no-op default
-GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream"}
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream", "lora_path"}
 # (sglang-router 0.3.2 fills in model, background, no_logs, return_bytes, return_entropy, ... on every request)
 GENERATE_NO_OP = {"logprob_start_len": -1, "top_logprobs_num": 0, "return_text_in_logprobs": False,
-                  "log_metrics": True, "return_hidden_states": False, "image_data": None, "lora_path": None,
+                  "log_metrics": True, "return_hidden_states": False, "image_data": None,
                   "custom_logit_processor": None, "session_params": None, "token_ids_logprob": None, "model": None,
                   "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
 
@@ -63,6 +64,7 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
         body = await read_json(request)
         check_fields(body, GENERATE_FIELDS, GENERATE_NO_OP, "/generate")
         prompts, batched = _prompts(client, body)
+        check_adapter(backend, body.get("lora_path"), len(prompts))
         raw_params = body.get("sampling_params")
         per_item = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
         if len(per_item) != len(prompts):
@@ -172,11 +174,16 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
                 "max_total_num_tokens": engine.max_total_tokens,
                 "page_size": engine.kv.page_size, "chunked_prefill_size": engine.kv.prefill_chunk_tokens,
                 "weight_version": weight_version_text(backend.weight_version), "version": "rlflow-embedded",
+                "enable_lora": backend.lora is not None,
+                "max_lora_rank": backend.lora.rank if backend.lora else None,
+                "lora_target_modules": backend.lora.target_modules if backend.lora else None,
+                "max_loras_per_batch": 1, "loaded_adapters": backend.loaded_adapters(),
                 "internal_states": [{"num_requests": engine.num_requests(),
                                      "memory_released": bool(backend._released), **engine.stats()}]}
 
     add_openai_routes(app, backend, client)
     add_weight_routes(app, backend, client, weight_dirs)  # SGLang's weight routes (engines/rollout/weight_routes.py)
+    add_lora_routes(app, backend, client, weight_dirs)  # SGLang's LoRA routes (engines/rollout/lora_routes.py)
     return app
 
 

@@ -19,7 +19,9 @@ Everything else goes through SGLang's HTTP routes: generation (`/generate`), wei
 to a local folder and loads that the same way), colocation (`/release_memory_occupation`,
 `/resume_memory_occupation` by tags, in slime's order: drain and flush, release everything; weights back before an
 update, KV cache after it, one `/flush_cache` per update), and SGLang's distributed pair (`/init_weights_update_group`,
-`/update_weights_from_distributed`; the trainer's side is in engines/sync/distributed.py). SGLang's
+`/update_weights_from_distributed`; the trainer's side is in engines/sync/distributed.py), and LoRA adapters
+(`/load_lora_adapter`, `/unload_lora_adapter`, `/update_weight_version`; a worker built with `lora` launches the
+server with `--enable-lora --max-lora-rank R --lora-target-modules ...`). SGLang's
 `/update_weights_from_tensor` is not used: its payload is pickled.
 The tests launch the embedded server (`python -m rlflow.engines.rollout.launch`, same routes and flag names) in
 SGLang's place, since SGLang cannot be installed where they run.
@@ -55,10 +57,11 @@ from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.core.sglang_args import server_dtype, weight_update_ranks
 from rlflow.engines.rollout.engine import Generation
 from rlflow.engines.rollout.http_api import MEMORY_TAGS, auth_headers, parse_weight_version
+from rlflow.engines.rollout.lora import LoraLimits
 from rlflow.engines.rollout.torch_backend import pack_generations
 from rlflow.engines.rollout.weight_routes import WEIGHT_DIRS_ENV
 from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
-from rlflow.engines.sync.endpoints import DiskReceiver, DistributedReceiver, StoreReceiver
+from rlflow.engines.sync.endpoints import AdapterReceiver, DiskReceiver, DistributedReceiver, StoreReceiver
 from rlflow.engines.sync.store import get_bucket
 
 STOP_GRACE_S = 10.0  # SIGTERM first; SIGKILL what is left of the process group after this
@@ -80,6 +83,30 @@ def server_args(args: dict[str, Any]) -> list[str]:
             out += [flag, *map(_arg, value)]
         else:
             out += [flag, _arg(value)]
+    return out
+
+
+def lora_server_args(args: dict[str, Any], lora: Any) -> dict[str, Any]:
+    """`args` (normalised `rollout.sglang.args`) with the LoRA flags a run with `lora` (`rank`, `target_modules`)
+    needs: enable-lora, max-lora-rank, lora-target-modules, each added unless the recipe's args set it already. Args
+    that set them too small for the run (a lower rank, modules left out) are refused, naming the flag."""
+    limits = LoraLimits.of(lora)
+    if limits is None:
+        return dict(args)
+    out = dict(args)
+    if out.get("enable-lora") is False:
+        raise ValueError("rollout.sglang.args.enable-lora: false, but the run trains a LoRA adapter (train.lora)")
+    out["enable-lora"] = True
+    rank = out.setdefault("max-lora-rank", limits.rank)
+    if int(rank) < limits.rank:
+        raise ValueError(f"rollout.sglang.args.max-lora-rank: {rank} is below train.lora.rank ({limits.rank})")
+    given = out.setdefault("lora-target-modules", list(limits.target_modules))
+    given = [given] if isinstance(given, str) else list(given)
+    if "all" not in given:
+        missing = sorted(set(limits.target_modules) - set(given))
+        if missing:
+            raise ValueError(f"rollout.sglang.args.lora-target-modules: {given} leaves out {missing} of "
+                             "train.lora.target_modules")
     return out
 
 
@@ -119,7 +146,7 @@ def generation_from_item(prompt: list[int], item: dict) -> Generation:
     )
 
 
-class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, DistributedReceiver):
+class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, DistributedReceiver, AdapterReceiver):
     def __init__(
         self,
         model_path: str,
@@ -131,17 +158,21 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         host: str = "127.0.0.1",
         token: str | None = None,
         weight_dirs: Iterable[str] = (),
+        lora: Any = None,
     ):
         """Launch the server on `host` and wait until it answers. `threads` sets the child's OMP_NUM_THREADS
         (unless the environment has it); its log goes to `<log_dir>/server.log` (default: a new temporary
         folder). `token`: SGLang's --api-key, sent with every request this worker makes. `weight_dirs`: the folders
-        the server may load weights from besides the model (with this worker's own; rlflow's launch module only)."""
+        the server may load weights from besides the model (with this worker's own; rlflow's launch module only).
+        `lora`: the run's `train.lora` (`rank`, `target_modules`): the server is launched to load such adapters."""
         self.model_path, self.rank, self.threads = str(model_path), rank, threads
         self.cfg = sglang if isinstance(sglang, SGLangConfig) else SGLangConfig.model_validate(sglang or {})
+        self.launch_args = lora_server_args(self.cfg.args, lora)  # the recipe's args and the run's LoRA flags
         self.python = python or self.cfg.python or sys.executable
         self.weight_version = 0
         self.last_update_s = 0.0
         self._released: set[str] = set()  # SGLang memory tags released and not resumed yet
+        self.adapters: dict[str, str] = {}  # LoRA adapters the server serves: {name: folder}
         self._loaded_dir: Path | None = (
             None  # a weights folder of this worker's the server loaded last (its model_path)
         )
@@ -182,9 +213,10 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
             host,
             "--port",
             str(port),
-            *server_args(self.cfg.args),
+            *server_args(self.launch_args),
             *([f"--api-key={token}"] if token else []),  # one argument: a token may start with "-"
         ]
+        self.adapters = {}  # a new server serves none
         env = dict(os.environ)
         env[WEIGHT_DIRS_ENV] = os.pathsep.join(self.weight_dirs)
         if self.threads and "OMP_NUM_THREADS" not in env:
@@ -456,6 +488,44 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
     def drain_trace(self) -> list[dict]:
         """The server's per-request events are not collected from SGLang: none."""
         return []
+
+    # ---- LoRA adapters ---------------------------------------------------------------------------------
+    def _lora_route(self, route: str, body: dict) -> dict:
+        """POST one of SGLang's LoRA routes; RuntimeError with its error_message unless it answers success."""
+        r = self._post(route, body, ok=(200, 400, 403))
+        try:
+            answer = r.json()
+        except ValueError:
+            answer = {}
+        if r.status_code != 200 or not answer.get("success", False):
+            message = answer.get("error_message") or (answer.get("error") or {}).get("message") or r.text[:500]
+            raise RuntimeError(f"rollout.sglang: {route} {body.get('lora_name')!r} failed ({r.status_code}): "
+                               f"{message}")
+        return answer
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """SGLang's /load_lora_adapter: the server reads the PEFT adapter in its local folder `lora_path` and
+        serves it as `lora_name` (generation requests name it in lora_path). A name it serves already is
+        unloaded first (SGLang refuses a loaded name; the adapter transport loads every version as one name), so
+        requests naming it between the two calls are refused: syncs land between rollout steps."""
+        t0 = time.perf_counter()
+        if lora_name in self.adapters:
+            self.unload_lora_adapter(lora_name)
+        self._lora_route("/load_lora_adapter", {"lora_name": lora_name, "lora_path": str(lora_path)})
+        self.adapters[lora_name] = str(lora_path)
+        # prefixes cached under the previous version of this name are stale, as after a weight update
+        # (end_weight_update): flushed, unless requests still run (then SGLang refuses, and they finish first)
+        self._post("/flush_cache", ok=(200, 400))
+        self.last_update_s = time.perf_counter() - t0
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self._lora_route("/unload_lora_adapter", {"lora_name": lora_name})
+        self.adapters.pop(lora_name, None)
+
+    def update_weight_version(self, version: int) -> None:
+        """SGLang's /update_weight_version, leaving requests in flight alone (abort_all_requests false)."""
+        self._post("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+        self.weight_version = version
 
     # ---- generation ------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:

@@ -4,6 +4,9 @@ It runs anywhere (CPU or GPU). `generate` (what the RL loop calls through Ray) a
 (engines/rollout/server.py) feed the same engine (engines/rollout/engine.py), so there is one generation
 path. It returns token ids and per-token logprobs (of the temperature-scaled distribution the tokens were
 drawn from), so the trainer can use them as behaviour-policy logprobs.
+
+LoRA (`lora`, SGLang's adapter routes): the engine serves one adapter at a time, merged into its weights
+(engines/rollout/lora.py says how and why); base weight updates are refused while one is merged.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -29,10 +33,12 @@ from rlflow.engines.models.flat_weights import flatten_, fusable_order
 from rlflow.engines.models.hf import load_model, load_tokenizer
 from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Generation, Request, request_generator
 from rlflow.engines.rollout.http_api import auth_headers
+from rlflow.engines.rollout.lora import LoraLimits, MergedAdapter, host_copy, read_adapter
 from rlflow.engines.rollout.server import RolloutServer
 from rlflow.engines.sync.cuda_ipc import copy_plan, open_ipc_handles
 from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
 from rlflow.engines.sync.endpoints import (
+    AdapterReceiver,
     DiskReceiver,
     DistributedReceiver,
     GpuLinkProbe,
@@ -48,26 +54,34 @@ __all__ = ["Generation", "TorchRolloutBackend", "pack_generations", "concat_pack
 
 
 class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiver, NcclReceiver,
-                          DistributedReceiver, GpuLinkProbe):
+                          DistributedReceiver, GpuLinkProbe, AdapterReceiver):
     """The embedded engine as a rollout worker: continuous batching behind SGLang's HTTP API."""
 
     def __init__(
         self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None,
         batch_size: int = 512, context_len: int | None = None, trace: bool = False, rank: int = 0,
         weight_dirs: Sequence[str] = (), kv_cache: KVCacheConfig | None = None, compile: bool = False,
+        lora: Any = None,
     ):
         """`weight_dirs`: folders its server's /update_weights_from_disk may read besides `model_path` (the run's
         weight-sync and checkpoint folders, engines/sync/disk.py:weight_dirs). `context_len`: longest prompt +
         response (None: the model's max_position_embeddings; the KV page pool, `kv_cache`, may cap it). `compile`:
-        torch.compile the decode step on CUDA (rollout.compile)."""
+        torch.compile the decode step on CUDA (rollout.compile). `lora`: the run's LoRA settings (`rank`,
+        `target_modules`; SGLang's --enable-lora --max-lora-rank --lora-target-modules): the engine then loads
+        adapters no larger than that, and keeps its weights in host memory while they are released (only adapters
+        move in a LoRA run's syncs, so nothing else would bring the base back)."""
         if threads:
             torch.set_num_threads(threads)
         self.model_path, self.device, self.batch_size = model_path, device, batch_size
         self.weight_dirs = list(weight_dirs)
+        self.lora = LoraLimits.of(lora)
+        self._merged = MergedAdapter()  # the adapter merged into the weights and the base it was merged into
+        self._host_weights: dict[str, torch.Tensor] | None = None  # LoRA runs: weights kept while released
         self.model = load_model(model_path, dtype=dtype, device=device).eval()
         self.tokenizer = load_tokenizer(model_path)
         params = dict(self.model.named_parameters())
         self.params = {n: params[n] for n in fusable_order(list(params))}
+        self._shapes = {n: p.shape for n, p in self.params.items()}  # kept: released weights are empty tensors
         # on GPU the weights are one buffer in that order: syncs fill slices of it, q/k/v and gate/up run as one GEMM
         self.flat = device == "cuda"
         if self.flat:
@@ -115,6 +129,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         """Copy HF-named tensors into the model; the version goes with every sample generated after."""
         with self._between_steps():
+            self._refuse_under_adapter("update_weights")
             t0 = time.perf_counter()
             self.resume_memory_occupation()
             for name, tensor in named_tensors:
@@ -147,6 +162,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
 
     def update_weights_from_ipc(self, version: int) -> int:
         with self._between_steps():
+            self._refuse_under_adapter("update_weights_from_ipc")
             t0 = time.perf_counter()
             self.resume_memory_occupation()
             if self._ipc_copy is None:  # planned again after the weights were re-allocated
@@ -160,6 +176,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
 
     def update_weights_from_nccl(self, buckets: list[list[str]], version: int) -> int:
         with self._between_steps():
+            self._refuse_under_adapter("update_weights_from_nccl")
             t0 = time.perf_counter()
             self.resume_memory_occupation()
             self._nccl.receive(self.params, buckets)
@@ -173,7 +190,8 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
                 raise RuntimeError("release_memory_occupation: requests are running (abort or finish them first)")
             if self._released:
                 return
-            self._shapes = {n: p.shape for n, p in self.params.items()}
+            if self.lora is not None:  # the targeted weights' base is in self._merged already
+                self._host_weights = {n: host_copy(p) for n, p in self.params.items() if n not in self._merged.base}
             for p in self.params.values():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._released = True
@@ -181,7 +199,8 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
                 torch.cuda.empty_cache()
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Allocate the weights again (contents undefined until the sync that follows writes them). Every
+        """Allocate the weights again: contents undefined until the sync that follows writes them, except in a
+        LoRA run, where the weights kept in host memory and the merged adapter are written back. Every
         weight update does this first, so a colocated sync costs no extra call. `tags` without 'weights' (the
         KV cache, SGLang's CUDA graphs): nothing to do, the engine allocates its cache when it generates."""
         if tags is not None and "weights" not in tags:
@@ -196,6 +215,74 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
                 for n, p in self.params.items():
                     p.data = torch.empty(self._shapes[n], dtype=p.dtype, device=p.device)
             self._released = False
+            if self._host_weights is not None:
+                with torch.no_grad():
+                    for n, t in self._host_weights.items():
+                        self.params[n].copy_(t)
+                self._host_weights = None
+                if self._merged.adapter is not None:
+                    self._merged.merge(self.params, self._merged.adapter)
+                else:
+                    self._merged.restore(self.params)
+
+    # ---- LoRA adapters (SGLang's /load_lora_adapter, /unload_lora_adapter, /update_weight_version) ------------
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Merge the PEFT adapter in the local folder `lora_path` into the weights and serve it as `lora_name`,
+        replacing the adapter merged before, under this name or another (merged from the base, not on top of
+        it: the adapter transport loads each version under one name). Requests in flight
+        continue with it from the next decode step, as after a weight update; the engine keeps no prefix
+        cache across requests, so nothing computed with the old weights is reused. ValueError for a bad
+        adapter (naming the file and key), RuntimeError when the engine was not started for LoRA."""
+        if self.lora is None:
+            raise RuntimeError("load_lora_adapter: this engine was started without LoRA (TorchRolloutBackend's "
+                               "lora=; the launch module's --enable-lora --max-lora-rank --lora-target-modules)")
+        if not isinstance(lora_name, str) or not lora_name:
+            raise ValueError(f"lora_name: a non-empty string, got {lora_name!r}")
+        adapter = read_adapter(lora_name, lora_path, self.model, self._shapes, self.lora)
+        with self._between_steps():
+            t0 = time.perf_counter()
+            self.resume_memory_occupation()
+            self._merged.merge(self.params, adapter)
+            self.last_update_s = time.perf_counter() - t0
+            self.trace.instant("lora_load", tid=QUEUE_TID, args={"lora_name": lora_name})
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Write the base weights back (bitwise) and serve the base model again."""
+        served = self._merged.adapter
+        if served is None or served.name != lora_name:
+            raise ValueError(f"lora_name: {lora_name!r} is not loaded (loaded: {list(self.loaded_adapters())})")
+        with self._between_steps():
+            self.resume_memory_occupation()
+            self._merged.restore(self.params)
+            self.trace.instant("lora_unload", tid=QUEUE_TID, args={"lora_name": lora_name})
+
+    def update_weight_version(self, version: int) -> None:
+        """The version stamped on what the engine generates from its next step on (meta_info.weight_version)."""
+        with self._between_steps():
+            self.weight_version = version
+            self.trace.instant("weight_version", tid=QUEUE_TID, args={"version": version})
+
+    def loaded_adapters(self) -> dict[str, str]:
+        """{name: folder} of the adapter served ({} for the base model): SGLang's `loaded_adapters`."""
+        served = self._merged.adapter
+        return {} if served is None else {served.name: served.path}
+
+    def served_adapter(self) -> str | None:
+        """The name of the adapter merged into the weights, or None (the base model)."""
+        return None if self._merged.adapter is None else self._merged.adapter.name
+
+    def base_update_refusal(self, what: str) -> str | None:
+        """Why a base weight update is refused now (an adapter is merged), or None: the next adapter is merged
+        from the base kept at the first load, so a base update under an adapter would be silently lost."""
+        served = self.served_adapter()
+        if served is None:
+            return None
+        return (f"{what}: LoRA adapter {served!r} is merged into the weights; unload it first "
+                "(/unload_lora_adapter), then update the base")
+
+    def _refuse_under_adapter(self, what: str) -> None:
+        if (refusal := self.base_update_refusal(what)) is not None:
+            raise RuntimeError(refusal)
 
     def last_update_seconds(self) -> float:
         """Time of the last weight update inside this worker: the transfer without the driver's calls."""

@@ -45,7 +45,7 @@ WEIGHT_DIRS_ENV = "RLFLOW_WEIGHT_DIRS"
 def add_weight_routes(app: FastAPI, backend, client: EngineClient, weight_dirs: Sequence[str | Path] = ()) -> None:
     """SGLang's weight routes on the embedded server of `backend` (a TorchRolloutBackend); `/update_weights_from_disk`
     reads from backend.model_path and `weight_dirs` only."""
-    roots = [Path(d).resolve() for d in (backend.model_path, *weight_dirs)]
+    roots = weight_roots(backend, weight_dirs)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
@@ -72,9 +72,7 @@ def add_weight_routes(app: FastAPI, backend, client: EngineClient, weight_dirs: 
             raise BadRequest("model_path: required (a folder of *.safetensors files)")
         path = Path(str(body["model_path"]))
         if not within(path, roots):
-            return JSONResponse({"error": {"message": f"model_path: {str(path)!r} is outside the folders this server "
-                                           f"loads weights from ({', '.join(map(str, roots))}): its model and the "
-                                           "run's weight-sync and checkpoint folders", "code": 403}},
+            return JSONResponse({"error": {"message": outside_message("model_path", path, roots), "code": 403}},
                                 status_code=403)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
         if not files:
@@ -91,6 +89,17 @@ def add_weight_routes(app: FastAPI, backend, client: EngineClient, weight_dirs: 
     add_distributed_routes(app, backend, client)
 
 
+def weight_roots(backend, weight_dirs: Sequence[str | Path]) -> list[Path]:
+    """The folders the server loads weights and LoRA adapters from: its model's and `weight_dirs`, resolved."""
+    return [Path(d).resolve() for d in (backend.model_path, *weight_dirs)]
+
+
+def outside_message(field: str, path: Path, roots: Sequence[Path]) -> str:
+    """Why a path outside `roots` is refused (403), naming the field and the folders allowed."""
+    return (f"{field}: {str(path)!r} is outside the folders this server loads weights from "
+            f"({', '.join(map(str, roots))}): its model and the run's weight-sync and checkpoint folders")
+
+
 def within(path: Path, roots: Sequence[Path]) -> bool:
     """`path` is one of `roots` or inside one, after resolving symlinks and '..' (a link out of a root is out)."""
     resolved = path.resolve()
@@ -104,6 +113,9 @@ async def update(backend, client: EngineClient, body: dict, named: dict) -> JSON
             version = parse_weight_version(version)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+    refusal = backend.base_update_refusal("update_weights")
+    if refusal is not None:
+        return JSONResponse({"success": False, "message": refusal}, status_code=400)
     if body.get("abort_all_requests"):
         client.engine.abort(abort_all=True)
     unknown = sorted(set(named) - set(backend.params))
