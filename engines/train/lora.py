@@ -12,7 +12,8 @@ same modules with the adapters switched off (`adapters_off`), not a second copy 
 
 At the boundary the adapter takes PEFT's file names (`base_model.model.<module>.lora_A.weight`), the merged
 weights HF's: `merge_into_checkpoint` writes W + (alpha / r) B A for every target, streaming the base model's
-safetensors files one at a time.
+safetensors files one at a time, with the reader and merge of engines/models/peft_adapter.py that the embedded
+rollout engine uses (so an exported model and the rollout engine's weights are the same numbers).
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from rlflow.engines.core.config import LoraConfig
-
-PEFT_PREFIX = "base_model.model."
-ADAPTER_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
+from rlflow.engines.models.peft_adapter import CONFIG_FILE, KEY_PREFIX, WEIGHTS_FILE, merged_weight, read_peft_adapter
 
 
 def add_adapters(model: torch.nn.Module, cfg: LoraConfig) -> None:
@@ -58,7 +58,7 @@ def is_adapter(name: str) -> bool:
 def peft_name(name: str) -> str:
     """A parameter's name in the model ('...q_proj.lora_A.default.weight') as PEFT files name it
     ('base_model.model....q_proj.lora_A.weight')."""
-    return PEFT_PREFIX + name.replace(".default.", ".")
+    return KEY_PREFIX + name.replace(".default.", ".")
 
 
 @contextmanager
@@ -78,60 +78,31 @@ def write_adapter(folder: Path, tensors: dict[str, torch.Tensor], cfg: LoraConfi
     """A PEFT adapter folder from the adapter's (model-named, full) tensors; returns the weights' bytes."""
     folder.mkdir(parents=True, exist_ok=True)
     weights = {peft_name(n): t.detach().cpu().contiguous() for n, t in tensors.items()}
-    save_file(weights, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
+    save_file(weights, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps(cfg.peft_config() | {"base_model_name_or_path": base_model},
                                                  indent=2))
     return sum(t.numel() * t.element_size() for t in weights.values())
-
-
-def read_adapter(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """adapter_config.json and the adapter's tensors (PEFT names) of a PEFT folder."""
-    for f in (CONFIG_FILE, ADAPTER_FILE):
-        if not (folder / f).is_file():
-            raise FileNotFoundError(f"LoRA adapter {folder}: no {f} (expected a PEFT adapter folder)")
-    return json.loads((folder / CONFIG_FILE).read_text()), load_file(str(folder / ADAPTER_FILE))
-
-
-Delta = tuple[torch.Tensor, torch.Tensor, float]  # A [r, in], B [out, r], scale
-
-
-def merged_deltas(config: dict, weights: dict[str, torch.Tensor]) -> dict[str, Delta]:
-    """HF weight name -> (A [r, in], B [out, r], scale) for every adapted linear of a PEFT adapter."""
-    scale = config["lora_alpha"] / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"])
-    out = {}
-    for key, a in weights.items():
-        if ".lora_A." not in key:
-            continue
-        b_key = key.replace(".lora_A.", ".lora_B.")
-        if b_key not in weights:
-            raise ValueError(f"LoRA adapter: {key} has no {b_key}")
-        module = key.removeprefix(PEFT_PREFIX).split(".lora_A.")[0]
-        out[f"{module}.weight"] = (a, weights[b_key], scale)
-    return out
 
 
 def merge_into_checkpoint(base_dir: Path, adapter_dir: Path, out_dir: Path) -> None:
     """The base model of `base_dir` with the adapter of `adapter_dir` merged, as an HF checkpoint in `out_dir`:
     each safetensors file of the base is read, its adapted weights replaced by W + scale B A (in fp32, stored
     in the file's dtype) and written under the same name; the other files are copied. One file in memory."""
-    config, weights = read_adapter(adapter_dir)
-    deltas = merged_deltas(config, weights)
+    files = sorted(f for f in base_dir.iterdir() if f.is_file())
+    shapes = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), "pt") as st:
+                shapes |= {k: torch.Size(st.get_slice(k).get_shape()) for k in st.keys()}  # noqa: SIM118
+    linears = {k.removesuffix(".weight"): k for k, shape in shapes.items() if k.endswith(".weight") and len(shape) == 2}
+    adapter = read_peft_adapter(adapter_dir, linears, shapes)
     out_dir.mkdir(parents=True, exist_ok=True)
-    seen = set()
-    for f in sorted(base_dir.iterdir()):
-        if f.is_dir():
-            continue
+    for f in files:
         if f.suffix != ".safetensors":
             shutil.copyfile(f, out_dir / f.name)
             continue
         tensors = load_file(str(f))
-        for name in tensors.keys() & deltas.keys():
-            a, b, scale = deltas[name]
-            w = tensors[name]
-            tensors[name] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
-            seen.add(name)
+        for name in tensors.keys() & adapter.weights.keys():
+            a, b = adapter.weights[name]
+            tensors[name] = merged_weight(tensors[name], a, b, adapter.scale, tensors[name].dtype)
         save_file(tensors, str(out_dir / f.name), metadata={"format": "pt"})
-    missing = sorted(deltas.keys() - seen)
-    if missing:
-        raise ValueError(f"LoRA adapter {adapter_dir}: the base model in {base_dir} has no weight {missing[0]} "
-                         f"(and {len(missing) - 1} more)")
