@@ -221,11 +221,11 @@ def rollout_kwargs(cfg: RLConfig, model_path: str):
     def make(rank: int) -> dict:
         if cfg.rollout.backend == "sglang":
             return dict(model_path=model_path, sglang=cfg.rollout.sglang, rank=rank, threads=cfg.train.threads,
-                        weight_dirs=dirs)
+                        weight_dirs=dirs, lora=cfg.train.lora)
         return dict(model_path=model_path, device=cfg.rollout_device, dtype=DTYPES[cfg.rollout.precision],
                     threads=cfg.train.threads, batch_size=cfg.rollout.batch_size,
                     trace=cfg.debug.trace_every > 0, rank=rank, weight_dirs=dirs, kv_cache=cfg.rollout.kv_cache,
-                    compile=cfg.rollout.compile)
+                    compile=cfg.rollout.compile, lora=cfg.train.lora)
 
     return make
 
