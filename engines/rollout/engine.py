@@ -233,9 +233,10 @@ class ContinuousBatchEngine:
                 "num_preemptions": self.preemptions}
 
     def drop_cache(self) -> bool:
-        """Free the KV cache (flush, or release memory); refused while requests run."""
+        """Free the KV cache (flush, or release memory); refused while requests run or wait (a queued request
+        would be admitted into a released engine: SGLang, too, releases only an idle server)."""
         with self.lock:
-            if self._running or self._prefilling:
+            if self._running or self._prefilling or self._waiting:
                 return False
             if self._cache is not None and self._overlap:
                 torch.cuda.synchronize()  # the last decode may still be writing the cache
