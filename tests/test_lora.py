@@ -153,10 +153,13 @@ def test_two_ranks_train_the_adapters_one_rank_does(tiny_model_dir, batch, ray_c
     frozen base in bf16 beside fp32 adapters in one FSDP unit), and save_adapter gathers the adapters' shards."""
     train = TRAIN.model_copy(update={"precision": precision})
     one, two = _ranks(tiny_model_dir, train, 1, "lora-one"), _ranks(tiny_model_dir, train, 2, f"lora-two-{precision}")
-    start = _read(_saved(one, tmp_path / "start"))[1]
-    _step(one, batch, 1)
-    _step(two, batch, 2)
-    single, parallel = (_read(_saved(g, tmp_path / name))[1] for g, name in ((one, "one"), (two, "two")))
+    try:
+        start = _read(_saved(one, tmp_path / "start"))[1]
+        _step(one, batch, 1)
+        _step(two, batch, 2)
+        single, parallel = (_read(_saved(g, tmp_path / name))[1] for g, name in ((one, "one"), (two, "two")))
+    finally:
+        two.shutdown()  # its actors and placement group: the session test below needs the CPUs
     assert_same_update(start, list(single.items()), list(parallel.items()))
     assert any(not torch.equal(start[k], single[k]) for k in single)
 
