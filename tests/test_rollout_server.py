@@ -264,15 +264,18 @@ def test_update_from_disk_reads_only_the_servers_folders(model_dir, tmp_path):
 
 
 def test_a_runs_servers_may_read_its_weight_sync_and_local_store_folders(tmp_path):
+    """The disk transport's versions, the adapter transport's (LoRA) and, with a local store, the run's folder."""
     from rlflow.engines.core.config import config_from_dict
     from rlflow.engines.sync.disk import disk_folder, weight_dirs
     from tests.conftest import small_recipe
 
     cfg = config_from_dict(small_recipe(tmp_path, weight_sync={"disk_dir": str(tmp_path / "disk")}))
-    assert weight_dirs(cfg) == [f"{tmp_path}/disk/{cfg.name}/weights", f"{tmp_path}/runs/{cfg.name}"]
+    assert weight_dirs(cfg) == [f"{tmp_path}/disk/{cfg.name}/weights", f"{tmp_path}/disk/{cfg.name}/adapters",
+                                f"{tmp_path}/runs/{cfg.name}"]
     assert disk_folder(cfg).path("weights", "v00000001").startswith(weight_dirs(cfg)[0])
     s3 = config_from_dict(small_recipe(tmp_path, storage={"uri": "s3://bucket/runs"}))
-    assert weight_dirs(s3) == [disk_folder(s3).path("weights")]  # checkpoints on S3 are not a local folder
+    # checkpoints on S3 are not a local folder
+    assert weight_dirs(s3) == [disk_folder(s3).path("weights"), disk_folder(s3).path("adapters")]
 
 
 def test_bad_requests_name_the_field(embedded):
