@@ -140,3 +140,23 @@ def test_export_of_a_missing_step_lists_the_steps_there_are(tmp_path, capsys):
     assert rc == 2 and "run 'nope' has no committed checkpoint" in err and "no run 'nope' here" in err
     assert export("r", "--step", "49")[0] == 0 and (tmp_path / "out" / "w.bin").read_bytes() == bytes([49]) * 10
     assert export("r")[0] == 0 and (tmp_path / "out" / "w.bin").read_bytes() == bytes([98]) * 10  # the newest
+
+
+def test_export_of_a_lora_adapter(tmp_path, capsys):
+    """`rlflow export RUN OUT --adapter`: a LoRA checkpoint's PEFT folder (adapter/); a full run's has none, which
+    the error says, writing nothing."""
+    from rlflow.flows.cli import main as cli_main
+
+    root = str(tmp_path / "runs")
+    store = RunStore(root, "r")
+    lora_ckpt = _ckpt(tmp_path, 3)
+    (lora_ckpt / "adapter").mkdir()
+    (lora_ckpt / "adapter" / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (lora_ckpt / "adapter" / "adapter_model.safetensors").write_bytes(b"a")
+    store.commit_checkpoint(3, lora_ckpt, {"step": 3})
+    assert cli_main(["export", "r", str(tmp_path / "a"), "--adapter", "--store", root]) == 0
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    store.commit_checkpoint(4, _ckpt(tmp_path, 4), {"step": 4})
+    capsys.readouterr()
+    assert cli_main(["export", "r", str(tmp_path / "b"), "--adapter", "--store", root]) == 2
+    assert "step 4 of 'r' has no LoRA adapter" in capsys.readouterr().err and not (tmp_path / "b").exists()
