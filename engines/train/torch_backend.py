@@ -144,7 +144,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
             self.ref_lm = fsdp.shard(PackedLM(self.ref_model, train.logprob_chunk_tokens), None, train.cpu_offload)
         # fused on the GPU: one kernel per step and no temporaries the size of the model (foreach's are)
         fused = self.device == "cuda" and not train.cpu_offload
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        trainable = [p for p in self.model.parameters() if p.requires_grad] if self.lora else self.model.parameters()
         self.optimizer = torch.optim.AdamW(trainable, lr=train.lr, betas=train.betas,
                                            weight_decay=train.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train))
