@@ -33,7 +33,7 @@ from rlflow.engines.train import lora
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 from tests.conftest import assert_same_update, small_recipe
 from tests.test_engines import _toy_batch
-from tests.test_fsdp import _ranks, _step, ray_cluster  # noqa: F401 - ray_cluster is a fixture
+from tests.test_fsdp import ALGO, _ranks, _step, ray_cluster  # noqa: F401 - ray_cluster is a fixture
 
 LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
 TRAIN = TrainConfig(threads=1, lr=5e-2, lora=LORA)
@@ -150,7 +150,8 @@ def test_recipe_pairs_lora_with_the_adapter_transport(tmp_path):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_two_ranks_train_the_adapters_one_rank_does(tiny_model_dir, batch, ray_cluster, tmp_path, precision):  # noqa: F811
     """FSDP2 over two ranks (Ray actors, gloo): the same adapter update as one rank on the whole batch (bf16: the
-    frozen base in bf16 beside fp32 adapters in one FSDP unit), and save_adapter gathers the adapters' shards."""
+    frozen base in bf16 beside fp32 adapters in one FSDP unit), save_adapter gathers the adapters' shards, and
+    their checkpoint resumes on one rank."""
     train = TRAIN.model_copy(update={"precision": precision})
     one, two = _ranks(tiny_model_dir, train, 1, "lora-one"), _ranks(tiny_model_dir, train, 2, f"lora-two-{precision}")
     try:
@@ -158,6 +159,14 @@ def test_two_ranks_train_the_adapters_one_rank_does(tiny_model_dir, batch, ray_c
         _step(one, batch, 1)
         _step(two, batch, 2)
         single, parallel = (_read(_saved(g, tmp_path / name))[1] for g, name in ((one, "one"), (two, "two")))
+        # a checkpoint of the two ranks resumes on one: the adapters' and Adam's shards are read back whole
+        two.call(TorchTrainBackend.save, str(tmp_path / "ckpt"))
+        resumed = TorchTrainBackend(tiny_model_dir, train, ALGO)
+        resumed.load(tmp_path / "ckpt")
+        assert resumed.save_adapter(str(tmp_path / "resumed")) > 0
+        assert all(torch.equal(a, b) for a, b in zip(_read(tmp_path / "resumed")[1].values(), parallel.values(),
+                                                     strict=True))
+        assert len(resumed.optimizer.state) == len(parallel)
     finally:
         two.shutdown()  # its actors and placement group: the session test below needs the CPUs
     assert_same_update(start, list(single.items()), list(parallel.items()))
