@@ -29,10 +29,10 @@ class DiskReceiver(Protocol):
 class AdapterSender(Protocol):
     """The trainer's side of LoRA sync (train.lora): only the adapter moves."""
 
-    def save_adapter(self, path: str, storage: StorageConfig | None = None) -> int:
+    def save_adapter(self, path: str) -> int:
         """Write the current LoRA adapter in PEFT's format (adapter_config.json + adapter_model.safetensors)
-        into `path` (a local folder; with `storage`, a folder of that run store). Collective over the train
-        ranks (each holds a shard); rank 0 writes. Returns the adapter's bytes."""
+        into the local folder `path`. Collective over the train ranks (each holds a shard); rank 0 writes.
+        Returns the adapter's bytes."""
         ...
 
 

@@ -425,10 +425,10 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
                     for f in sorted(folder.iterdir()):
                         store.upload_file(f, folder.name, f.name)
 
-    def save_adapter(self, path: str, storage: StorageConfig | None = None) -> int:
-        """The LoRA adapter as a PEFT folder at `path` (local; with `storage`, a folder of that run store): the
-        adapter weight sync's payload and a checkpoint's adapter/. Collective (each rank gathers its shards of
-        the adapters); rank 0 writes and returns the bytes, the others 0."""
+    def save_adapter(self, path: str) -> int:
+        """The LoRA adapter as a PEFT folder at the local `path`: the adapter weight sync's payload and a
+        checkpoint's adapter/. Collective (each rank gathers its shards of the adapters); rank 0 writes and
+        returns the bytes, the others 0."""
         if self.lora is None:
             raise ValueError("save_adapter: this worker trains every weight (train.lora is empty)")
         self._resident("save_adapter")
@@ -436,14 +436,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         tensors = dict(fsdp.gather(params, [n for n in params if lora.is_adapter(n)], keep=self.rank == 0))
         if self.rank != 0:
             return 0
-        if storage is None:
-            return lora.write_adapter(Path(path), tensors, self.lora, self.model_path)
-        with tempfile.TemporaryDirectory(prefix="rlflow-adapter-") as tmp:
-            nbytes = lora.write_adapter(Path(tmp), tensors, self.lora, self.model_path)
-            store = RunStore.at(storage, path)
-            for f in sorted(Path(tmp).iterdir()):
-                store.upload_file(f, f.name)
-        return nbytes
+        return lora.write_adapter(Path(path), tensors, self.lora, self.model_path)
 
     def load(self, path: str | Path, storage: StorageConfig | None = None) -> None:
         """Resume from save(), written by any number of ranks (with `storage`: read straight from that run
