@@ -19,6 +19,7 @@ from rlflow.engines.core.config import (
     LORA_TARGETS,
     AlgorithmConfig,
     LoraConfig,
+    StorageConfig,
     TrainConfig,
     config_from_dict,
     load_recipe,
@@ -261,3 +262,22 @@ def test_the_lora_recipe_validates():
     cfg = load_recipe("deployments/sort-tiny-lora.yaml")
     assert cfg.train.lora.target_modules == list(LORA_TARGETS) and cfg.weight_sync.transport == "adapter"
     assert any("model.path" in p for p in find_problems(cfg))
+
+
+def test_checkpoint_through_the_run_store(tiny_model_dir, batch, tmp_path):
+    """save(storage=...) (how workers write on object storage; fsspec on a local folder here): the adapters' shards,
+    the PEFT folder and the merged model go into the store's checkpoint folder, and load(storage=...) resumes."""
+    storage = StorageConfig(uri=str(tmp_path / "store"))
+    uri = f"{tmp_path}/store/r/checkpoints/1"
+    trainer = TorchTrainBackend(tiny_model_dir, TRAIN, AlgorithmConfig())
+    trainer.train_step(batch)
+    trainer.save(uri, storage)
+    folder = Path(uri)
+    assert (folder / "adapter" / CONFIG_FILE).is_file() and any((folder / "lora").glob("*.safetensors"))
+    trainer.save(tmp_path / "local")  # the same state saved to a local folder: the same merged weights
+    stored = load_file(str(folder / "model" / "model.safetensors"))
+    local = load_file(str(tmp_path / "local" / "model" / "model.safetensors"))
+    assert stored.keys() == local.keys() and all(torch.equal(t, local[n]) for n, t in stored.items())
+    resumed = TorchTrainBackend(tiny_model_dir, TRAIN, AlgorithmConfig())
+    resumed.load(uri, storage)
+    assert all(torch.equal(a, b) for a, b in zip(_params(trainer).values(), _params(resumed).values(), strict=True))
