@@ -51,6 +51,7 @@ VARIANTS = {
     "baseline": {},
     "rlflow-8k": {"micro_batch_tokens": 8192},
     "rlflow-16k": {"micro_batch_tokens": 16384},
+    "rlflow-8k-eagerhead": {"micro_batch_tokens": 8192, "fused_head": False},  # the head's math as eager ops
     "rlflow-8k-ckpt": {"micro_batch_tokens": 8192, "activation_checkpointing": True},
     "rlflow-16k-ckpt": {"micro_batch_tokens": 16384, "activation_checkpointing": True},
     "rlflow-32k-ckpt": {"micro_batch_tokens": 32768, "activation_checkpointing": True},
@@ -62,6 +63,7 @@ VARIANTS = {
     "rlflow-16k-compile": {"micro_batch_tokens": 16384, "compile": True},
     "rlflow-16k-ckpt-compile": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "compile": True},
     # train.lora (issue 23): rank-16 adapters on every linear of the frozen bf16 base, side by side with full FT
+    "rlflow-8k-lora": {"micro_batch_tokens": 8192, "lora": {"rank": 16, "alpha": 32}},
     "rlflow-16k-lora": {"micro_batch_tokens": 16384, "lora": {"rank": 16, "alpha": 32}},
     "rlflow-16k-ckpt-lora": {"micro_batch_tokens": 16384, "activation_checkpointing": True,
                              "lora": {"rank": 16, "alpha": 32}},
@@ -195,6 +197,8 @@ def run_rlflow(model_path: str, batch: dict, steps: int, device: str, options: d
             backend.train_step(batch)
             _sync(device)
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25), file=sys.stderr)
+    backend.forward_logprobs(batch)  # warm-up: its head (no entropy) compiles on its own (train.fused_head)
+    _sync(device)
     t0 = time.perf_counter()
     backend.forward_logprobs(batch)
     _sync(device)

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from rlflow.engines.core.algorithms import entropy_from_logprobs
 from rlflow.engines.core.sampling import scaled_logits
+from rlflow.engines.models.head_math import compiled, head_logits_grad, head_logprobs
 
 ATTENTION = "rlflow_packed"
 
@@ -144,9 +144,9 @@ class PackedLM(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, chunk_tokens: int = 4096, checkpoint_layers: bool = False,
-                 compile_layers: bool = False):
+                 compile_layers: bool = False, fused_head: bool = False):
         super().__init__()
-        self.model, self.chunk_tokens = model, chunk_tokens
+        self.model, self.chunk_tokens, self.fused_head = model, chunk_tokens, fused_head
         model.config._attn_implementation = ATTENTION
         self.body = model.model
         self.critic = hasattr(model, "score")
@@ -180,7 +180,7 @@ class PackedLM(torch.nn.Module):
             targets = torch.cat([targets[:, None], torch.roll(other_ids, -1, dims=0)], dim=1)
         hidden, weight = self._head_inputs(hidden)
         logprobs, entropy = ChunkedHeadLogprobs.apply(hidden, weight, targets, temperature, self.chunk_tokens,
-                                                      with_entropy)
+                                                      with_entropy, self.fused_head)
         entropy = _shift_right(entropy, first) if with_entropy else None
         if other_ids is None:
             return _shift_right(logprobs, first), entropy
@@ -214,56 +214,50 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     """log p(target) (targets [T], or [T, M]: M per token) and entropy of softmax(scaled_logits(hidden @ weight.T,
     temperature)), chunk by chunk.
 
-    The [tokens, vocab] logits of one chunk exist at a time, in fp32: once in the forward pass, once again in
-    the backward pass, where the gradient of the logits is formed in place and multiplied out at once. One
-    log-softmax serves both outputs. The math is algorithms.token_logprobs / entropy_from_logits (the
-    rollout engine's), fused: d logp/d z = onehot - p and d H/d z = -p (log p + H). An output no loss uses
-    gets no gradient (None, not zeros), so the backward pass needs no device sync to find out.
+    The [tokens, vocab] logits of one chunk exist at a time: once in the forward pass, once again in the backward
+    pass, where their gradient is formed and multiplied out at once. The per-chunk math is head_math's
+    (`fused`: compiled into a few kernels on CUDA); the forward keeps each token's logsumexp, so the backward
+    rebuilds p without another reduction. An output no loss uses gets no gradient (None, not zeros), so the
+    backward pass needs no device sync to find out.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy, fused=False):
         ctx.set_materialize_grads(False)
         n = hidden.shape[0]
-        logprobs = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
-        entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         columns = targets if targets.dim() == 2 else targets[:, None]
+        stats = _head_fn(head_logprobs, fused, hidden)
+        logprobs = torch.empty(columns.shape, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         for a in range(0, n, chunk):
-            logp = _chunk_logp(hidden[a:a + chunk], weight, temperature)
-            logprobs[a:a + chunk] = logp.gather(-1, columns[a:a + chunk]).reshape(logprobs[a:a + chunk].shape)
-            if with_entropy:
-                entropy[a:a + chunk] = entropy_from_logprobs(logp)
-        ctx.save_for_backward(hidden, weight, targets, entropy)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        return logprobs, entropy
+            logprobs[a:a + chunk], lse[a:a + chunk], entropy[a:a + chunk] = stats(
+                hidden[a:a + chunk] @ weight.T, columns[a:a + chunk], temperature, with_entropy)
+        ctx.save_for_backward(hidden, weight, columns, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.fused = temperature, chunk, fused
+        return logprobs.reshape(targets.shape), entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, targets, entropy = ctx.saved_tensors
+        hidden, weight, columns, lse, entropy = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         if grad_logprobs is None:
-            grad_logprobs = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
-        if targets.dim() == 1:  # one target per token, or several ([T, M]: each gets its own gradient)
-            targets, grad_logprobs = targets[:, None], grad_logprobs[:, None]
-        scale = 1.0 / ctx.temperature if ctx.temperature > 0 else 1.0  # d(scaled logits) / d(logits)
+            grad_logprobs = torch.zeros(columns.shape, dtype=torch.float32, device=hidden.device)
+        grad_logprobs = grad_logprobs.reshape(columns.shape)
+        grad_logits = _head_fn(head_logits_grad, ctx.fused, hidden)
         for a in range(0, hidden.shape[0], ctx.chunk):
             b = min(a + ctx.chunk, hidden.shape[0])
-            logp = _chunk_logp(hidden[a:b], weight, ctx.temperature)
-            p = logp.exp()
-            g = grad_logprobs[a:b]
-            total = g.sum(-1, keepdim=True)  # d log p_j / dz = onehot_j - p: the -p parts add up
-            if grad_entropy is not None:  # -p (log p + H) * dH, with 0 * -inf read as 0 where p = 0
-                finite = torch.where(logp.isfinite(), logp, 0.0)
-                dz = p * (finite + entropy[a:b, None]) * -grad_entropy[a:b, None]
-                dz -= p * total
-            else:
-                dz = p.mul_(-total)
-            dz.scatter_add_(-1, targets[a:b], g)
-            dz = (dz * scale).to(hidden.dtype)
+            dz = grad_logits(hidden[a:b] @ weight.T, columns[a:b], lse[a:b], entropy[a:b], grad_logprobs[a:b],
+                             None if grad_entropy is None else grad_entropy[a:b], ctx.temperature)
             grad_hidden[a:b] = dz @ weight
             grad_weight += (dz.T @ hidden[a:b]).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def _head_fn(fn, fused: bool, hidden: torch.Tensor):
+    """head_math's `fn`, compiled where it runs fused (CUDA), else as written."""
+    return compiled(fn) if fused and hidden.is_cuda else fn
 
 
 def _chunk_logp(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
