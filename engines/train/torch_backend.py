@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -129,11 +130,13 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
                 lora.add_adapters(self.model, self.lora)
         # FSDP2 casts fp32 masters to the compute dtype; a frozen model is in it already, and with LoRA each part
         # keeps its own (FSDP2 cannot reduce the fp32 adapters' gradients beside a bf16 base in one unit): the
-        # base runs in train.precision, the small adapter GEMMs in fp32 (peft casts their input)
+        # base is in train.precision and autocast runs the adapters in it (lora.adapter_compute)
         compute = DTYPES[train.precision] if train.precision != "fp32" and not frozen and not self.lora else None
+        self._compute = (partial(lora.adapter_compute, train.device, DTYPES[train.precision]) if self.lora
+                         else nullcontext)
         self.lm = fsdp.shard(
             PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing and not frozen,
-                     train.compile), compute, train.cpu_offload, train.reshard_after_forward)
+                     train.compile, train.fused_head), compute, train.cpu_offload, train.reshard_after_forward)
         self.ref_model = self.ref_lm = None
         # the KL penalty's reference: a frozen copy of the starting policy (with LoRA, the base: adapters off)
         self.has_reference = algorithm.kl_coef > 0 and role == "policy"
@@ -141,7 +144,8 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
             self.ref_model = load_model(model_path, dtype=DTYPES[train.precision], device="cpu").eval()
             self.ref_model.requires_grad_(False)
             apply_kernels(self.ref_model, train.kernels)
-            self.ref_lm = fsdp.shard(PackedLM(self.ref_model, train.logprob_chunk_tokens), None, train.cpu_offload)
+            self.ref_lm = fsdp.shard(PackedLM(self.ref_model, train.logprob_chunk_tokens, fused_head=train.fused_head),
+                                     None, train.cpu_offload)
         # fused on the GPU: one kernel per step and no temporaries the size of the model (foreach's are)
         fused = self.device == "cuda" and not train.cpu_offload
         trainable = [p for p in self.model.parameters() if p.requires_grad] if self.lora else self.model.parameters()
@@ -157,7 +161,8 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         """Per-token logprobs [rows, width] (aligned with input_ids: column t is log p(x_t | x_<t), column 0
         is 0) and, if asked, entropy; for a critic, its values in the logprobs' place."""
         packed = PackedRows.from_padded(mb["input_ids"], mb["attention_mask"]).to(self.device)
-        out, entropy = lm(packed, self.temperature if temperature is None else temperature, with_entropy)
+        with self._compute():
+            out, entropy = lm(packed, self.temperature if temperature is None else temperature, with_entropy)
         return packed.unpack(out), None if entropy is None else packed.unpack(entropy)
 
     def _forward_with_topk(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -165,7 +170,8 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         k] of the teacher's top-k ids at each position (TEACHER_TOPK_IDS), all with their gradient."""
         packed = PackedRows.from_padded(mb["input_ids"], mb["attention_mask"]).to(self.device)
         ids = mb[TEACHER_TOPK_IDS][packed.rows, packed.cols].to(self.device)
-        out, entropy, topk = self.lm(packed, self.temperature, True, other_ids=ids)
+        with self._compute():
+            out, entropy, topk = self.lm(packed, self.temperature, True, other_ids=ids)
         return packed.unpack(out), packed.unpack(entropy), packed.unpack(topk)
 
     def micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
@@ -323,12 +329,14 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         )
 
     # ---- weights and checkpoints ---------------------------------------------------------------------
-    def named_tensors(self, names: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
-        """HF-named full weights (all, or the named ones) on CPU at rank 0, [] on other ranks: what weight sync
-        sends to rollout engines. Collective (each weight is gathered from its shards in turn)."""
+    def named_tensors(self, names: list[str] | None = None, dtype: torch.dtype | None = None,
+                      device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
+        """HF-named full weights (all, or the named ones; in `dtype` if given) on `device` at rank 0, [] on other
+        ranks: what weight sync sends to rollout engines. Collective (each weight is gathered from its shards in
+        turn)."""
         self._resident("named_tensors")
         params = dict(self.model.named_parameters())
-        return fsdp.gather(params, names or list(params), keep=self.rank == 0)
+        return fsdp.gather(params, names or list(params), keep=self.rank == 0, dtype=dtype, device=device)
 
     def put_weights_to_store(
         self, storage: StorageConfig, run: str, version: int, index: int, names: list[str]
