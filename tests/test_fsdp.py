@@ -189,3 +189,16 @@ def test_offload_round_trip_on_two_ranks(tiny_model_dir, batch, ray_cluster):
     assert all(torch.equal(w1[n], w2[n]) for n in w2)
     parked.shutdown()
     plain.shutdown()
+
+
+def test_weights_for_a_sync_are_gathered_in_the_sent_dtype(tiny_model_dir, ray_cluster):
+    """What the `distributed` transport broadcasts: rank 0's full weights with every shard cast before the
+    gather (the wire carries the rollout dtype), equal to the gathered fp32 weights cast; other ranks keep none."""
+    two = _ranks(tiny_model_dir, TrainConfig(threads=1), 2, "gather-bf16")
+    full = dict(two.wait(two.submit(TrainBackend.named_tensors))[0])
+    bf16 = two.wait(two.submit(TrainBackend.named_tensors, None, torch.bfloat16))
+    assert bf16[1] == []
+    got = dict(bf16[0])
+    assert got.keys() == full.keys()
+    assert all(got[n].dtype == torch.bfloat16 and torch.equal(got[n], full[n].to(torch.bfloat16)) for n in full)
+    two.shutdown()

@@ -48,8 +48,9 @@ class TrainBackend(Protocol):
         """Which shard of the data this rank trains on (ranks of one model-parallel group share one)."""
         ...
 
-    def named_tensors(self, names: list[str] | None = None) -> NamedTensors:
-        """HF-named weights (all, or the named ones), full tensors at rank 0."""
+    def named_tensors(self, names: list[str] | None = None, dtype: torch.dtype | None = None,
+                      device: torch.device | str = "cpu") -> NamedTensors:
+        """HF-named weights (all, or the named ones; in `dtype` if given), full tensors on `device` at rank 0."""
         ...
 
     def weight_layout(self) -> list[tuple[str, int]]:

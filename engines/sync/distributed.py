@@ -154,13 +154,13 @@ class DistributedWeightSender(DistributedSender):
     def broadcast_weights_update(self, names: list[str], dtype: str) -> int:
         """Broadcast these weights in order, as `dtype` (what the receivers were told; an LM's weights are all
         floating point); returns the bytes sent (0 on other ranks, which only join the gather)."""
-        tensors = [t for _, t in self.named_tensors(names)]
+        # gathered straight onto the GPU that broadcasts (NCCL), in the dtype the servers were told
+        tensors = [t for _, t in self.named_tensors(names, getattr(torch, dtype), self._weights_device or "cpu")]
         if self.rank != 0:
             return 0
         if self._weights_group is None:
             raise RuntimeError("broadcast_weights_update: join_weights_update_group first")
-        cast = getattr(torch, dtype)
-        return broadcast_weights(self._weights_group, [t.to(self._weights_device or t.device, cast) for t in tensors])
+        return broadcast_weights(self._weights_group, tensors)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

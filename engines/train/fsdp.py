@@ -102,15 +102,20 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def gather(params: dict[str, torch.Tensor], names: list[str], keep: bool) -> NamedTensors:
-    """Full copies of these parameters on the CPU, gathered one at a time (collective: every rank calls it);
-    only a rank with `keep` holds them, so no rank ever holds more than one full tensor it does not keep."""
+def gather(params: dict[str, torch.Tensor], names: list[str], keep: bool, dtype: torch.dtype | None = None,
+           device: torch.device | str = "cpu") -> NamedTensors:
+    """Full copies of these parameters on `device` (in `dtype`: each shard is cast before the gather, so the
+    wire carries the smaller dtype), gathered one at a time (collective: every rank calls it); only a rank with
+    `keep` holds them, so no rank ever holds more than one full tensor it does not keep. A GPU sender gathers
+    onto its GPU: a round trip through host memory made a 7B sync take 33 s (docs/benchmarks.md)."""
     out = []
     for name in names:
         p = params[name].detach()
+        if dtype is not None:
+            p = p.to(dtype)
         full = p.full_tensor() if isinstance(p, DTensor) else p
         if keep:
-            out.append((name, full.cpu()))
+            out.append((name, full.to(device)))
     return out
 
 

@@ -383,10 +383,12 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
 
     # ---- weights and checkpoints ---------------------------------------------------------------------
     @_on_device
-    def named_tensors(self, names: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
-        """HF-named full weights (all, or the named ones) on CPU at rank 0, [] on other ranks. Collective."""
+    def named_tensors(self, names: list[str] | None = None, dtype: torch.dtype | None = None,
+                      device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
+        """HF-named full weights (all, or the named ones; in `dtype` if given) on `device` at rank 0, [] on other
+        ranks. Collective."""
         self._resident("named_tensors")
-        return self.exporter.gather(names or self.exporter.names())
+        return [(n, t.to(device, dtype)) for n, t in self.exporter.gather(names or self.exporter.names())]
 
     def put_weights_to_store(
         self, storage: StorageConfig, run: str, version: int, index: int, names: list[str]
