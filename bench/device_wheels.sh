@@ -25,7 +25,7 @@ installed() {  # the version installed in the project's environment (for what co
     "$py" -c "import importlib.metadata as m; print(m.version('$1'))"
 }
 for p in pydantic annotated-types typing-inspection fastapi starlette uvicorn h11 opentelemetry-api zipp orjson \
-         liger-kernel; do
+         liger-kernel peft; do
     fetch "$p==$(pin $p)"
 done
 fetch "pydantic-core==$(installed pydantic-core)"
@@ -38,6 +38,8 @@ if [[ "${1:-}" == "--ray" ]]; then
     # Ray's wheel is 79 MB; without ray/jars (Java workers only, 32 MB) it fits a call. Ray's own needs the
     # machines lack: jsonschema and its three.
     for p in jsonschema jsonschema-specifications referencing rpds-py; do fetch "$p==$(pin $p)"; done
+    # the session reads its prompt files through HF datasets (pyarrow, xxhash, fsspec are there already)
+    for p in datasets dill multiprocess; do fetch "$p==$(pin $p)"; done
     tmp=$(mktemp -d)
     fetch "ray==$(pin ray)" && mv "$out"/ray-*.whl "$tmp/"
     (cd "$tmp" && python3 - <<'EOF'

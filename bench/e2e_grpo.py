@@ -17,11 +17,16 @@ Modes (--modes; each in a fresh process under --timeout seconds):
 - colocated-sync: trainer and rollout engine share GPU 0 (cuda_ipc sync; the trainer's state parked in host
   memory while the engine runs: train.offload_during_rollout), synchronous;
 - disagg-sync, disagg-k1, disagg-k2: the trainer on GPU 0, the rollout engine on GPU 1, nccl sync,
-  rollout.max_staleness 0, 1, 2 (k = 2 with algorithm.is_correction: tis, as docs/algorithms.md advises).
+  rollout.max_staleness 0, 1, 2 (k = 2 with algorithm.is_correction: tis, as docs/algorithms.md advises);
+- colocated-lora: colocated-sync training rank-16 LoRA adapters (train.lora) on the frozen base, synced through
+  the adapter transport (the engine merges the adapter into its weights);
+- disagg2x2-sync, disagg2x2-k1: 4 GPUs, two FSDP2 train ranks and two rollout engines, distributed sync
+  (gathered buckets broadcast over NCCL), rollout.max_staleness 0 and 1.
 Each mode trains on the same batch (the same seeds: bench/workload_rollout.py draws from them). Per mode, medians
-over the steps after the first (--steps in all): the step time and its stages, and tokens/s/GPU = (prompt +
-response tokens of the step's samples) / step time / GPUs the mode uses, the unit of issue 24's anchor (NeMo-RL
-GRPO Llama3.1-8B on 16 H100s: 1,581 on-policy, 2,478 one-step-off).
+over the steps between the first and the last (--steps in all; the last has no rollout running ahead of it): the
+step time and its stages, and tokens/s/GPU = (prompt + response tokens of the step's samples) / step time / GPUs
+the mode uses, the unit of issue 24's anchor (NeMo-RL GRPO Llama3.1-8B on 16 H100s: 1,581 on-policy, 2,478
+one-step-off).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,12 +48,20 @@ from bench.workload_rollout import PROMPT_TOKENS
 from rlflow.engines.core.config import RLConfig, load_recipe
 
 SAMPLES_PER_PROMPT = 8
+_TWO_BY_TWO = ["train.num_workers=2", "rollout.num_workers=2", "weight_sync.transport=distributed",
+               "weight_sync.bucket_mb=1024"]  # 15 buckets for 7B, not 238: each costs a round of Ray calls
 MODES = {  # name: (GPUs, recipe overrides)
     "colocated-sync": (1, ["cluster.colocate=true", "weight_sync.transport=cuda_ipc",
                            "train.offload_during_rollout=true"]),
     "disagg-sync": (2, ["weight_sync.transport=nccl", "rollout.max_staleness=0"]),
     "disagg-k1": (2, ["weight_sync.transport=nccl", "rollout.max_staleness=1"]),
     "disagg-k2": (2, ["weight_sync.transport=nccl", "rollout.max_staleness=2", "algorithm.is_correction=tis"]),
+    # LoRA (issue 23): rank-16 adapters on the frozen bf16 base; only the adapter moves at a sync
+    "colocated-lora": (1, ["cluster.colocate=true", "weight_sync.transport=adapter", "train.lora.rank=16",
+                           "train.lora.alpha=32", "train.offload_during_rollout=true"]),
+    # four GPUs: FSDP2 over two train ranks, two rollout engines, gathered buckets broadcast over NCCL
+    "disagg2x2-sync": (4, [*_TWO_BY_TWO, "rollout.max_staleness=0"]),
+    "disagg2x2-k1": (4, [*_TWO_BY_TWO, "rollout.max_staleness=1"]),
 }
 
 
@@ -75,18 +90,19 @@ def recipe(work: Path, model: Path, mode: str, prompts: int, steps: int, device:
     ])
 
 
-def run_mode(shape: str, mode: str, prompts: int, steps: int) -> dict:
+def run_mode(shape: str, mode: str, prompts: int, steps: int, model: Path) -> dict:
     from bench.bare_loop import run_bare
 
     work = Path(tempfile.mkdtemp(prefix=f"rlflow-e2e-{mode}-"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_workload_model(shape, work / "model")
     max_new = 1792 if shape != "smoke" else 8
     history = run_bare(recipe(work, model, mode, prompts, steps, device, max_new), str(work),
                        log=lambda line: print(line, flush=True), use_ray=True)
     gpus = MODES[mode][0] if device == "cuda" else 0
     samples = prompts * SAMPLES_PER_PROMPT
-    warm = history[1:]
+    # steady state: not the first step (nothing ran ahead of it) nor the last (no rollout runs ahead under it:
+    # with max_staleness >= 1 it is only train + sync, which flattered one-step-off 1.2x in a 3-step run)
+    warm = history[1:-1] if len(history) > 2 else history[1:]
 
     def median(key: str) -> float | None:
         values = [h[key] for h in warm if key in h]
@@ -107,28 +123,31 @@ def main() -> None:
     ap.add_argument("--shape", default="1.5b", choices=["1.5b", "7b"])
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--prompts", type=int, default=16, help="prompts a step (x 8 samples)")
-    ap.add_argument("--steps", type=int, default=4, help="steps a mode (the first is not timed)")
+    ap.add_argument("--steps", type=int, default=5, help="steps a mode (the first and last are not timed)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a mode may take")
     ap.add_argument("--smoke", action="store_true", help="a toy shape on the CPU: checks the script")
     ap.add_argument("--out", default="e2e_grpo.json")
     ap.add_argument("--child", nargs="*")
     a = ap.parse_args()
     if a.child is not None:
-        shape, mode = a.child
-        print("RESULT " + json.dumps(run_mode(shape, mode, a.prompts, a.steps)), flush=True)
+        shape, mode, model = a.child
+        print("RESULT " + json.dumps(run_mode(shape, mode, a.prompts, a.steps, Path(model))), flush=True)
         return
     shape = "smoke" if a.smoke else a.shape
     gpus = torch.cuda.device_count()
     report = {"date": dt.date.today().isoformat(), "command": " ".join(["python -m bench.e2e_grpo", *sys.argv[1:]]),
               "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)], "torch": torch.__version__,
               "shape": shape, "prompts": a.prompts, "steps": a.steps, "modes": []}
+    model = build_workload_model(shape, Path(tempfile.mkdtemp(prefix="rlflow-e2e-model-")))  # one for every mode
     for mode in a.modes.split(","):
         needs = MODES[mode][0]
         if (gpus and gpus < needs) or (not gpus and mode.startswith("colocated")):  # on CPUs: cuda_ipc has no path
             report["modes"].append({"mode": mode, "skipped": f"needs {needs} GPU(s), {gpus} here"})
             continue
-        r = run_section([shape, mode, "--prompts", str(a.prompts), "--steps", str(a.steps)], a.timeout,
+        r = run_section([shape, mode, str(model), "--prompts", str(a.prompts), "--steps", str(a.steps)], a.timeout,
                      module="bench.e2e_grpo")
+        if shutil.which("ray"):  # a mode that timed out leaves its Ray workers (and their GPU memory) behind
+            subprocess.run(["ray", "stop", "--force"], capture_output=True)
         report["modes"].append({"mode": mode} | r)
         print(f"[e2e_grpo] {mode}: {json.dumps(r)[:400]}", flush=True)
         Path(a.out).write_text(json.dumps(report, indent=1))
