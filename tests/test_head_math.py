@@ -14,9 +14,10 @@ def _inputs(n: int = 37, vocab: int = 300, m: int = 2, seed: int = 0):
     return logits, targets, torch.randn(n, m, generator=g), torch.randn(n, generator=g)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_hand_written_gradient_is_autograds(temperature):
-    logits, targets, g_lp, g_h = _inputs()
+@pytest.mark.parametrize(("temperature", "m"), [(1.0, 1), (0.7, 1), (0.7, 3)])
+def test_hand_written_gradient_is_autograds(temperature, m):
+    """One target per token (the policy's), or several (top-k distillation's), with entropy in the loss."""
+    logits, targets, g_lp, g_h = _inputs(m=m)
     z = logits.float().requires_grad_()
     logp, _, entropy = head_logprobs(z, targets, temperature, True)
     ((logp * g_lp).sum() + (entropy * g_h).sum()).backward()
@@ -25,11 +26,12 @@ def test_hand_written_gradient_is_autograds(temperature):
     assert torch.allclose(got, z.grad, atol=1e-6)
 
 
-def test_compiled_kernels_equal_the_eager_math():
+@pytest.mark.parametrize("m", [1, 2])
+def test_compiled_kernels_equal_the_eager_math(m):
     """torch.compile (inductor's C++ backend here, Triton on CUDA) of the same functions, on two chunk lengths
     (dynamic shapes: one compile serves both)."""
     for n in (37, 53):
-        logits, targets, g_lp, g_h = _inputs(n)
+        logits, targets, g_lp, g_h = _inputs(n, m=m)
         eager = head_logprobs(logits, targets, 0.7, True)
         fused = compiled(head_logprobs)(logits, targets, 0.7, True)
         for a, b in zip(eager, fused, strict=True):

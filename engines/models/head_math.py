@@ -38,22 +38,26 @@ def head_logits_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Ten
                      grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None, temperature: float
                      ) -> torch.Tensor:
     """The gradient with respect to the raw logits [n, V], in their dtype, of sum(grad_logprobs * log p(targets))
-    + sum(grad_entropy * H). Each target's one-hot term is a comparison with the column index (one pointwise
-    kernel once compiled; a scatter would write the fp32 gradient out and read it back)."""
+    + sum(grad_entropy * H). One target's one-hot term is a comparison with the column index (one pointwise
+    kernel once compiled; a scatter would write the fp32 gradient out and read it back); several (top-k
+    distillation's) are one scatter, not a pass over [n, V] each."""
     logp = scaled_logits(logits, temperature) - lse[:, None]
     p = logp.exp()
     dz = -p * grad_logprobs.sum(-1, keepdim=True)
     if grad_entropy is not None:  # -p (log p + H) dH, with 0 * -inf read as 0 where p = 0
         finite = torch.where(logp.isfinite(), logp, 0.0)
         dz = dz - p * (finite + entropy[:, None]) * grad_entropy[:, None]
-    column = torch.arange(logits.shape[-1], device=logits.device)
-    for m in range(targets.shape[1]):
-        dz = dz + torch.where(column == targets[:, m:m + 1], grad_logprobs[:, m:m + 1], 0.0)
+    if targets.shape[1] == 1:
+        column = torch.arange(logits.shape[-1], device=logits.device)
+        dz = dz + torch.where(column == targets, grad_logprobs, 0.0)
+    else:
+        dz = dz.scatter_add(-1, targets, grad_logprobs)
     scale = 1.0 / temperature if temperature > 0 else 1.0  # d(scaled logits) / d(logits)
     return (dz * scale).to(logits.dtype)
 
 
 @cache
 def compiled(fn: Callable) -> Callable:
-    """`fn` through torch.compile, once per process; dynamic: the chunk's token count changes."""
+    """`fn` through torch.compile (one wrapper per process; dynamo compiles a graph per kind of call: with or
+    without entropy, one target or several, a one-token chunk); dynamic: the chunk's token count changes."""
     return torch.compile(fn, dynamic=True)

@@ -241,7 +241,9 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, columns, lse, entropy = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # a frozen head (LoRA, a teacher) needs no [V, d] fp32 gradient nor its GEMM per chunk
+        grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                       if ctx.needs_input_grad[1] else None)
         if grad_logprobs is None:
             grad_logprobs = torch.zeros(columns.shape, dtype=torch.float32, device=hidden.device)
         grad_logprobs = grad_logprobs.reshape(columns.shape)
@@ -251,8 +253,10 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             dz = grad_logits(hidden[a:b] @ weight.T, columns[a:b], lse[a:b], entropy[a:b], grad_logprobs[a:b],
                              None if grad_entropy is None else grad_entropy[a:b], ctx.temperature)
             grad_hidden[a:b] = dz @ weight
-            grad_weight += (dz.T @ hidden[a:b]).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+            if grad_weight is not None:
+                grad_weight += (dz.T @ hidden[a:b]).float()
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None, None, None, None, None)
 
 
 def _head_fn(fn, fused: bool, hidden: torch.Tensor):

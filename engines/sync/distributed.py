@@ -123,7 +123,7 @@ def update_request(names: list[str], dtypes: list[str], shapes: list[list[int]],
 
 class DistributedWeightSender(DistributedSender):
     """The trainer's side of the `distributed` weight-sync transport, for a train backend with `rank`,
-    `named_tensors(names)` (HF names; collective where weights are sharded, full tensors at rank 0) and
+    `named_tensors(names, dtype, device)` (HF names; collective where weights are sharded, full tensors at rank 0) and
     `weight_shapes()`. Rank 0 is rank 0 of the weight-update group; the rollout servers join as 1..N through
     /init_weights_update_group, and receive what it broadcasts through /update_weights_from_distributed."""
 

@@ -104,10 +104,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def gather(params: dict[str, torch.Tensor], names: list[str], keep: bool, dtype: torch.dtype | None = None,
            device: torch.device | str = "cpu") -> NamedTensors:
-    """Full copies of these parameters on `device` (in `dtype`: each shard is cast before the gather, so the
-    wire carries the smaller dtype), gathered one at a time (collective: every rank calls it); only a rank with
-    `keep` holds them, so no rank ever holds more than one full tensor it does not keep. A GPU sender gathers
-    onto its GPU: a round trip through host memory made a 7B sync take 33 s (docs/benchmarks.md)."""
+    """Full copies of these parameters on `device`, gathered one at a time (collective: every rank calls it);
+    only a rank with `keep` holds them, so no rank ever holds more than one full tensor it does not keep. With
+    `dtype` each shard is cast before the gather, so the wire carries the dtype sent (bf16 for a bf16 rollout
+    engine). A GPU sender gathers onto its GPU: a round trip through host memory made a 7B sync take 33 s
+    (docs/benchmarks.md)."""
     out = []
     for name in names:
         p = params[name].detach()

@@ -210,7 +210,8 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
 
         def top(micro: TrainBatch) -> torch.Tensor:  # ids and logprobs side by side (ids < 2^24: exact in fp32)
             packed = PackedRows.from_padded(micro["input_ids"], micro["attention_mask"]).to(self.device)
-            ids, logprobs = self.lm(packed, self.temperature, top_k=k)
+            with self._compute():
+                ids, logprobs = self.lm(packed, self.temperature, top_k=k)
             return packed.unpack(torch.cat([ids.float(), logprobs], dim=-1))
 
         both = self._per_token(batch, top, (2 * k,))

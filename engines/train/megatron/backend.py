@@ -388,7 +388,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         """HF-named full weights (all, or the named ones; in `dtype` if given) on `device` at rank 0, [] on other
         ranks. Collective."""
         self._resident("named_tensors")
-        return [(n, t.to(device, dtype)) for n, t in self.exporter.gather(names or self.exporter.names())]
+        return self.exporter.gather(names or self.exporter.names(), dtype, device)
 
     def put_weights_to_store(
         self, storage: StorageConfig, run: str, version: int, index: int, names: list[str]

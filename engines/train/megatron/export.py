@@ -52,8 +52,10 @@ class WeightExporter:
         return [(n, size * torch.Size(s).numel()) for n, s in self.shapes.items()]
 
     @torch.no_grad()
-    def gather(self, names: list[str]) -> list[tuple[str, torch.Tensor]]:
-        """Full HF tensors of `names` on CPU at global rank 0 (in the order asked); [] elsewhere. Collective."""
+    def gather(self, names: list[str], dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+               ) -> list[tuple[str, torch.Tensor]]:
+        """Full HF tensors of `names` (in `dtype` if given) on `device` at global rank 0 (in the order asked); []
+        elsewhere. Collective."""
         if parallel_state.get_data_parallel_rank() != 0:
             return []
         unknown = [n for n in names if n not in self.rule_of]
@@ -78,7 +80,7 @@ class WeightExporter:
                     got[name] = buf
         if dist.get_rank() != 0:
             return []
-        return [(n, got[n].cpu()) for n in names]
+        return [(n, got[n].to(device, dtype)) for n in names]
 
     def file_plan(self, max_file_bytes: int) -> list[tuple[int, list[Rule]]]:
         """The files of a sharded HF export: (pipeline stage, rules) each, a stage's rules in model order, at most
