@@ -58,6 +58,7 @@ VARIANTS = {
     "rlflow-8k-compile": {"micro_batch_tokens": 8192, "compile": True},
     "rlflow-8k-noreshard": {"micro_batch_tokens": 8192, "reshard_after_forward": False},
     "rlflow-8k-liger": {"micro_batch_tokens": 8192, "kernels": "liger"},
+    "rlflow-8k-compile-liger": {"micro_batch_tokens": 8192, "compile": True, "kernels": "liger"},
     "rlflow-16k-liger": {"micro_batch_tokens": 16384, "kernels": "liger"},
     "rlflow-16k-ckpt-liger": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "kernels": "liger"},
     "rlflow-16k-compile": {"micro_batch_tokens": 16384, "compile": True},
