@@ -229,10 +229,12 @@ def backend_context(backend):
 ])
 def test_backend_matches_torch_backend(hf_models, mcore, algo, budget, packing):
     """Same logprobs, metrics and updates as TorchTrainBackend over 2 iterations x 2 mini-batches (micro-batches
-    of at most 3 rows on both sides, and at most `budget` tokens on the Megatron side)."""
+    of at most 3 rows on both sides, and at most `budget` tokens on the Megatron side, whose fp32 log-softmax runs
+    7 tokens at a time, recomputed in the backward)."""
     path = hf_models["llama"][0]
     torch_be = TorchTrainBackend(path, train_config(), algo)
-    mega = _backend(path, train_config(), algo, MegatronConfig(micro_batch_tokens=budget, packing=packing))
+    mega = _backend(path, train_config(logprob_chunk_tokens=7), algo,
+                    MegatronConfig(micro_batch_tokens=budget, packing=packing))
     batch = toy_batch()
     mask = batch["attention_mask"].bool()
     for _ in range(2):

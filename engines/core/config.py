@@ -729,8 +729,9 @@ class TrainConfig(Section):
         "(they are packed, no padding); 0: micro_batch_size samples. The megatron backend has its own.",
     )
     logprob_chunk_tokens: int = Field(
-        4096, gt=0, description="torch backend: tokens per chunk of the LM head + log-softmax (recomputed in the "
-        "backward), so at most chunk x vocab logits exist at once.",
+        4096, gt=0, description="Tokens per chunk of the LM head's log-softmax (recomputed in the backward), so at "
+        "most chunk x vocab fp32 logits exist at once (torch backend: the head's matmul is chunked too; megatron: "
+        "its output layer's bf16 logits are whole, their fp32 work chunked).",
     )
     activation_checkpointing: bool = Field(
         False, description="torch backend: recompute each decoder layer's activations in the backward pass.")

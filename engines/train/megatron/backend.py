@@ -213,10 +213,12 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """token_logprobs of the micro-batch's rows, [rows, width] right-padded whatever layout ran."""
         if micro.packed is None:
-            return token_logprobs(logits, micro.batch["input_ids"], temperature, entropy)
+            return token_logprobs(logits, micro.batch["input_ids"], temperature, entropy,
+                                  self.cfg.logprob_chunk_tokens)
         p = micro.packed
         n = len(p.input_ids)  # the stream's own tokens (a sequence-parallel pad follows them)
-        logp, ent = token_logprobs(logits[:, :n], p.input_ids[None], temperature, entropy)
+        logp, ent = token_logprobs(logits[:, :n], p.input_ids[None], temperature, entropy,
+                                   self.cfg.logprob_chunk_tokens)
         first = torch.zeros(n, dtype=torch.bool, device=logp.device)
         first[p.cu_seqlens[:-1].long()] = True  # a sample's first token has no logprob (it read the previous one)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from torch.utils.checkpoint import checkpoint
 
 from rlflow.engines.core.sampling import scaled_logits
 
@@ -33,25 +34,43 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy: str = "none"
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy: str = "none", chunk_tokens: int = 4096
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs [B, L] aligned with input_ids (column t: log p(x_t | x_<t), column 0 is 0), and optionally the
     entropy of each next-token distribution, aligned the same way.
 
-    logits are [B, L, V/tp] from the model, overwritten here. entropy: "none", "metric" (no gradient) or "loss"
-    (with gradient).
+    logits are [B, L, V/tp] from the model. entropy: "none", "metric" (no gradient) or "loss" (with gradient).
+    The fp32 work runs `chunk_tokens` positions at a time, and with a gradient each chunk is recomputed in the
+    backward pass: the fp32 logits and softmax of the whole micro-batch never exist at once (at 16,384 tokens
+    of Qwen2's vocabulary they were 2 x 10 GB beside the bf16 logits), only one chunk's.
     """
-    # float32 logits of the distribution the rollout sampled from (dividing by a temperature of 1 would only copy)
-    z = logits.float() if temperature in (0.0, 1.0) else scaled_logits(logits, temperature)
+    target = torch.roll(input_ids, shifts=-1, dims=1)  # position t predicts x_{t+1}; the last one is dropped
+    width = logits.shape[1]
+    step = max(1, chunk_tokens // max(1, logits.shape[0]))  # positions per chunk: chunk_tokens over the rows
+    recompute = torch.is_grad_enabled() and logits.requires_grad
+    logps, ents = [], []
+    for a in range(0, width, step):
+        args = (logits[:, a:a + step], target[:, a:a + step], temperature, entropy)
+        logp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
+        logps.append(logp)
+        ents.append(ent)
+    logp = _shift(torch.cat(logps, dim=1))
+    return logp, None if entropy == "none" else _shift(torch.cat(ents, dim=1))
+
+
+def _chunk_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: float, entropy: str
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """-cross-entropy of the targets and (if asked) entropy, unshifted, for one chunk of positions."""
+    # float32 logits of the distribution the rollout sampled from (dividing by a temperature of 1 would only copy);
+    # always a copy, since the cross-entropy below overwrites it and a checkpointed chunk's input must stay intact
+    z = logits.to(torch.float32, copy=True) if temperature in (0.0, 1.0) else scaled_logits(logits, temperature)
     ent = None
     if entropy != "none":
         with torch.set_grad_enabled(entropy == "loss" and torch.is_grad_enabled()):
-            ent = _shift(vocab_parallel_entropy(z))
-    # vocab_parallel_cross_entropy overwrites its input: the logits are consumed here (no backward needs them: the
-    # output layer's saves its input and weight, the entropy's graph exp(z - max) and z - max)
-    target = torch.roll(input_ids, shifts=-1, dims=1)  # position t predicts x_{t+1}; the last one is dropped
-    logp = -tensor_parallel.vocab_parallel_cross_entropy(z, target)
-    return _shift(logp), ent
+            ent = vocab_parallel_entropy(z)
+    # vocab_parallel_cross_entropy overwrites its input z, the chunk's own fp32 copy (the entropy's graph keeps
+    # exp(z - max) and z - max, not z)
+    return -tensor_parallel.vocab_parallel_cross_entropy(z, target), ent
 
 
 def _shift(per_position: torch.Tensor) -> torch.Tensor:
