@@ -50,8 +50,15 @@ def token_logprobs(
     recompute = torch.is_grad_enabled() and logits.requires_grad
     logps, ents = [], []
     for a in range(0, width, step):
-        args = (logits[:, a:a + step], target[:, a:a + step], temperature, entropy)
-        logp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
+        chunk, chunk_target = logits[:, a:a + step], target[:, a:a + step]
+        if not recompute:
+            logp, ent = _chunk_logprobs(chunk, chunk_target, temperature, entropy)
+        elif entropy == "metric":  # a metric needs no graph: computed once here, not again in the recompute
+            logp, _ = checkpoint(_chunk_logprobs, chunk, chunk_target, temperature, "none", use_reentrant=False)
+            with torch.no_grad():
+                ent = vocab_parallel_entropy(_fp32(chunk, temperature))
+        else:
+            logp, ent = checkpoint(_chunk_logprobs, chunk, chunk_target, temperature, entropy, use_reentrant=False)
         logps.append(logp)
         ents.append(ent)
     logp = _shift(torch.cat(logps, dim=1))
@@ -61,9 +68,7 @@ def token_logprobs(
 def _chunk_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: float, entropy: str
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-cross-entropy of the targets and (if asked) entropy, unshifted, for one chunk of positions."""
-    # float32 logits of the distribution the rollout sampled from (dividing by a temperature of 1 would only copy);
-    # always a copy, since the cross-entropy below overwrites it and a checkpointed chunk's input must stay intact
-    z = logits.to(torch.float32, copy=True) if temperature in (0.0, 1.0) else scaled_logits(logits, temperature)
+    z = _fp32(logits, temperature)
     ent = None
     if entropy != "none":
         with torch.set_grad_enabled(entropy == "loss" and torch.is_grad_enabled()):
@@ -71,6 +76,12 @@ def _chunk_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: flo
     # vocab_parallel_cross_entropy overwrites its input z, the chunk's own fp32 copy (the entropy's graph keeps
     # exp(z - max) and z - max, not z)
     return -tensor_parallel.vocab_parallel_cross_entropy(z, target), ent
+
+
+def _fp32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits of the distribution the rollout sampled from (dividing by a temperature of 1 would only
+    copy); always a copy, since the cross-entropy overwrites it and a checkpointed chunk's input must stay intact."""
+    return logits.to(torch.float32, copy=True) if temperature in (0.0, 1.0) else scaled_logits(logits, temperature)
 
 
 def _shift(per_position: torch.Tensor) -> torch.Tensor:
