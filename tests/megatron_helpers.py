@@ -8,20 +8,27 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from rlflow.engines.core.batch import TrainBatch, pack_samples, shard_for_workers
 from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig, TrainConfig
 
-FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mixtral": MixtralConfig,
+            "qwen3_moe": Qwen3MoeConfig}
+# 4 experts of width 32, 2 per token (Qwen3-MoE without renormalising them, as its default config)
+MOE = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+       "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "norm_topk_prob": False}}
 
 
 def tiny_hf_model(out: str | Path, family: str, tied: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
     """A 2-layer HF model with 4 query / 2 KV heads (head_dim 24 != hidden / heads), every weight perturbed so
-    that norms are not all 1 and biases not all 0. Saved to `out`; returns its state dict."""
-    cfg = FAMILIES[family](vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=64,
-                           tie_word_embeddings=tied, rms_norm_eps=1e-6)
+    that norms are not all 1 and biases not all 0 (MoE families: 4 experts, 2 per token). Saved to `out`; returns
+    its state dict."""
+    kw = {"intermediate_size": 128} | MOE.get(family, {})
+    cfg = FAMILIES[family](vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=24, max_position_embeddings=64, tie_word_embeddings=tied,
+                           rms_norm_eps=1e-6, **kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -48,12 +55,13 @@ def train_config(**kw) -> TrainConfig:
 
 
 def parallel_worker(rank: int, world: int, tp: int, pp: int, url: str, model_dir: str, hf_dirs: dict[str, str],
-                    out: str, resume: str = "") -> None:
+                    out: str, resume: str = "", ep: int = 1) -> None:
     """One rank of a 2-process layout: TP round trips of every family's HF weights (after loading into a
     TP-sharded model; also written as a sharded HF checkpoint into `out + ".hf/<family>"`), then a logprob
     pass and a train step of the backend. Rank 0 writes results as JSON and
     the final weights as safetensors. Then a checkpoint into `out + ".ckpt"`, and, given `resume` (a checkpoint
-    of another layout), its weights loaded into this layout and their logprobs."""
+    of another layout), its weights loaded into this layout and their logprobs. With expert parallelism (`ep`),
+    only the MoE families make the round trips."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     from safetensors.torch import save_file
@@ -65,12 +73,15 @@ def parallel_worker(rank: int, world: int, tp: int, pp: int, url: str, model_dir
     from rlflow.engines.train.megatron.hf_config import spec_from_hf
     from rlflow.engines.train.megatron.model_build import build_model, load_hf_weights, stage_params, transformer_config
 
-    mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp, packing=True)  # packed THD across ranks
+    # packed THD across ranks
+    mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, packing=True)
     backend = MegatronTrainBackend(model_dir, train_config(), AlgorithmConfig(), mcfg, rank=rank, world_size=world,
                                    dist_url=url)
     results: dict = {"round_trip": {}}
     with cpu_shim():
         for family, path in hf_dirs.items():
+            if ep > 1 and family not in MOE:
+                continue
             spec = spec_from_hf(AutoConfig.from_pretrained(path))
             model = build_model(spec, transformer_config(spec, mcfg, torch.float32, "cpu"), use_te=False,
                                 attention=mcfg.attention)

@@ -118,6 +118,14 @@ def test_batch_must_split_over_workers(tmp_path):
         load_recipe(write(tmp_path, raw))
 
 
+def test_expert_parallel_must_divide_the_data_parallel_ranks(tmp_path):
+    raw = small_recipe(tmp_path, train={"backend": "megatron", "num_workers": 4},
+                       megatron={"tensor_parallel": 2, "expert_parallel": 4})
+    with pytest.raises(RecipeError, match=r"megatron.expert_parallel \(4\) must divide the data-parallel size, "
+                                          r"train.num_workers / \(tensor_parallel x pipeline_parallel\) = 2"):
+        load_recipe(write(tmp_path, raw))
+
+
 def test_cli_validate_exit_codes(tmp_path, capsys):
     good = write(tmp_path, small_recipe(tmp_path))
     assert main(["validate", good]) == 0

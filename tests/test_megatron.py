@@ -16,7 +16,15 @@ import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen3MoeConfig,
+)
 
 from rlflow.engines.core.batch import shard_for_workers
 from rlflow.engines.core.config import AlgorithmConfig, DistillConfig, MegatronConfig
@@ -25,6 +33,7 @@ from rlflow.engines.train.megatron.checkpoint import optimizer_state
 from rlflow.engines.train.megatron.hf_config import UnsupportedModel, spec_from_hf
 from rlflow.engines.train.megatron.microbatch import Micro, gather_rows, micro_batches, plan_micro_batches
 from rlflow.engines.train.megatron.weights import (
+    MOE_NAMES,
     hf_to_megatron_state,
     megatron_to_hf_state,
     model_rules,
@@ -33,7 +42,7 @@ from rlflow.engines.train.megatron.weights import (
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 from tests.megatron_helpers import global_metrics, parallel_worker, tiny_hf_model, toy_batch, train_config
 
-CASES = [("llama", False), ("qwen2", True), ("qwen3", False)]
+CASES = [("llama", False), ("qwen2", True), ("qwen3", False), ("mixtral", False), ("qwen3_moe", True)]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +53,8 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[str, dict[str, torch.Tensor]]
         path = tmp_path_factory.mktemp(family)
         state = tiny_hf_model(path, family, tied=tied)
         out[family] = (str(path), load_file(str(path / "model.safetensors")))
-        assert set(out[family][1]) == set(state) - ({"lm_head.weight"} if tied else set())
+        names = set(_checkpoint_names(state, family) if family in MOE_NAMES else state)
+        assert set(out[family][1]) == names - ({"lm_head.weight"} if tied else set())
     return out
 
 
@@ -62,6 +72,13 @@ def test_spec_maps_each_family(hf_models):
     assert (qwen3.qkv_bias, qwen3.qk_norm) == (False, True)
     assert llama.head_dim == 24 and llama.num_kv_heads == 2 and llama.transformer_kwargs()["kv_channels"] == 24
     assert llama.transformer_kwargs()["hidden_dropout"] == 0.0  # megatron's default is 0.1
+    mixtral, qwen3_moe = _spec(hf_models["mixtral"][0]), _spec(hf_models["qwen3_moe"][0])
+    assert (mixtral.num_experts, mixtral.moe_top_k, mixtral.moe_ffn_hidden_size, mixtral.qk_norm) == (4, 2, 32, False)
+    assert (qwen3_moe.qk_norm, qwen3_moe.tied_embeddings, qwen3_moe.moe_renormalize) == (True, True, False)
+    # renormalised top-k = softmax over the top-k logits (megatron's default); without, softmax first
+    assert mixtral.transformer_kwargs()["moe_router_pre_softmax"] is False
+    assert qwen3_moe.transformer_kwargs()["moe_router_pre_softmax"] is True
+    assert "num_moe_experts" not in llama.transformer_kwargs()
 
 
 @pytest.mark.parametrize("config, message", [
@@ -72,6 +89,10 @@ def test_spec_maps_each_family(hf_models):
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
                                   "rope_theta": 5e5}), "low_freq_factor"),
     (MistralConfig(), "model_type"),
+    (Qwen3MoeConfig(mlp_only_layers=[0]), "mlp_only_layers"),
+    (Qwen3MoeConfig(decoder_sparse_step=2), "decoder_sparse_step"),
+    (MixtralConfig(router_jitter_noise=0.1), "router_jitter_noise"),
+    (MixtralConfig(sliding_window=4096), "sliding_window"),
 ])
 def test_features_the_mapping_cannot_reproduce_are_errors(config, message):
     with pytest.raises(UnsupportedModel, match=message):
@@ -86,7 +107,7 @@ def test_llama3_rope_scaling_is_mapped():
     assert (kw["rope_scaling"], kw["rope_scaling_factor"], kw["rotary_base"]) == (True, 8.0, 5e5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_state_dict_round_trip_is_bit_exact(hf_models, family, tp):
     path, hf = hf_models[family]
@@ -166,9 +187,10 @@ def _backend(path, train=None, algo=None, megatron=None, **kw):
     return MegatronTrainBackend(path, train or train_config(), algo or AlgorithmConfig(), megatron, **kw)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
 def test_gptmodel_round_trip_and_logits_match_hf(hf_models, mcore, family):
-    """HF -> GPTModel (TP=1) -> HF is bit-exact, and the GPTModel computes the HF model's logits."""
+    """HF -> GPTModel (TP=1) -> HF is bit-exact, and the GPTModel computes the HF model's logits (MoE families:
+    through megatron's MoE layer, router and experts)."""
     path, hf = hf_models[family]
     backend = _backend(path)
     exported = dict(backend.named_tensors())
@@ -203,6 +225,18 @@ def test_fused_and_packed_attention_match_megatrons_unfused(hf_models, mcore, fa
     for key, lp in results.items():
         assert (lp - ref)[mask].abs().max() < 1e-5, key
     assert (results["sdpa", True][~mask] == 0).all()  # packed: padding never ran
+
+
+def test_expert_parallel_layouts_that_cannot_work_are_errors(hf_models, mcore):
+    from rlflow.engines.train.megatron.model_build import transformer_config
+
+    with pytest.raises(ValueError, match="megatron.expert_parallel=2: the llama model has no experts"):
+        transformer_config(_spec(hf_models["llama"][0]), MegatronConfig(expert_parallel=2), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="megatron.expert_parallel=3 does not divide 4 experts"):
+        transformer_config(_spec(hf_models["mixtral"][0]), MegatronConfig(expert_parallel=3), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="expert_model_parallel_size are set by the backend"):
+        transformer_config(_spec(hf_models["mixtral"][0]),
+                           MegatronConfig(transformer={"expert_model_parallel_size": 2}), torch.float32, "cpu")
 
 
 def test_fused_attention_refuses_what_it_does_not_compute(hf_models, mcore):
@@ -247,6 +281,46 @@ def test_backend_matches_torch_backend(hf_models, mcore, algo, budget, packing):
             # two different kernels (packed vs Megatron's padded) is ~1e-6 absolute, whatever the loss's size
             assert m_m[k] == pytest.approx(m_t[k], rel=1e-4, abs=5e-6), k
     assert_same_weights(dict(torch_be.named_tensors()), dict(mega.named_tensors()))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_backend_matches_torch_backend(hf_models, mcore, family):
+    """An MoE model through megatron's MoE layer (router, top-2 of 4 experts, all-to-all dispatcher) takes the
+    HF model's steps in the torch backend: logprobs, metrics and updated weights, packed micro-batches of at
+    most 20 tokens."""
+    path = hf_models[family][0]
+    algo = AlgorithmConfig(clip_high=0.28, entropy_coef=0.01)
+    torch_be = TorchTrainBackend(path, train_config(), algo)
+    mega = _backend(path, train_config(), algo, MegatronConfig(micro_batch_tokens=20, packing=True))
+    batch = toy_batch()
+    mask = batch["attention_mask"].bool()
+    for _ in range(2):
+        lp_t, lp_m = torch_be.forward_logprobs(batch), mega.forward_logprobs(batch)
+        assert (lp_t - lp_m)[mask].abs().max() < 1e-5
+        step = {**batch, "old_logprobs": lp_t + 0.05 * torch.randn_like(lp_t)}
+        m_t, m_m = global_metrics(torch_be.train_step(step)), global_metrics(mega.train_step(step))
+        for k in m_t:
+            assert m_m[k] == pytest.approx(m_t[k], rel=1e-4, abs=5e-6), k
+    assert_same_weights(_checkpoint_names(dict(torch_be.named_tensors()), family), dict(mega.named_tensors()))
+
+
+def _checkpoint_names(state: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
+    """transformers 5 keeps an MoE block's experts as two stacked tensors (gate and up fused); its checkpoints,
+    and so the Megatron export, name each expert's projections."""
+    block, gate, up, down = MOE_NAMES[family]
+    out = {}
+    for name, t in state.items():
+        layer, _, rest = name.partition(".mlp.")
+        if rest == "experts.gate_up_proj":
+            for j, (g, u) in enumerate(e.chunk(2, dim=0) for e in t):  # [E, 2f, h]: gate rows, then up rows
+                out |= {f"{layer}.{block}.experts.{j}.{gate}.weight": g, f"{layer}.{block}.experts.{j}.{up}.weight": u}
+        elif rest == "experts.down_proj":
+            out |= {f"{layer}.{block}.experts.{j}.{down}.weight": w for j, w in enumerate(t)}
+        elif rest:
+            out[f"{layer}.{block}.{rest}"] = t
+        else:
+            out[name] = t
+    return out
 
 
 def test_backend_matches_torch_backend_with_whole_batch_is_weights(hf_models, mcore):
@@ -458,33 +532,48 @@ def parallel_runs(hf_models, tmp_path_factory, mcore):
         out[(tp, pp)] = json.loads(Path(target).read_text()), load_file(target + ".safetensors")
         out["hf", tp, pp] = Path(target + ".hf")
     out["tp2_ckpt"], out["model"] = tp2, dirs["qwen2"]
+    # expert parallelism: each of the 2 ranks (data-parallel 2) holds 2 of the 4 experts of an MoE model
+    target = str(tmp_path_factory.mktemp("ep2") / "result.json")
+    mp.spawn(parallel_worker, args=(2, 1, 1, f"tcp://127.0.0.1:{free_port()}", dirs["qwen3_moe"], dirs, target, "",
+                                    2), nprocs=2)
+    out["ep2"] = json.loads(Path(target).read_text()), load_file(target + ".safetensors")
+    out["hf", "ep2"], out["ep2_ckpt"] = Path(target + ".hf"), target + ".ckpt"
     return out
 
 
-@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+LAYOUTS = pytest.mark.parametrize("layout", [(2, 1), (1, 2), "ep2"], ids=["tp2", "pp2", "ep2"])
+
+
+def _families(hf_models, layout):
+    return {f: v for f, v in hf_models.items() if layout != "ep2" or f in MOE_NAMES}
+
+
+@LAYOUTS
 def test_round_trip_through_sharded_model_is_bit_exact(parallel_runs, hf_models, layout):
-    """HF weights loaded into a TP=2 (or PP=2) model and gathered back equal the HF tensors bit for bit."""
+    """HF weights loaded into a TP=2 (or PP=2, or expert-parallel 2) model and gathered back equal the HF tensors
+    bit for bit."""
     results = parallel_runs[layout][0]["round_trip"]
-    for family, (_, hf) in hf_models.items():
+    for family, (_, hf) in _families(hf_models, layout).items():
         assert results[family].pop("__count__") == len(hf)
         assert all(results[family].values()), [n for n, ok in results[family].items() if not ok]
 
 
-@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@LAYOUTS
 def test_hf_export_is_written_by_each_stage(parallel_runs, hf_models, layout):
     """save_hf writes the HF checkpoint from the shards: tensor-parallel halves rebuilt per tensor, each pipeline
-    stage its own files (never the whole model on one rank), an index naming each tensor's file; every tensor
-    equals the HF original bit for bit and transformers loads the folder as it is."""
-    for family, (_, hf) in hf_models.items():
-        folder = parallel_runs["hf", *layout] / family
+    stage (or expert-parallel rank) its own files (never the whole model on one rank), an index naming each
+    tensor's file; every tensor equals the HF original bit for bit and transformers loads the folder as it is."""
+    key = ("hf", layout) if layout == "ep2" else ("hf", *layout)
+    for family, (_, hf) in _families(hf_models, layout).items():
+        folder = parallel_runs[key] / family
         index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
         assert index.keys() == hf.keys()
         files = sorted(folder.glob("model-*-of-*.safetensors"))
         assert sorted(set(index.values())) == [f.name for f in files] and len(files) > 2
         written = {n: t for f in files for n, t in load_file(f).items()}
         assert written.keys() == hf.keys() and all(torch.equal(written[n], hf[n]) for n in hf), family
-    family = "qwen2"
-    folder = parallel_runs["hf", *layout] / family
+    family = "qwen3_moe" if layout == "ep2" else "qwen2"
+    folder = parallel_runs[key] / family
     shutil.copy(Path(hf_models[family][0]) / "config.json", folder)
     ids = torch.tensor([[1, 5, 9, 2]])
     ours = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -511,12 +600,14 @@ def test_checkpoint_reshards_tp2_to_tp1_and_pp2(parallel_runs, mcore):
     assert (logprobs - pp2)[mask].abs().max() <= 1e-6
 
 
-@pytest.mark.parametrize("layout", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2), (1, 1), "ep2"], ids=["tp2", "pp2", "dp2", "ep2"])
 def test_parallel_layouts_train_like_one_torch_worker(parallel_runs, hf_models, layout):
-    """TP=2, PP=2 and DP=2 (distributed optimizer) give the logprobs, metrics and weights of TorchTrainBackend
-    on the whole batch."""
+    """TP=2, PP=2, DP=2 (distributed optimizer) and, on an MoE model, DP=2 with expert parallelism 2 (tokens
+    reach the other rank's experts by all-to-all) give the logprobs, metrics and weights of TorchTrainBackend on
+    the whole batch."""
     results, weights = parallel_runs[layout]
-    path = hf_models["qwen2"][0]
+    family = "qwen3_moe" if layout == "ep2" else "qwen2"
+    path = hf_models[family][0]
     torch_be = TorchTrainBackend(path, train_config(), AlgorithmConfig())
     batch = toy_batch()
     logprobs = torch_be.forward_logprobs(batch)
@@ -525,7 +616,23 @@ def test_parallel_layouts_train_like_one_torch_worker(parallel_runs, hf_models, 
     metrics = global_metrics(torch_be.train_step(shard_for_workers({**batch, "old_logprobs": logprobs}, 1, 2)[0]))
     for k, v in metrics.items():
         assert results["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
-    assert_same_weights(dict(torch_be.named_tensors()), weights)
+    state = dict(torch_be.named_tensors())
+    assert_same_weights(_checkpoint_names(state, family) if family in MOE_NAMES else state, weights)
+
+
+def test_expert_parallel_checkpoint_loads_on_one_rank(parallel_runs, hf_models, mcore):
+    """The EP=2 run's checkpoint (each rank's experts in its own shard file) loads at EP=1 in one process: the
+    trained weights bit for bit."""
+    weights = parallel_runs["ep2"][1]
+    ckpt = Path(parallel_runs["ep2_ckpt"])
+    exported = sorted((ckpt / "model").glob("model-*-of-*.safetensors"))
+    assert len(exported) == 2  # the HF export: one file from each expert-parallel rank
+    for f in exported:  # the weights must come from the shards alone
+        f.unlink()
+    one = _backend(hf_models["qwen3_moe"][0], train_config(), megatron=MegatronConfig(packing=True))
+    one.load(ckpt, weights_only=True)
+    got = dict(one.named_tensors())
+    assert got.keys() == weights.keys() and all(torch.equal(got[n], weights[n]) for n in weights)
 
 
 # ----------------------------------------------------------------------------- in the RL loop

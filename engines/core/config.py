@@ -871,6 +871,11 @@ class MegatronConfig(Section):
 
     tensor_parallel: int = Field(1, gt=0, description="Tensor-parallel size.")
     pipeline_parallel: int = Field(1, gt=0, description="Pipeline-parallel size.")
+    expert_parallel: int = Field(
+        1, gt=0, description="Expert-parallel size (MoE models): each rank holds 1/expert_parallel of every layer's "
+        "experts, and tokens travel to their experts by all-to-all. Must divide the data-parallel size "
+        "(train.num_workers / (tensor_parallel x pipeline_parallel)) and the number of experts."
+    )
     micro_batch_tokens: int = Field(
         0, ge=0, description="Token budget of one micro-batch: summed sample lengths when packed, rows x padded "
         "length otherwise; 0: train.micro_batch_size rows."
@@ -1147,6 +1152,10 @@ class RLConfig(Section):
         if self.train.backend == "megatron" and self.train.num_workers % mp:
             raise ValueError(f"train.num_workers ({self.train.num_workers}) must be a multiple of "
                              f"megatron.tensor_parallel x megatron.pipeline_parallel ({mp})")
+        ep = self.megatron.expert_parallel
+        if self.train.backend == "megatron" and (self.train.num_workers // mp) % ep:
+            raise ValueError(f"megatron.expert_parallel ({ep}) must divide the data-parallel size, train.num_workers "
+                             f"/ (tensor_parallel x pipeline_parallel) = {self.train.num_workers // mp}")
         if self.algorithm.advantage in GROUP_ESTIMATORS and self.rollout.samples_per_prompt < 2:
             raise ValueError(f"rollout.samples_per_prompt: algorithm.advantage {self.algorithm.advantage} compares "
                              "the samples of one prompt, and 1 sample per prompt gives every sample advantage 0 "

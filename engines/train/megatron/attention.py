@@ -78,10 +78,13 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
 
-def local_layer_spec(qk_norm: bool, attention: str) -> ModuleSpec:
+def local_layer_spec(qk_norm: bool, attention: str, num_experts: int = 0) -> ModuleSpec:
     """The local (no Transformer Engine) layer spec, with the fused SDPA core attention unless `attention` is
-    "unfused" (megatron's own DotProductAttention: the reference the fused one is tested against)."""
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    "unfused" (megatron's own DotProductAttention: the reference the fused one is tested against). With experts,
+    the MLP is megatron's MoE layer with one module per expert (grouped GEMM needs Transformer Engine or the
+    grouped_gemm package)."""
+    spec = get_gpt_layer_local_spec(num_experts=num_experts or None, moe_grouped_gemm=False,
+                                    qk_layernorm=qk_norm, normalization="RMSNorm")
     if attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     elif attention != "unfused":

@@ -2,10 +2,11 @@
 
 megatron-core assumes CUDA throughout: buffers are made with device="cuda" or on `torch.cuda.current_device()`,
 tensors are moved with `.cuda()`, optimizers check for 'torch.cuda.*Tensor' types, pipeline exchanges call
-`torch.cuda.synchronize()`, gradient buffers wait on `current_stream()`, and attention forks the CUDA RNG tracker
-(for dropout, which the mapped models do not use). While a call of the backend runs on CPU, a torch function mode
-turns every CUDA device into the CPU and names CPU tensor types as CUDA ones, current_device() answers "cpu",
-synchronize() and stream waits return, and the tracker forks nothing; all is restored afterwards.
+`torch.cuda.synchronize()`, gradient buffers wait on `current_stream()`, the MoE all-to-all dispatcher copies
+token counts to the host on a side stream, and attention forks the CUDA RNG tracker (for dropout, which the
+mapped models do not use). While a call of the backend runs on CPU, a torch function mode turns every CUDA
+device into the CPU and names CPU tensor types as CUDA ones, current_device() answers "cpu", every stream is one
+that never waits, and the tracker forks nothing; all is restored afterwards.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 
@@ -34,6 +36,18 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_all_to_all_single = dist.all_to_all_single
+
+
+def _all_to_all_with_list_splits(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+    """The MoE dispatcher's split sizes are numpy arrays when copied from a GPU, but stay tensors on the CPU,
+    which the process group does not take."""
+    def as_list(sizes):
+        return sizes.tolist() if torch.is_tensor(sizes) else sizes
+
+    return _all_to_all_single(output, input, as_list(output_split_sizes), as_list(input_split_sizes), **kwargs)
+
+
 def _is_cuda(device: object) -> bool:
     if isinstance(device, str):
         return device.startswith("cuda")
@@ -51,6 +65,9 @@ class _NoStream:
 
     def synchronize(self) -> None:
         pass
+
+    def record_event(self) -> _NoStream:  # an event whose synchronize() returns at once
+        return self
 
 
 class _NoRngTracker:
@@ -73,18 +90,22 @@ def cpu_shim() -> Iterator[None]:
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import random as tp_random
 
-    saved = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream,
-             tensor_parallel.get_cuda_rng_tracker, tp_random.get_cuda_rng_tracker)
+    saved = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream, torch.cuda.Stream,
+             torch.cuda.stream, tensor_parallel.get_cuda_rng_tracker, tp_random.get_cuda_rng_tracker)
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # CPU work is synchronous
     torch.cuda.current_stream = lambda device=None: _STREAM  # type: ignore[assignment]  (megatron-core 0.19)
+    torch.cuda.Stream = lambda *a, **k: _STREAM  # type: ignore[assignment,misc]  (the MoE dispatcher's side stream)
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
     tensor_parallel.get_cuda_rng_tracker = tp_random.get_cuda_rng_tracker = lambda *a, **k: _TRACKER
+    dist.all_to_all_single = _all_to_all_with_list_splits
     try:
         with _CudaToCpu():
             yield
     finally:
-        (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream,
-         tensor_parallel.get_cuda_rng_tracker, tp_random.get_cuda_rng_tracker) = saved
+        (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream, torch.cuda.Stream,
+         torch.cuda.stream, tensor_parallel.get_cuda_rng_tracker, tp_random.get_cuda_rng_tracker) = saved
+        dist.all_to_all_single = _all_to_all_single
 
 
 def device_context(device: str) -> contextlib.AbstractContextManager:

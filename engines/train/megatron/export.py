@@ -1,11 +1,12 @@
-"""Megatron shards -> full HF-named tensors: on global rank 0 for weight sync (`gather`), or written by each
-pipeline stage into a sharded HF checkpoint (`save_hf`).
+"""Megatron shards -> full HF-named tensors: on global rank 0 for weight sync (`gather`), or written by the ranks
+that hold them into a sharded HF checkpoint (`save_hf`).
 
-Every rank of the first data-parallel replica takes part (other replicas hold the same weights and return at
-once): a tensor-parallel group all-gathers each parameter's shards and rank 0 of that group rebuilds the HF
-tensors. For `gather` a later pipeline stage sends them to the first stage's rank 0, and names are asked for in
-buckets, so at most one bucket of full tensors exists at a time; for `save_hf` each stage writes its own files,
-so no rank ever holds more than one file's tensors.
+Each tensor is exported by one tensor-parallel group, its *owner*: of the groups holding it, the one in the first
+data-parallel replica (for experts, the first expert-data-parallel replica; other replicas hold the same weights).
+The owner all-gathers the parameter's TP shards and its TP rank 0 rebuilds the HF tensors. Pipeline stages and
+expert-parallel ranks each own their layers and experts. For `gather` an owner other than rank 0 sends them to
+global rank 0, and names are asked for in buckets, so at most one bucket of full tensors exists at a time; for
+`save_hf` each owner writes its own files, so no rank ever holds more than one file's tensors.
 """
 
 from __future__ import annotations
@@ -30,17 +31,25 @@ class WeightExporter:
         self.shapes = hf_shapes(spec)
         first = next(iter(params.values()))
         self.dtype, self.device = first.dtype, first.device
-        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
-        self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
-        self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        dense = parallel_state.get_data_parallel_rank() == 0
+        experts = parallel_state.get_expert_data_parallel_rank() == 0
+        # the rules this rank's TP group exports: held here, in the first (expert) data-parallel replica
+        self.exports = {r.megatron for r in self.rules if r.megatron in params
+                        and (experts if ".mlp.experts." in r.megatron else dense)}
+        self.group_rank = parallel_state.get_tensor_model_parallel_src_rank()  # global rank of this group's TP 0
         self.owner = self._owners()
 
     def _owners(self) -> dict[str, int]:
-        """The pipeline stage holding each rule's parameter (stages may hold unequal layer counts)."""
-        mine = torch.tensor([r.megatron in self.params for r in self.rules], dtype=torch.int32, device=self.device)
-        stages = [torch.zeros_like(mine) for _ in self.pp_ranks]
-        dist.all_gather(stages, mine, group=self.pp_group)
-        held = torch.stack(stages).cpu()
+        """The global rank of the TP rank 0 that exports each rule (one all-gather over every rank)."""
+        first = parallel_state.get_tensor_model_parallel_rank() == 0
+        mine = torch.tensor([first and r.megatron in self.exports for r in self.rules], dtype=torch.int8,
+                            device=self.device)
+        ranks = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(ranks, mine)
+        held = torch.stack(ranks).cpu()
+        missing = [r.megatron for i, r in enumerate(self.rules) if not held[:, i].any()]
+        if missing:
+            raise RuntimeError(f"no rank exports {missing[:3]}: the layout does not cover the model")
         return {r.megatron: int(held[:, i].nonzero()[0]) for i, r in enumerate(self.rules)}
 
     def names(self) -> list[str]:
@@ -56,67 +65,61 @@ class WeightExporter:
                ) -> list[tuple[str, torch.Tensor]]:
         """Full HF tensors of `names` (in `dtype` if given) on `device` at global rank 0 (in the order asked); []
         elsewhere. Collective."""
-        if parallel_state.get_data_parallel_rank() != 0:
-            return []
         unknown = [n for n in names if n not in self.rule_of]
         if unknown:
             raise KeyError(f"not exported by this model: {unknown[:5]}")
         rules = list({self.rule_of[n].megatron: self.rule_of[n] for n in names}.values())
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        me = dist.get_rank()
         got: dict[str, torch.Tensor] = {}
         for rule in rules:
-            stage = self.owner[rule.megatron]
-            if stage == self.stage:
+            owner = self.owner[rule.megatron]
+            if rule.megatron in self.exports:
                 tensors = to_hf(rule, self._tp_shards(rule), self.spec)
-                if tp_rank == 0 and stage == 0:
+                if me == owner == 0:
                     got.update(zip(rule.hf, tensors, strict=True))
-                elif tp_rank == 0:
+                elif me == owner:
                     for t in tensors:
-                        dist.send(t.contiguous(), dst=self.pp_ranks[0])
-            elif self.stage == 0 and tp_rank == 0:
+                        dist.send(t.contiguous(), dst=0)
+            elif me == 0:
                 for name in rule.hf:
                     buf = torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
-                    dist.recv(buf, src=self.pp_ranks[stage])
+                    dist.recv(buf, src=owner)
                     got[name] = buf
-        if dist.get_rank() != 0:
+        if me != 0:
             return []
         return [(n, got[n].to(device, dtype)) for n in names]
 
     def file_plan(self, max_file_bytes: int) -> list[tuple[int, list[Rule]]]:
-        """The files of a sharded HF export: (pipeline stage, rules) each, a stage's rules in model order, at most
+        """The files of a sharded HF export: (owner, rules) each, an owner's rules in model order, at most
         `max_file_bytes` a file (a larger tensor alone). The same on every rank, with no communication."""
         nbytes_of = dict(self.layout())
         plan: list[tuple[int, list[Rule]]] = []
-        for stage in range(len(self.pp_ranks)):
+        for owner in sorted(set(self.owner.values())):
             rules, nbytes = [], 0
-            for rule in (r for r in self.rules if self.owner[r.megatron] == stage):
+            for rule in (r for r in self.rules if self.owner[r.megatron] == owner):
                 more = sum(nbytes_of[n] for n in rule.hf)
                 if rules and nbytes + more > max_file_bytes:
-                    plan.append((stage, rules))
+                    plan.append((owner, rules))
                     rules, nbytes = [], 0
                 rules.append(rule)
                 nbytes += more
             if rules:
-                plan.append((stage, rules))
+                plan.append((owner, rules))
         return plan
 
     @torch.no_grad()
     def save_hf(self, folder: str | Path, max_file_bytes: int = 4 << 30) -> list[str]:
         """Write the model as a Hugging Face safetensors checkpoint into `folder` (shared by the ranks) without
-        gathering it anywhere: tensor-parallel rank 0 of each pipeline stage rebuilds and writes its stage's
-        tensors, one file of at most `max_file_bytes` at a time; global rank 0 writes the index that names each
-        tensor's file (transformers' layout: `model.safetensors` when one file holds all). Collective; returns
-        the files' names."""
+        gathering it anywhere: each owner's TP rank 0 rebuilds and writes the tensors it owns, one file of at most
+        `max_file_bytes` at a time; global rank 0 writes the index that names each tensor's file (transformers'
+        layout: `model.safetensors` when one file holds all). Collective; returns the files' names."""
         plan = self.file_plan(max_file_bytes)
         files = ["model.safetensors"] if len(plan) == 1 else [
             f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
-        if parallel_state.get_data_parallel_rank() != 0:
-            return files
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
         writer = parallel_state.get_tensor_model_parallel_rank() == 0
-        for (stage, rules), name in zip(plan, files, strict=True):
-            if stage != self.stage:
+        for (owner, rules), name in zip(plan, files, strict=True):
+            if owner != self.group_rank:  # another group's file
                 continue
             tensors = {}
             for rule in rules:  # every tensor-parallel rank joins each all-gather; rank 0 keeps the result
@@ -124,20 +127,27 @@ class WeightExporter:
                 if writer:
                     tensors.update((n, t.cpu().contiguous()) for n, t in zip(rule.hf, full, strict=True))
             if writer:
+                folder.mkdir(parents=True, exist_ok=True)
                 save_file(tensors, str(folder / name), metadata={"format": "pt"})
             del tensors
         if dist.get_rank() == 0 and len(files) > 1:
             weight_map = {n: f for (_, rules), f in zip(plan, files, strict=True) for r in rules for n in r.hf}
             total = sum(nbytes for n, nbytes in self.layout() if n in weight_map)
+            folder.mkdir(parents=True, exist_ok=True)
             (folder / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         return files
 
     def _tp_shards(self, rule: Rule) -> list[torch.Tensor]:
+        """The parameter's shards from every rank of its tensor-parallel group (experts: megatron's expert
+        tensor-parallel group, the same ranks here), in rank order."""
         local = self.params[rule.megatron].detach()
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        expert = ".mlp.experts." in rule.megatron
+        group = (parallel_state.get_expert_tensor_parallel_group() if expert
+                 else parallel_state.get_tensor_model_parallel_group())
+        tp = dist.get_world_size(group) if group is not None else 1
         if tp == 1 or rule.kind == "replicated":
             return [local]
         shards = [torch.empty_like(local) for _ in range(tp)]
-        dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        dist.all_gather(shards, local.contiguous(), group=group)
         return shards

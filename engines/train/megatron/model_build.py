@@ -23,7 +23,8 @@ from rlflow.engines.train.megatron.hf_config import ModelSpec
 from rlflow.engines.train.megatron.weights import Rule, check_tensor_parallel, model_rules, to_megatron
 
 # TransformerConfig fields the backend sets itself: the loss scaling and the weight layout depend on them
-RESERVED = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "calculate_per_token_loss",
+RESERVED = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+            "expert_tensor_parallel_size", "calculate_per_token_loss",
             "params_dtype", "bf16", "fp16", "perform_initialization", "use_cpu_initialization")
 
 
@@ -42,10 +43,14 @@ def init_parallel(rank: int, world_size: int, dist_url: str | None, cfg: Megatro
     if world_size % cfg.model_parallel:
         raise ValueError(f"{world_size} ranks do not split into tensor_parallel x pipeline_parallel = "
                          f"{cfg.model_parallel}")
+    if (world_size // cfg.model_parallel) % cfg.expert_parallel:
+        raise ValueError(f"megatron.expert_parallel {cfg.expert_parallel} does not divide the data-parallel size "
+                         f"{world_size // cfg.model_parallel}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel,
-                                             pipeline_model_parallel_size=cfg.pipeline_parallel)
+                                             pipeline_model_parallel_size=cfg.pipeline_parallel,
+                                             expert_model_parallel_size=cfg.expert_parallel)
     if device == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -64,9 +69,14 @@ def transformer_config(spec: ModelSpec, cfg: MegatronConfig, dtype: torch.dtype,
     check_tensor_parallel(spec, cfg.tensor_parallel)
     if spec.num_layers % cfg.pipeline_parallel and "num_layers_in_first_pipeline_stage" not in cfg.transformer:
         raise ValueError(f"pipeline_parallel={cfg.pipeline_parallel} does not divide {spec.num_layers} layers")
+    if cfg.expert_parallel > 1 and not spec.num_experts:
+        raise ValueError(f"megatron.expert_parallel={cfg.expert_parallel}: the {spec.family} model has no experts")
+    if cfg.expert_parallel > 1 and spec.num_experts % cfg.expert_parallel:
+        raise ValueError(f"megatron.expert_parallel={cfg.expert_parallel} does not divide {spec.num_experts} experts")
     kwargs: dict[str, Any] = spec.transformer_kwargs() | {
         "tensor_model_parallel_size": cfg.tensor_parallel,
         "pipeline_model_parallel_size": cfg.pipeline_parallel,
+        "expert_model_parallel_size": cfg.expert_parallel,
         # losses arrive already scaled by their share of the global batch: megatron must sum, not average
         "calculate_per_token_loss": True,
         "params_dtype": dtype,
@@ -84,28 +94,52 @@ def transformer_config(spec: ModelSpec, cfg: MegatronConfig, dtype: torch.dtype,
 
 def build_model(spec: ModelSpec, config: TransformerConfig, use_te: bool, attention: str) -> GPTModel:
     """This pipeline stage's GPTModel with megatron's random init (load_hf_weights overwrites every weight)."""
+    if spec.num_experts:
+        _define_te_gemm_when_missing()
     if use_te:
         # needs Transformer Engine, which only use_te runs have
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(num_experts=spec.num_experts or None,
+                                                                moe_grouped_gemm=config.moe_grouped_gemm,
+                                                                qk_layernorm=spec.qk_norm)
     else:
-        layer_spec = local_layer_spec(spec.qk_norm, attention)
+        layer_spec = local_layer_spec(spec.qk_norm, attention, spec.num_experts)
     return GPTModel(config=config, transformer_layer_spec=layer_spec,
                     pre_process=parallel_state.is_pipeline_first_stage(),
                     post_process=parallel_state.is_pipeline_last_stage(), **spec.gpt_kwargs())
 
 
+def _define_te_gemm_when_missing() -> None:
+    """megatron-core 0.16's MoE router tests `te_general_gemm is not None`, a name its module defines only when
+    Transformer Engine imports: without TE the router raises NameError. None is what it means there."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
 def stage_params(model: GPTModel) -> dict[str, torch.nn.Parameter]:
-    """This stage's parameters under their global names (decoder.layers.<global index>.*)."""
+    """This rank's parameters under their global names: decoder.layers.<global layer>.*, and with expert
+    parallelism mlp.experts.local_experts.<global expert>.* (rank e of E holds experts e*n .. e*n + n - 1)."""
     to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    local_experts = (model.config.num_moe_experts or 0) // parallel_state.get_expert_model_parallel_world_size()
+    first_expert = parallel_state.get_expert_model_parallel_rank() * local_experts
     out = {}
     for name, p in model.named_parameters():
         m = _LAYER.match(name)
-        out[f"decoder.layers.{to_global[int(m.group(1))]}.{name[m.end():]}" if m else name] = p
+        if m:
+            name = f"decoder.layers.{to_global[int(m.group(1))]}.{name[m.end():]}"
+        e = _EXPERT.search(name)
+        if e:
+            name = f"{name[:e.start()]}.mlp.experts.local_experts.{first_expert + int(e.group(1))}.{name[e.end():]}"
+        out[name] = p
     return out
 
 

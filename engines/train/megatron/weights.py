@@ -45,13 +45,33 @@ def layer_rules(spec: ModelSpec, i: int, fused_norms: bool = False) -> list[Rule
     if spec.qk_norm:
         rules.append(Rule(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated"))
         rules.append(Rule(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated"))
-    rules += [
-        Rule(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"),
+    rules.append(Rule(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"))
+    if spec.num_experts:  # the MoE layer never fuses its norm into a linear
+        rules.append(Rule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated"))
+        return rules + moe_rules(spec, i)
+    return rules + [
         Rule(m + ("mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"),
              (h + "post_attention_layernorm.weight",), "replicated"),
         Rule(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1"),
         Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row"),
     ]
+
+
+# HF names of an MoE block under model.layers.<i>.: (block, gate, up, down) projections of each expert
+MOE_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+             "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+
+
+def moe_rules(spec: ModelSpec, i: int) -> list[Rule]:
+    """The router (replicated: megatron's router is not tensor-parallel) and each expert's SwiGLU, split over TP
+    like a dense MLP (megatron's expert tensor parallelism, which equals TP here). Expert indices are global."""
+    m, (block, gate, up, down) = f"decoder.layers.{i}.mlp.", MOE_NAMES[spec.family]
+    h = f"model.layers.{i}.{block}."
+    rules = [Rule(m + "router.weight", (h + "gate.weight",), "replicated")]
+    for j in range(spec.num_experts):
+        e, he = m + f"experts.local_experts.{j}.", h + f"experts.{j}."
+        rules += [Rule(e + "linear_fc1.weight", (he + gate + ".weight", he + up + ".weight"), "fc1"),
+                  Rule(e + "linear_fc2.weight", (he + down + ".weight",), "row")]
     return rules
 
 
@@ -83,6 +103,14 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, spec.num_heads * d)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if spec.num_experts:
+            block, gate, up, down = MOE_NAMES[spec.family]
+            shapes[p + f"{block}.gate.weight"] = (spec.num_experts, h)
+            fe = spec.moe_ffn_hidden_size
+            for j in range(spec.num_experts):
+                e = p + f"{block}.experts.{j}."
+                shapes |= {e + f"{gate}.weight": (fe, h), e + f"{up}.weight": (fe, h), e + f"{down}.weight": (h, fe)}
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (f, h)
         shapes[p + "mlp.up_proj.weight"] = (f, h)
         shapes[p + "mlp.down_proj.weight"] = (h, f)
@@ -95,7 +123,11 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
     """Every split dimension must divide by the TP size (vocab padding is not implemented)."""
     sizes = {"num_key_value_heads": spec.num_kv_heads, "num_attention_heads": spec.num_heads,
-             "intermediate_size": spec.ffn_hidden_size, "vocab_size": spec.vocab_size}
+             "vocab_size": spec.vocab_size}
+    if spec.num_experts:
+        sizes["moe_intermediate_size"] = spec.moe_ffn_hidden_size
+    else:
+        sizes["intermediate_size"] = spec.ffn_hidden_size
     bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
     if bad:
         raise ValueError(f"tensor_parallel={tp} does not divide {', '.join(bad)}")
