@@ -32,11 +32,12 @@ def free_memory() -> None:
 
 
 def make_hf_model(out: str, arch: str = "llama", **config) -> str:
-    """A randomly initialised HF Llama or Qwen2 saved as bf16 safetensors (both backends load the same values)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    """A randomly initialised HF Llama, Qwen2 or Qwen3-MoE saved as bf16 safetensors (both backends load the same
+    values)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     torch.manual_seed(0)
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}[arch]
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a 1.5B init takes minutes on a CPU
         model = AutoModelForCausalLM.from_config(config_cls(**config), dtype=torch.bfloat16)
     model.save_pretrained(out)
@@ -242,14 +243,17 @@ def train_flops_per_token(model_dir: str, seq: int, causal: bool = True) -> floa
     """Matmul FLOPs of one trained token of a full `seq`-token row (forward + backward = 3x forward):
     projections, the output layer, and attention scores and values. causal: over the half of the s x s matrix a
     causal model computes (what bench/train_scale.py counts: the stricter MFU); False: over all of it
-    (Megatron-LM's published MFU convention, which the 41-47% anchor uses)."""
+    (Megatron-LM's published MFU convention, which the 41-47% anchor uses). An MoE layer counts the experts a
+    token runs through (top-k of them) and the router: MFU of the active parameters."""
     from transformers import AutoConfig
 
     from rlflow.engines.train.megatron.hf_config import spec_from_hf
 
     s = spec_from_hf(AutoConfig.from_pretrained(model_dir))
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    per_layer = 2 * s.hidden_size * (q + 2 * kv) + 2 * q * s.hidden_size + 6 * s.hidden_size * s.ffn_hidden_size
+    mlp = (6 * s.hidden_size * s.moe_ffn_hidden_size * s.moe_top_k + 2 * s.hidden_size * s.num_experts
+           if s.num_experts else 6 * s.hidden_size * s.ffn_hidden_size)
+    per_layer = 2 * s.hidden_size * (q + 2 * kv) + 2 * q * s.hidden_size + mlp
     attention = 4 * seq * q * (0.5 if causal else 1.0)
     return 3 * (s.num_layers * (per_layer + attention) + 2 * s.hidden_size * s.vocab_size)
 

@@ -7,7 +7,8 @@
 (2) sort: the demo recipe (deployments/sort-tiny.yaml) in the bare RL loop with each train backend: reward curves
     and held-out accuracy side by side;
 (3) throughput: tokens/s of MegatronTrainBackend.train_step against a bare megatron-core loop on the same model
-    (--shape 0.5b: a ~0.47B Llama; 1.5b: Qwen2-1.5B's dims) and micro-batches (goal >= 0.97x), for each core
+    (--shape 0.5b: a ~0.47B Llama; 1.5b: Qwen2-1.5B's dims; moe: a 2.6B Qwen3-MoE with 32 experts, top-4, which
+    MFU counts by its active parameters) and micro-batches (goal >= 0.97x), for each core
     attention of the local spec (--attention sdpa,unfused), with TFLOP/s and MFU;
 (4) layouts: TP=2 and PP=2 against TP=1, loss of the same step (needs 2 GPUs; skipped with a message otherwise).
 (5) layers: where the bf16 gap opens, the hidden state after each layer in each precision regime against fp32;
@@ -44,7 +45,13 @@ MODEL_05B = dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num
 MODEL_15B = dict(arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
                  tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6)
-SHAPES = {"0.5b": MODEL_05B, "1.5b": MODEL_15B}
+# an MoE shape that trains on one GPU: Qwen3-MoE layers (q/k norms, 32 experts of width 768, top-4, renormalised),
+# 12 of them at hidden 2048: 2.6B parameters, 1.0B active per token (0.62B of them the embedding and output layer)
+MODEL_MOE = dict(arch="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
+                 num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=32, num_experts_per_tok=4,
+                 moe_intermediate_size=768, norm_topk_prob=True, max_position_embeddings=32768,
+                 tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6)
+SHAPES = {"0.5b": MODEL_05B, "1.5b": MODEL_15B, "moe": MODEL_MOE}
 MODEL_SMOKE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 SECTIONS = ("parity", "sort", "throughput", "layouts", "layers")
