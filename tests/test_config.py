@@ -126,6 +126,12 @@ def test_expert_parallel_must_divide_the_data_parallel_ranks(tmp_path):
         load_recipe(write(tmp_path, raw))
 
 
+def test_context_parallel_without_transformer_engine_is_refused_when_the_recipe_loads(tmp_path):
+    raw = small_recipe(tmp_path, train={"backend": "megatron"}, megatron={"transformer": {"context_parallel_size": 2}})
+    with pytest.raises(RecipeError, match="context_parallel_size 2 needs Transformer Engine's attention"):
+        load_recipe(write(tmp_path, raw))
+
+
 def test_cli_validate_exit_codes(tmp_path, capsys):
     good = write(tmp_path, small_recipe(tmp_path))
     assert main(["validate", good]) == 0

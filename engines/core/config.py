@@ -916,6 +916,15 @@ class MegatronConfig(Section):
                              "megatron.packing: false to train the unfused attention on padded rows")
         return self
 
+    @model_validator(mode="after")
+    def _context_parallel_needs_transformer_engine(self) -> MegatronConfig:
+        cp = self.transformer.get("context_parallel_size", 1)
+        if cp != 1 and self.transformer_engine is not True:
+            raise ValueError(f"megatron.transformer.context_parallel_size {cp} needs Transformer Engine's attention "
+                             "(set megatron.transformer_engine: true where it is installed): the local layer spec's "
+                             "attentions (sdpa, unfused) have no context-parallel form")
+        return self
+
 
 class ClusterConfig(Section):
     address: str | None = Field(
