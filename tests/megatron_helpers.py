@@ -59,7 +59,8 @@ def parallel_worker(rank: int, world: int, tp: int, pp: int, url: str, model_dir
     """One rank of a 2-process layout: TP round trips of every family's HF weights (after loading into a
     TP-sharded model; also written as a sharded HF checkpoint into `out + ".hf/<family>"`), then a logprob
     pass and a train step of the backend. Rank 0 writes results as JSON and
-    the final weights as safetensors. Then a checkpoint into `out + ".ckpt"`, and, given `resume` (a checkpoint
+    the final weights as safetensors. Then a checkpoint into `out + ".ckpt"`, one more step (its weights in
+    `out + ".next.safetensors"`), and, given `resume` (a checkpoint
     of another layout), its weights loaded into this layout and their logprobs. With expert parallelism (`ep`),
     only the MoE families make the round trips."""
     warnings.filterwarnings("ignore")
@@ -102,12 +103,17 @@ def parallel_worker(rank: int, world: int, tp: int, pp: int, url: str, model_dir
     results["metrics"] = global_metrics(backend.train_step(shard))
     weights = dict(backend.named_tensors())
     backend.save(out + ".ckpt")
+    # the step after the checkpoint: what a resume on another layout must take (optimizer state included)
+    results["next_metrics"] = global_metrics(backend.train_step(shard_for_workers(toy_batch(seed=1), dp, 2)[
+        backend.data_parallel_rank()]))
+    next_weights = dict(backend.named_tensors())
     if resume:
         backend.load(resume, weights_only=True)
         results["resumed_logprobs"] = backend.forward_logprobs(batch).tolist()
     if rank == 0:
         results["logprobs"] = logprobs.tolist()
         save_file({k: v.contiguous() for k, v in weights.items()}, out + ".safetensors")
+        save_file({k: v.contiguous() for k, v in next_weights.items()}, out + ".next.safetensors")
         Path(out).write_text(json.dumps(results))
 
 

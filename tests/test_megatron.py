@@ -29,7 +29,6 @@ from transformers import (
 from rlflow.engines.core.batch import shard_for_workers
 from rlflow.engines.core.config import AlgorithmConfig, DistillConfig, MegatronConfig
 from rlflow.engines.core.protocols import TrainBackend
-from rlflow.engines.train.megatron.checkpoint import optimizer_state
 from rlflow.engines.train.megatron.hf_config import UnsupportedModel, spec_from_hf
 from rlflow.engines.train.megatron.microbatch import Micro, gather_rows, micro_batches, plan_micro_batches
 from rlflow.engines.train.megatron.weights import (
@@ -431,13 +430,26 @@ def test_checkpoint_straight_to_the_run_store_resumes_exactly(hf_models, mcore, 
     first.save(target, storage)
     files = store.files("checkpoints", 1)
     assert {"model/model.safetensors", "model/config.json", "model_shards/shard-0.safetensors",
-            "optimizer_rank0.safetensors", "trainer_rank0.json"} <= set(files), files
+            "optimizer/optimizer-0.safetensors", "trainer_rank0.json"} <= set(files), files
     expected = global_metrics(first.train_step(batch)), dict(first.named_tensors())
     second = _backend(path)
     second.load(target, storage)
     got = global_metrics(second.train_step(batch)), dict(second.named_tensors())
     assert got[0] == expected[0]
     assert all(torch.equal(got[1][n], t) for n, t in expected[1].items())
+
+
+def optimizer_snapshot(backend) -> dict[str, torch.Tensor]:
+    """Copies of this rank's optimizer state: each parameter's fp32 main weight, Adam moments and step."""
+    from rlflow.engines.train.megatron.model_build import stage_params
+    from rlflow.engines.train.megatron.optimizer_shards import STATES, param_states
+
+    names = {p: n for n, p in stage_params(backend.core).items()}
+    out = {}
+    for p, state in param_states(backend.optimizer).items():
+        out |= {f"{names[p]}:{k}": state.tensor(k).clone() for k in STATES if state.tensor(k) is not None}
+        out[f"{names[p]}:step"] = torch.tensor(float(state.optimizer.state.get(state.main, {}).get("step", 0)))
+    return out
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -457,9 +469,8 @@ def test_checkpoint_resume_is_exact(hf_models, mcore, tmp_path, precision):
     for name, t in expected[1].items():
         assert torch.equal(got[1][name], t), name
     # fp32 master weights and Adam moments, after the step, too (bf16 weights alone would hide a lost master copy)
-    (main_a, steps_a), (main_b, steps_b) = optimizer_state(first.optimizer), optimizer_state(resumed.optimizer)
-    assert steps_a == steps_b and main_a.keys() == main_b.keys()
-    assert all(torch.equal(main_a[k], main_b[k]) for k in main_a)
+    a, b = optimizer_snapshot(first), optimizer_snapshot(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # the stored model is a plain HF checkpoint
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
     assert set(hf.state_dict()) >= set(expected[1])
@@ -495,8 +506,8 @@ def test_offload_round_trip_is_exact(hf_models, mcore, precision):
         assert global_metrics(parked.train_step(batch)) == global_metrics(plain.train_step(batch))
     a, b = dict(parked.named_tensors()), dict(plain.named_tensors())
     assert all(torch.equal(a[n], b[n]) for n in b)
-    (main_a, steps_a), (main_b, steps_b) = optimizer_state(parked.optimizer), optimizer_state(plain.optimizer)
-    assert steps_a == steps_b and all(torch.equal(main_a[k], main_b[k]) for k in main_b)
+    a, b = optimizer_snapshot(parked), optimizer_snapshot(plain)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
 
 
 def test_bf16_backend_stays_close_to_fp32(hf_models, mcore):
@@ -530,14 +541,14 @@ def parallel_runs(hf_models, tmp_path_factory, mcore):
                                         resume), nprocs=2)
         tp2 = tp2 or target + ".ckpt"
         out[(tp, pp)] = json.loads(Path(target).read_text()), load_file(target + ".safetensors")
-        out["hf", tp, pp] = Path(target + ".hf")
+        out["hf", tp, pp], out["ckpt", tp, pp] = Path(target + ".hf"), target + ".ckpt"
     out["tp2_ckpt"], out["model"] = tp2, dirs["qwen2"]
     # expert parallelism: each of the 2 ranks (data-parallel 2) holds 2 of the 4 experts of an MoE model
     target = str(tmp_path_factory.mktemp("ep2") / "result.json")
     mp.spawn(parallel_worker, args=(2, 1, 1, f"tcp://127.0.0.1:{free_port()}", dirs["qwen3_moe"], dirs, target, "",
                                     2), nprocs=2)
     out["ep2"] = json.loads(Path(target).read_text()), load_file(target + ".safetensors")
-    out["hf", "ep2"], out["ep2_ckpt"] = Path(target + ".hf"), target + ".ckpt"
+    out["hf", "ep2"], out["ckpt", "ep2"] = Path(target + ".hf"), target + ".ckpt"
     return out
 
 
@@ -584,13 +595,11 @@ def test_hf_export_is_written_by_each_stage(parallel_runs, hf_models, layout):
 
 def test_checkpoint_reshards_tp2_to_tp1_and_pp2(parallel_runs, mcore):
     """The TP=2 run's checkpoint (per-rank model shards, no gathered model read) loads at TP=1 (one process) and
-    at PP=2: the trained weights bit for bit, the same fp32 logprobs; its optimizer state is refused there."""
+    at PP=2: the trained weights bit for bit, the same fp32 logprobs."""
     weights = parallel_runs[(2, 1)][1]
     ckpt = Path(parallel_runs["tp2_ckpt"])
     (ckpt / "model" / "model.safetensors").unlink()  # the weights must come from the shards alone
     one = _backend(parallel_runs["model"], train_config(), megatron=MegatronConfig(packing=True))
-    with pytest.raises(ValueError, match="weights_only"):
-        one.load(ckpt)
     one.load(ckpt, weights_only=True)
     got = dict(one.named_tensors())
     assert got.keys() == weights.keys() and all(torch.equal(got[n], weights[n]) for n in weights)
@@ -620,11 +629,34 @@ def test_parallel_layouts_train_like_one_torch_worker(parallel_runs, hf_models, 
     assert_same_weights(_checkpoint_names(state, family) if family in MOE_NAMES else state, weights)
 
 
+@pytest.mark.parametrize("layout", [(2, 1), (1, 1), "ep2"], ids=["tp2", "dp2", "ep2"])
+def test_checkpoint_resumes_with_its_optimizer_on_one_rank(parallel_runs, hf_models, mcore, layout):
+    """A checkpoint of TP=2, of DP=2 (the distributed optimizer's ranges of each parameter) and of EP=2 x DP=2
+    (experts in a chained optimizer) resumes in one process with its optimizer state (fp32 main weights, Adam
+    moments and step, in HF space): the next step equals the one the 2-rank run took after saving. A fresh
+    optimizer (weights_only) would step elsewhere."""
+    results = parallel_runs[layout][0]
+    ckpt = parallel_runs["ckpt", layout] if layout == "ep2" else parallel_runs["ckpt", *layout]
+    path = hf_models["qwen3_moe" if layout == "ep2" else "qwen2"][0]
+    expected = load_file(ckpt[:-len(".ckpt")] + ".next.safetensors")
+    step = shard_for_workers(toy_batch(seed=1), 1, 2)[0]
+    resumed, fresh = (_backend(path, train_config(), megatron=MegatronConfig(packing=True)) for _ in range(2))
+    resumed.load(ckpt)
+    metrics = global_metrics(resumed.train_step(step))
+    for k, v in results["next_metrics"].items():
+        assert metrics[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    assert_same_weights(expected, dict(resumed.named_tensors()))
+    fresh.load(ckpt, weights_only=True)
+    fresh.train_step(step)
+    got = dict(fresh.named_tensors())
+    assert max((got[n] - expected[n]).abs().max() for n in expected) > 1e-3
+
+
 def test_expert_parallel_checkpoint_loads_on_one_rank(parallel_runs, hf_models, mcore):
     """The EP=2 run's checkpoint (each rank's experts in its own shard file) loads at EP=1 in one process: the
     trained weights bit for bit."""
     weights = parallel_runs["ep2"][1]
-    ckpt = Path(parallel_runs["ep2_ckpt"])
+    ckpt = Path(parallel_runs["ckpt", "ep2"])
     exported = sorted((ckpt / "model").glob("model-*-of-*.safetensors"))
     assert len(exported) == 2  # the HF export: one file from each expert-parallel rank
     for f in exported:  # the weights must come from the shards alone

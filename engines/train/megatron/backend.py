@@ -31,8 +31,6 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from rlflow.engines.core import algorithms
@@ -44,12 +42,7 @@ from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.distributed import DistributedWeightSender
 from rlflow.engines.sync.endpoints import StoreSender
 from rlflow.engines.sync.store import put_bucket
-from rlflow.engines.train.megatron.checkpoint import (
-    load_optimizer_state,
-    optimizer_state,
-    set_tracker_rng_state,
-    tracker_rng_state,
-)
+from rlflow.engines.train.megatron.checkpoint import set_tracker_rng_state, tracker_rng_state
 from rlflow.engines.train.megatron.cpu import device_context
 from rlflow.engines.train.megatron.export import WeightExporter
 from rlflow.engines.train.megatron.hf_config import spec_from_hf
@@ -60,9 +53,11 @@ from rlflow.engines.train.megatron.model_build import (
     init_parallel,
     load_hf_weights,
     stage_params,
+    stage_rules,
     transformer_config,
     use_transformer_engine,
 )
+from rlflow.engines.train.megatron.optimizer_shards import load_optimizer, save_optimizer
 from rlflow.engines.train.megatron.shards import load_shards, save_shards
 from rlflow.engines.train.offload import HostParking, memory_moved
 from rlflow.engines.train.rng import restore_rng, rng_state
@@ -409,13 +404,15 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
 
     def _layout_meta(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "tensor_parallel": self.tp, "pipeline_parallel": self.pp,
+                "expert_parallel": self.mcfg.expert_parallel,
                 "distributed_optimizer": self.mcfg.use_distributed_optimizer, "precision": self.cfg.precision,
                 "megatron_core": megatron.core.__version__}
 
     @_on_device
     def save(self, path: str | Path, storage: StorageConfig | None = None) -> None:
-        """The HF model (written by each pipeline stage, never gathered on one rank), this rank's model shards and
-        optimizer shard, and schedule/RNG state: safetensors + JSON. Collective.
+        """The HF model (written by the ranks that own its tensors, never gathered on one rank), this rank's model
+        shards, the optimizer state in HF space (engines/train/megatron/optimizer_shards.py), and schedule/RNG
+        state: safetensors + JSON, loadable on any layout. Collective.
 
         With `storage`, `path` is a folder of that run store (s3:// too): every rank writes its own files into a
         local scratch folder and uploads them itself (nothing is gathered; the driver commits the checkpoint
@@ -438,9 +435,10 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         if self.rank == 0:
             self.hf_config.save_pretrained(path / "model")
         save_shards(self.core, path / "model_shards", self.rank)  # this rank's own slices: loads on any layout
-        tensors, scalars = optimizer_state(self.optimizer)
-        save_file(tensors, str(path / f"optimizer_rank{self.rank}.safetensors"))
-        state = {"layout": self._layout_meta(), "updates": self.updates, "optimizer_scalars": scalars,
+        # the optimizer's fp32 main weights and moments in HF space: load on any layout too
+        step = save_optimizer(self.optimizer, self.exporter, path / "optimizer", self.rank,
+                              self.mcfg.use_distributed_optimizer)
+        state = {"layout": self._layout_meta(), "updates": self.updates, "adam_step": step,
                  "rng": rng_state() | ({"megatron_cuda": tracker_rng_state()} if self.device == "cuda" else {})}
         (path / f"trainer_rank{self.rank}.json").write_text(json.dumps(state))
         dist.barrier()  # the checkpoint is complete only when every rank has written its part
@@ -448,34 +446,37 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
     @_on_device
     def load(self, path: str | Path, storage: StorageConfig | None = None, weights_only: bool = False) -> None:
         """Resume from save() (with `storage`: straight from that run store's folder `path`, each rank reading
-        only its own files and the byte ranges of the model shards it needs). The model's weights load on any
-        TP/PP/DP layout from the per-rank shards. The optimizer state, schedule and RNG need the saving layout:
-        another layout is refused unless `weights_only`, which loads the weights alone (fresh optimizer)."""
+        only its own files and the byte ranges of the model shards it needs), on any TP/PP/DP/EP layout: the
+        weights from the per-rank model shards, the optimizer state from its HF-space tensors, the LR clock.
+        The RNG state is per rank: restored on the saving layout only. `weights_only`: the weights alone (fresh
+        optimizer, LR clock at 0)."""
         self._resident("load", optimizer=True)
         local = Path(path).resolve()
         store = RunStore.at(storage, str(path)) if storage is not None else RunStore(str(local.parent), local.name)
-        saved = json.loads(store.read_bytes("trainer_rank0.json"))["layout"]
-        same = saved == self._layout_meta()
-        if not same and not weights_only:
-            raise ValueError(f"checkpoint {store.uri()}: layout {saved} differs from this run's {self._layout_meta()}; "
-                             "the weights reshard (load(weights_only=True)) but the optimizer state does not")
+        first = json.loads(store.read_bytes("trainer_rank0.json"))
         if store.exists("model_shards"):
             load_shards(self.core, store, "model_shards")
         elif storage is None:  # written before model shards existed: the gathered HF model, fine on any layout
             load_hf_weights(self.core, self.spec, local / "model", fused_norms=self.use_te)
         else:
             raise FileNotFoundError(f"checkpoint {store.uri()}: no model_shards/ (the model's weights)")
-        if weights_only or not same:
+        if weights_only:
             self.optimizer.reload_model_params()  # fp32 master copies (bf16, distributed optimizer) from weights
             return
-        own = f"trainer_rank{self.rank}.json"
-        state = json.loads(store.read_bytes(own))
-        optimizer = load_safetensors(store.read_bytes(f"optimizer_rank{self.rank}.safetensors"))
-        load_optimizer_state(self.optimizer, optimizer, state["optimizer_scalars"])
-        self.updates = state["updates"]
-        restore_rng(state, store.uri(own))
-        if self.device == "cuda":
-            set_tracker_rng_state(state["rng"].get("megatron_cuda", {}))
+        if "adam_step" not in first:
+            raise ValueError(f"checkpoint {store.uri()}: its optimizer state is in the per-position format of "
+                             "earlier versions, which only the saving layout could read; load(weights_only=True) "
+                             "resumes its weights with a fresh optimizer")
+        params = stage_params(self.core)
+        load_optimizer(self.optimizer, stage_rules(self.spec, params, self.use_te), params, self.spec, store,
+                       "optimizer", first["adam_step"])
+        self.updates = first["updates"]
+        if first["layout"] == self._layout_meta():
+            own = f"trainer_rank{self.rank}.json"
+            state = json.loads(store.read_bytes(own))
+            restore_rng(state, store.uri(own))
+            if self.device == "cuda":
+                set_tracker_rng_state(state["rng"].get("megatron_cuda", {}))
 
     # ---- colocated offload --------------------------------------------------------------------------
     @_on_device

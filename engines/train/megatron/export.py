@@ -23,6 +23,12 @@ from rlflow.engines.train.megatron.hf_config import ModelSpec
 from rlflow.engines.train.megatron.weights import Rule, hf_shapes, model_rules, to_hf
 
 
+def is_expert(name: str) -> bool:
+    """A routed expert's parameter (megatron name): split by expert parallelism, replicated over expert-data-parallel
+    ranks."""
+    return ".mlp.experts." in name
+
+
 class WeightExporter:
     def __init__(self, spec: ModelSpec, params: dict[str, torch.nn.Parameter], fused_norms: bool):
         self.spec, self.params = spec, params
@@ -35,7 +41,7 @@ class WeightExporter:
         experts = parallel_state.get_expert_data_parallel_rank() == 0
         # the rules this rank's TP group exports: held here, in the first (expert) data-parallel replica
         self.exports = {r.megatron for r in self.rules if r.megatron in params
-                        and (experts if ".mlp.experts." in r.megatron else dense)}
+                        and (experts if is_expert(r.megatron) else dense)}
         self.group_rank = parallel_state.get_tensor_model_parallel_src_rank()  # global rank of this group's TP 0
         self.owner = self._owners()
 
@@ -74,7 +80,7 @@ class WeightExporter:
         for rule in rules:
             owner = self.owner[rule.megatron]
             if rule.megatron in self.exports:
-                tensors = to_hf(rule, self._tp_shards(rule), self.spec)
+                tensors = self.to_hf(rule, self.params[rule.megatron].detach())
                 if me == owner == 0:
                     got.update(zip(rule.hf, tensors, strict=True))
                 elif me == owner:
@@ -123,7 +129,7 @@ class WeightExporter:
                 continue
             tensors = {}
             for rule in rules:  # every tensor-parallel rank joins each all-gather; rank 0 keeps the result
-                full = to_hf(rule, self._tp_shards(rule), self.spec)
+                full = self.to_hf(rule, self.params[rule.megatron].detach())
                 if writer:
                     tensors.update((n, t.cpu().contiguous()) for n, t in zip(rule.hf, full, strict=True))
             if writer:
@@ -138,16 +144,15 @@ class WeightExporter:
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         return files
 
-    def _tp_shards(self, rule: Rule) -> list[torch.Tensor]:
-        """The parameter's shards from every rank of its tensor-parallel group (experts: megatron's expert
-        tensor-parallel group, the same ranks here), in rank order."""
-        local = self.params[rule.megatron].detach()
-        expert = ".mlp.experts." in rule.megatron
-        group = (parallel_state.get_expert_tensor_parallel_group() if expert
+    def to_hf(self, rule: Rule, local: torch.Tensor) -> list[torch.Tensor]:
+        """The HF tensors of `rule` from this rank's TP shard `local` of its parameter (or of a tensor laid out like
+        it: an optimizer state). Every rank of the tensor-parallel group (experts: megatron's expert
+        tensor-parallel group, the same ranks here) calls it: the shards are all-gathered."""
+        group = (parallel_state.get_expert_tensor_parallel_group() if is_expert(rule.megatron)
                  else parallel_state.get_tensor_model_parallel_group())
         tp = dist.get_world_size(group) if group is not None else 1
         if tp == 1 or rule.kind == "replicated":
-            return [local]
+            return to_hf(rule, [local], self.spec)
         shards = [torch.empty_like(local) for _ in range(tp)]
         dist.all_gather(shards, local.contiguous(), group=group)
-        return shards
+        return to_hf(rule, shards, self.spec)
