@@ -161,17 +161,21 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         """Per-token logprobs [rows, width] (aligned with input_ids: column t is log p(x_t | x_<t), column 0
         is 0) and, if asked, entropy; for a critic, its values in the logprobs' place."""
         packed = PackedRows.from_padded(mb["input_ids"], mb["attention_mask"]).to(self.device)
-        with self._compute():
-            out, entropy = lm(packed, self.temperature if temperature is None else temperature, with_entropy)
+        out, entropy = self._run(lm, packed, self.temperature if temperature is None else temperature, with_entropy)
         return packed.unpack(out), None if entropy is None else packed.unpack(entropy)
+
+    def _run(self, lm: PackedLM, *args, **kwargs):
+        """Every forward of a PackedLM goes through here: with LoRA, under the adapters' compute context
+        (lora.adapter_compute), which a call site of its own could forget."""
+        with self._compute():
+            return lm(*args, **kwargs)
 
     def _forward_with_topk(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The policy's logprobs and entropy [rows, width] as _forward gives them, and its logprobs [rows, width,
         k] of the teacher's top-k ids at each position (TEACHER_TOPK_IDS), all with their gradient."""
         packed = PackedRows.from_padded(mb["input_ids"], mb["attention_mask"]).to(self.device)
         ids = mb[TEACHER_TOPK_IDS][packed.rows, packed.cols].to(self.device)
-        with self._compute():
-            out, entropy, topk = self.lm(packed, self.temperature, True, other_ids=ids)
+        out, entropy, topk = self._run(self.lm, packed, self.temperature, True, other_ids=ids)
         return packed.unpack(out), packed.unpack(entropy), packed.unpack(topk)
 
     def micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
@@ -210,8 +214,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
 
         def top(micro: TrainBatch) -> torch.Tensor:  # ids and logprobs side by side (ids < 2^24: exact in fp32)
             packed = PackedRows.from_padded(micro["input_ids"], micro["attention_mask"]).to(self.device)
-            with self._compute():
-                ids, logprobs = self.lm(packed, self.temperature, top_k=k)
+            ids, logprobs = self._run(self.lm, packed, self.temperature, top_k=k)
             return packed.unpack(torch.cat([ids.float(), logprobs], dim=-1))
 
         both = self._per_token(batch, top, (2 * k,))
