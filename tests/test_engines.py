@@ -225,14 +225,18 @@ def test_session_token_advantages_kl_reward_and_is(recipe, tmp_path):
 
 def _arch_model(tmp_path, arch: str) -> str:
     """A random 2-layer model of each family the engine's own forward implements (Qwen2: qkv bias; Qwen3: q/k
-    norm and a head_dim that is not hidden/heads)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    norm and a head_dim that is not hidden/heads; Mixtral: MoE layers of 4 experts, top 2; Qwen3-MoE: an MoE layer,
+    then a dense one)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
     cfg = {"llama": lambda: LlamaConfig(**common),
            "qwen2": lambda: Qwen2Config(**common),
-           "qwen3": lambda: Qwen3Config(**common, head_dim=16)}[arch]()
+           "qwen3": lambda: Qwen3Config(**common, head_dim=16),
+           "mixtral": lambda: MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+           "qwen3_moe": lambda: Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=16, mlp_only_layers=[1])}[arch]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # random biases / norm weights, so a forward that ignored them would differ
@@ -245,7 +249,7 @@ def _arch_model(tmp_path, arch: str) -> str:
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["per-projection", "fused"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
 def test_own_forward_matches_hf(tmp_path, arch, fused):
     """Our decoder's prefill, chunked prefill and paged decode give HF's logits. `fused`: the weights laid out as
     a GPU rollout worker keeps them (one flat buffer in fusable_order), so q/k/v and gate/up run as one GEMM each
@@ -259,12 +263,15 @@ def test_own_forward_matches_hf(tmp_path, arch, fused):
     if fused:
         flatten_({n: params[n] for n in fusable_order(list(params))})
     lm = DecoderLM(hf)
-    assert lm.fused_groups == (2 * hf.config.num_hidden_layers if fused else 0)
+    dense = [i for i in range(2) if f"model.layers.{i}.mlp.gate_proj.weight" in params]  # MoE: HF's block runs
+    assert lm.graph_safe == (len(dense) == 2)
+    assert lm.fused_groups == (hf.config.num_hidden_layers + len(dense) if fused else 0)
     if fused:  # the buffer moves: the fused views follow it
         flatten_({n: params[n] for n in fusable_order(list(params))})
         lm.fuse_projections()
         assert lm._qkv[0][0].data_ptr() == params["model.layers.0.self_attn.q_proj.weight"].data_ptr()
-        assert lm._gate_up[1][0].data_ptr() == params["model.layers.1.mlp.gate_proj.weight"].data_ptr()
+        for i in dense:
+            assert lm._gate_up[i][0].data_ptr() == params[f"model.layers.{i}.mlp.gate_proj.weight"].data_ptr()
     cache = lm.new_cache(rows=3, max_len=32, num_pages=12, page_size=4)
     prompts = [[1, 5, 9, 2, 7], [3, 3, 8]]
     seqs = [list(p) for p in prompts]

@@ -29,10 +29,10 @@ from transformers import (
 from rlflow.engines.core.batch import shard_for_workers
 from rlflow.engines.core.config import AlgorithmConfig, DistillConfig, MegatronConfig
 from rlflow.engines.core.protocols import TrainBackend
+from rlflow.engines.models.moe import checkpoint_named, is_moe
 from rlflow.engines.train.megatron.hf_config import UnsupportedModel, spec_from_hf
 from rlflow.engines.train.megatron.microbatch import Micro, gather_rows, micro_batches, plan_micro_batches
 from rlflow.engines.train.megatron.weights import (
-    MOE_NAMES,
     hf_to_megatron_state,
     megatron_to_hf_state,
     model_rules,
@@ -52,7 +52,7 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[str, dict[str, torch.Tensor]]
         path = tmp_path_factory.mktemp(family)
         state = tiny_hf_model(path, family, tied=tied)
         out[family] = (str(path), load_file(str(path / "model.safetensors")))
-        names = set(_checkpoint_names(state, family) if family in MOE_NAMES else state)
+        names = set(checkpoint_named(state, family))
         assert set(out[family][1]) == names - ({"lm_head.weight"} if tied else set())
     return out
 
@@ -226,6 +226,19 @@ def test_fused_and_packed_attention_match_megatrons_unfused(hf_models, mcore, fa
     assert (results["sdpa", True][~mask] == 0).all()  # packed: padding never ran
 
 
+def test_moe_at_tensor_parallel_needs_sequence_parallel_and_transformer_engine(hf_models):
+    from rlflow.engines.train.megatron.weights import check_moe_tensor_parallel
+
+    moe, dense = _spec(hf_models["mixtral"][0]), _spec(hf_models["llama"][0])
+    with pytest.raises(ValueError, match="tensor_parallel=2 with an MoE model .* sequence parallelism"):
+        check_moe_tensor_parallel(moe, 2, None, False)
+    with pytest.raises(ValueError, match="needs Transformer Engine"):
+        check_moe_tensor_parallel(moe, 2, False, True)
+    check_moe_tensor_parallel(moe, 2, True, True)
+    check_moe_tensor_parallel(moe, 1, False, False)
+    check_moe_tensor_parallel(dense, 2, False, False)
+
+
 def test_expert_parallel_layouts_that_cannot_work_are_errors(hf_models, mcore):
     from rlflow.engines.train.megatron.model_build import transformer_config
 
@@ -291,6 +304,13 @@ def test_moe_backend_matches_torch_backend(hf_models, mcore, family):
     algo = AlgorithmConfig(clip_high=0.28, entropy_coef=0.01)
     torch_be = TorchTrainBackend(path, train_config(), algo)
     mega = _backend(path, train_config(), algo, MegatronConfig(micro_batch_tokens=20, packing=True))
+    # both send the experts under the checkpoint's names (transformers 5 stacks them in the module)
+    hf = hf_models[family][1]
+    for be in (torch_be, mega):
+        assert dict(be.weight_layout()).keys() == hf.keys()
+        assert be.weight_shapes() == {n: list(t.shape) for n, t in hf.items()}
+    sent = dict(torch_be.named_tensors())
+    assert sent.keys() == hf.keys() and all(torch.equal(sent[n], t) for n, t in hf.items())
     batch = toy_batch()
     mask = batch["attention_mask"].bool()
     for _ in range(2):
@@ -300,26 +320,7 @@ def test_moe_backend_matches_torch_backend(hf_models, mcore, family):
         m_t, m_m = global_metrics(torch_be.train_step(step)), global_metrics(mega.train_step(step))
         for k in m_t:
             assert m_m[k] == pytest.approx(m_t[k], rel=1e-4, abs=5e-6), k
-    assert_same_weights(_checkpoint_names(dict(torch_be.named_tensors()), family), dict(mega.named_tensors()))
-
-
-def _checkpoint_names(state: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
-    """transformers 5 keeps an MoE block's experts as two stacked tensors (gate and up fused); its checkpoints,
-    and so the Megatron export, name each expert's projections."""
-    block, gate, up, down = MOE_NAMES[family]
-    out = {}
-    for name, t in state.items():
-        layer, _, rest = name.partition(".mlp.")
-        if rest == "experts.gate_up_proj":
-            for j, (g, u) in enumerate(e.chunk(2, dim=0) for e in t):  # [E, 2f, h]: gate rows, then up rows
-                out |= {f"{layer}.{block}.experts.{j}.{gate}.weight": g, f"{layer}.{block}.experts.{j}.{up}.weight": u}
-        elif rest == "experts.down_proj":
-            out |= {f"{layer}.{block}.experts.{j}.{down}.weight": w for j, w in enumerate(t)}
-        elif rest:
-            out[f"{layer}.{block}.{rest}"] = t
-        else:
-            out[name] = t
-    return out
+    assert_same_weights(dict(torch_be.named_tensors()), dict(mega.named_tensors()))
 
 
 def test_backend_matches_torch_backend_with_whole_batch_is_weights(hf_models, mcore):
@@ -430,7 +431,7 @@ def test_checkpoint_straight_to_the_run_store_resumes_exactly(hf_models, mcore, 
     first.save(target, storage)
     files = store.files("checkpoints", 1)
     assert {"model/model.safetensors", "model/config.json", "model_shards/shard-0.safetensors",
-            "optimizer/optimizer-0.safetensors", "trainer_rank0.json"} <= set(files), files
+            "optimizer/optimizer-0-0.safetensors", "trainer_rank0.json"} <= set(files), files
     expected = global_metrics(first.train_step(batch)), dict(first.named_tensors())
     second = _backend(path)
     second.load(target, storage)
@@ -448,8 +449,32 @@ def optimizer_snapshot(backend) -> dict[str, torch.Tensor]:
     out = {}
     for p, state in param_states(backend.optimizer).items():
         out |= {f"{names[p]}:{k}": state.tensor(k).clone() for k in STATES if state.tensor(k) is not None}
-        out[f"{names[p]}:step"] = torch.tensor(float(state.optimizer.state.get(state.main, {}).get("step", 0)))
+        out[f"{names[p]}:step"] = torch.tensor(state.step())
     return out
+
+
+def test_a_step_counted_per_group_is_saved_and_restored(hf_models, mcore, tmp_path):
+    """TE's and apex's FusedAdam (what megatron picks where either is installed) count Adam's steps in the param
+    group, not per parameter: the checkpoint reads that count and the moments, and restores both."""
+    import json
+
+    from rlflow.engines.train.megatron.optimizer_shards import param_states
+
+    path, batch = hf_models["llama"][0], toy_batch()
+    first = _backend(path, train_config(precision="bf16"))
+    first.train_step(batch)  # two mini-batches: two optimizer steps
+    for state in param_states(first.optimizer).values():  # as FusedAdam keeps it
+        state.group["step"] = int(state.optimizer.state[state.main].pop("step"))
+    first.save(tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "trainer_rank0.json").read_text())["adam_step"] == 2
+    second = _backend(path, train_config(precision="bf16"))
+    for state in param_states(second.optimizer).values():
+        state.group["step"] = 0
+    second.load(tmp_path / "ckpt")
+    a, b = optimizer_snapshot(first), optimizer_snapshot(second)
+    assert all(s.group["step"] == 2 for s in param_states(second.optimizer).values())
+    assert {k for k in a if not k.endswith(":step")} == {k for k in b if not k.endswith(":step")}
+    assert all(torch.equal(a[k], b[k]) for k in a if k.endswith((":exp_avg", ":exp_avg_sq", ":param")))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -556,7 +581,7 @@ LAYOUTS = pytest.mark.parametrize("layout", [(2, 1), (1, 2), "ep2"], ids=["tp2",
 
 
 def _families(hf_models, layout):
-    return {f: v for f, v in hf_models.items() if layout != "ep2" or f in MOE_NAMES}
+    return {f: v for f, v in hf_models.items() if layout != "ep2" or is_moe(f)}
 
 
 @LAYOUTS
@@ -625,8 +650,7 @@ def test_parallel_layouts_train_like_one_torch_worker(parallel_runs, hf_models, 
     metrics = global_metrics(torch_be.train_step(shard_for_workers({**batch, "old_logprobs": logprobs}, 1, 2)[0]))
     for k, v in metrics.items():
         assert results["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
-    state = dict(torch_be.named_tensors())
-    assert_same_weights(_checkpoint_names(state, family) if family in MOE_NAMES else state, weights)
+    assert_same_weights(dict(torch_be.named_tensors()), weights)
 
 
 @pytest.mark.parametrize("layout", [(2, 1), (1, 1), "ep2"], ids=["tp2", "dp2", "ep2"])
@@ -696,6 +720,44 @@ def test_rl_session_trains_and_syncs_with_megatron(recipe, mcore, tmp_path):
     assert rollout.weight_version == 2
 
 
+@pytest.mark.parametrize("backend", ["megatron", "torch"])
+def test_rl_session_trains_and_syncs_an_moe_model(recipe, mcore, tmp_path, backend):
+    """A Qwen3-MoE policy in the bare RL loop: Megatron trains it through its MoE layer (or the torch backend
+    through HF's), the embedded engine generates with HF's MoE block, and the weight sync (per-expert checkpoint
+    names) lands in the engine's stacked expert tensors: after two steps they equal the trainer's export."""
+    from transformers import AutoTokenizer
+
+    from rlflow.engines.session.rl import RLSession
+    from rlflow.engines.session.workers import prepare_data, prepare_model
+
+    demo = prepare_model(recipe(), tmp_path)  # for the demo's tokenizer and vocabulary
+    moe = tmp_path / "moe"
+    vocab = AutoConfig.from_pretrained(demo).vocab_size
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)).save_pretrained(moe)
+    AutoTokenizer.from_pretrained(demo).save_pretrained(moe)
+    cfg = recipe(model={"path": str(moe)}, train={"steps": 2, "threads": 1, "backend": backend,
+                                                   "mini_batches": 2}, megatron={"micro_batch_tokens": 64})
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
+    trainer, rollout = session.train_group.workers[0], session.rollout_group.workers[0]
+    for step in range(2):
+        session.rollout(step)
+        session.reward(step)
+        session.advantages(step)
+        metrics = session.train(step)
+        assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
+        session.sync_weights(step)
+    exported = dict(trainer.named_tensors())
+    engine = checkpoint_named({n: p.detach() for n, p in rollout.model.named_parameters()}, "qwen3_moe")
+    assert exported.keys() <= engine.keys()
+    for name, t in exported.items():
+        assert torch.equal(engine[name], t), name
+
+
 def test_ray_tensor_parallel_group_syncs_gathered_weights(recipe, mcore, tmp_path):
     """Two Ray actors as one TP=2 group: each trains its half of every weight, and weight sync (a collective
     gather through both actors) hands the rollout engine the full tensors."""
@@ -735,7 +797,8 @@ def test_preflight_reports_models_the_mapping_cannot_take(recipe, hf_models, mco
 
     MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2).save_pretrained(tmp_path / "mistral")
-    cases = {str(tmp_path / "mistral"): (1, "model_type"), hf_models["llama"][0]: (4, "num_key_value_heads=2")}
+    cases = {str(tmp_path / "mistral"): (1, "model_type"), hf_models["llama"][0]: (4, "num_key_value_heads=2"),
+             hf_models["mixtral"][0]: (2, "sequence parallelism")}
     for path, (tp, message) in cases.items():
         cfg = recipe(model={"path": path}, train={"backend": "megatron", "num_workers": tp},
                      megatron={"tensor_parallel": tp})

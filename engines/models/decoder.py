@@ -1,5 +1,5 @@
-"""Our own forward for Llama / Qwen2 / Qwen3 decoders, reading the weights of a loaded HF model, with a
-paged KV cache (engines/models/kv_pages.py).
+"""Our own forward for Llama / Qwen2 / Qwen3 decoders (and their MoE variants, Mixtral and Qwen3-MoE), reading
+the weights of a loaded HF model, with a paged KV cache (engines/models/kv_pages.py).
 
 Why not HF's forward: continuous batching needs every sequence in its own pages, joining and leaving
 the batch at any decode step, and a fixed-shape decode step that a GPU captures in CUDA graphs
@@ -8,6 +8,8 @@ released/resumed `.data`) are seen here with no extra step (a graph is captured 
 Where the weights lie in one flat buffer in `fusable_order` (the rollout worker's on GPU), q/k/v and gate/up
 run as one GEMM each over views of that memory: at decode batch sizes the projections are small GEMMs whose
 launch and tail costs add up, and a fused view costs nothing to keep current.
+An MoE layer's block runs as HF's own module (router, top-k, experts): its per-expert token selection depends on
+the data, so a model with MoE layers decodes without CUDA graphs (`graph_safe`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from rlflow.engines.models.transfer import to_device
 
 __all__ = ["DecodeRunner", "DecoderLM", "PagedKVCache", "to_device"]
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,6 +41,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+def _is_moe_block(mlp: torch.nn.Module) -> bool:
+    """An HF MoE block (router + experts) rather than a dense SwiGLU MLP."""
+    return hasattr(mlp, "experts")
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -57,8 +64,9 @@ class DecoderLM:
             raise ValueError(f"model config model_type {cfg.model_type!r}: the embedded engine runs {SUPPORTED}")
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"model config hidden_act {cfg.hidden_act!r}: expected 'silu' (SwiGLU)")
-        if getattr(cfg, "use_sliding_window", False):
-            raise ValueError("model config use_sliding_window: sliding-window attention is not supported")
+        if getattr(cfg, "use_sliding_window", False) or (cfg.model_type == "mixtral" and cfg.sliding_window):
+            raise ValueError("model config use_sliding_window / sliding_window: sliding-window attention is not "
+                             "supported")
         self.model, self.cfg = hf_model, cfg
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -113,6 +121,12 @@ class DecoderLM:
         self.fuse_projections()
 
     @property
+    def graph_safe(self) -> bool:
+        """Whether a decode step can be captured as a CUDA graph: not with MoE layers, whose experts run on
+        the tokens routed to them (data-dependent shapes, host syncs)."""
+        return not any(_is_moe_block(layer.mlp) for layer in self.model.model.layers)
+
+    @property
     def fused_groups(self) -> int:
         """How many projection groups (q/k/v, gate/up: two a layer) run as one GEMM now."""
         return sum(f is not None for f in self._qkv + self._gate_up)
@@ -127,7 +141,8 @@ class DecoderLM:
         for i, layer in enumerate(self.model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             self._qkv[i] = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj]) if self._fuse else None
-            self._gate_up[i] = fused_linear([mlp.gate_proj, mlp.up_proj]) if self._fuse else None
+            dense = not _is_moe_block(mlp)
+            self._gate_up[i] = fused_linear([mlp.gate_proj, mlp.up_proj]) if self._fuse and dense else None
         return at
 
     def _layer(self, i: int, x: torch.Tensor, cos, sin, attend) -> torch.Tensor:
@@ -152,6 +167,8 @@ class DecoderLM:
         o = attend(q, k, v.transpose(1, 2))
         x = x + attn.o_proj(o.transpose(1, 2).reshape(bsz, t, self.num_heads * self.head_dim))
         h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
+        if _is_moe_block(mlp):
+            return x + mlp(h)
         if (gate_up := self._gate_up[i]) is not None:
             gate, up = F.linear(h, *gate_up).chunk(2, dim=-1)
         else:

@@ -31,6 +31,7 @@ from rlflow.engines.core.trace import TraceRecorder
 from rlflow.engines.models.decoder import DecoderLM
 from rlflow.engines.models.flat_weights import flatten_, fusable_order
 from rlflow.engines.models.hf import load_model, load_tokenizer
+from rlflow.engines.models.moe import checkpoint_named
 from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Generation, Request, request_generator
 from rlflow.engines.rollout.http_api import auth_headers
 from rlflow.engines.rollout.lora import LoraLimits, MergedAdapter, host_copy, read_adapter
@@ -132,10 +133,13 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             self._refuse_under_adapter("update_weights")
             t0 = time.perf_counter()
             self.resume_memory_occupation()
+            targets = self.params
             for name, tensor in named_tensors:
-                if name not in self.params:
+                if name not in targets and targets is self.params:  # checkpoint names of stacked MoE experts
+                    targets = self.params | checkpoint_named(self.params, self.model.config.model_type)
+                if name not in targets:
                     raise KeyError(f"update_weights: unknown parameter {name!r}")
-                self.params[name].copy_(tensor.to(self.params[name].dtype))
+                targets[name].copy_(tensor.to(targets[name].dtype))
             return self._weights_updated(self.weight_version if version is None else version, t0)
 
     def update_weights_from_store(self, storage: StorageConfig, run: str, version: int, index: int) -> int:
@@ -179,7 +183,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             self._refuse_under_adapter("update_weights_from_nccl")
             t0 = time.perf_counter()
             self.resume_memory_occupation()
-            self._nccl.receive(self.params, buckets)
+            self._nccl.receive(self.params | checkpoint_named(self.params, self.model.config.model_type), buckets)
             return self._weights_updated(version, t0)
 
     def release_memory_occupation(self) -> None:

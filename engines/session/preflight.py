@@ -28,7 +28,7 @@ from rlflow.engines.rollout.functions import load_rollout_fn
 from rlflow.engines.session.workers import check_teacher_vocabulary
 from rlflow.engines.store.run_store import StorageError, replay_source
 from rlflow.engines.train.megatron.hf_config import UnsupportedModel, spec_from_hf
-from rlflow.engines.train.megatron.weights import check_tensor_parallel
+from rlflow.engines.train.megatron.weights import check_moe_tensor_parallel, check_tensor_parallel
 
 
 def _model_problems(cfg: RLConfig) -> list[str]:
@@ -168,7 +168,10 @@ def _megatron_problems(cfg: RLConfig) -> list[str]:
     if not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
         return []  # a model built from the recipe is a Llama or Qwen2; a missing path is reported above
     try:
-        check_tensor_parallel(spec_from_hf(AutoConfig.from_pretrained(cfg.model.path)), cfg.megatron.tensor_parallel)
+        spec, mcfg = spec_from_hf(AutoConfig.from_pretrained(cfg.model.path)), cfg.megatron
+        check_tensor_parallel(spec, mcfg.tensor_parallel)
+        check_moe_tensor_parallel(spec, mcfg.tensor_parallel, mcfg.transformer_engine,
+                                  bool(mcfg.transformer.get("sequence_parallel", False)))
     except (UnsupportedModel, ValueError) as e:
         return [f"model.path: {e}"]
     return []

@@ -44,6 +44,7 @@ from rlflow.engines.core.batch import (
 from rlflow.engines.core.config import AlgorithmConfig, DistillConfig, StorageConfig, TrainConfig
 from rlflow.engines.core.protocols import CriticBackend, TeacherBackend, TrainBackend
 from rlflow.engines.models.hf import DTYPES, load_model, load_value_model
+from rlflow.engines.models.moe import checkpoint_named
 from rlflow.engines.models.packed import PackedLM, PackedRows
 from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.cuda_ipc import export_ipc_handles
@@ -340,7 +341,25 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         turn)."""
         self._resident("named_tensors")
         params = dict(self.model.named_parameters())
-        return fsdp.gather(params, names or list(params), keep=self.rank == 0, dtype=dtype, device=device)
+        names = names or list(self._sent_names(params))
+        # MoE experts go by their checkpoint names (engines/models/moe.py): each stacked parameter is gathered
+        # once and cut into the experts asked for
+        shapes = {name: torch.empty(p.shape, device="meta") for name, p in params.items()}
+        source = {sent: name for name, t in shapes.items() for sent in self._sent_names({name: t})}
+        unknown = [n for n in names if n not in source]
+        if unknown:
+            raise KeyError(f"named_tensors: not a weight of this model: {unknown[:5]}")
+        gathered = dict(fsdp.gather(params, list(dict.fromkeys(source[n] for n in names)), keep=self.rank == 0,
+                                    dtype=dtype, device=device))
+        if self.rank != 0:
+            return []
+        sent = self._sent_names(gathered)
+        return [(n, sent[n]) for n in names]
+
+    def _sent_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` by module name under the names a weight sync sends: the checkpoint's (stacked MoE experts
+        as per-expert views, what SGLang and the Megatron backend use); other models' names unchanged."""
+        return checkpoint_named(tensors, self.model.config.model_type)
 
     def put_weights_to_store(
         self, storage: StorageConfig, run: str, version: int, index: int, names: list[str]
@@ -371,7 +390,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
 
     def nccl_send(self, buckets: list[list[str]]) -> int:
         """Broadcast every bucket (rank 0 of the weight-sync group); returns bytes sent."""
-        return self._nccl.send(self._whole_parameters("nccl"), buckets, self._nccl_dtype)
+        return self._nccl.send(self._sent_names(self._whole_parameters("nccl")), buckets, self._nccl_dtype)
 
     def link_bandwidth(self, kind: str, nbytes: int) -> float:
         """GB/s of the link a GPU transport uses ('copy': bf16 -> bf16 on this GPU; 'cast_copy': fp32 -> bf16
@@ -390,11 +409,17 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         return float(sum(t.to(DTYPES[dtype]).double().sum() for _, t in fsdp.gather(params, list(params), True)))
 
     def weight_layout(self) -> list[tuple[str, int]]:
-        """(name, bytes) of every weight, in order: lets the sync plan buckets without moving tensors."""
-        return [(n, p.numel() * p.element_size()) for n, p in self.model.named_parameters()]
+        """(name, bytes) of every weight a sync sends, in order: lets the sync plan buckets without moving
+        tensors."""
+        return [(n, t.numel() * t.element_size()) for n, t in self._sent_shapes().items()]
 
     def weight_shapes(self) -> dict[str, list[int]]:
-        return {n: list(p.shape) for n, p in self.model.named_parameters()}
+        return {n: list(t.shape) for n, t in self._sent_shapes().items()}
+
+    def _sent_shapes(self) -> dict[str, torch.Tensor]:
+        """Every sent weight as a meta tensor (its full shape and dtype, no memory)."""
+        return self._sent_names({n: torch.empty(p.shape, dtype=p.dtype, device="meta")
+                                 for n, p in self.model.named_parameters()})
 
     def save(self, path: str | Path, storage: StorageConfig | None = None) -> None:
         """Sharded model and optimizer state (engines/train/fsdp.py: safetensors, the model also consolidated

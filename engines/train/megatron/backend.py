@@ -59,6 +59,7 @@ from rlflow.engines.train.megatron.model_build import (
 )
 from rlflow.engines.train.megatron.optimizer_shards import load_optimizer, save_optimizer
 from rlflow.engines.train.megatron.shards import load_shards, save_shards
+from rlflow.engines.train.megatron.weights import check_moe_tensor_parallel
 from rlflow.engines.train.offload import HostParking, memory_moved
 from rlflow.engines.train.rng import restore_rng, rng_state
 from rlflow.engines.train.torch_backend import lr_lambda, with_train_logprobs
@@ -116,6 +117,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         self.dtype = DTYPES[train.precision]
         self.use_te = use_transformer_engine(self.mcfg, self.device)
         self.tf_config = transformer_config(self.spec, self.mcfg, self.dtype, self.device)
+        check_moe_tensor_parallel(self.spec, self.mcfg.tensor_parallel, self.use_te, self.tf_config.sequence_parallel)
         self.pp = self.mcfg.pipeline_parallel
         self.tp = self.mcfg.tensor_parallel
         self.core = self._load_core()
@@ -436,8 +438,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
             self.hf_config.save_pretrained(path / "model")
         save_shards(self.core, path / "model_shards", self.rank)  # this rank's own slices: loads on any layout
         # the optimizer's fp32 main weights and moments in HF space: load on any layout too
-        step = save_optimizer(self.optimizer, self.exporter, path / "optimizer", self.rank,
-                              self.mcfg.use_distributed_optimizer)
+        step = save_optimizer(self.optimizer, self.exporter, path / "optimizer", self.rank)
         state = {"layout": self._layout_meta(), "updates": self.updates, "adam_step": step,
                  "rng": rng_state() | ({"megatron_cuda": tracker_rng_state()} if self.device == "cuda" else {})}
         (path / f"trainer_rank{self.rank}.json").write_text(json.dumps(state))
@@ -469,7 +470,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
                              "resumes its weights with a fresh optimizer")
         params = stage_params(self.core)
         load_optimizer(self.optimizer, stage_rules(self.spec, params, self.use_te), params, self.spec, store,
-                       "optimizer", first["adam_step"])
+                       "optimizer", first["adam_step"], first["layout"]["world_size"])
         self.updates = first["updates"]
         if first["layout"] == self._layout_meta():
             own = f"trainer_rank{self.rank}.json"

@@ -36,7 +36,7 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_all_to_all_single = dist.all_to_all_single
+_all_to_all_single = dist.all_to_all_single  # the process group's own, whatever the shims above it replaced
 
 
 def _all_to_all_with_list_splits(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
@@ -89,9 +89,12 @@ def cpu_shim() -> Iterator[None]:
     # megatron-core is an optional dependency (the `megatron` extra): imported only when the shim is entered
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as Dispatcher
 
     saved = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream, torch.cuda.Stream,
-             torch.cuda.stream, tensor_parallel.get_cuda_rng_tracker, tp_random.get_cuda_rng_tracker)
+             torch.cuda.stream, tensor_parallel.get_cuda_rng_tracker, tp_random.get_cuda_rng_tracker,
+             dist.all_to_all_single, Dispatcher.cuda_dtoh_stream)
+    # the dispatcher keeps its side stream in a class attribute: the shim's stream only while the shim is on
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # CPU work is synchronous
     torch.cuda.current_stream = lambda device=None: _STREAM  # type: ignore[assignment]  (megatron-core 0.19)
@@ -99,13 +102,14 @@ def cpu_shim() -> Iterator[None]:
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
     tensor_parallel.get_cuda_rng_tracker = tp_random.get_cuda_rng_tracker = lambda *a, **k: _TRACKER
     dist.all_to_all_single = _all_to_all_with_list_splits
+    Dispatcher.cuda_dtoh_stream = _STREAM
     try:
         with _CudaToCpu():
             yield
     finally:
         (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream, torch.cuda.Stream,
-         torch.cuda.stream, tensor_parallel.get_cuda_rng_tracker, tp_random.get_cuda_rng_tracker) = saved
-        dist.all_to_all_single = _all_to_all_single
+         torch.cuda.stream, tensor_parallel.get_cuda_rng_tracker, tp_random.get_cuda_rng_tracker,
+         dist.all_to_all_single, Dispatcher.cuda_dtoh_stream) = saved
 
 
 def device_context(device: str) -> contextlib.AbstractContextManager:

@@ -7,7 +7,8 @@ One `Rule` ties a Megatron parameter to the HF tensors it is made of, and says h
 - column / row: split along output rows (dim 0: vocab, ColumnParallelLinear) or input columns (dim 1,
   RowParallelLinear);
 - replicated: norms, identical on every TP rank.
-Layer indices here are global; a pipeline stage renames them to its local ones. Plain torch: no megatron import.
+Layer indices here are global; a pipeline stage renames them to its local ones. MoE experts map one by one, under
+their checkpoint names (engines/models/moe.py). Plain torch: no megatron import.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlflow.engines.models.moe import CHECKPOINT_NAMES
 from rlflow.engines.train.megatron.hf_config import ModelSpec
 
 KINDS = ("replicated", "column", "row", "qkv", "fc1")
@@ -57,15 +59,10 @@ def layer_rules(spec: ModelSpec, i: int, fused_norms: bool = False) -> list[Rule
     ]
 
 
-# HF names of an MoE block under model.layers.<i>.: (block, gate, up, down) projections of each expert
-MOE_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-             "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
-
-
 def moe_rules(spec: ModelSpec, i: int) -> list[Rule]:
     """The router (replicated: megatron's router is not tensor-parallel) and each expert's SwiGLU, split over TP
     like a dense MLP (megatron's expert tensor parallelism, which equals TP here). Expert indices are global."""
-    m, (block, gate, up, down) = f"decoder.layers.{i}.mlp.", MOE_NAMES[spec.family]
+    m, (block, gate, up, down) = f"decoder.layers.{i}.mlp.", CHECKPOINT_NAMES[spec.family]
     h = f"model.layers.{i}.{block}."
     rules = [Rule(m + "router.weight", (h + "gate.weight",), "replicated")]
     for j in range(spec.num_experts):
@@ -104,7 +101,7 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.o_proj.weight"] = (h, spec.num_heads * d)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if spec.num_experts:
-            block, gate, up, down = MOE_NAMES[spec.family]
+            block, gate, up, down = CHECKPOINT_NAMES[spec.family]
             shapes[p + f"{block}.gate.weight"] = (spec.num_experts, h)
             fe = spec.moe_ffn_hidden_size
             for j in range(spec.num_experts):
@@ -131,6 +128,18 @@ def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
     bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
     if bad:
         raise ValueError(f"tensor_parallel={tp} does not divide {', '.join(bad)}")
+
+
+def check_moe_tensor_parallel(spec: ModelSpec, tp: int, transformer_engine: bool | None,
+                              sequence_parallel: bool) -> None:
+    """megatron's MoE layer trains at TP > 1 only with sequence parallelism, which the local spec's norms do not
+    have: MoE at TP > 1 needs Transformer Engine (`transformer_engine` None: not known yet, checked at build)."""
+    if not spec.num_experts or tp == 1 or (sequence_parallel and transformer_engine is not False):
+        return
+    raise ValueError(f"tensor_parallel={tp} with an MoE model ({spec.num_experts} experts): megatron's MoE layer "
+                     "trains at TP > 1 only with sequence parallelism (megatron.transformer.sequence_parallel: true), "
+                     "which needs Transformer Engine (megatron.transformer_engine: true); without it use "
+                     "tensor_parallel 1 and megatron.expert_parallel for the experts")
 
 
 # ----------------------------------------------------------------------------- HF -> Megatron
