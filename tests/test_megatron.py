@@ -281,6 +281,11 @@ def test_backend_matches_torch_backend(hf_models, mcore, algo, budget, packing):
     torch_be = TorchTrainBackend(path, train_config(), algo)
     mega = _backend(path, train_config(logprob_chunk_tokens=7), algo,
                     MegatronConfig(micro_batch_tokens=budget, packing=packing))
+    train_alike(torch_be, mega)
+
+
+def train_alike(torch_be, mega) -> None:
+    """Two RL iterations on toy_batch(): the same logprobs, metrics and updated weights from both backends."""
     batch = toy_batch()
     mask = batch["attention_mask"].bool()
     for _ in range(2):
@@ -311,16 +316,7 @@ def test_moe_backend_matches_torch_backend(hf_models, mcore, family):
         assert be.weight_shapes() == {n: list(t.shape) for n, t in hf.items()}
     sent = dict(torch_be.named_tensors())
     assert sent.keys() == hf.keys() and all(torch.equal(sent[n], t) for n, t in hf.items())
-    batch = toy_batch()
-    mask = batch["attention_mask"].bool()
-    for _ in range(2):
-        lp_t, lp_m = torch_be.forward_logprobs(batch), mega.forward_logprobs(batch)
-        assert (lp_t - lp_m)[mask].abs().max() < 1e-5
-        step = {**batch, "old_logprobs": lp_t + 0.05 * torch.randn_like(lp_t)}
-        m_t, m_m = global_metrics(torch_be.train_step(step)), global_metrics(mega.train_step(step))
-        for k in m_t:
-            assert m_m[k] == pytest.approx(m_t[k], rel=1e-4, abs=5e-6), k
-    assert_same_weights(dict(torch_be.named_tensors()), dict(mega.named_tensors()))
+    train_alike(torch_be, mega)
 
 
 def test_backend_matches_torch_backend_with_whole_batch_is_weights(hf_models, mcore):
@@ -694,17 +690,14 @@ def test_expert_parallel_checkpoint_loads_on_one_rank(parallel_runs, hf_models, 
 # ----------------------------------------------------------------------------- in the RL loop
 
 
-def test_rl_session_trains_and_syncs_with_megatron(recipe, mcore, tmp_path):
-    """train.backend: megatron in the bare RL loop: steps run, the rollout engine gets the trainer's weights, and
-    a checkpoint restores them."""
+def _two_synced_steps(cfg, tmp_path):
+    """(session, train worker, rollout worker) of an in-process RL session after two steps, each ending with a
+    weight sync; every step's loss is finite and its gradient non-zero."""
     from rlflow.engines.session.rl import RLSession
     from rlflow.engines.session.workers import prepare_data, prepare_model
 
-    cfg = recipe(train={"steps": 2, "threads": 1, "backend": "megatron", "mini_batches": 2},
-                 megatron={"micro_batch_tokens": 64})
     prepare_data(cfg)
     session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
-    trainer, rollout = session.train_group.workers[0], session.rollout_group.workers[0]
     for step in range(2):
         session.rollout(step)
         session.reward(step)
@@ -712,6 +705,16 @@ def test_rl_session_trains_and_syncs_with_megatron(recipe, mcore, tmp_path):
         metrics = session.train(step)
         assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
         session.sync_weights(step)
+    return session, session.train_group.workers[0], session.rollout_group.workers[0]
+
+
+def test_rl_session_trains_and_syncs_with_megatron(recipe, mcore, tmp_path):
+    """train.backend: megatron in the bare RL loop: steps run, the rollout engine gets the trainer's weights, and
+    a checkpoint restores them."""
+
+    cfg = recipe(train={"steps": 2, "threads": 1, "backend": "megatron", "mini_batches": 2},
+                 megatron={"micro_batch_tokens": 64})
+    session, trainer, rollout = _two_synced_steps(cfg, tmp_path)
     exported = dict(trainer.named_tensors())
     for name, p in rollout.model.named_parameters():
         assert torch.equal(p.detach(), exported[name]), name
@@ -727,8 +730,7 @@ def test_rl_session_trains_and_syncs_an_moe_model(recipe, mcore, tmp_path, backe
     names) lands in the engine's stacked expert tensors: after two steps they equal the trainer's export."""
     from transformers import AutoTokenizer
 
-    from rlflow.engines.session.rl import RLSession
-    from rlflow.engines.session.workers import prepare_data, prepare_model
+    from rlflow.engines.session.workers import prepare_model
 
     demo = prepare_model(recipe(), tmp_path)  # for the demo's tokenizer and vocabulary
     moe = tmp_path / "moe"
@@ -741,16 +743,7 @@ def test_rl_session_trains_and_syncs_an_moe_model(recipe, mcore, tmp_path, backe
     AutoTokenizer.from_pretrained(demo).save_pretrained(moe)
     cfg = recipe(model={"path": str(moe)}, train={"steps": 2, "threads": 1, "backend": backend,
                                                    "mini_batches": 2}, megatron={"micro_batch_tokens": 64})
-    prepare_data(cfg)
-    session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
-    trainer, rollout = session.train_group.workers[0], session.rollout_group.workers[0]
-    for step in range(2):
-        session.rollout(step)
-        session.reward(step)
-        session.advantages(step)
-        metrics = session.train(step)
-        assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
-        session.sync_weights(step)
+    _, trainer, rollout = _two_synced_steps(cfg, tmp_path)
     exported = dict(trainer.named_tensors())
     engine = checkpoint_named({n: p.detach() for n, p in rollout.model.named_parameters()}, "qwen3_moe")
     assert exported.keys() <= engine.keys()
