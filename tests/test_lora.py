@@ -193,11 +193,12 @@ def _steps(session: RLSession, steps: range) -> list[dict]:
     return out
 
 
-def test_a_lora_run_moves_only_the_adapter_and_resumes_exactly(tmp_path):
+def test_a_lora_run_moves_only_the_adapter_and_resumes_exactly(tmp_path, monkeypatch):
     """A LoRA run with Ray workers (train rank and embedded rollout worker in their own actors): each sync moves
     the adapter alone (a small share of the weights' bytes) and stamps its version on the next samples; the
     rollout engine's weights are then the base with that adapter merged, the same numbers as the checkpoint's
-    merged model/; a session resumed from the checkpoint runs the next step exactly as the uninterrupted one."""
+    merged model/; a session resumed from the checkpoint pushes that checkpoint's adapter, not fresh ones
+    first, and runs the next step exactly as the uninterrupted one."""
     raw = small_recipe(tmp_path, train={"steps": 3, "threads": 1, "lr": 5e-2, "lora": {"rank": 4, "alpha": 8}},
                        weight_sync={"transport": "adapter", "disk_dir": str(tmp_path / "sync")}, eval={"every": 0},
                        cluster={"use_ray": True, "num_cpus": 2, "cpus_per_worker": 0.5})
@@ -221,10 +222,15 @@ def test_a_lora_run_moves_only_the_adapter_and_resumes_exactly(tmp_path):
         uninterrupted = _steps(session, range(2, 3))
     finally:
         session.shutdown()
+    pushed = []  # versions the adapter transport pushes from here on
+    transport = type(session.weight_transport)
+    real_push = transport.push
+    monkeypatch.setattr(transport, "push", lambda self, version: pushed.append(version) or real_push(self, version))
     resumed = RLSession.create(cfg, model, use_ray=True)
     try:
         resumed.load(tmp_path / "ckpt", state)
         assert _steps(resumed, range(2, 3)) == uninterrupted
+        assert pushed == [2, 3]  # the checkpoint's adapter, then step 2's sync
     finally:
         resumed.shutdown()
         ray.shutdown()

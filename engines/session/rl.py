@@ -100,6 +100,7 @@ class RLSession:
         self.rollout_fn = load_rollout_fn(cfg.rollout.fn)
         self._fn_tokenizer = load_tokenizer(model_path)  # rollout functions' own: HF tokenizers are not thread-safe
         self.runner: RolloutRunner | None = None  # runs rollout_fn against the router (set by create)
+        self._fresh_adapter_due = False  # LoRA: fresh adapters still to push before the first generation
         data, options = cfg.data, cfg.storage.fsspec_options
         train_rows = load_prompts(data.train_path, data.prompt_key, data.label_key, options(data.train_path))
         self.prompts = PromptSource(train_rows, cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle,
@@ -158,8 +159,9 @@ class RLSession:
             session.runner = RolloutRunner(session.rollout_fn, session.router.url, session.server_urls,
                                            workers.control_token, batched=session.router.kind != "sglang-router",
                                            adapter=LoraConfig.ADAPTER_NAME if lora else None)
-            if lora and session.weight_transport is not None:  # fresh adapters (B = 0): what the base computes
-                session.weight_transport.update(session.weight_version)
+            # LoRA: requests name the adapter, so the engines need one before they generate: fresh adapters
+            # (B = 0, what the base computes) go out before the first generation, unless a checkpoint's come first
+            session._fresh_adapter_due = lora and session.weight_transport is not None
         return session
 
     def shutdown(self) -> None:
@@ -184,6 +186,7 @@ class RLSession:
             return self.replay_rollout(step)
         t0 = time.perf_counter()
         metrics = self.replace_dead_rollout_workers()
+        self._serve_fresh_adapter()
         self.gpu.for_rollout()
         if self.cfg.rollout.dynamic_sampling.enabled:
             prompts, groups, metrics = self._dynamic_groups(step)
@@ -533,6 +536,7 @@ class RLSession:
             if paused:
                 self.rollout_group.call(RolloutBackend.continue_generation)
         self.weight_version = version
+        self._fresh_adapter_due = False  # the trained adapter is served
         dt = time.perf_counter() - t0
         self.gpu.for_rollout()  # ... and the weights after: evaluation and the next rollout get the memory
         return {"sync/weight_version": float(version), "sync/bytes": float(nbytes),
@@ -544,6 +548,7 @@ class RLSession:
         if not rows:
             return {}, []
         self.replace_dead_rollout_workers()
+        self._serve_fresh_adapter()
         self.gpu.for_rollout()
         prompts = self._prompt_samples(rows, 1, 2**62 + self._seed(step))  # seeds apart from training's
         groups = self.runner.run(prompts, self._sampling(self.cfg.eval.temperature))
@@ -621,6 +626,13 @@ class RLSession:
         self.kl_coef = controller_state.get("kl_coef", self.cfg.algorithm.kl_coef)
         if self.weight_transport is not None:
             self.weight_transport.resend(self.weight_version)
+            self._fresh_adapter_due = False  # the checkpoint's adapter is served
+
+    def _serve_fresh_adapter(self) -> None:
+        """A LoRA run's first generation: push the fresh adapters (once; a resumed run's load pushed its own)."""
+        if self._fresh_adapter_due:
+            self._fresh_adapter_due = False
+            self.weight_transport.update(self.weight_version)
 
     # ---- trace timeline ------------------------------------------------------------------------------
     def stage_span(self, stage: str, step: int) -> AbstractContextManager[None]:
