@@ -8,8 +8,8 @@ released/resumed `.data`) are seen here with no extra step (a graph is captured 
 Where the weights lie in one flat buffer in `fusable_order` (the rollout worker's on GPU), q/k/v and gate/up
 run as one GEMM each over views of that memory: at decode batch sizes the projections are small GEMMs whose
 launch and tail costs add up, and a fused view costs nothing to keep current.
-An MoE layer's block runs as HF's own module (router, top-k, experts): its per-expert token selection depends on
-the data, so a model with MoE layers decodes without CUDA graphs (`graph_safe`).
+An MoE layer's block runs as HF's own module (router, top-k, experts), and a model with MoE layers decodes
+without CUDA graphs (`graph_safe`).
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ class DecoderLM:
 
     @property
     def graph_safe(self) -> bool:
-        """Whether a decode step can be captured as a CUDA graph: not with MoE layers, whose experts run on
-        the tokens routed to them (data-dependent shapes, host syncs)."""
+        """Whether a decode step is captured as a CUDA graph: not with MoE layers. HF's experts run on the tokens
+        routed to them, and whether its implementations (an eager loop over the experts hit, or grouped_mm)
+        capture and replay correctly has not been checked on a GPU here."""
         return not any(_is_moe_block(layer.mlp) for layer in self.model.model.layers)
 
     @property

@@ -408,8 +408,9 @@ class ContinuousBatchEngine:
             self._cache = self.lm.new_cache(self.max_running, self.max_len, self.num_pages, self.kv.page_size)
             self._logits = torch.empty(self.max_running, self.lm.vocab_size, dtype=self.lm.dtype,
                                        device=self.lm.device)
-            graphs = self._overlap and self.lm.graph_safe  # MoE layers: no CUDA graphs
-            self._runner = DecodeRunner(self.lm, self._cache, self._logits, graphs=graphs, compile=self.compile)
+            graphs = self._overlap and self.lm.graph_safe  # MoE layers: neither CUDA graphs nor a compiled step
+            self._runner = DecodeRunner(self.lm, self._cache, self._logits, graphs=graphs,
+                                        compile=self.compile and graphs)
             self._free = list(range(self.max_running))
 
     def _admit(self) -> None:

@@ -83,6 +83,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         params = dict(self.model.named_parameters())
         self.params = {n: params[n] for n in fusable_order(list(params))}
         self._shapes = {n: p.shape for n, p in self.params.items()}  # kept: released weights are empty tensors
+        self._targets: tuple[tuple[int, ...], dict[str, torch.Tensor]] | None = None  # weight_targets' cache
         # on GPU the weights are one buffer in that order: syncs fill slices of it, q/k/v and gate/up run as one GEMM
         self.flat = device == "cuda"
         if self.flat:
@@ -133,14 +134,21 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             self._refuse_under_adapter("update_weights")
             t0 = time.perf_counter()
             self.resume_memory_occupation()
-            targets = self.params
+            targets = self.weight_targets()
             for name, tensor in named_tensors:
-                if name not in targets and targets is self.params:  # checkpoint names of stacked MoE experts
-                    targets = self.params | checkpoint_named(self.params, self.model.config.model_type)
                 if name not in targets:
                     raise KeyError(f"update_weights: unknown parameter {name!r}")
                 targets[name].copy_(tensor.to(targets[name].dtype))
             return self._weights_updated(self.weight_version if version is None else version, t0)
+
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """Every name a weight update may use, to the tensor it writes: the parameters, and an MoE model's
+        experts under their checkpoint names (views of transformers' stacked tensors, engines/models/moe.py).
+        Built again only when the weights move (a release and resume, or the flat buffer)."""
+        at = tuple(p.data_ptr() for p in self.params.values())
+        if self._targets is None or self._targets[0] != at:
+            self._targets = at, self.params | checkpoint_named(self.params, self.model.config.model_type)
+        return self._targets[1]
 
     def update_weights_from_store(self, storage: StorageConfig, run: str, version: int, index: int) -> int:
         """Load bucket `index` of weight version `version` from the run store (the `store` transport)."""
@@ -183,7 +191,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             self._refuse_under_adapter("update_weights_from_nccl")
             t0 = time.perf_counter()
             self.resume_memory_occupation()
-            self._nccl.receive(self.params | checkpoint_named(self.params, self.model.config.model_type), buckets)
+            self._nccl.receive(self.weight_targets(), buckets)
             return self._weights_updated(version, t0)
 
     def release_memory_occupation(self) -> None:
@@ -311,10 +319,11 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
     def named_tensors(self, names: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
         """The weights generation uses now (all, or the named ones), HF-named, copied to the CPU: tests compare
         them across transports, and the weight-sync benchmark a few of them with the trainer's."""
-        unknown = [n for n in names or () if n not in self.params]
+        targets = self.weight_targets()
+        unknown = [n for n in names or () if n not in targets]
         if unknown:
             raise KeyError(f"named_tensors: unknown parameter(s) {unknown[:3]}")
-        return [(n, self.params[n].detach().cpu().clone()) for n in (names or self.params)]
+        return [(n, targets[n].detach().cpu().clone()) for n in (names or self.params)]
 
     # ---- generation ----------------------------------------------------------------------------------
     def requests(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,

@@ -24,6 +24,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import Counter
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -155,6 +156,9 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train))
         # colocated: what offload() parked in host memory while the rollout engine has the GPU
         self._parked_weights, self._parked_optimizer = HostParking(), HostParking()
+        # named_tensors: sent name -> module parameter, and the last stacked MoE parameter it gathered
+        self._source: dict[str, str] | None = None
+        self._stacked: tuple[tuple[str, str], str, torch.Tensor | None] | None = None
 
     # ---- forward -------------------------------------------------------------------------------------
     def _forward(self, lm: PackedLM, mb: TrainBatch, with_entropy: bool, temperature: float | None = None
@@ -300,6 +304,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
                 metric_sums[k] = metric_sums.get(k, 0.0) + v.cpu()
         grad_norm = fsdp.grad_norm(list(self.model.parameters()), self.cfg.grad_clip)
         self.optimizer.step()
+        self._forget_gathered()
         keys = sorted(metric_sums)
         reduced = self._all_reduce(torch.stack([metric_sums[k] for k in keys])) if keys else torch.zeros(0)
         out = dict(zip(keys, reduced, strict=True))
@@ -341,25 +346,55 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         turn)."""
         self._resident("named_tensors")
         params = dict(self.model.named_parameters())
-        names = names or list(self._sent_names(params))
-        # MoE experts go by their checkpoint names (engines/models/moe.py): each stacked parameter is gathered
-        # once and cut into the experts asked for
-        shapes = {name: torch.empty(p.shape, device="meta") for name, p in params.items()}
-        source = {sent: name for name, t in shapes.items() for sent in self._sent_names({name: t})}
+        source = self._sent_source()
+        names = names or list(source)
         unknown = [n for n in names if n not in source]
         if unknown:
             raise KeyError(f"named_tensors: not a weight of this model: {unknown[:5]}")
-        gathered = dict(fsdp.gather(params, list(dict.fromkeys(source[n] for n in names)), keep=self.rank == 0,
-                                    dtype=dtype, device=device))
+        return self._gather_sent(params, names, dtype, device)
+
+    def _gather_sent(self, params: dict[str, torch.nn.Parameter], names: list[str], dtype: torch.dtype | None,
+                     device: torch.device | str) -> list[tuple[str, torch.Tensor]]:
+        """Gather the module parameters the sent `names` come from (collective) and cut them into those names.
+        A stacked MoE parameter is cut into many sent tensors, which a sync asks for over several buckets: the
+        last one gathered is kept for the next call (every rank decides alike: gathering is collective) until
+        the weights change or move (`_forget_gathered`)."""
+        source, pieces = self._sent_source(), self._pieces()
+        modules = list(dict.fromkeys(source[n] for n in names))
+        key = (str(dtype), str(device))
+        kept = self._stacked if self._stacked is not None and self._stacked[0] == key else None
+        todo = [m for m in modules if kept is None or m != kept[1]]
+        gathered = dict(fsdp.gather(params, todo, keep=self.rank == 0, dtype=dtype, device=device))
+        if kept is not None and kept[1] in modules:
+            gathered[kept[1]] = kept[2]
+        stacked = [m for m in modules if pieces[m] > 1]
+        if stacked:
+            self._stacked = key, stacked[-1], gathered.get(stacked[-1])
         if self.rank != 0:
             return []
         sent = self._sent_names(gathered)
-        return [(n, sent[n]) for n in names]
+        # an expert's slice is copied out: a view would carry its whole stacked tensor wherever it is pickled
+        return [(n, sent[n].clone() if pieces[source[n]] > 1 else sent[n]) for n in names]
+
+    def _forget_gathered(self) -> None:
+        """The weights change (a step, a load) or leave the GPU (offload): drop the kept stacked parameter."""
+        self._stacked = None
 
     def _sent_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`tensors` by module name under the names a weight sync sends: the checkpoint's (stacked MoE experts
         as per-expert views, what SGLang and the Megatron backend use); other models' names unchanged."""
         return checkpoint_named(tensors, self.model.config.model_type)
+
+    def _sent_source(self) -> dict[str, str]:
+        """Sent name -> the module parameter it comes from (built once: the shapes do not change)."""
+        if self._source is None:
+            self._source = {sent: name for name, p in self.model.named_parameters()
+                            for sent in self._sent_names({name: torch.empty(p.shape, device="meta")})}
+        return self._source
+
+    def _pieces(self) -> Counter[str]:
+        """How many sent tensors each module parameter is cut into (stacked MoE experts: several)."""
+        return Counter(self._sent_source().values())
 
     def put_weights_to_store(
         self, storage: StorageConfig, run: str, version: int, index: int, names: list[str]
@@ -480,6 +515,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         store's folder `path`). A rank the checkpoint had no rank of keeps its own RNG (the train step draws
         no random numbers) and takes rank 0's schedule (the same on every rank)."""
         self._resident("load", optimizer=True)
+        self._forget_gathered()
         own = f"trainer_rank{self.rank}.json"
         adapters_only = self.lora is not None
         if storage is not None:
@@ -515,6 +551,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         the last step's: the next step zeroes them before it accumulates, so dropping them loses nothing. Only
         state on the run's device moves (train.cpu_offload keeps it on the host already). Idempotent."""
         t0 = time.perf_counter()
+        self._forget_gathered()
         self.optimizer.zero_grad(set_to_none=True)
         lms = [lm for lm in (self.lm, self.ref_lm) if lm is not None]
         for lm in lms:
