@@ -113,7 +113,7 @@ def build_model(spec: ModelSpec, config: TransformerConfig, use_te: bool, attent
 def _define_te_gemm_when_missing() -> None:
     """megatron-core 0.16's MoE router tests `te_general_gemm is not None`, a name its module defines only when
     Transformer Engine imports: without TE the router raises NameError. None is what it means there."""
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils  # MoE models only: dense runs never import it
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
