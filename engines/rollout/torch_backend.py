@@ -145,7 +145,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         """Every name a weight update may use, to the tensor it writes: the parameters, and an MoE model's
         experts under their checkpoint names (views of transformers' stacked tensors, engines/models/moe.py).
         Built again only when the weights move (a release and resume, or the flat buffer)."""
-        at = tuple(p.data_ptr() for p in self.params.values())
+        at = self.engine.lm.weight_pointers()
         if self._targets is None or self._targets[0] != at:
             self._targets = at, self.params | checkpoint_named(self.params, self.model.config.model_type)
         return self._targets[1]

@@ -136,7 +136,7 @@ def save_optimizer(optimizer: Any, exporter: WeightExporter, folder: Path, rank:
     for old in folder.glob(f"optimizer-{rank}-*{SUFFIX}"):  # an earlier save's files into the same folder
         old.unlink()
     out: dict[str, torch.Tensor] = {}
-    files = 0
+    files, nbytes = 0, 0
     for rule, p in _held(exporter.rules, exporter.params):
         state, group = view.states.get(p), view.split.get(p)
         for kind in kinds:
@@ -150,9 +150,10 @@ def save_optimizer(optimizer: Any, exporter: WeightExporter, folder: Path, rank:
             full = exporter.to_hf(rule, whole.view(p.shape))
             if writer:
                 out |= {f"{name}:{kind}": t.cpu().contiguous() for name, t in zip(rule.hf, full, strict=True)}
-        if sum(t.numel() * t.element_size() for t in out.values()) >= MAX_FILE_BYTES:
+                nbytes += sum(t.numel() * t.element_size() for t in full)
+        if nbytes >= MAX_FILE_BYTES:
             save_file(out, str(folder / f"optimizer-{rank}-{files}{SUFFIX}"))
-            out, files = {}, files + 1
+            out, files, nbytes = {}, files + 1, 0
     if out:
         save_file(out, str(folder / f"optimizer-{rank}-{files}{SUFFIX}"))
     return step
