@@ -276,6 +276,11 @@ GPU = {"train": {"device": "cuda", "steps": 3, "threads": 1}, "cluster": {"use_r
          r"cluster\.colocate: asynchronous training \(rollout\.max_staleness: 1\) needs separate GPUs"),
         ({**GPU, "train": {**GPU["train"], "offload_during_rollout": True}},
          r"train\.offload_during_rollout: .* needs cluster\.colocate: true"),
+        ({**GPU, "train": {**GPU["train"], "num_workers": 2}, "rollout": {"num_workers": 2},
+          "weight_sync": {"transport": "nccl"}}, r"nccl sends train rank 0's whole parameters.* use 'distributed'"),
+        ({**GPU, "train": {**GPU["train"], "cpu_offload": True}, "cluster": {"use_ray": True, "colocate": True},
+          "weight_sync": {"transport": "cuda_ipc"}}, r"cuda_ipc reads the trainer's weights on its GPU; with "
+                                                     r"train\.cpu_offload"),
     ],
 )
 def test_placement_and_gpu_transports_name_the_field(tmp_path, sections, problem):
@@ -295,6 +300,11 @@ def test_gpu_placement_recipes_load(tmp_path):
         tmp_path, train={**GPU["train"], "offload_during_rollout": False}, cluster={"use_ray": True, "colocate": True}
     )))
     assert not kept.offloads_trainer
+    sharded = load_recipe(write(tmp_path, small_recipe(  # verl's colocated layout: every GPU trains and generates
+        tmp_path, train={**GPU["train"], "num_workers": 2}, rollout={"num_workers": 2},
+        cluster={"use_ray": True, "colocate": True}, weight_sync={"transport": "cuda_ipc"}
+    )))
+    assert sharded.train.num_workers == sharded.rollout.num_workers == 2
     split = load_recipe(write(tmp_path, small_recipe(
         tmp_path, **GPU, rollout={"precision": "bf16", "max_staleness": 1}, weight_sync={"transport": "nccl"}
     )))

@@ -202,3 +202,33 @@ def test_weights_for_a_sync_are_gathered_in_the_sent_dtype(tiny_model_dir, ray_c
     assert got.keys() == full.keys()
     assert all(got[n].dtype == torch.bfloat16 and torch.equal(got[n], full[n].to(torch.bfloat16)) for n in full)
     two.shutdown()
+
+
+def test_colocated_ranks_stage_each_bucket_for_their_own_engine(tiny_model_dir, batch, ray_cluster, tmp_path):
+    """cuda_ipc with FSDP2 over 2 ranks (verl's colocated layout): each rank gathers a bucket into its staging
+    buffer and its own rollout worker copies it out, bucket by bucket, so both engines end with the trainer's
+    weights after a step. On the CPU the buffer is shared through a shared-memory file instead of CUDA IPC (no
+    GPU here); the gather, the packing and both workers' calls are the GPU path's."""
+    from rlflow.engines.core.config import config_from_dict
+    from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+    from rlflow.engines.sync.base import WeightSource
+    from rlflow.engines.sync.cuda_ipc import CudaIpcTransport
+    from tests.conftest import small_recipe
+
+    two = _ranks(tiny_model_dir, TrainConfig(threads=1, lr=1e-3), 2, "staged-train")
+    engines = RayWorkerGroup(TorchRolloutBackend, 2, lambda r: dict(model_path=tiny_model_dir, threads=1, rank=r),
+                             num_cpus=0.25, name="staged-rollout")
+    cfg = config_from_dict(small_recipe(tmp_path))  # the transport reads rollout.precision (fp32) from it
+    source = WeightSource(two, bucket_bytes=8 * 1024, collective=True)
+    transport = CudaIpcTransport(cfg, source, engines)
+    assert len(source.buckets()) > 2  # several buckets through one staging buffer
+    for version in (1, 2):
+        _step(two, batch, 2)
+        want = dict(two.wait(two.submit(TrainBackend.named_tensors))[0])
+        assert not all(torch.equal(t, want[n]) for n, t in engines.call_rank0(TorchRolloutBackend.named_tensors))
+        transport.update(version)
+        for got in engines.call(TorchRolloutBackend.named_tensors):
+            assert dict(got).keys() == want.keys()
+            assert all(torch.equal(t, want[n]) for n, t in got)
+    two.shutdown()
+    engines.shutdown()

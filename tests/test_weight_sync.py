@@ -195,3 +195,24 @@ def test_rollout_named_tensors_gives_the_named_ones_and_names_an_unknown_one(tin
             rollout.named_tensors(["no.such.weight"])
     finally:
         rollout.close()
+
+
+def test_a_staged_bucket_unpacks_into_its_targets_and_a_shape_mismatch_fails():
+    """cuda_ipc's staging buffer (a sharded trainer): tensors packed one after the other come out as views of the
+    same values and shapes; a receiver whose weights hold a different number of elements refuses the bucket
+    instead of loading shifted weights."""
+    from rlflow.engines.sync.cuda_ipc import pack, unpack_plan
+
+    buf = torch.zeros(64)
+    sent = {"a": torch.randn(3, 4), "b": torch.randn(5)}
+    assert pack(buf, list(sent.values())) == 17
+    targets = {n: torch.empty_like(t) for n, t in sent.items()}
+    dst, src = unpack_plan(buf, targets, ["a", "b"], 17)
+    torch._foreach_copy_(dst, src)
+    assert all(torch.equal(targets[n], t) for n, t in sent.items())
+    with pytest.raises(ValueError, match="disagree on the weights' shapes"):
+        unpack_plan(buf, {"a": torch.empty(3, 4), "b": torch.empty(6)}, ["a", "b"], 17)
+    with pytest.raises(KeyError, match="unknown parameter"):
+        unpack_plan(buf, targets, ["a", "c"], 17)
+    with pytest.raises(ValueError, match="does not fit the staging buffer"):
+        pack(torch.zeros(10), list(sent.values()))

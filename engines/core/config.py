@@ -1056,7 +1056,9 @@ class WeightSyncConfig(Section):
         "it (SGLang's /update_weights_from_disk). "
         "distributed: every rollout server joins a process group with train rank 0 and receives its broadcasts "
         "(SGLang's /init_weights_update_group and /update_weights_from_distributed; gloo on CPU, NCCL on GPUs). "
-        "cuda_ipc (colocated GPUs): rollout workers copy straight from their train worker's parameters. "
+        "cuda_ipc (colocated GPUs): rollout workers copy straight from their train worker's parameters; with "
+        "train.num_workers > 1 (FSDP2 shards) every rank gathers each bucket into a buffer its colocated rollout "
+        "worker maps, and that worker copies it out. "
         "nccl (separate GPUs, embedded engine): train rank 0 broadcasts buckets to the rollout workers over NCCL "
         "(over gloo when both sides are on the CPU). "
         "adapter (train.lora): rank 0 writes the LoRA adapter in PEFT's format into a folder per version under "
@@ -1293,10 +1295,14 @@ class RLConfig(Section):
             if self.train.backend != "torch":
                 raise ValueError(f"weight_sync.transport: {transport} works with train.backend 'torch'; "
                                  "use 'ray' or 'store' with megatron")
-            if self.train.num_workers > 1 or self.train.cpu_offload:
-                raise ValueError(f"weight_sync.transport: {transport} reads train rank 0's whole parameters on its "
-                                 "GPU; with train.num_workers > 1 (FSDP2 shards them) or train.cpu_offload use "
-                                 "'distributed' (NCCL broadcast of gathered buckets) instead")
+            if self.train.cpu_offload:
+                raise ValueError(f"weight_sync.transport: {transport} reads the trainer's weights on its GPU; with "
+                                 "train.cpu_offload they live on the host: use 'distributed' (NCCL broadcast of "
+                                 "gathered buckets) instead")
+            if transport == "nccl" and self.train.num_workers > 1:
+                raise ValueError("weight_sync.transport: nccl sends train rank 0's whole parameters; with "
+                                 "train.num_workers > 1 (FSDP2 shards them) use 'distributed' (NCCL broadcast of "
+                                 "gathered buckets) instead")
         if transport == "distributed":
             if self.rollout_device == "cuda" and self.train.device != "cuda":
                 raise ValueError("weight_sync.transport: distributed with rollout.device 'cuda' broadcasts over "

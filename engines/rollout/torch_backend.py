@@ -36,7 +36,7 @@ from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Gene
 from rlflow.engines.rollout.http_api import auth_headers
 from rlflow.engines.rollout.lora import LoraLimits, MergedAdapter, host_copy, read_adapter
 from rlflow.engines.rollout.server import RolloutServer
-from rlflow.engines.sync.cuda_ipc import copy_plan, open_ipc_handles
+from rlflow.engines.sync.cuda_ipc import copy_plan, open_ipc_handles, open_staging, unpack_plan
 from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
 from rlflow.engines.sync.endpoints import (
     AdapterReceiver,
@@ -84,6 +84,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         self.params = {n: params[n] for n in fusable_order(list(params))}
         self._shapes = {n: p.shape for n, p in self.params.items()}  # kept: released weights are empty tensors
         self._targets: tuple[tuple[int, ...], dict[str, torch.Tensor]] | None = None  # weight_targets' cache
+        self._staging: torch.Tensor | None = None  # a sharded colocated trainer's buffer (cuda_ipc)
         # on GPU the weights are one buffer in that order: syncs fill slices of it, q/k/v and gate/up run as one GEMM
         self.flat = device == "cuda"
         if self.flat:
@@ -181,6 +182,25 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
                 self._ipc_copy = copy_plan(self.params, self._ipc_sources)
             self._ipc_copy()
             torch.cuda.synchronize()  # the trainer may step again as soon as this returns
+            return self._weights_updated(version, t0)
+
+    def attach_ipc_staging(self, handle: tuple) -> None:
+        """cuda_ipc with a sharded trainer: map the colocated rank's staging buffer; each bucket lands there."""
+        self._staging = open_staging(handle, sync_device(self.device))
+
+    @torch.no_grad()
+    def update_weights_from_staging(self, names: list[str], numel: int, version: int) -> int:
+        """One bucket of a sharded trainer's cuda_ipc sync: copy these weights out of the staging buffer."""
+        with self._between_steps():
+            self._refuse_under_adapter("update_weights_from_staging")
+            t0 = time.perf_counter()
+            if self._staging is None:
+                raise RuntimeError("update_weights_from_staging: no staging buffer mapped (attach_ipc_staging)")
+            self.resume_memory_occupation()
+            dst, src = unpack_plan(self._staging, self.weight_targets(), names, numel)
+            torch._foreach_copy_(dst, src)
+            if self._staging.is_cuda:
+                torch.cuda.synchronize()  # the trainer packs the next bucket as soon as this returns
             return self._weights_updated(version, t0)
 
     def nccl_connect(self, host: str, port: int, rank: int, world_size: int) -> None:

@@ -58,11 +58,27 @@ class AdapterReceiver(Protocol):
 class IpcSender(Protocol):
     def cuda_ipc_handles(self) -> list[tuple[str, tuple]]: ...
 
+    def cuda_ipc_staging(self, numel: int, dtype: str) -> tuple:
+        """A sharded trainer: allocate this rank's staging buffer (`numel` elements of the rollout dtype) and
+        return the handle its colocated rollout worker maps (engines/sync/cuda_ipc.py)."""
+        ...
+
+    def stage_weights(self, names: list[str]) -> int:
+        """Gather these HF-named weights (collective: every rank joins and keeps them) into this rank's staging
+        buffer, one after the other; returns the elements written, once they are on the GPU."""
+        ...
+
 
 class IpcReceiver(Protocol):
     def attach_ipc(self, handles: list[tuple[str, tuple]]) -> None: ...
 
     def update_weights_from_ipc(self, version: int) -> int: ...
+
+    def attach_ipc_staging(self, handle: tuple) -> None: ...
+
+    def update_weights_from_staging(self, names: list[str], numel: int, version: int) -> int:
+        """Copy these weights out of the mapped staging buffer (`numel` elements, as the trainer packed them)."""
+        ...
 
 
 class NcclSender(Protocol):

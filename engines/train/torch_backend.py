@@ -48,7 +48,7 @@ from rlflow.engines.models.hf import DTYPES, load_model, load_value_model
 from rlflow.engines.models.moe import checkpoint_named
 from rlflow.engines.models.packed import PackedLM, PackedRows
 from rlflow.engines.store.run_store import RunStore
-from rlflow.engines.sync.cuda_ipc import export_ipc_handles
+from rlflow.engines.sync.cuda_ipc import allocate_staging, export_ipc_handles, pack
 from rlflow.engines.sync.distributed import DistributedWeightSender
 from rlflow.engines.sync.endpoints import AdapterSender, GpuLinkProbe, IpcSender, NcclSender, StoreSender
 from rlflow.engines.sync.gpu import device_copy_bandwidth, sync_device
@@ -158,7 +158,8 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         self._parked_weights, self._parked_optimizer = HostParking(), HostParking()
         # named_tensors: sent name -> module parameter, and the last stacked MoE parameter it gathered
         self._source: dict[str, str] | None = None
-        self._stacked: tuple[tuple[str, str], str, torch.Tensor | None] | None = None
+        self._stacked: tuple[tuple[str, str, bool], str, torch.Tensor | None] | None = None
+        self._staging: torch.Tensor | None = None  # cuda_ipc over several ranks (cuda_ipc_staging)
 
     # ---- forward -------------------------------------------------------------------------------------
     def _forward(self, lm: PackedLM, mb: TrainBatch, with_entropy: bool, temperature: float | None = None
@@ -354,23 +355,25 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         return self._gather_sent(params, names, dtype, device)
 
     def _gather_sent(self, params: dict[str, torch.nn.Parameter], names: list[str], dtype: torch.dtype | None,
-                     device: torch.device | str) -> list[tuple[str, torch.Tensor]]:
-        """Gather the module parameters the sent `names` come from (collective) and cut them into those names.
-        A stacked MoE parameter is cut into many sent tensors, which a sync asks for over several buckets: the
-        last one gathered is kept for the next call (every rank decides alike: gathering is collective) until
-        the weights change or move (`_forget_gathered`)."""
+                     device: torch.device | str, every_rank: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """Gather the module parameters the sent `names` come from (collective) and cut them into those names,
+        at rank 0 (`every_rank`: at every rank, [] elsewhere). A stacked MoE parameter is cut into many sent
+        tensors, which a sync asks for over several buckets: the last one gathered is kept for the next call
+        (every rank decides alike: gathering is collective) until the weights change or move
+        (`_forget_gathered`)."""
         source, pieces = self._sent_source(), self._pieces()
         modules = list(dict.fromkeys(source[n] for n in names))
-        key = (str(dtype), str(device))
+        key = (str(dtype), str(device), every_rank)
+        keep = every_rank or self.rank == 0
         kept = self._stacked if self._stacked is not None and self._stacked[0] == key else None
         todo = [m for m in modules if kept is None or m != kept[1]]
-        gathered = dict(fsdp.gather(params, todo, keep=self.rank == 0, dtype=dtype, device=device))
+        gathered = dict(fsdp.gather(params, todo, keep=keep, dtype=dtype, device=device))
         if kept is not None and kept[1] in modules:
             gathered[kept[1]] = kept[2]
         stacked = [m for m in modules if pieces[m] > 1]
         if stacked:
             self._stacked = key, stacked[-1], gathered.get(stacked[-1])
-        if self.rank != 0:
+        if not keep:
             return []
         sent = self._sent_names(gathered)
         # an expert's slice is copied out: a view would carry its whole stacked tensor wherever it is pickled
@@ -418,6 +421,25 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         """Handles of this worker's parameters for its colocated rollout worker (shared once, copied each sync)."""
         torch.cuda.synchronize()
         return export_ipc_handles(list(self._whole_parameters("cuda_ipc").items()))
+
+    def cuda_ipc_staging(self, numel: int, precision: str) -> tuple:
+        """A sharded trainer's side of cuda_ipc: this rank's staging buffer, shared once with its rollout worker."""
+        path = f"/dev/shm/rlflow-staging-{os.getpid()}-{self.rank}"  # used on the CPU (tests) only
+        self._staging, handle = allocate_staging(numel, precision, sync_device(self.device), path)
+        return handle
+
+    def stage_weights(self, names: list[str]) -> int:
+        """Every rank gathers these weights (cast to the staging dtype before the all-gather) and packs them into
+        its staging buffer; returns once they are there (collective)."""
+        self._resident("weight sync (cuda_ipc)")
+        if self._staging is None:
+            raise RuntimeError("stage_weights: no staging buffer; the cuda_ipc transport calls cuda_ipc_staging first")
+        params = dict(self.model.named_parameters())
+        tensors = self._gather_sent(params, names, self._staging.dtype, self._staging.device, every_rank=True)
+        numel = pack(self._staging, [t for _, t in tensors])
+        if self._staging.is_cuda:
+            torch.cuda.synchronize()  # the rollout worker reads the buffer as soon as this returns
+        return numel
 
     def nccl_connect(self, host: str, port: int, world_size: int, rollout_precision: str) -> None:
         self._nccl = NcclChannel(host, port, 0, world_size, sync_device(self.device))
