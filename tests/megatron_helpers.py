@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-from rlflow.engines.core.batch import TrainBatch, pack_samples, shard_for_workers
+from rlflow.engines.core.batch import TrainBatch, pack_samples, select, shard_for_workers
 from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig, TrainConfig
 
 FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mixtral": MixtralConfig,
@@ -135,7 +135,6 @@ def uneven_expert_parallel_worker(rank: int, world: int, model_dir: str, url: st
     differ in length like this). Writes its shard's logprobs and its train step's metrics to `out`.<rank>.json."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from rlflow.engines.core.batch import select
     from rlflow.engines.train.megatron.backend import MegatronTrainBackend
 
     mcfg = MegatronConfig(expert_parallel=2, packing=packing)

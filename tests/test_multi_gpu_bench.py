@@ -129,6 +129,7 @@ def test_e2e_grpo_smoke_runs_the_cpu_modes(tmp_path):
         assert m["steps"] == 3 and m["staleness_max"] <= bound and m["tokens_per_s"] > 0
 
 
+@pytest.mark.slow  # ~50 s on 2 CPU cores: 4 runs of 2 spawned ranks, each importing megatron-core
 def test_megatron_multi_gpu_smoke_moe_runs_expert_parallel(tmp_path):
     """--smoke --shape moe: the toy Qwen3-MoE on 2 gloo ranks, data parallel (tp1) and expert parallel (ep2: each
     rank holds 2 of the 4 experts, tokens reach the other rank's by all-to-all): the same fp32 log-probs, and bf16
