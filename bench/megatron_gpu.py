@@ -54,6 +54,11 @@ MODEL_MOE = dict(arch="qwen3_moe", vocab_size=151936, hidden_size=2048, intermed
 SHAPES = {"0.5b": MODEL_05B, "1.5b": MODEL_15B, "moe": MODEL_MOE}
 MODEL_SMOKE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+# the MoE layers of MODEL_MOE at toy size (Qwen3-MoE, 4 experts of width 32, top-2, renormalised): CPU smoke runs
+MODEL_SMOKE_MOE = dict(arch="qwen3_moe", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, norm_topk_prob=True, max_position_embeddings=256,
+                       tie_word_embeddings=False)
 SECTIONS = ("parity", "sort", "throughput", "layouts", "layers")
 
 

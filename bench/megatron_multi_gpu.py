@@ -5,10 +5,16 @@
         --out bench/results/megatron_multi_gpu_7b_parity.json
     PYTHONUNBUFFERED=1 python -m bench.megatron_multi_gpu --shape 7b --sections throughput --layouts tp2,pp2 \\
         --micro-batch-tokens 4096 --timeout 270 --out bench/results/megatron_multi_gpu_7b.json
+    PYTHONUNBUFFERED=1 python -m bench.megatron_multi_gpu --shape moe --gpus 4 --layouts tp1,ep2,ep4 \\
+        --sections parity,throughput --out bench/results/megatron_multi_gpu_moe.json
     python -m bench.megatron_multi_gpu --smoke --out /tmp/megatron_multi_gpu_smoke.json   # CPU, gloo
+    python -m bench.megatron_multi_gpu --smoke --shape moe --layouts tp1,ep2 --out /tmp/moe_smoke.json  # CPU
 
-Every layout (--layouts, default tp1,tp2,pp2) runs on the same --gpus ranks (default 2): tp1 is data parallel
-over all of them, tp2 one tensor-parallel pair per data-parallel rank, pp2 two pipeline stages. Each (layout,
+Every layout (--layouts, default tp1,tp2,pp2; tp<N>pp<M>ep<E>, a missing part 1) runs on the same --gpus ranks
+(default 2): tp1 is data parallel over all of them, tp2 one tensor-parallel pair per data-parallel rank, pp2 two
+pipeline stages, ep<E> (MoE shapes) expert parallel: the dp = gpus / (tp x pp) data-parallel ranks, each with its
+own shard of the batch, split every layer's experts E ways (E must divide dp and the number of experts) and send
+each token to its experts' rank by all-to-all; the rest of the model stays replicated over dp. Each (layout,
 section) runs in fresh processes (bench/ranks.py: rank r on GPU r, a time limit, a rank out of memory recorded as
 the result and the others stopped), nccl on GPUs, gloo on CPUs, the same code:
 - parity: MegatronTrainBackend with train.precision fp32 computes the per-token log-probs of one small batch
@@ -20,7 +26,10 @@ the result and the others stopped), nccl on GPUs, gloo on CPUs, the same code:
   group the same one, as the RL session feeds them), one warm-up step then the median of --steps; useful tokens/s
   in all and per GPU, MFU on useful tokens (train_scale.flops_per_step over N x the dense bf16 peak, H100 989
   TFLOP/s), peak memory per rank.
-Shapes: --shape 1.5b (Qwen2-1.5B dims, default) or 7b (Qwen2.5-7B dims), random weights. Memory of the 7B in
+Shapes: --shape 1.5b (Qwen2-1.5B dims, default), 7b (Qwen2.5-7B dims) or moe (bench/megatron_gpu.py's MODEL_MOE:
+a 2.6B Qwen3-MoE, 32 experts of width 768, top-4; its MFU counts the active parameters, the top-4 experts and the
+router), random weights. MoE layers at tp > 1 need sequence parallelism and Transformer Engine (a recorded error
+otherwise), so the moe shape runs at tp1 with pp and ep. Memory of the 7B in
 bf16 training: bf16 weights and the fp32 gradient buffer (6 bytes a parameter) split over the TP x PP ranks, fp32
 main weights and Adam state (12 bytes) split over all ranks by the distributed optimizer: on two 80 GB H100s about
 91 GB a rank at tp1 and 68 GB at tp2 / pp2 before activations and logits, so expect "out of memory" results
@@ -29,6 +38,7 @@ TP x PP ranks) fits: `--shape 7b --sections parity`.
 
 On CPU (--smoke: a toy Llama shape, gloo) every layout runs, tensor and pipeline parallel included: megatron-core
 0.16's TP and PP paths run on gloo with the local layer spec (tests/test_megatron.py trains TP=2 and PP=2 on CPU).
+--smoke --shape moe takes a toy Qwen3-MoE instead (4 experts, top-2): tp1 and ep2 on 2 gloo ranks.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ from pathlib import Path
 import torch
 
 from bench import megatron_checks as checks
-from bench.megatron_gpu import MODEL_SMOKE, versions
+from bench.megatron_gpu import MODEL_MOE, MODEL_SMOKE, MODEL_SMOKE_MOE, versions
 from bench.ranks import (
     add_workload_args,
     finish_workload_args,
@@ -60,16 +70,49 @@ from bench.ranks import (
 )
 from bench.train_scale import PEAK_TFLOPS, QWEN2_1_5B, QWEN2_5_7B, flops_per_step, workload
 
-SHAPES = {"1.5b": dict(arch="qwen2", **QWEN2_1_5B), "7b": dict(arch="qwen2", **QWEN2_5_7B), "smoke": MODEL_SMOKE}
+SHAPES = {
+    "1.5b": dict(arch="qwen2", **QWEN2_1_5B),
+    "7b": dict(arch="qwen2", **QWEN2_5_7B),
+    "moe": MODEL_MOE,
+    "smoke": MODEL_SMOKE,
+    "smoke-moe": MODEL_SMOKE_MOE,
+}
 PARITY_TOLERANCE = 1e-5  # fp32, the issue's target
 
 
-def parse_layout(name: str) -> tuple[int, int]:
-    """ "tp2" -> (2, 1), "pp2" -> (1, 2), "tp2pp2" -> (2, 2)."""
-    m = re.fullmatch(r"(?:tp(\d+))?(?:pp(\d+))?", name)
-    if not name or m is None:
-        raise ValueError(f"--layouts: {name!r} is not a layout; expected tp<N>, pp<N> or tp<N>pp<M> (e.g. tp2)")
-    return int(m.group(1) or 1), int(m.group(2) or 1)
+def parse_layout(name: str) -> tuple[int, int, int]:
+    """(tensor, pipeline, expert) parallel sizes: "tp2" -> (2, 1, 1), "pp2" -> (1, 2, 1), "ep2" -> (1, 1, 2),
+    "tp2pp2" -> (2, 2, 1), "tp2ep2" -> (2, 1, 2); an absent part is 1."""
+    m = re.fullmatch(r"(?:tp(\d+))?(?:pp(\d+))?(?:ep(\d+))?", name)
+    if not name or m is None or any(g is not None and int(g) == 0 for g in m.groups()):
+        raise ValueError(
+            f"--layouts: {name!r} is not a layout; expected tp<N>pp<M>ep<E> with any part left out but not all, "
+            "each size >= 1 (e.g. tp2, pp2, ep2, tp2ep2)"
+        )
+    tp, pp, ep = (int(g or 1) for g in m.groups())
+    return tp, pp, ep
+
+
+def check_layout(name: str, gpus: int, shape: str, cfg: dict) -> None:
+    """A ValueError naming --layouts when `name` cannot run on `gpus` ranks with this shape: TP x PP must divide the
+    ranks; expert parallelism needs experts, and must divide the data-parallel size and the number of experts
+    (megatron splits each layer's experts over data-parallel ranks)."""
+    tp, pp, ep = parse_layout(name)
+    if gpus % (tp * pp):
+        raise ValueError(f"--layouts: {name} needs a multiple of {tp * pp} ranks, --gpus is {gpus}")
+    if ep == 1:
+        return
+    experts = cfg.get("num_experts", 0)
+    if not experts:
+        raise ValueError(f"--layouts: {name} sets expert parallelism, but --shape {shape} is dense (no experts)")
+    dp = gpus // (tp * pp)
+    if dp % ep:
+        raise ValueError(
+            f"--layouts: {name}: ep{ep} must divide the data-parallel size --gpus / (tp x pp) = {gpus} / {tp * pp} "
+            f"= {dp}"
+        )
+    if experts % ep:
+        raise ValueError(f"--layouts: {name}: ep{ep} must divide the {experts} experts of --shape {shape}")
 
 
 def _build(rank: int, world: int, cfg: dict, out: str) -> None:
@@ -82,6 +125,7 @@ def _backend(
     precision: str,
     tp: int,
     pp: int,
+    ep: int,
     mopts: dict,
     rank: int,
     world: int,
@@ -104,7 +148,7 @@ def _backend(
         model,
         train,
         AlgorithmConfig(kl_coef=0.0),
-        MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp, **mopts),
+        MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, **mopts),
         rank=rank,
         world_size=world,
         dist_url=url,
@@ -113,15 +157,25 @@ def _backend(
 
 
 def parity_rank(
-    rank: int, world: int, model: str, tp: int, pp: int, vocab: int, seq: int, url: str, timeout: float, out: str
+    rank: int,
+    world: int,
+    model: str,
+    tp: int,
+    pp: int,
+    ep: int,
+    vocab: int,
+    seq: int,
+    url: str,
+    timeout: float,
+    out: str,
 ) -> None:
-    """fp32 log-probs of the parity batch under (tp, pp); rank 0 saves them to out.safetensors."""
+    """fp32 log-probs of the parity batch under (tp, pp, ep); rank 0 saves them to out.safetensors."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
     with rank_result(out, rank) as result:
         result["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
-        backend = _backend(model, "fp32", tp, pp, {}, rank, world, url, timeout, micro_batch_size=4)
+        backend = _backend(model, "fp32", tp, pp, ep, {}, rank, world, url, timeout, micro_batch_size=4)
         batch = checks.rl_batch(vocab, rows=8, max_len=seq, min_len=max(seq // 4, 2), seed=1)
         logprobs = backend.forward_logprobs(batch)
         if rank == 0:
@@ -136,6 +190,7 @@ def throughput_rank(
     model: str,
     tp: int,
     pp: int,
+    ep: int,
     mopts: dict,
     cfg: dict,
     work: dict,
@@ -153,7 +208,7 @@ def throughput_rank(
         cfg["vocab_size"], world * work["samples"], work["prompt"], work["response_min"], work["response_max"]
     )
     with rank_result(out, rank) as result:
-        backend = _backend(model, "bf16", tp, pp, mopts, rank, world, url, timeout, micro_batch_size=4096)
+        backend = _backend(model, "bf16", tp, pp, ep, mopts, rank, world, url, timeout, micro_batch_size=4096)
         shard = shard_for_workers(batch, world // (tp * pp), 1)[backend.data_parallel_rank()]
         result["local_tokens"] = int(shard["attention_mask"].sum())
         times, metrics = [], {}
@@ -170,16 +225,17 @@ def throughput_rank(
 def run_layout(a, rank_fn, name: str, target: str, *args) -> dict:
     """rank_fn on --gpus ranks under layout `name`, within --timeout and --deadline: the layout, the ranks' dicts,
     the error that ended the run (None if none), wall seconds."""
-    tp, pp = parse_layout(name)
+    tp, pp, ep = parse_layout(name)
     limit = time_left(a.timeout, a.end)
     if limit < 10:
-        return {"tp": tp, "pp": pp, "error": f"skipped: past --deadline {a.deadline:.0f} s", "ranks": []}
+        return {"tp": tp, "pp": pp, "ep": ep, "error": f"skipped: past --deadline {a.deadline:.0f} s", "ranks": []}
     t0 = time.perf_counter()
     url = rendezvous(target)
-    ranks, error = run_and_collect(rank_fn, a.gpus, limit, target, a.model, tp, pp, *args, url, limit)
+    ranks, error = run_and_collect(rank_fn, a.gpus, limit, target, a.model, tp, pp, ep, *args, url, limit)
     return {
         "tp": tp,
         "pp": pp,
+        "ep": ep,
         "dp": a.gpus // (tp * pp),
         "error": error,
         "wall_s": time.perf_counter() - t0,
@@ -261,7 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--layouts",
         default="tp1,tp2,pp2",
-        help="comma-separated tp<N>, pp<N> or tp<N>pp<M>; parity compares each with the first",
+        help="comma-separated tp<N>pp<M>ep<E>, any part left out (1): tp2, pp2, ep2, tp2ep2; parity compares each "
+        "with the first",
     )
     p.add_argument("--sections", default="parity,throughput", help=f"comma-separated subset of {list(SECTIONS)}")
     add_workload_args(p, SHAPES, steps=2)
@@ -274,12 +331,11 @@ def main(argv: list[str] | None = None) -> dict:
     finish_workload_args(a)
     if a.smoke:
         a.parity_seq, a.micro_batch_tokens = 32, 256
+    cfg = SHAPES[a.shape]
+    layouts = a.layouts.split(",")
     try:
-        layouts = a.layouts.split(",")
         for name in layouts:
-            tp, pp = parse_layout(name)
-            if a.gpus % (tp * pp):
-                raise ValueError(f"--layouts: {name} needs a multiple of {tp * pp} ranks, --gpus is {a.gpus}")
+            check_layout(name, a.gpus, a.shape, cfg)
     except ValueError as e:
         p.error(str(e))
     sections = a.sections.split(",")
@@ -289,7 +345,6 @@ def main(argv: list[str] | None = None) -> dict:
     if torch.cuda.is_available() and a.gpus > visible:
         p.error(f"--gpus {a.gpus}: this machine shows {visible} GPUs")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the ranks inherit it
-    cfg = SHAPES[a.shape]
     report = {
         "date": dt.date.today().isoformat(),
         "command": "python -m bench.megatron_multi_gpu " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -169,8 +169,10 @@ def add_workload_args(p: argparse.ArgumentParser, shapes: dict, steps: int) -> N
 
 
 def finish_workload_args(a: argparse.Namespace) -> None:
-    """The deadline as a clock time; --smoke shrinks the workload to a toy run on CPU."""
+    """The deadline as a clock time; --smoke shrinks the workload to a toy run on CPU, on the toy shape ("smoke";
+    "smoke-moe" for --shape moe, the toy MoE shape of a script that has one)."""
     a.end = time.monotonic() + a.deadline
     if a.smoke:
-        a.shape, a.samples, a.prompt, a.response_min, a.response_max = "smoke", 4, 16, 4, 48
+        a.shape = "smoke-moe" if a.shape == "moe" else "smoke"
+        a.samples, a.prompt, a.response_min, a.response_max = 4, 16, 4, 48
         a.steps = min(a.steps, 2)

@@ -98,21 +98,34 @@ def workload(vocab: int, n: int, prompt: int, response_min: int, response_max: i
 
 
 def flops_per_step(cfg: dict, lengths: torch.Tensor, lora_rank: int = 0) -> float:
-    """Training FLOPs of one pass over the samples (forward + backward) on useful tokens only. With LoRA
-    (`lora_rank`, adapters on every linear of the layers) the frozen weights get no weight gradient, so their
-    matmuls cost 4 FLOPs per parameter and token instead of 6, and the adapters add their own 6."""
+    """Training FLOPs of one pass over the samples (forward + backward) on useful tokens only. The head width is
+    cfg's "head_dim" when set (Qwen3), else hidden / heads. An MoE config (num_experts, or Mixtral's
+    num_local_experts) counts the experts a token runs through (num_experts_per_tok of them, each of width
+    moe_intermediate_size, Mixtral's intermediate_size) and the router: MFU of the active parameters, as
+    bench/megatron_checks.train_flops_per_token counts them. With LoRA (`lora_rank`, adapters on every linear of
+    the layers; dense only) the frozen weights get no weight gradient, so their matmuls cost 4 FLOPs per parameter
+    and token instead of 6, and the adapters add their own 6."""
     d, layers, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    heads, kv, ffn = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
-    head_dim = d // heads
-    per_layer = d * heads * head_dim + 2 * d * kv * head_dim + heads * head_dim * d + 3 * d * ffn
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or d // heads
+    q = heads * head_dim
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if experts:
+        ffn = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+        mlp = 3 * d * ffn * cfg["num_experts_per_tok"] + d * experts  # the active experts and the router
+    else:
+        ffn = cfg["intermediate_size"]
+        mlp = 3 * d * ffn
+    per_layer = d * q + 2 * d * kv * head_dim + q * d + mlp
     matmul_params = layers * per_layer + v * d  # + the LM head (the embedding lookup is no matmul)
     tokens = float(lengths.sum())
-    attention = 6.0 * layers * d * float((lengths.double() ** 2).sum())  # causal: QK^T and AV over half of s^2
+    attention = 6.0 * layers * q * float((lengths.double() ** 2).sum())  # causal: QK^T and AV over half of s^2
     if not lora_rank:
         return 6.0 * matmul_params * tokens + attention
+    if experts:
+        raise ValueError("flops_per_step: lora_rank on an MoE config is not counted (adapters on dense layers only)")
     # (in, out) of q, k, v, o, gate, up, down
-    shapes = [(d, heads * head_dim), (d, kv * head_dim), (d, kv * head_dim), (heads * head_dim, d), (d, ffn),
-              (d, ffn), (ffn, d)]
+    shapes = [(d, q), (d, kv * head_dim), (d, kv * head_dim), (q, d), (d, ffn), (d, ffn), (ffn, d)]
     adapter_params = layers * lora_rank * sum(i + o for i, o in shapes)
     return 4.0 * matmul_params * tokens + 6.0 * adapter_params * tokens + attention
 

@@ -800,3 +800,29 @@ def test_preflight_reports_models_the_mapping_cannot_take(recipe, hf_models, mco
     ok = recipe(model={"path": hf_models["qwen2"][0]}, train={"backend": "megatron", "num_workers": 2},
                 megatron={"tensor_parallel": 2})
     assert not [p for p in find_problems(ok) if p.startswith("model.path")]
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_expert_parallel_ranks_with_different_micro_batch_counts(hf_models, mcore, tmp_path, packing):
+    """Expert-parallel ranks exchange tokens in every MoE layer of every micro-batch, so a rank whose shard makes
+    fewer micro-batches must still take part in the others' (bench/megatron_multi_gpu.py's 4-rank workload makes
+    16 on one rank, 15 on the rest): rank 0 runs 2 micro-batches where rank 1 has 1, and both finish with the
+    logprobs and the step of TorchTrainBackend on the whole batch."""
+    from bench.ranks import run_ranks
+    from rlflow.engines.cluster.addresses import free_port
+    from tests.megatron_helpers import uneven_expert_parallel_worker
+
+    path = hf_models["qwen3_moe"][0]
+    out = str(tmp_path / "uneven")
+    run_ranks(uneven_expert_parallel_worker, 2, 150, path, f"tcp://127.0.0.1:{free_port()}", packing, out)
+    ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
+    batch = toy_batch(6)
+    torch_be = TorchTrainBackend(path, train_config(micro_batch_size=2, mini_batches=1), AlgorithmConfig())
+    logprobs = torch_be.forward_logprobs(batch)
+    got = torch.cat([torch.tensor(r["logprobs"]) for r in ranks])  # select keeps the batch's width
+    mask = batch["attention_mask"].bool()
+    assert (got - logprobs)[mask].abs().max() < 1e-5
+    metrics = global_metrics(torch_be.train_step({**batch, "old_logprobs": logprobs}))
+    for r in ranks:
+        for k, v in metrics.items():
+            assert r["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k

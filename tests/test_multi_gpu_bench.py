@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 
 import pytest
@@ -55,14 +56,36 @@ def test_train_multi_gpu_rejects_unknown_variants(tmp_path):
 
 
 def test_layouts_parse_and_bad_ones_are_named():
-    assert [megatron_multi_gpu.parse_layout(x) for x in ("tp1", "tp2", "pp2", "tp2pp2")] == [
-        (1, 1),
-        (2, 1),
-        (1, 2),
-        (2, 2),
+    names = ("tp1", "tp2", "pp2", "tp2pp2", "ep2", "tp2ep2", "pp2ep4", "tp2pp2ep2")
+    assert [megatron_multi_gpu.parse_layout(x) for x in names] == [
+        (1, 1, 1),
+        (2, 1, 1),
+        (1, 2, 1),
+        (2, 2, 1),
+        (1, 1, 2),
+        (2, 1, 2),
+        (1, 2, 4),
+        (2, 2, 2),
     ]
-    with pytest.raises(ValueError, match="'dp2' is not a layout"):
-        megatron_multi_gpu.parse_layout("dp2")
+    for bad in ("dp2", "", "ep2tp2", "ep", "tp0", "ep0", "tp2 ep2"):
+        with pytest.raises(ValueError, match=f"{bad!r} is not a layout"):
+            megatron_multi_gpu.parse_layout(bad)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--shape", "7b", "--layouts", "tp1,ep2"], "ep2 sets expert parallelism, but --shape 7b is dense"),
+        (["--shape", "moe", "--gpus", "4", "--layouts", "tp2ep4"], r"ep4 must divide the data-parallel size .* = 2"),
+        (["--shape", "moe", "--gpus", "6", "--layouts", "ep3"], "ep3 must divide the 32 experts of --shape moe"),
+        (["--shape", "moe", "--gpus", "2", "--layouts", "pp4"], "pp4 needs a multiple of 4 ranks, --gpus is 2"),
+        (["--smoke", "--shape", "moe", "--layouts", "ep4"], r"ep4 must divide the data-parallel size .* = 2"),
+    ],
+)
+def test_layouts_that_cannot_run_on_the_shape_are_named(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        megatron_multi_gpu.main([*argv, "--out", str(tmp_path / "x.json")])
+    assert re.search(message, capsys.readouterr().err)
 
 
 @pytest.mark.slow
@@ -104,3 +127,45 @@ def test_e2e_grpo_smoke_runs_the_cpu_modes(tmp_path):
         m = modes[mode]
         assert m["tokens_per_step"] == m["samples"] * (PROMPT_TOKENS + 8), m  # smoke responses: 8 tokens each
         assert m["steps"] == 3 and m["staleness_max"] <= bound and m["tokens_per_s"] > 0
+
+
+@pytest.mark.slow  # ~50 s on 2 CPU cores: 4 runs of 2 spawned ranks, each importing megatron-core
+def test_megatron_multi_gpu_smoke_moe_runs_expert_parallel(tmp_path):
+    """--smoke --shape moe: the toy Qwen3-MoE on 2 gloo ranks, data parallel (tp1) and expert parallel (ep2: each
+    rank holds 2 of the 4 experts, tokens reach the other rank's by all-to-all): the same fp32 log-probs, and bf16
+    train steps with throughput figures, each layout's "ep" recorded."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "moe.json"
+    argv = ["--smoke", "--shape", "moe", "--gpus", "2", "--layouts", "tp1,ep2", "--steps", "1", "--deadline", "600"]
+    report = megatron_multi_gpu.main([*argv, "--out", str(out)])
+    assert report["shape"] == "smoke-moe" and report["model"]["num_experts"] == 4
+    parity, throughput = report["sections"]["parity"], report["sections"]["throughput"]
+    for name, ep in (("tp1", 1), ("ep2", 2)):
+        p, t = parity["layouts"][name], throughput["layouts"][name]
+        assert p["error"] is None and t["error"] is None, (p["error"], t["error"])
+        assert (p["ep"], t["ep"], t["dp"]) == (ep, ep, 2)
+        assert t["tokens_per_s_per_gpu"] > 0 and math.isfinite(t["loss"])
+        assert sum(x["local_tokens"] for x in t["ranks"]) == throughput["useful_tokens"]
+    assert parity["layouts"]["ep2"]["vs"] == "tp1"
+    assert parity["layouts"]["ep2"]["max_abs_diff"] <= megatron_multi_gpu.PARITY_TOLERANCE
+
+
+def test_flops_per_step_counts_a_dense_shape_as_before_and_an_moe_shape_by_its_active_experts():
+    from bench.train_scale import flops_per_step
+
+    lengths = torch.tensor([3, 5])  # 8 tokens, sum of squares 34
+    dense = {"hidden_size": 8, "num_hidden_layers": 2, "vocab_size": 10, "num_attention_heads": 2}
+    dense |= {"num_key_value_heads": 1, "intermediate_size": 16}
+    # per layer q, k, v, o = 64 + 32 + 32 + 64 (head_dim 8 / 2 = 4), gate/up/down 3 x 8 x 16: 576; x 2 + head 80
+    want = 6 * (2 * 576 + 80) * 8 + 6 * 2 * 8 * 34
+    assert flops_per_step(dense, lengths) == flops_per_step(dense | {"head_dim": 4}, lengths) == want == 62400
+    # head_dim 6 (q width 12 != hidden 8), 4 experts of width 5, top-2; intermediate_size is not an expert's width
+    moe = dense | dict(head_dim=6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=5, intermediate_size=99)
+    # per layer q 8 x 12, k and v 8 x 6 each, o 12 x 8: 288; two experts 2 x 3 x 8 x 5 = 240; router 8 x 4 = 32
+    want = 6 * (2 * (288 + 240 + 32) + 80) * 8 + 6 * 2 * 12 * 34
+    assert flops_per_step(moe, lengths) == want == 62496
+    # Mixtral names them num_local_experts, its expert width intermediate_size
+    mixtral = {k: v for k, v in moe.items() if k not in ("num_experts", "moe_intermediate_size")}
+    assert flops_per_step(mixtral | {"num_local_experts": 4, "intermediate_size": 5}, lengths) == want
+    with pytest.raises(ValueError, match="lora_rank on an MoE config"):
+        flops_per_step(moe, lengths, lora_rank=4)

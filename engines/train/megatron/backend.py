@@ -47,7 +47,7 @@ from rlflow.engines.train.megatron.cpu import device_context
 from rlflow.engines.train.megatron.export import WeightExporter
 from rlflow.engines.train.megatron.hf_config import spec_from_hf
 from rlflow.engines.train.megatron.logprobs import token_logprobs
-from rlflow.engines.train.megatron.microbatch import Micro, gather_rows, plan_micro_batches
+from rlflow.engines.train.megatron.microbatch import Micro, filler, gather_rows, plan_micro_batches
 from rlflow.engines.train.megatron.model_build import (
     build_model,
     init_parallel,
@@ -228,8 +228,16 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         return self.tp if self.tf_config.sequence_parallel else 1
 
     def _micro(self, batch: TrainBatch) -> list[Micro]:
-        return plan_micro_batches(batch, self.cfg.micro_batch_size, self.mcfg.micro_batch_tokens,
-                                  self.mcfg.packing, self._multiple())
+        """The batch's micro-batches; with expert parallelism as many on every data-parallel rank as the most any
+        has (filler ones on the others): each micro-batch's MoE layers exchange tokens across those ranks, and a
+        rank that ran out of micro-batches would leave its peers waiting in that exchange for ever."""
+        micro = plan_micro_batches(batch, self.cfg.micro_batch_size, self.mcfg.micro_batch_tokens,
+                                   self.mcfg.packing, self._multiple())
+        if self.mcfg.expert_parallel > 1:
+            most = torch.tensor([len(micro)], device=self._dev())
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+            micro += [filler(micro[0]) for _ in range(int(most) - len(micro))]
+        return micro
 
     def _on_dev(self, micro: list[Micro]) -> list[Micro]:
         """All micro-batches to the device at once: a copy per micro-batch would wait for the GPU each time."""
@@ -251,6 +259,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
                      for m in micro]
         else:
             parts = self._pipeline(model, micro, forward_only=True)
+        parts = [part for part in parts if part[0]]  # filler micro-batches hold no rows
         out = gather_rows(parts, batch_size(batch), width, self._dev())  # zeros off the last pipeline stage
         return self._to_last_stage_value(out).cpu()
 
@@ -295,6 +304,8 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         """(this micro-batch's loss x its loss scale, its metrics weighted as algorithms.scale_metrics weighs them,
         as one float64 vector)."""
         dev = logits.device
+        if not micro.rows:  # a filler micro-batch: no loss, but a backward through the experts' exchange
+            return logits.sum() * 0.0, torch.zeros(len(self._keys()), dtype=torch.float64, device=dev)
         mb = {k: v.to(dev) for k, v in micro.batch.items()}
         if self._sft:  # the model's own distribution (temperature 1); entropy is only logged
             logprobs, entropy = self._token_logprobs(logits, micro, 1.0, "metric")

@@ -51,6 +51,18 @@ def plan_micro_batches(batch: TrainBatch, max_rows: int, max_tokens: int = 0, pa
     return out
 
 
+def filler(micro: Micro) -> Micro:
+    """A micro-batch that trains and returns nothing (no rows) but runs the model like a real one: the first row
+    of `micro`, all of it loss-masked. Expert-parallel ranks exchange tokens in every MoE layer, so a rank whose
+    shard makes fewer micro-batches than its peers' runs these to take part in theirs."""
+    batch = {k: v[:1].clone() for k, v in micro.batch.items()}
+    batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
+    if micro.packed is None:
+        return Micro([], batch)
+    packed = PackedRows.from_padded(batch["input_ids"], batch["attention_mask"])
+    return Micro([], batch, packed, packed.cu_seqlens.clone())
+
+
 def gather_rows(parts: list[tuple[list[int], torch.Tensor]], n: int, width: int, device: str | None = None
                 ) -> torch.Tensor:
     """Per-micro-batch [rows, w] results back into one [n, width] tensor (zeros past each row's width)."""
