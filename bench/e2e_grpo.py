@@ -121,6 +121,9 @@ def run_mode(shape: str, mode: str, prompts: int, steps: int, model: Path) -> di
     return {"mode": mode, "gpus": gpus, "samples": samples, "tokens_per_step": tokens, "step_s": step_s,
             "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": tokens / step_s / gpus if gpus else None,
             "rollout_s": median("time/rollout"), "train_s": median("time/train"), "sync_s": median("time/sync"),
+            # time/sync holds a colocated trainer's parking too (time/offload); the transfer alone is bytes / GB/s
+            "offload_s": median("time/offload"), "onload_s": median("time/onload"),
+            "sync_gb_per_s": median("sync/gb_per_s"), "sync_bytes": median("sync/bytes"),
             "staleness_max": max(h.get("train/staleness_max", 0) for h in history), "steps": len(history)}
 
 
