@@ -156,19 +156,8 @@ def _backend(
     )
 
 
-def parity_rank(
-    rank: int,
-    world: int,
-    model: str,
-    tp: int,
-    pp: int,
-    ep: int,
-    vocab: int,
-    seq: int,
-    url: str,
-    timeout: float,
-    out: str,
-) -> None:
+def parity_rank(rank: int, world: int, model: str, tp: int, pp: int, ep: int, vocab: int, seq: int, url: str,
+                timeout: float, out: str) -> None:
     """fp32 log-probs of the parity batch under (tp, pp, ep); rank 0 saves them to out.safetensors."""
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -184,20 +173,8 @@ def parity_rank(
     dist.destroy_process_group()
 
 
-def throughput_rank(
-    rank: int,
-    world: int,
-    model: str,
-    tp: int,
-    pp: int,
-    ep: int,
-    mopts: dict,
-    cfg: dict,
-    work: dict,
-    url: str,
-    timeout: float,
-    out: str,
-) -> None:
+def throughput_rank(rank: int, world: int, model: str, tp: int, pp: int, ep: int, mopts: dict, cfg: dict, work: dict,
+                    url: str, timeout: float, out: str) -> None:
     """bf16 train steps on this rank's data-parallel shard of the N x samples workload."""
     import torch.distributed as dist
 
