@@ -4,8 +4,9 @@
 
 stage is a task name (rollout, reward, teacher, advantages, train, sync-weights, checkpoint, evaluate), when is
 `before` or `after` that task's work, target is `flow` (this process), `train`, `rollout` or `critic` (rank 0
-of that actor group), or `raise`: an exception in the flow's first attempt only, so a Prefect flow retry
-(orchestration.flow_retries) gets past it. Unset (the normal case), it costs one dict lookup per task.
+of that actor group; `train@1`: rank 1, a rank whose peers are then left in a collective), or `raise`: an
+exception in the flow's first attempt only, so a Prefect flow retry (orchestration.flow_retries) gets past it.
+Unset (the normal case), it costs one dict lookup per task.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def maybe_inject(run, stage: str, step: int, when: str) -> None:
             raise InjectedFault(f"{ENV}={spec}")
         return
     s = run.session
-    if target == "rollout":
-        pid = s.rollout_group.call_rank0(RolloutBackend.pid)
+    group, _, rank = target.partition("@")
+    if group == "rollout":
+        pid = s.rollout_group.call_one(int(rank or 0), RolloutBackend.pid)
     else:
-        pid = (s.train_group if target == "train" else s.critic_group).call_rank0(TrainBackend.pid)
+        pid = (s.train_group if group == "train" else s.critic_group).call_one(int(rank or 0), TrainBackend.pid)
     os.kill(pid, signal.SIGKILL)
