@@ -129,10 +129,12 @@ def global_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if k != "worker_s"}
 
 
-def uneven_expert_parallel_worker(rank: int, world: int, model_dir: str, url: str, packing: bool, out: str) -> None:
-    """One of 2 expert-parallel ranks fed shards of different sizes: rank 0 rows 0-3 of toy_batch(6), rank 1 rows
-    4-5, in micro-batches of 2 rows, so rank 0 runs 2 micro-batches where rank 1 has 1 (the RL session's shards
-    differ in length like this). Writes its shard's logprobs and its train step's metrics to `out`.<rank>.json."""
+def uneven_expert_parallel_worker(rank: int, world: int, model_dir: str, url: str, packing: bool, out: str,
+                                  split: int = 4) -> None:
+    """One of 2 expert-parallel ranks fed shards of different sizes: rank 0 rows 0..split-1 of toy_batch(6), rank 1
+    the rest, in micro-batches of 2 rows, so (split 4) rank 0 runs 2 micro-batches where rank 1 has 1 (the RL
+    session's shards differ in length like this), or (split 6) rank 1 has none. Writes its shard's logprobs and its
+    train step's metrics to `out`.<rank>.json."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     from rlflow.engines.train.megatron.backend import MegatronTrainBackend
@@ -140,7 +142,7 @@ def uneven_expert_parallel_worker(rank: int, world: int, model_dir: str, url: st
     mcfg = MegatronConfig(expert_parallel=2, packing=packing)
     backend = MegatronTrainBackend(model_dir, train_config(micro_batch_size=2, mini_batches=1), AlgorithmConfig(),
                                    mcfg, rank=rank, world_size=world, dist_url=url, collective_timeout_s=60)
-    shard = select(toy_batch(6), slice(0, 4) if rank == 0 else slice(4, 6))
+    shard = select(toy_batch(6), slice(0, split) if rank == 0 else slice(split, 6))
     logprobs = backend.forward_logprobs(shard)
     metrics = global_metrics(backend.train_step({**shard, "old_logprobs": logprobs}))
     Path(f"{out}.{rank}.json").write_text(json.dumps({"logprobs": logprobs.tolist(), "metrics": metrics}))

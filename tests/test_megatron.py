@@ -802,19 +802,19 @@ def test_preflight_reports_models_the_mapping_cannot_take(recipe, hf_models, mco
     assert not [p for p in find_problems(ok) if p.startswith("model.path")]
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-def test_expert_parallel_ranks_with_different_micro_batch_counts(hf_models, mcore, tmp_path, packing):
+@pytest.mark.parametrize("packing, split", [(False, 4), (True, 4), (True, 6)], ids=["padded", "packed", "empty"])
+def test_expert_parallel_ranks_with_different_micro_batch_counts(hf_models, mcore, tmp_path, packing, split):
     """Expert-parallel ranks exchange tokens in every MoE layer of every micro-batch, so a rank whose shard makes
     fewer micro-batches must still take part in the others' (bench/megatron_multi_gpu.py's 4-rank workload makes
     16 on one rank, 15 on the rest): rank 0 runs 2 micro-batches where rank 1 has 1, and both finish with the
-    logprobs and the step of TorchTrainBackend on the whole batch."""
+    logprobs and the step of TorchTrainBackend on the whole batch; also when rank 1's shard is empty."""
     from bench.ranks import run_ranks
     from rlflow.engines.cluster.addresses import free_port
     from tests.megatron_helpers import uneven_expert_parallel_worker
 
     path = hf_models["qwen3_moe"][0]
     out = str(tmp_path / "uneven")
-    run_ranks(uneven_expert_parallel_worker, 2, 150, path, f"tcp://127.0.0.1:{free_port()}", packing, out)
+    run_ranks(uneven_expert_parallel_worker, 2, 150, path, f"tcp://127.0.0.1:{free_port()}", packing, out, split)
     ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
     batch = toy_batch(6)
     torch_be = TorchTrainBackend(path, train_config(micro_batch_size=2, mini_batches=1), AlgorithmConfig())

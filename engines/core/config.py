@@ -756,7 +756,8 @@ class TrainConfig(Section):
         None, description="cluster.colocate: the train workers park their optimizer state and weights in pinned "
         "host memory (and drop the last step's gradients) while the rollout engine sharing their GPU generates, "
         "and take them back before they run again; logged as time/offload and time/onload. Empty: on when "
-        "colocated. With weight_sync.transport cuda_ipc the weights stay (the rollout engine maps them).",
+        "colocated. With weight_sync.transport cuda_ipc and one train worker the weights stay (the rollout engine "
+        "maps them).",
     )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="Compute dtype of training; master weights, gradient reduction and optimizer state "

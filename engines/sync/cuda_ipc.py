@@ -8,8 +8,8 @@ reducer. Two ways, by how the trainer holds its weights:
 - FSDP2 over several GPUs (`train.num_workers` > 1, verl's colocated layout: every GPU trains and generates):
   no rank holds whole weights, so each rank shares one *staging buffer* with its rollout worker, once. Per bucket,
   every rank gathers the bucket's weights (an all-gather, cast to the rollout dtype before it) into its staging
-  buffer, then every rollout worker copies the bucket out of its own. One bucket of GPU memory per GPU, kept for
-  the run; the full model is never held by a rank.
+  buffer, then every rollout worker copies the bucket out of its own. The buffer (one bucket) is kept for the run,
+  and a sync holds about two buckets per GPU (the gathered one beside it); the full model is never held by a rank.
 """
 
 from __future__ import annotations
@@ -68,15 +68,19 @@ def copy_plan(dst: dict[str, torch.Tensor], src: NamedTensors) -> Callable[[], N
 StagingHandle = tuple  # ("cuda", torch's IPC reducer arguments) or ("file", path, numel, precision)
 
 
-def allocate_staging(numel: int, precision: str, device: torch.device, path: str) -> tuple[torch.Tensor,
-                                                                                             StagingHandle]:
+def allocate_staging(numel: int, precision: str, device: torch.device, path: str,
+                     current: torch.Tensor | None = None) -> tuple[torch.Tensor, StagingHandle]:
     """A flat buffer of `numel` elements in `precision` ("bf16", "fp32") that the colocated rollout worker maps, and
     its handle. On a GPU through CUDA IPC; on the CPU (the tests' gloo ranks) a shared-memory file at `path`, which
-    the other process maps the same way."""
+    the other process maps the same way. A GPU buffer `current` of that size is shared again rather than replaced
+    (a reconnect after a rollout worker restart): torch keeps a freed buffer that another process mapped until that
+    process lets go, which a killed worker never does."""
+    dtype = DTYPES[precision]
     if device.type == "cuda":
-        buf = torch.empty(numel, dtype=DTYPES[precision], device=device)
+        fits = current is not None and current.is_cuda and current.numel() == numel and current.dtype == dtype
+        buf = current if fits else torch.empty(numel, dtype=dtype, device=device)
         return buf, ("cuda", reduce_tensor(buf)[1])
-    buf = torch.from_file(path, shared=True, size=numel, dtype=DTYPES[precision])
+    buf = torch.from_file(path, shared=True, size=numel, dtype=dtype)
     return buf, ("file", path, numel, precision)
 
 

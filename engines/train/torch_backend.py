@@ -425,7 +425,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
     def cuda_ipc_staging(self, numel: int, precision: str) -> tuple:
         """A sharded trainer's side of cuda_ipc: this rank's staging buffer, shared once with its rollout worker."""
         path = f"/dev/shm/rlflow-staging-{os.getpid()}-{self.rank}"  # used on the CPU (tests) only
-        self._staging, handle = allocate_staging(numel, precision, sync_device(self.device), path)
+        self._staging, handle = allocate_staging(numel, precision, sync_device(self.device), path, self._staging)
         return handle
 
     def stage_weights(self, names: list[str]) -> int:

@@ -236,7 +236,8 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         if self.mcfg.expert_parallel > 1:
             most = torch.tensor([len(micro)], device=self._dev())
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
-            micro += [filler(micro[0]) for _ in range(int(most) - len(micro))]
+            micro += [filler(micro[0] if micro else None, batch, self.mcfg.packing, self._multiple())
+                      for _ in range(int(most) - len(micro))]
         return micro
 
     def _on_dev(self, micro: list[Micro]) -> list[Micro]:

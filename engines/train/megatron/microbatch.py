@@ -51,13 +51,19 @@ def plan_micro_batches(batch: TrainBatch, max_rows: int, max_tokens: int = 0, pa
     return out
 
 
-def filler(micro: Micro) -> Micro:
+def filler(micro: Micro | None, empty: TrainBatch, packed: bool, multiple: int = 1) -> Micro:
     """A micro-batch that trains and returns nothing (no rows) but runs the model like a real one: the first row
-    of `micro`, all of it loss-masked. Expert-parallel ranks exchange tokens in every MoE layer, so a rank whose
-    shard makes fewer micro-batches than its peers' runs these to take part in theirs."""
-    batch = {k: v[:1].clone() for k, v in micro.batch.items()}
+    of `micro`, all of it loss-masked, or, for a rank with no micro-batch at all, a row of `multiple` zero tokens
+    with `empty`'s columns. Expert-parallel ranks exchange tokens in every MoE layer, so a rank whose shard makes
+    fewer micro-batches than its peers' runs these to take part in theirs."""
+    if micro is not None:
+        batch = {k: v[:1].clone() for k, v in micro.batch.items()}
+    else:
+        batch = {k: torch.zeros((1, multiple, *v.shape[2:]) if v.dim() >= 2 else (1,), dtype=v.dtype)
+                 for k, v in empty.items()}
+        batch["attention_mask"][0, 0] = 1
     batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
-    if micro.packed is None:
+    if not packed:
         return Micro([], batch)
     packed = PackedRows.from_padded(batch["input_ids"], batch["attention_mask"])
     return Micro([], batch, packed, packed.cu_seqlens.clone())
