@@ -240,22 +240,16 @@ def sort_demo(rank: int, world: int, backend: str, recipe: str, steps: int, devi
 
 
 def train_flops_per_token(model_dir: str, seq: int, causal: bool = True) -> float:
-    """Matmul FLOPs of one trained token of a full `seq`-token row (forward + backward = 3x forward):
-    projections, the output layer, and attention scores and values. causal: over the half of the s x s matrix a
-    causal model computes (what bench/train_scale.py counts: the stricter MFU); False: over all of it
-    (Megatron-LM's published MFU convention, which the 41-47% anchor uses). An MoE layer counts the experts a
-    token runs through (top-k of them) and the router: MFU of the active parameters."""
+    """Matmul FLOPs of one trained token of a full `seq`-token row (forward + backward = 3x forward), counted by
+    bench/train_scale.flops_per_step from the model's config (projections, the output layer, attention scores and
+    values; an MoE layer's active experts and router). causal: over the half of the s x s matrix a causal model
+    computes (the stricter MFU); False: over all of it (Megatron-LM's published MFU convention, which the 41-47%
+    anchor uses)."""
     from transformers import AutoConfig
 
-    from rlflow.engines.train.megatron.hf_config import spec_from_hf
+    from bench.train_scale import flops_per_step  # the one FLOP count; train_scale is the heavier import
 
-    s = spec_from_hf(AutoConfig.from_pretrained(model_dir))
-    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    mlp = (6 * s.hidden_size * s.moe_ffn_hidden_size * s.moe_top_k + 2 * s.hidden_size * s.num_experts
-           if s.num_experts else 6 * s.hidden_size * s.ffn_hidden_size)
-    per_layer = 2 * s.hidden_size * (q + 2 * kv) + 2 * q * s.hidden_size + mlp
-    attention = 4 * seq * q * (0.5 if causal else 1.0)
-    return 3 * (s.num_layers * (per_layer + attention) + 2 * s.hidden_size * s.vocab_size)
+    return flops_per_step(AutoConfig.from_pretrained(model_dir).to_dict(), torch.tensor([seq]), causal=causal) / seq
 
 
 def backend_throughput(rank: int, world: int, model_dir: str, micro_batch: int, seq: int, micro_batches: int,

@@ -97,14 +97,16 @@ def workload(vocab: int, n: int, prompt: int, response_min: int, response_max: i
             "old_logprobs": torch.zeros(n, width), "advantages": torch.randn(n, generator=g)}
 
 
-def flops_per_step(cfg: dict, lengths: torch.Tensor, lora_rank: int = 0) -> float:
+def flops_per_step(cfg: dict, lengths: torch.Tensor, lora_rank: int = 0, causal: bool = True) -> float:
     """Training FLOPs of one pass over the samples (forward + backward) on useful tokens only. The head width is
     cfg's "head_dim" when set (Qwen3), else hidden / heads. An MoE config (num_experts, or Mixtral's
     num_local_experts) counts the experts a token runs through (num_experts_per_tok of them, each of width
     moe_intermediate_size, Mixtral's intermediate_size) and the router: MFU of the active parameters, as
     bench/megatron_checks.train_flops_per_token counts them. With LoRA (`lora_rank`, adapters on every linear of
     the layers; dense only) the frozen weights get no weight gradient, so their matmuls cost 4 FLOPs per parameter
-    and token instead of 6, and the adapters add their own 6."""
+    and token instead of 6, and the adapters add their own 6. `causal`: attention over the half of each s x s
+    matrix a causal model computes (the stricter MFU, every figure's default); False: over all of it (Megatron-LM's
+    published convention, bench/megatron_gpu.py's second MFU column)."""
     d, layers, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or d // heads
@@ -119,7 +121,8 @@ def flops_per_step(cfg: dict, lengths: torch.Tensor, lora_rank: int = 0) -> floa
     per_layer = d * q + 2 * d * kv * head_dim + q * d + mlp
     matmul_params = layers * per_layer + v * d  # + the LM head (the embedding lookup is no matmul)
     tokens = float(lengths.sum())
-    attention = 6.0 * layers * q * float((lengths.double() ** 2).sum())  # causal: QK^T and AV over half of s^2
+    # QK^T and AV: 2 matmuls x 2 FLOPs x q x s^2 forward, x3 with the backward, halved when causal
+    attention = (6.0 if causal else 12.0) * layers * q * float((lengths.double() ** 2).sum())
     if not lora_rank:
         return 6.0 * matmul_params * tokens + attention
     if experts:

@@ -169,3 +169,21 @@ def test_flops_per_step_counts_a_dense_shape_as_before_and_an_moe_shape_by_its_a
     assert flops_per_step(mixtral | {"num_local_experts": 4, "intermediate_size": 5}, lengths) == want
     with pytest.raises(ValueError, match="lora_rank on an MoE config"):
         flops_per_step(moe, lengths, lora_rank=4)
+
+
+def test_megatron_gpus_flops_per_token_is_train_scales_count_of_one_full_row(tmp_path):
+    """bench/megatron_gpu.py's MFU (checks.train_flops_per_token, from a model folder) is flops_per_step's count for
+    one row of `seq` tokens, per token; its full-attention variant (Megatron-LM's convention) adds the other half
+    of the s x s attention."""
+    from transformers import Qwen3MoeConfig
+
+    from bench.megatron_checks import train_flops_per_token
+    from bench.train_scale import flops_per_step
+
+    cfg = dict(vocab_size=10, hidden_size=8, intermediate_size=99, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=5)
+    Qwen3MoeConfig(**cfg).save_pretrained(tmp_path)
+    seq = 16
+    causal = flops_per_step(cfg, torch.tensor([seq])) / seq
+    assert train_flops_per_token(str(tmp_path), seq) == causal
+    assert train_flops_per_token(str(tmp_path), seq, causal=False) == causal + 6 * 2 * 12 * seq
