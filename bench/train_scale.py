@@ -101,10 +101,10 @@ def flops_per_step(cfg: dict, lengths: torch.Tensor, lora_rank: int = 0, causal:
     """Training FLOPs of one pass over the samples (forward + backward) on useful tokens only. The head width is
     cfg's "head_dim" when set (Qwen3), else hidden / heads. An MoE config (num_experts, or Mixtral's
     num_local_experts) counts the experts a token runs through (num_experts_per_tok of them, each of width
-    moe_intermediate_size, Mixtral's intermediate_size) and the router: MFU of the active parameters, as
-    bench/megatron_checks.train_flops_per_token counts them. With LoRA (`lora_rank`, adapters on every linear of
-    the layers; dense only) the frozen weights get no weight gradient, so their matmuls cost 4 FLOPs per parameter
-    and token instead of 6, and the adapters add their own 6. `causal`: attention over the half of each s x s
+    moe_intermediate_size, Mixtral's intermediate_size) and the router: MFU of the active parameters. Every bench
+    counts FLOPs here (bench/megatron_checks.train_flops_per_token too). With LoRA (`lora_rank`, adapters on every
+    linear of the layers; dense only) the frozen weights get no weight gradient, so their matmuls cost 4 FLOPs per
+    parameter and token instead of 6, and the adapters add their own 6. `causal`: attention over the half of each s x s
     matrix a causal model computes (the stricter MFU, every figure's default); False: over all of it (Megatron-LM's
     published convention, bench/megatron_gpu.py's second MFU column)."""
     d, layers, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]

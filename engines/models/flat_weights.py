@@ -77,6 +77,13 @@ def flat_span(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return first.detach().as_strided((numel,), (1,), first.storage_offset())
 
 
+def views_of(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of the start of a 1-D buffer shaped like `tensors`, one after the other: where a bucket of them is
+    packed to travel (the nccl transport's broadcast buffer, cuda_ipc's staging buffer)."""
+    sizes = [t.numel() for t in tensors]
+    return [v.view(t.shape) for v, t in zip(flat[: sum(sizes)].split(sizes), tensors, strict=True)]
+
+
 def fused_linear(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The weight [sum of out_features, in_features] and bias of `linears` run as one GEMM, as views of their
     own memory when they are consecutive in a flat buffer (`fusable_order`); None when they are not (or only

@@ -23,6 +23,7 @@ from typing import Literal
 
 from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.protocols import RolloutBackend, TrainBackend, WorkerGroup
+from rlflow.engines.sync.base import sharded_trainer
 
 
 class ColocatedMemory:
@@ -34,7 +35,7 @@ class ColocatedMemory:
         self.offloads = cfg.offloads_trainer and self.colocated
         # the cuda_ipc rollout engine maps an unsharded trainer's parameters: they stay where they are (a sharded
         # trainer stages each bucket in a buffer of its own, engines/sync/cuda_ipc.py)
-        self.keeps_weights = cfg.weight_sync.transport == "cuda_ipc" and cfg.train.num_workers == 1
+        self.keeps_weights = cfg.weight_sync.transport == "cuda_ipc" and not sharded_trainer(cfg)
         self.parked: Literal["nothing", "optimizer", "all"] = "nothing"
         self._metrics: dict[str, float] = {}
 

@@ -49,6 +49,12 @@ def together(*calls: Callable[[], Any]) -> list[Any]:
     return [f.result() for f in futures]
 
 
+def sharded_trainer(cfg: RLConfig) -> bool:
+    """Megatron and FSDP2 over several ranks shard the weights: exporting them is a collective every train rank
+    joins, and no rank holds them whole."""
+    return cfg.train.backend == "megatron" or cfg.train.num_workers > 1
+
+
 class WeightSource:
     """The train side of a sync as every transport sees it. Rank 0 sends: with one train rank it holds the full
     weights; with sharded weights (Megatron, FSDP2 over several ranks: `collective`) every rank joins the
@@ -64,9 +70,7 @@ class WeightSource:
 
     @classmethod
     def from_config(cls, cfg: RLConfig, train: WorkerGroup[TrainBackend]) -> WeightSource:
-        # megatron and FSDP2 shard weights over ranks: exporting them is a collective every train rank joins
-        collective = cfg.train.backend == "megatron" or cfg.train.num_workers > 1
-        return cls(train, int(cfg.weight_sync.bucket_mb * 1024 * 1024), collective=collective)
+        return cls(train, int(cfg.weight_sync.bucket_mb * 1024 * 1024), collective=sharded_trainer(cfg))
 
     def layout(self) -> list[tuple[str, int]]:
         """(HF name, bytes) of every weight, in the flat order of the rollout engine's weights (HF's order with

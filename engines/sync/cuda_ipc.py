@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from rlflow.engines.models.flat_weights import flat_span
+from rlflow.engines.models.flat_weights import flat_span, views_of
 from rlflow.engines.models.hf import DTYPES
 from rlflow.engines.sync.base import NamedTensors, WeightTransport
 from rlflow.engines.sync.endpoints import IpcReceiver, IpcSender
@@ -49,14 +49,19 @@ def open_ipc_handles(handles: list[tuple[str, tuple]], device: torch.device) -> 
     return out
 
 
+def named_targets(dst: dict[str, torch.Tensor], names: list[str]) -> list[torch.Tensor]:
+    """The receiver's tensors for the sent names, in their order; an unknown name fails, naming it."""
+    unknown = [n for n in names if n not in dst]
+    if unknown:
+        raise KeyError(f"weight sync: unknown parameter(s) {unknown[:3]}")
+    return [dst[n] for n in names]
+
+
 def copy_plan(dst: dict[str, torch.Tensor], src: NamedTensors) -> Callable[[], None]:
     """A function that copies src tensors into the same-named dst tensors (cast to dst's dtype). Planned
     once (the colocated pair maps each other's weights once): when both sides are flat in the same order
     it is one copy kernel for the whole model, otherwise one multi-tensor copy."""
-    missing = [n for n, _ in src if n not in dst]
-    if missing:
-        raise KeyError(f"weight sync: unknown parameter(s) {missing[:3]}")
-    targets = [dst[n] for n, _ in src]
+    targets = named_targets(dst, [n for n, _ in src])
     sources = [t for _, t in src]
     dst_span, src_span = flat_span(targets), flat_span(sources)
     if dst_span is not None and src_span is not None and dst_span.numel() == src_span.numel():
@@ -107,8 +112,7 @@ def pack(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> int:
         raise ValueError(f"cuda_ipc: a bucket of {sum(sizes)} elements does not fit the staging buffer of "
                          f"{buffer.numel()} (weight_sync.bucket_mb changed after the link was made?)")
     if tensors:
-        views = buffer[: sum(sizes)].split(sizes)
-        torch._foreach_copy_([v.view(t.shape) for v, t in zip(views, tensors, strict=True)], tensors)
+        torch._foreach_copy_(views_of(buffer, tensors), tensors)
     return sum(sizes)
 
 
@@ -116,15 +120,12 @@ def unpack_plan(buffer: torch.Tensor, targets: dict[str, torch.Tensor], names: l
                 numel: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(destinations, sources): the named targets and their views of a packed buffer, checked against the sender's
     element count so that a layout mismatch fails instead of loading shifted weights."""
-    unknown = [n for n in names if n not in targets]
-    if unknown:
-        raise KeyError(f"weight sync: unknown parameter(s) {unknown[:3]}")
-    dst = [targets[n] for n in names]
-    sizes = [t.numel() for t in dst]
-    if sum(sizes) != numel:
+    dst = named_targets(targets, names)
+    held = sum(t.numel() for t in dst)
+    if held != numel:
         raise ValueError(f"cuda_ipc: the trainer staged {numel} elements for {len(names)} weights, which hold "
-                         f"{sum(sizes)} here: the two sides disagree on the weights' shapes")
-    return dst, [v.view(t.shape) for v, t in zip(buffer[:numel].split(sizes), dst, strict=True)]
+                         f"{held} here: the two sides disagree on the weights' shapes")
+    return dst, views_of(buffer, dst)
 
 
 class CudaIpcTransport(WeightTransport):

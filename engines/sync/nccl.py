@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rlflow.engines.models.flat_weights import flat_span
+from rlflow.engines.models.flat_weights import flat_span, views_of
 from rlflow.engines.sync.base import WeightTransport
 from rlflow.engines.sync.endpoints import NcclReceiver, NcclSender
 
@@ -85,8 +85,7 @@ class NcclChannel:
             if sending and span is not None:
                 flat.copy_(span)  # one cast kernel for the bucket
             else:
-                views = list(torch.split(flat, [t.numel() for t in tensors]))
-                views = [v.view(t.shape) for v, t in zip(views, tensors, strict=True)]
+                views = views_of(flat, tensors)
                 if sending:
                     torch._foreach_copy_(views, tensors)
             work = self.broadcast(flat)
