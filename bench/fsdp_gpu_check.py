@@ -1,7 +1,7 @@
 """GPU check of the FSDP2 train backend's one-rank path: a train step in bf16, a sharded checkpoint written and
 loaded into a fresh backend (same next step), and the HF export loaded by transformers. CPU CI covers the
 multi-rank logic over gloo; this covers what only a GPU runs (the cuda:nccl,cpu:gloo group, fused AdamW,
-varlen attention, DCP on CUDA tensors).
+varlen attention, DCP on CUDA tensors), and train.compile's and liger's kernels against HF's modules.
 
     python -m bench.fsdp_gpu_check
 """
@@ -44,41 +44,48 @@ def main() -> None:
         exported = dict(hf.named_parameters())
         weights = dict(b.named_tensors())
         on_gpu = all(p.device.type == "cuda" for p in b.model.parameters())  # fully_shard moved them
-        liger = liger_agreement(str(Path(tmp) / "base"), train, batch)
+        base = str(Path(tmp) / "base")
+        kernels = {"compile": agreement(base, train, batch, {"compile": True})}
+        if liger_installed():  # after the rest: its rotary patch stays for the process
+            kernels["liger"] = agreement(base, train, batch, {"kernels": "liger"})
     report = {
         "gpu": torch.cuda.get_device_name(), "backend": torch.distributed.get_backend(),
         "first_loss": first["loss"], "next_loss": [ma["loss"], mb["loss"]],
         "next_grad_norm": [ma["grad_norm"], mb["grad_norm"]],
         "export_matches_names": sorted(exported) == sorted(weights), "params_on_gpu": on_gpu,
-        "liger": liger,
+        "kernels": kernels,
         "ok": on_gpu and abs(ma["loss"] - mb["loss"]) <= 1e-6
-        and abs(ma["grad_norm"] - mb["grad_norm"]) <= 1e-4 * ma["grad_norm"] and (liger is None or liger["ok"]),
+        and abs(ma["grad_norm"] - mb["grad_norm"]) <= 1e-4 * ma["grad_norm"] and all(k["ok"] for k in kernels.values()),
     }
     print(json.dumps(report, indent=1))
     sys.exit(0 if report["ok"] else 1)
 
 
-def liger_agreement(base: str, train: TrainConfig, batch: dict) -> dict | None:
-    """train.kernels liger against HF's modules on the same weights and batch, in bf16: the logprobs and the
-    first step's loss and gradient norm. None when liger-kernel is not installed. HF's side runs first: liger's
-    rotary patch is process-wide once applied."""
-    try:
-        import liger_kernel  # noqa: F401  (only asks whether the extra is installed)
-    except ImportError:
-        return None
+def agreement(base: str, train: TrainConfig, batch: dict, options: dict) -> dict:
+    """The backend with `options` (train.compile, train.kernels liger) against the same backend without them, on
+    the same weights and batch, in bf16: the logprobs and the first step's loss and gradient norm. The plain side
+    runs first: liger's rotary patch is process-wide once applied."""
     mask = batch["loss_mask"].bool()
     results = []
-    for kernels in ("torch", "liger"):
-        backend = TorchTrainBackend(base, train.model_copy(update={"kernels": kernels}), AlgorithmConfig())
+    for update in ({}, options):
+        backend = TorchTrainBackend(base, train.model_copy(update=update), AlgorithmConfig())
         logprobs = backend.forward_logprobs(batch)[mask].float().cpu()
         results.append((logprobs, backend.train_step(batch)))
     (ref, step_ref), (ours, step) = results
     diff = (ours - ref).abs()
     report = {"max_abs_logprob_diff": float(diff.max()), "mean_abs_logprob_diff": float(diff.mean()),
               "loss": [step_ref["loss"], step["loss"]], "grad_norm": [step_ref["grad_norm"], step["grad_norm"]]}
-    # bf16: the fused kernels round differently from HF's chain of ops; a wrong kernel is off by far more
+    # bf16: fused kernels round differently from HF's chain of ops; a wrong kernel is off by far more
     report["ok"] = report["mean_abs_logprob_diff"] < 2e-2 and abs(step["grad_norm"] / step_ref["grad_norm"] - 1) < 0.05
     return report
+
+
+def liger_installed() -> bool:
+    try:
+        import liger_kernel  # noqa: F401  (only asks whether the extra is installed)
+    except ImportError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

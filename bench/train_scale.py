@@ -63,6 +63,7 @@ VARIANTS = {
     "rlflow-16k-ckpt-liger": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "kernels": "liger"},
     "rlflow-16k-compile": {"micro_batch_tokens": 16384, "compile": True},
     "rlflow-16k-ckpt-compile": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "compile": True},
+    "rlflow-32k-ckpt-compile": {"micro_batch_tokens": 32768, "activation_checkpointing": True, "compile": True},
     # train.lora (issue 23): rank-16 adapters on every linear of the frozen bf16 base, side by side with full FT
     "rlflow-8k-lora": {"micro_batch_tokens": 8192, "lora": {"rank": 16, "alpha": 32}},
     "rlflow-16k-lora": {"micro_batch_tokens": 16384, "lora": {"rank": 16, "alpha": 32}},
@@ -72,6 +73,8 @@ VARIANTS = {
     "rlflow-4k-ckpt-c1k": {"micro_batch_tokens": 4096, "activation_checkpointing": True, "logprob_chunk_tokens": 1024},
     "rlflow-8k-ckpt-offload": {"micro_batch_tokens": 8192, "activation_checkpointing": True, "cpu_offload": True},
     "rlflow-16k-ckpt-offload": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "cpu_offload": True},
+    "rlflow-32k-ckpt-offload": {"micro_batch_tokens": 32768, "activation_checkpointing": True, "cpu_offload": True},
+    "rlflow-16k-compile-offload": {"micro_batch_tokens": 16384, "compile": True, "cpu_offload": True},
     # the Megatron-core backend on the same batch (packed THD micro-batches by default; megatron.* options)
     "megatron-8k": {"backend": "megatron", "micro_batch_tokens": 8192},
     "megatron-16k": {"backend": "megatron", "micro_batch_tokens": 16384},
@@ -211,9 +214,12 @@ def run_rlflow(model_path: str, batch: dict, steps: int, device: str, options: d
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
             backend.train_step(batch)
             _sync(device)
+            wall = time.perf_counter() - t0
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25), file=sys.stderr)
+        print("PROFILE " + json.dumps(gpu_time_summary(prof, wall)), file=sys.stderr)
     backend.forward_logprobs(batch)  # warm-up: its head (no entropy) compiles on its own (train.fused_head)
     _sync(device)
     t0 = time.perf_counter()
@@ -221,6 +227,35 @@ def run_rlflow(model_path: str, batch: dict, steps: int, device: str, options: d
     _sync(device)
     logprob_s = time.perf_counter() - t0
     return times[1:] + [-logprob_s]  # the logprob pass rides along, marked negative
+
+
+OTHER_KERNELS = "other (elementwise, reductions)"
+# kernel name fragments -> the kind of work (first match wins; else OTHER_KERNELS)
+KERNEL_KINDS = [("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "sm80_", "cublas")),
+                ("attention", ("flash", "fmha", "attention")), ("compiled (triton)", ("triton_",)),
+                ("collectives", ("nccl",)), ("copies", ("memcpy", "memset", "copy_kernel", "catarray"))]
+
+
+def gpu_time_summary(prof, wall_s: float) -> dict:
+    """One profiled step as the GPU saw it: how much of the wall time some kernel was running (the union of
+    kernel intervals: the rest is the GPU waiting for the host), and kernel time by kind."""
+    from torch.autograd import DeviceType
+
+    spans, kinds = [], {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        spans.append((e.time_range.start, e.time_range.end))
+        name = e.name.lower()
+        kind = next((k for k, frags in KERNEL_KINDS if any(f in name for f in frags)), OTHER_KERNELS)
+        kinds[kind] = kinds.get(kind, 0.0) + (e.time_range.end - e.time_range.start) / 1e6
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):  # union of the intervals, in microseconds
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return {"wall_s": wall_s, "gpu_busy_s": busy / 1e6, "gpu_busy_fraction": busy / 1e6 / wall_s if wall_s else None,
+            "kernel_s_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
 
 
 def _sync(device: str) -> None:
@@ -304,6 +339,9 @@ def main() -> None:
                 result = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-3000:]}
                 if os.environ.get("RLFLOW_BENCH_PROFILE"):
                     print(proc.stderr[-12000:], file=sys.stderr)
+                    profiled = [ln for ln in proc.stderr.splitlines() if ln.startswith("PROFILE ")]
+                    if profiled:
+                        result["profile"] = json.loads(profiled[-1][8:])
             except subprocess.TimeoutExpired:
                 result = {"error": f"timed out after {args.timeout} s"}
             if peak and "tflops" in result:

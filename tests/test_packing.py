@@ -63,6 +63,33 @@ def test_packed_logprobs_entropy_and_grads_equal_padded(arch, entropy_in_loss, t
         assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
 
 
+def test_compiled_layers_equal_eager_and_compile_once_for_every_layer_and_length(gqa_model_dir):
+    """train.compile (each decoder layer compiled, dynamic shapes; inductor's C++ backend here, Triton on CUDA):
+    the same log-probs, entropy and gradients as eager, and one compiled graph serves all layers and packed
+    lengths. A regression: transformers' KV cache, built in training forwards too, put per-layer state in the
+    compile guards, so every layer recompiled until dynamo's limit (8) and the rest ran eagerly."""
+    import torch._dynamo  # the compile counters (imported here: only this test reads them)
+    import torch._dynamo.utils
+
+    eager, model = load_model(gqa_model_dir), load_model(gqa_model_dir)
+    compiled = PackedLM(model, chunk_tokens=16, compile_layers=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for seed, lengths in ((0, LENGTHS), (1, [7, 3, 26])):
+        ids, attn = _padded(eager.config.vocab_size, lengths, seed)
+        packed = PackedRows.from_padded(ids, attn)
+        lp_ref, ent_ref = PackedLM(eager, chunk_tokens=16)(packed, 0.7, with_entropy=True)
+        lp, ent = compiled(packed, 0.7, with_entropy=True)
+        assert (lp - lp_ref).abs().max() <= 1e-5 and (ent - ent_ref).abs().max() <= 1e-5
+        weights = torch.randn(lp.shape, generator=torch.Generator().manual_seed(seed))
+        ((lp * weights).sum() + ent.sum()).backward()
+        ((lp_ref * weights).sum() + ent_ref.sum()).backward()
+    for (name, a), b in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
+    assert model.config.num_hidden_layers > 1
+    assert torch._dynamo.utils.counters["frames"]["total"] == 1, dict(torch._dynamo.utils.counters["frames"])
+
+
 def test_packed_values_equal_padded(gqa_model_dir):
     ref, critic = load_value_model(gqa_model_dir), load_value_model(gqa_model_dir)
     head = torch.randn_like(ref.score.weight)  # a head that is not zero, so the comparison means something

@@ -21,6 +21,13 @@ def test_liger_is_refused_on_cpu_training(tmp_path) -> None:
         RLConfig.model_validate(small_recipe(tmp_path, train={"steps": 1, "kernels": "liger"}))
 
 
+def test_liger_with_layer_compile_is_refused(tmp_path) -> None:
+    """torch.compile cannot trace liger's autograd functions (it failed in the first forward on an H100)."""
+    with pytest.raises(ValidationError, match="train.kernels: liger's kernels .* torch.compile"):
+        RLConfig.model_validate(small_recipe(tmp_path, train={"steps": 1, "device": "cuda", "kernels": "liger",
+                                                              "compile": True}))
+
+
 def test_torch_kernels_leave_the_model_as_loaded(tiny_model_dir) -> None:
     model = load_model(tiny_model_dir)
     forwards = [type(m).forward for m in model.modules()]

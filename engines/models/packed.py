@@ -25,6 +25,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 
 from rlflow.engines.core.sampling import scaled_logits
 from rlflow.engines.models.head_math import compiled, head_logits_grad, head_logprobs
+from rlflow.engines.models.transfer import tensor_to_device
 
 ATTENTION = "rlflow_packed"
 
@@ -65,7 +66,7 @@ class PackedRows:
         return out
 
     def to(self, device: torch.device | str) -> PackedRows:
-        move = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in self.__dict__.items()}
+        move = {k: tensor_to_device(v, device) if torch.is_tensor(v) else v for k, v in self.__dict__.items()}
         return PackedRows(**move)
 
 
@@ -167,8 +168,11 @@ class PackedLM(torch.nn.Module):
         gradient (on-policy distillation's top-k terms), as a third result. `top_k` > 0 (no gradient): instead,
         the k likeliest tokens at each position, (ids [T, k], logprobs [T, k]) aligned the same way: a
         distillation teacher's top k. One method, so FSDP2's hooks on it gather the weights either way."""
+        # use_cache=False: transformers otherwise builds a KV cache on every forward, training included (a copy of
+        # each layer's keys and values, and per-layer cache state that made torch.compile recompile per layer
+        # until its limit, then run the remaining layers eagerly)
         hidden = self.body(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None],
-                           packed=packed).last_hidden_state[0]
+                           packed=packed, use_cache=False).last_hidden_state[0]
         if top_k:
             return self._top_k(packed, hidden, temperature, top_k)
         first = _first_tokens(packed)

@@ -12,3 +12,11 @@ def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t
+
+
+def tensor_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`, the same way: a copy from pageable memory waits for the GPU's queue to drain,
+    and a training step makes a few per micro-batch (its batch, its packed layout)."""
+    if torch.device(device).type == "cuda" and not t.is_cuda:
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

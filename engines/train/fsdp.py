@@ -78,7 +78,7 @@ def shard(lm: PackedLM, param_dtype: torch.dtype | None, cpu_offload: bool = Fal
     parameters' own dtype. Gradients are reduced in fp32. reshard_after_forward False keeps each layer's
     gathered weights from its forward to its backward (FSDP2 keeps the root's anyway)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=_pin_at_exact_size()) if cpu_offload else OffloadPolicy()
     for layer in lm.body.layers:
         fully_shard(layer, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard_after_forward)
     fully_shard(lm, mp_policy=policy, offload_policy=offload)
@@ -87,6 +87,24 @@ def shard(lm: PackedLM, param_dtype: torch.dtype | None, cpu_offload: bool = Fal
             module.set_gradient_divide_factor(1.0)  # a sum: the losses carry the global normalisation
             module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
     return lm
+
+
+# pinned blocks above this size are allocated at their size, not rounded up to a power of two
+PIN_ROUNDING_LIMIT_MB = 32
+
+
+def _pin_at_exact_size() -> bool:
+    """Whether offloaded shards can be pinned at their own size: torch's host allocator rounds every pinned block
+    up to a power of two (a 272 MB MLP shard of a 7B takes 512 MB), which took a 7B's offloaded weights, gradients
+    and Adam state (122 GB) past a 128 GiB host. Where this torch lets the rounding be capped, it is, and the
+    shards are pinned (fast copies); otherwise they stay in pageable memory (slower copies, exact size)."""
+    if not torch.cuda.is_available():
+        return True
+    try:  # the allocator's own setting (PYTORCH_ALLOC_CONF's pinned_max_round_threshold_mb), set in this process
+        torch._C._accelerator_setAllocatorSettings(f"pinned_max_round_threshold_mb:{PIN_ROUNDING_LIMIT_MB}")
+    except (AttributeError, RuntimeError, ValueError):  # torch 2.11: "Unrecognized key"
+        return False
+    return True
 
 
 def reshard(lm: torch.nn.Module) -> None:

@@ -47,6 +47,7 @@ from rlflow.engines.core.protocols import CriticBackend, TeacherBackend, TrainBa
 from rlflow.engines.models.hf import DTYPES, load_model, load_value_model
 from rlflow.engines.models.moe import checkpoint_named
 from rlflow.engines.models.packed import PackedLM, PackedRows
+from rlflow.engines.models.transfer import tensor_to_device
 from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.cuda_ipc import allocate_staging, export_ipc_handles, pack
 from rlflow.engines.sync.distributed import DistributedWeightSender
@@ -293,21 +294,22 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         mode = "token_mean" if sft else self.loss_agg
         total_weight = self._all_reduce(algorithms.aggregation_weight(mb["loss_mask"], mode).double().clone())
         self.optimizer.zero_grad()
-        metric_sums: dict[str, torch.Tensor] = {}
+        metric_sums: dict[str, torch.Tensor] = {}  # on the device: read once, after the last micro-batch
         for idx, micro in self._agreed_micro_batches(mb):
-            micro = {k: v.to(self.device) for k, v in micro.items()}
+            micro = {k: tensor_to_device(v, self.device) for k, v in micro.items()}
             loss, metrics = self._loss(micro, sft)
             loss_scale, share = algorithms.micro_batch_scales(micro["loss_mask"], total_weight, mode)
             if not idx:  # a padding micro-batch: it joins the collectives, adds nothing
                 loss_scale, share = loss_scale * 0, share * 0
             (loss * loss_scale.float()).backward()  # FSDP2 reduce-scatters (sums) the gradients over ranks
             for k, v in algorithms.scale_metrics(metrics, loss_scale, share).items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + v.cpu()
+                metric_sums[k] = metric_sums.get(k, 0.0) + v.detach()
         grad_norm = fsdp.grad_norm(list(self.model.parameters()), self.cfg.grad_clip)
         self.optimizer.step()
         self._forget_gathered()
         keys = sorted(metric_sums)
-        reduced = self._all_reduce(torch.stack([metric_sums[k] for k in keys])) if keys else torch.zeros(0)
+        stacked = torch.stack([metric_sums[k].to(self.device) for k in keys]).cpu() if keys else torch.zeros(0)
+        reduced = self._all_reduce(stacked) if keys else stacked
         out = dict(zip(keys, reduced, strict=True))
         out["grad_norm"] = grad_norm.detach().double().cpu()
         out["lr"] = torch.tensor(self.scheduler.get_last_lr()[0], dtype=torch.float64)
