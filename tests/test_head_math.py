@@ -40,3 +40,24 @@ def test_compiled_kernels_equal_the_eager_math(m):
         got = compiled(head_logits_grad)(logits, targets, eager[1], eager[2], g_lp, g_h, 0.7)
         assert got.dtype == torch.bfloat16
         assert torch.allclose(want.float(), got.float(), atol=1e-4, rtol=8e-3)  # one bf16 rounding apart
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_logits_given_by_a_model_take_the_same_math_chunk_by_chunk(with_entropy):
+    """ChunkedLogitsLogprobs (the Megatron backend at tensor parallel 1: its output layer made the logits) gives
+    algorithms' log-probs and entropy and autograd's gradient of the logits, over chunks that do not divide the
+    tokens."""
+    from rlflow.engines.core.algorithms import entropy_from_logits, token_logprobs  # the reference math
+    from rlflow.engines.models.packed import ChunkedLogitsLogprobs
+
+    logits, targets, g_lp, g_h = _inputs(m=1)
+    ref = logits.float().requires_grad_()
+    want_lp = token_logprobs(ref / 0.7, targets[:, 0])
+    want_h = entropy_from_logits(ref / 0.7)
+    ((want_lp * g_lp[:, 0]).sum() + ((want_h * g_h).sum() if with_entropy else 0)).backward()
+    z = logits.float().requires_grad_()
+    lp, h = ChunkedLogitsLogprobs.apply(z, targets, 0.7, 10, with_entropy, False)
+    ((lp * g_lp[:, 0]).sum() + ((h * g_h).sum() if with_entropy else 0)).backward()
+    assert (lp - want_lp).abs().max() <= 1e-5
+    assert not with_entropy or (h - want_h).abs().max() <= 1e-5
+    assert torch.allclose(z.grad, ref.grad, atol=1e-6)

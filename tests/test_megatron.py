@@ -284,13 +284,14 @@ def test_backend_matches_torch_backend(hf_models, mcore, algo, budget, packing):
     train_alike(torch_be, mega)
 
 
-def train_alike(torch_be, mega) -> None:
-    """Two RL iterations on toy_batch(): the same logprobs, metrics and updated weights from both backends."""
+def train_alike(torch_be, mega, stepped_tol: float = 1e-5) -> None:
+    """Two RL iterations on toy_batch(): the same logprobs, metrics and updated weights from both backends.
+    `stepped_tol`: the logprob bound after the first step (before it, 1e-5)."""
     batch = toy_batch()
     mask = batch["attention_mask"].bool()
-    for _ in range(2):
+    for iteration in range(2):
         lp_t, lp_m = torch_be.forward_logprobs(batch), mega.forward_logprobs(batch)
-        assert (lp_t - lp_m)[mask].abs().max() < 1e-5
+        assert (lp_t - lp_m)[mask].abs().max() < (1e-5 if iteration == 0 else stepped_tol)
         step = {**batch, "old_logprobs": lp_t + 0.05 * torch.randn_like(lp_t)}
         m_t, m_m = global_metrics(torch_be.train_step(step)), global_metrics(mega.train_step(step))
         assert set(m_t) == set(m_m)
@@ -316,7 +317,10 @@ def test_moe_backend_matches_torch_backend(hf_models, mcore, family):
         assert be.weight_shapes() == {n: list(t.shape) for n, t in hf.items()}
     sent = dict(torch_be.named_tensors())
     assert sent.keys() == hf.keys() and all(torch.equal(sent[n], t) for n, t in hf.items())
-    train_alike(torch_be, mega)
+    # before a step the two agree to 5e-7 here; after one, Adam has divided each gradient by its own running RMS,
+    # so an expert's weights that saw a few tokens move by up to lr on gradients that differ by rounding: Mixtral
+    # measured 1.5e-5 on one CPU and under 1e-5 on another (fp32 kernels differ by instruction set)
+    train_alike(torch_be, mega, stepped_tol=3e-5)
 
 
 def test_backend_matches_torch_backend_with_whole_batch_is_weights(hf_models, mcore):

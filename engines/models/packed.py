@@ -263,6 +263,42 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                 None, None, None, None, None)
 
 
+class ChunkedLogitsLogprobs(torch.autograd.Function):
+    """ChunkedHeadLogprobs for logits a model's own output layer has already computed (the Megatron backend at
+    tensor parallel 1): log p(targets [T, 1]) and entropy [T] of softmax(scaled_logits(logits [T, V], temperature)),
+    a chunk of tokens at a time with head_math's functions (compiled on CUDA when `fused`). The logits are kept
+    for the backward pass as they are; their gradient is written chunk by chunk in their dtype, with no fp32 copy
+    of a chunk kept between the passes."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, chunk, with_entropy, fused=False):
+        ctx.set_materialize_grads(False)
+        n = logits.shape[0]
+        stats = _head_fn(head_logprobs, fused, logits)
+        logprobs = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        entropy = torch.zeros(n, dtype=torch.float32, device=logits.device)
+        for a in range(0, n, chunk):
+            logprobs[a:a + chunk], lse[a:a + chunk], entropy[a:a + chunk] = stats(
+                logits[a:a + chunk], targets[a:a + chunk], temperature, with_entropy)
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.fused = temperature, chunk, fused
+        return logprobs[:, 0], entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros(targets.shape[0], dtype=torch.float32, device=logits.device)
+        grad_logits = _head_fn(head_logits_grad, ctx.fused, logits)
+        grad = torch.empty_like(logits)
+        for a in range(0, logits.shape[0], ctx.chunk):
+            b = min(a + ctx.chunk, logits.shape[0])
+            grad[a:b] = grad_logits(logits[a:b], targets[a:b], lse[a:b], entropy[a:b], grad_logprobs[a:b, None],
+                                    None if grad_entropy is None else grad_entropy[a:b], ctx.temperature)
+        return grad, None, None, None, None, None
+
+
 def _head_fn(fn, fused: bool, hidden: torch.Tensor):
     """head_math's `fn`, compiled where it runs fused (CUDA), else as written."""
     return compiled(fn) if fused and hidden.is_cuda else fn

@@ -198,24 +198,34 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
             # the attention reads cu_seqlens_q, on the device
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                                      max_seqlen_kv=longest, cu_seqlens_q_padded=cu_host, cu_seqlens_kv_padded=cu_host)
-            return model(ids[None], pos[None], None, packed_seq_params=params)
+            return model(ids[None], pos[None], None, packed_seq_params=params, **self._output_kwargs())
         ids = micro.batch["input_ids"].to(self._dev())
         width = ids.shape[1]
         pos = torch.arange(width, device=ids.device).unsqueeze(0).expand_as(ids)
         # True = masked out; given explicitly (megatron's default causal mask is built on "cuda")
         mask = torch.ones(width, width, dtype=torch.bool, device=ids.device).triu(1).view(1, 1, width, width)
-        return model(ids, pos, mask)
+        return model(ids, pos, mask, **self._output_kwargs())
+
+    def _output_kwargs(self) -> dict:
+        """bf16: the logits stay in bf16 (Float16Module casts its outputs to fp32 unless told not to: a [tokens,
+        vocab] fp32 copy, 10 GB at 16,384 tokens of Qwen2's vocabulary, and its gradient). Each chunk's log-softmax
+        still runs in fp32 (engines/models/head_math.py, logprobs._fp32)."""
+        return {"fp32_output": False} if self.dtype == torch.bfloat16 else {}
+
+    def _fused_head(self, logits: torch.Tensor) -> bool:
+        """train.fused_head on a GPU: the head's log-softmax, entropy and gradient as compiled kernels (at TP 1)."""
+        return self.cfg.fused_head and logits.is_cuda
 
     def _token_logprobs(self, logits: torch.Tensor, micro: Micro, temperature: float, entropy: str
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """token_logprobs of the micro-batch's rows, [rows, width] right-padded whatever layout ran."""
         if micro.packed is None:
             return token_logprobs(logits, micro.batch["input_ids"], temperature, entropy,
-                                  self.cfg.logprob_chunk_tokens)
+                                  self.cfg.logprob_chunk_tokens, self._fused_head(logits))
         p = micro.packed
         n = len(p.input_ids)  # the stream's own tokens (a sequence-parallel pad follows them)
         logp, ent = token_logprobs(logits[:, :n], p.input_ids[None], temperature, entropy,
-                                   self.cfg.logprob_chunk_tokens)
+                                   self.cfg.logprob_chunk_tokens, self._fused_head(logits))
         first = torch.zeros(n, dtype=torch.bool, device=logp.device)
         first[p.cu_seqlens[:-1].long()] = True  # a sample's first token has no logprob (it read the previous one)
 

@@ -1,8 +1,9 @@
 """Per-token logprobs and entropy from vocab-parallel logits: each TP rank holds V/tp columns of the vocabulary.
 
 Logprobs come from megatron's vocab_parallel_cross_entropy (= -log p(target)); the entropy reduces its three
-partial sums over the TP group. At TP=1 both equal rlflow.engines.core.algorithms.token_logprobs / entropy_from_logits
-(tested); losses are computed from them by rlflow.engines.core.algorithms, like every backend.
+partial sums over the TP group. At TP=1 the whole vocabulary is on the rank, and the native trainer's head math
+runs instead (fused kernels on CUDA). Both equal rlflow.engines.core.algorithms.token_logprobs /
+entropy_from_logits (tested); losses are computed from them by rlflow.engines.core.algorithms, like every backend.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from megatron.core import parallel_state, tensor_parallel
 from torch.utils.checkpoint import checkpoint
 
 from rlflow.engines.core.sampling import scaled_logits
+from rlflow.engines.models.packed import ChunkedLogitsLogprobs
 
 
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -34,7 +36,8 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy: str = "none", chunk_tokens: int = 4096
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy: str = "none", chunk_tokens: int = 4096,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs [B, L] aligned with input_ids (column t: log p(x_t | x_<t), column 0 is 0), and optionally the
     entropy of each next-token distribution, aligned the same way.
@@ -42,9 +45,13 @@ def token_logprobs(
     logits are [B, L, V/tp] from the model. entropy: "none", "metric" (no gradient) or "loss" (with gradient).
     The fp32 work runs `chunk_tokens` positions at a time, and with a gradient each chunk is recomputed in the
     backward pass: the fp32 logits and softmax of the whole micro-batch never exist at once (at 16,384 tokens
-    of Qwen2's vocabulary they were 2 x 10 GB beside the bf16 logits), only one chunk's.
+    of Qwen2's vocabulary they were 2 x 10 GB beside the bf16 logits), only one chunk's. With the whole
+    vocabulary on this rank (tensor parallel 1) the native trainer's head math does it instead
+    (engines/models/head_math.py through ChunkedLogitsLogprobs; `fused`: its compiled kernels, train.fused_head).
     """
     target = torch.roll(input_ids, shifts=-1, dims=1)  # position t predicts x_{t+1}; the last one is dropped
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return _whole_vocabulary(logits, target, temperature, entropy, chunk_tokens, fused)
     width = logits.shape[1]
     step = max(1, chunk_tokens // max(1, logits.shape[0]))  # positions per chunk: chunk_tokens over the rows
     recompute = torch.is_grad_enabled() and logits.requires_grad
@@ -63,6 +70,19 @@ def token_logprobs(
         ents.append(ent)
     logp = _shift(torch.cat(logps, dim=1))
     return logp, None if entropy == "none" else _shift(torch.cat(ents, dim=1))
+
+
+def _whole_vocabulary(logits: torch.Tensor, target: torch.Tensor, temperature: float, entropy: str, chunk_tokens: int,
+                      fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_logprobs when this rank holds every vocabulary column: one pass over the [B * L, V] logits in
+    chunks of `chunk_tokens` tokens, the entropy only when asked and with a gradient only for "loss"."""
+    rows, width, vocab = logits.shape
+    logp, ent = ChunkedLogitsLogprobs.apply(logits.reshape(rows * width, vocab), target.reshape(-1, 1),
+                                            temperature, chunk_tokens, entropy != "none", fused)
+    logp = _shift(logp.view(rows, width))
+    if entropy == "none":
+        return logp, None
+    return logp, _shift((ent if entropy == "loss" else ent.detach()).view(rows, width))
 
 
 def _chunk_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: float, entropy: str
