@@ -7,7 +7,7 @@ Workload: the Qwen2-1.5B head (vocab 151,936, hidden 1,536, bf16) on `--tokens` 
 states and targets. The upstream gradient of the per-token log-probs is random (an RL loss weighs every token by
 its advantage and ratio, so it is not the uniform gradient of a mean cross-entropy). Each variant: forward and
 backward of sum(w * log p(target)), median time of `--steps` after a warm-up, peak memory above the inputs, and
-the largest differences of its log-probs and of its input gradient from an fp32 reference.
+the differences of its log-probs and of its input and weight gradients from an fp32 reference.
 
 - `chunked-fused`: engines/models/packed.py's ChunkedHeadLogprobs with train.fused_head (what the trainer runs);
 - `chunked-fused-entropy`: the same with the entropy (the trainer's default: it logs it);
@@ -62,12 +62,13 @@ def measure(run, hidden, weight, targets, upstream, reference, steps: int) -> di
         (logp.float() * upstream).sum().backward()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    ref_logp, ref_grad = reference
+    ref_logp, ref_grad, ref_wgrad = reference
     timed = times[1:]
     return {"step_s": timed, "median_s": sorted(timed)[len(timed) // 2],
             "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
             "logprob_max_diff": float((logp.detach().float() - ref_logp).abs().max()),
-            "grad_hidden_rel_diff": float((h.grad.float() - ref_grad).norm() / ref_grad.norm())}
+            "grad_hidden_rel_diff": float((h.grad.float() - ref_grad).norm() / ref_grad.norm()),
+            "grad_weight_rel_diff": float((w.grad.float() - ref_wgrad).norm() / ref_wgrad.norm())}
 
 
 def main() -> None:
@@ -86,13 +87,14 @@ def main() -> None:
     targets = torch.randint(0, args.vocab, (args.tokens,), device="cuda", generator=g)
     upstream = torch.randn(args.tokens, device="cuda", generator=g)
     h32 = hidden.float().requires_grad_()  # the fp32 reference, a chunk at a time (full fp32 logits do not fit)
+    w32 = weight.float().requires_grad_()
     ref_logp = torch.empty(args.tokens, device="cuda")
     for a in range(0, args.tokens, args.chunk):
-        logp = torch.log_softmax(h32[a:a + args.chunk] @ weight.float().T, -1)
+        logp = torch.log_softmax(h32[a:a + args.chunk] @ w32.T, -1)
         logp = logp.gather(-1, targets[a:a + args.chunk, None])[:, 0]
         (logp * upstream[a:a + args.chunk]).sum().backward()
         ref_logp[a:a + args.chunk] = logp.detach()
-    reference = (ref_logp, h32.grad.detach())
+    reference = (ref_logp, h32.grad.detach(), w32.grad.detach())
     report = {"date": dt.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "tokens": args.tokens, "chunk": args.chunk, "vocab": args.vocab, "hidden": args.hidden, "variants": {}}
     for name, run in variants(args.chunk).items():

@@ -231,9 +231,10 @@ def run_rlflow(model_path: str, batch: dict, steps: int, device: str, options: d
 
 OTHER_KERNELS = "other (elementwise, reductions)"
 # kernel name fragments -> the kind of work (first match wins; else OTHER_KERNELS)
-KERNEL_KINDS = [("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "sm80_", "cublas")),
-                ("attention", ("flash", "fmha", "attention")), ("compiled (triton)", ("triton_",)),
-                ("collectives", ("nccl",)), ("copies", ("memcpy", "memset", "copy_kernel", "catarray"))]
+KERNEL_KINDS = [("attention", ("flash", "fmha", "attention")),  # before matmul: flash kernels name cutlass types
+                ("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "sm80_", "cublas")),
+                ("compiled (triton)", ("triton_",)), ("collectives", ("nccl",)),
+                ("copies", ("memcpy", "memset", "copy_kernel", "catarray"))]
 
 
 def gpu_time_summary(prof, wall_s: float) -> dict:

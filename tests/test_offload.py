@@ -141,3 +141,40 @@ def test_colocated_loop_parks_the_trainer_while_the_rollout_engine_runs(recipe, 
         for k in w:
             if not k.endswith(("tokens_per_s", "worker", "gb_per_s")):  # rates and wall times
                 assert g[k] == w[k], k
+
+
+@pytest.fixture
+def allocator_settings(monkeypatch):
+    """The process's allocator settings, as a GPU machine would have them, put back afterwards; CUDA reported
+    available, so fsdp._cap_pinned_rounding does its work (on a CPU build the settings are parsed all the same)."""
+    get, put = torch._C._accelerator_getAllocatorSettings, torch._C._accelerator_setAllocatorSettings
+    saved = get()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    put("max_split_size_mb:128,garbage_collection_threshold:0.6")
+    yield get, put
+    put(saved)
+
+
+def test_capping_pinned_rounding_keeps_the_other_allocator_settings(allocator_settings):
+    """torch re-reads the whole settings string and resets the options it lacks, so the cap is added to them."""
+    get, _ = allocator_settings
+    assert fsdp._cap_pinned_rounding.__wrapped__() is True
+    assert get().split(",") == ["max_split_size_mb:128", "garbage_collection_threshold:0.6",
+                                f"{fsdp.PIN_ROUNDING_KEY}:{fsdp.PIN_ROUNDING_LIMIT_MB}"]
+
+
+def test_a_torch_without_the_cap_offloads_to_pageable_memory_with_its_settings_restored(allocator_settings,
+                                                                                        monkeypatch):
+    """torch 2.11 refuses the key after resetting the other options (probed on the GPU machine): the previous
+    settings are put back, and the shards are not pinned."""
+    get, put = allocator_settings
+
+    def put_without_the_key(settings: str) -> None:
+        put("")  # what 2.11 does before it reads the keys
+        if fsdp.PIN_ROUNDING_KEY in settings:
+            raise ValueError(f"Unrecognized key '{fsdp.PIN_ROUNDING_KEY}' in Accelerator allocator config.")
+        put(settings)
+
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", put_without_the_key)
+    assert fsdp._cap_pinned_rounding.__wrapped__() is False
+    assert get() == "max_split_size_mb:128,garbage_collection_threshold:0.6"

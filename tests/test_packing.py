@@ -63,14 +63,19 @@ def test_packed_logprobs_entropy_and_grads_equal_padded(arch, entropy_in_loss, t
         assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
 
 
-def test_compiled_layers_equal_eager_and_compile_once_for_every_layer_and_length(gqa_model_dir):
-    """train.compile (each decoder layer compiled, dynamic shapes; inductor's C++ backend here, Triton on CUDA):
-    the same log-probs, entropy and gradients as eager, and one compiled graph serves all layers and packed
-    lengths. A regression: transformers' KV cache, built in training forwards too, put per-layer state in the
-    compile guards, so every layer recompiled until dynamo's limit (8) and the rest ran eagerly."""
+def test_compiled_layers_equal_eager_and_compile_once_for_every_layer_and_length(gqa_model_dir, monkeypatch):
+    """train.compile (each decoder layer compiled, dynamic shapes): the same log-probs, entropy and gradients as
+    eager, and one captured graph serves all layers and packed lengths. A regression: transformers' KV cache,
+    built in training forwards too, put per-layer state in the compile guards, so every layer recompiled until
+    dynamo's limit (8) and the rest ran eagerly. The graphs run through aot_eager (dynamo's capture and the
+    autograd graph, no code generation: seconds instead of a C++ build on every run); the generated kernels'
+    numbers are checked on a GPU (bench/fsdp_gpu_check.py)."""
+    import functools  # only here: this test compiles through a backend of its own
+
     import torch._dynamo  # the compile counters (imported here: only this test reads them)
     import torch._dynamo.utils
 
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     eager, model = load_model(gqa_model_dir), load_model(gqa_model_dir)
     compiled = PackedLM(model, chunk_tokens=16, compile_layers=True)
     torch._dynamo.reset()
@@ -85,7 +90,7 @@ def test_compiled_layers_equal_eager_and_compile_once_for_every_layer_and_length
         ((lp * weights).sum() + ent.sum()).backward()
         ((lp_ref * weights).sum() + ent_ref.sum()).backward()
     for (name, a), b in zip(model.named_parameters(), eager.parameters(), strict=True):
-        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
+        assert (a.grad - b.grad).norm() <= 1e-5 * b.grad.norm(), name
     assert model.config.num_hidden_layers > 1
     assert torch._dynamo.utils.counters["frames"]["total"] == 1, dict(torch._dynamo.utils.counters["frames"])
 

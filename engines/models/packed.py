@@ -228,15 +228,9 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy, fused=False):
         ctx.set_materialize_grads(False)
-        n = hidden.shape[0]
         columns = targets if targets.dim() == 2 else targets[:, None]
-        stats = _head_fn(head_logprobs, fused, hidden)
-        logprobs = torch.empty(columns.shape, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        for a in range(0, n, chunk):
-            logprobs[a:a + chunk], lse[a:a + chunk], entropy[a:a + chunk] = stats(
-                hidden[a:a + chunk] @ weight.T, columns[a:a + chunk], temperature, with_entropy)
+        logprobs, lse, entropy = _chunked_stats(lambda a, b: hidden[a:b] @ weight.T, columns, temperature, chunk,
+                                                with_entropy, fused, hidden)
         ctx.save_for_backward(hidden, weight, columns, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.fused = temperature, chunk, fused
         return logprobs.reshape(targets.shape), entropy
@@ -273,14 +267,8 @@ class ChunkedLogitsLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature, chunk, with_entropy, fused=False):
         ctx.set_materialize_grads(False)
-        n = logits.shape[0]
-        stats = _head_fn(head_logprobs, fused, logits)
-        logprobs = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        entropy = torch.zeros(n, dtype=torch.float32, device=logits.device)
-        for a in range(0, n, chunk):
-            logprobs[a:a + chunk], lse[a:a + chunk], entropy[a:a + chunk] = stats(
-                logits[a:a + chunk], targets[a:a + chunk], temperature, with_entropy)
+        logprobs, lse, entropy = _chunked_stats(lambda a, b: logits[a:b], targets, temperature, chunk, with_entropy,
+                                                fused, logits)
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.fused = temperature, chunk, fused
         return logprobs[:, 0], entropy
@@ -297,6 +285,21 @@ class ChunkedLogitsLogprobs(torch.autograd.Function):
             grad[a:b] = grad_logits(logits[a:b], targets[a:b], lse[a:b], entropy[a:b], grad_logprobs[a:b, None],
                                     None if grad_entropy is None else grad_entropy[a:b], ctx.temperature)
         return grad, None, None, None, None, None
+
+
+def _chunked_stats(chunk_logits, columns: torch.Tensor, temperature: float, chunk: int, with_entropy: bool,
+                   fused: bool, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """head_math.head_logprobs over `chunk` tokens at a time, `chunk_logits(a, b)` giving tokens a:b's logits:
+    (log p of `columns` [n, M], lse [n], entropy [n]), fp32, on `like`'s device."""
+    n, device = columns.shape[0], like.device
+    stats = _head_fn(head_logprobs, fused, like)
+    logprobs = torch.empty(columns.shape, dtype=torch.float32, device=device)
+    lse = torch.empty(n, dtype=torch.float32, device=device)
+    entropy = torch.zeros(n, dtype=torch.float32, device=device)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        logprobs[a:b], lse[a:b], entropy[a:b] = stats(chunk_logits(a, b), columns[a:b], temperature, with_entropy)
+    return logprobs, lse, entropy
 
 
 def _head_fn(fn, fused: bool, hidden: torch.Tensor):

@@ -23,6 +23,7 @@ included (engines/train/dcp_store.py: every rank uploads its own shards, readers
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 from datetime import timedelta
@@ -78,7 +79,7 @@ def shard(lm: PackedLM, param_dtype: torch.dtype | None, cpu_offload: bool = Fal
     parameters' own dtype. Gradients are reduced in fp32. reshard_after_forward False keeps each layer's
     gathered weights from its forward to its backward (FSDP2 keeps the root's anyway)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy(pin_memory=_pin_at_exact_size()) if cpu_offload else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=_cap_pinned_rounding()) if cpu_offload else OffloadPolicy()
     for layer in lm.body.layers:
         fully_shard(layer, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard_after_forward)
     fully_shard(lm, mp_policy=policy, offload_policy=offload)
@@ -91,18 +92,31 @@ def shard(lm: PackedLM, param_dtype: torch.dtype | None, cpu_offload: bool = Fal
 
 # pinned blocks above this size are allocated at their size, not rounded up to a power of two
 PIN_ROUNDING_LIMIT_MB = 32
+PIN_ROUNDING_KEY = "pinned_max_round_threshold_mb"
 
 
-def _pin_at_exact_size() -> bool:
-    """Whether offloaded shards can be pinned at their own size: torch's host allocator rounds every pinned block
-    up to a power of two (a 272 MB MLP shard of a 7B takes 512 MB), which took a 7B's offloaded weights, gradients
-    and Adam state (122 GB) past a 128 GiB host. Where this torch lets the rounding be capped, it is, and the
-    shards are pinned (fast copies); otherwise they stay in pageable memory (slower copies, exact size)."""
+@functools.cache
+def _cap_pinned_rounding() -> bool:
+    """Cap the rounding of pinned blocks, and say whether offloaded shards may be pinned. torch's host allocator
+    rounds every pinned block up to a power of two (a 272 MB MLP shard of a 7B takes 512 MB), which took a 7B's
+    offloaded weights and gradients past a 128 GiB host beside its Adam state. Where this torch knows the
+    allocator setting that caps it (2.13 does, 2.11 does not), it is added to the process's allocator settings and
+    the shards are pinned (fast copies); otherwise they stay in pageable memory (slower copies, exact size).
+    Setting the allocator's options re-reads the whole string and resets the ones it lacks, so the current
+    settings are kept in it, and put back if this torch refuses the key."""
     if not torch.cuda.is_available():
         return True
-    try:  # the allocator's own setting (PYTORCH_ALLOC_CONF's pinned_max_round_threshold_mb), set in this process
-        torch._C._accelerator_setAllocatorSettings(f"pinned_max_round_threshold_mb:{PIN_ROUNDING_LIMIT_MB}")
-    except (AttributeError, RuntimeError, ValueError):  # torch 2.11: "Unrecognized key"
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    put = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if get is None or put is None:
+        return False
+    before = get()
+    if PIN_ROUNDING_KEY in before:  # the user's own cap (PYTORCH_ALLOC_CONF)
+        return True
+    try:
+        put(",".join(filter(None, [before, f"{PIN_ROUNDING_KEY}:{PIN_ROUNDING_LIMIT_MB}"])))
+    except (RuntimeError, ValueError):  # torch 2.11: "Unrecognized key", after resetting the others
+        put(before)
         return False
     return True
 

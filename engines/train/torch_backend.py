@@ -61,6 +61,8 @@ from rlflow.engines.train.microbatch import packed_micro_batches
 from rlflow.engines.train.offload import HostParking, memory_moved
 from rlflow.engines.train.rng import restore_rng, rng_state
 
+PACKED_ON_HOST = ("input_ids", "attention_mask")  # a micro-batch's tensors the forward packs on the host
+
 
 def lr_lambda(cfg: TrainConfig):
     """Multiplier of the base LR at optimizer step s: linear warmup, then constant/cosine/linear decay."""
@@ -296,14 +298,16 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         self.optimizer.zero_grad()
         metric_sums: dict[str, torch.Tensor] = {}  # on the device: read once, after the last micro-batch
         for idx, micro in self._agreed_micro_batches(mb):
-            micro = {k: tensor_to_device(v, self.device) for k, v in micro.items()}
+            # the token ids and mask stay on the host: they are packed there (PackedRows.from_padded reads the
+            # lengths, which on the device would wait for the GPU), then moved
+            micro = {k: v if k in PACKED_ON_HOST else tensor_to_device(v, self.device) for k, v in micro.items()}
             loss, metrics = self._loss(micro, sft)
             loss_scale, share = algorithms.micro_batch_scales(micro["loss_mask"], total_weight, mode)
             if not idx:  # a padding micro-batch: it joins the collectives, adds nothing
                 loss_scale, share = loss_scale * 0, share * 0
             (loss * loss_scale.float()).backward()  # FSDP2 reduce-scatters (sums) the gradients over ranks
             for k, v in algorithms.scale_metrics(metrics, loss_scale, share).items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + v.detach()
+                metric_sums[k] = metric_sums.get(k, 0.0) + v
         grad_norm = fsdp.grad_norm(list(self.model.parameters()), self.cfg.grad_clip)
         self.optimizer.step()
         self._forget_gathered()
