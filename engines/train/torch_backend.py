@@ -312,8 +312,8 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         self.optimizer.step()
         self._forget_gathered()
         keys = sorted(metric_sums)
-        stacked = torch.stack([metric_sums[k].to(self.device) for k in keys]).cpu() if keys else torch.zeros(0)
-        reduced = self._all_reduce(stacked) if keys else stacked
+        reduced = (self._all_reduce(torch.stack([metric_sums[k].to(self.device) for k in keys]).cpu()) if keys
+                   else torch.zeros(0))
         out = dict(zip(keys, reduced, strict=True))
         out["grad_norm"] = grad_norm.detach().double().cpu()
         out["lr"] = torch.tensor(self.scheduler.get_last_lr()[0], dtype=torch.float64)

@@ -212,20 +212,16 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         still runs in fp32 (engines/models/head_math.py, logprobs._fp32)."""
         return {"fp32_output": False} if self.dtype == torch.bfloat16 else {}
 
-    def _fused_head(self, logits: torch.Tensor) -> bool:
-        """train.fused_head on a GPU: the head's log-softmax, entropy and gradient as compiled kernels (at TP 1)."""
-        return self.cfg.fused_head and logits.is_cuda
-
     def _token_logprobs(self, logits: torch.Tensor, micro: Micro, temperature: float, entropy: str
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """token_logprobs of the micro-batch's rows, [rows, width] right-padded whatever layout ran."""
         if micro.packed is None:
             return token_logprobs(logits, micro.batch["input_ids"], temperature, entropy,
-                                  self.cfg.logprob_chunk_tokens, self._fused_head(logits))
+                                  self.cfg.logprob_chunk_tokens, self.cfg.fused_head)
         p = micro.packed
         n = len(p.input_ids)  # the stream's own tokens (a sequence-parallel pad follows them)
         logp, ent = token_logprobs(logits[:, :n], p.input_ids[None], temperature, entropy,
-                                   self.cfg.logprob_chunk_tokens, self._fused_head(logits))
+                                   self.cfg.logprob_chunk_tokens, self.cfg.fused_head)
         first = torch.zeros(n, dtype=torch.bool, device=logp.device)
         first[p.cu_seqlens[:-1].long()] = True  # a sample's first token has no logprob (it read the previous one)
 
