@@ -20,18 +20,28 @@ from bench.megatron_checks import kernel_profile
 from rlflow.engines.core.config import MegatronConfig
 from rlflow.engines.train.megatron.cpu import device_context
 from rlflow.engines.train.megatron.hf_config import spec_from_hf
-from rlflow.engines.train.megatron.model_build import build_model, init_parallel, transformer_config
+from rlflow.engines.train.megatron.model_build import (
+    build_model,
+    compile_decoder_layers,
+    init_parallel,
+    transformer_config,
+)
 
 
 def bare_loop_tokens_per_s(model_dir: str, micro_batch: int, seq: int, micro_batches: int, steps: int,
-                           warmup: int, device: str, dist_url: str | None, attention: str = "sdpa") -> dict[str, float]:
-    """Tokens/s of `steps` optimizer steps (after `warmup`) on random tokens, bf16 weights, fp32 main params."""
+                           warmup: int, device: str, dist_url: str | None, attention: str = "sdpa",
+                           compile_layers: bool = False) -> dict[str, float]:
+    """Tokens/s of `steps` optimizer steps (after `warmup`) on random tokens, bf16 weights, fp32 main params;
+    `compile_layers`: each decoder layer compiled as the backend's train.compile does."""
     with device_context(device):
         mcfg = MegatronConfig(attention=attention, packing=attention != "unfused")
         init_parallel(0, 1, dist_url, mcfg, device, seed=0)
         spec = spec_from_hf(AutoConfig.from_pretrained(model_dir))
         config = transformer_config(spec, mcfg, torch.bfloat16, device)
-        model = Float16Module(config, build_model(spec, config, use_te=False, attention=attention))
+        core = build_model(spec, config, use_te=False, attention=attention)
+        if compile_layers:
+            compile_decoder_layers(core)
+        model = Float16Module(config, core)
         ddp = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True))
         config.finalize_model_grads_func = finalize_model_grads

@@ -258,7 +258,9 @@ def backend_throughput(rank: int, world: int, model_dir: str, micro_batch: int, 
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-    train = TrainConfig(device=device, precision="bf16", micro_batch_size=micro_batch, mini_batches=1, lr=1e-5)
+    attention, _, flags = attention.partition("+")  # "+compile": train.compile (each decoder layer compiled)
+    train = TrainConfig(device=device, precision="bf16", micro_batch_size=micro_batch, mini_batches=1, lr=1e-5,
+                        compile=flags == "compile")
     core, _, layout = attention.partition("-")  # "sdpa", "sdpa-padded", "unfused" (padded: it cannot pack)
     mega = _mega(model_dir, train, MegatronConfig(attention=core, packing=core != "unfused" and layout != "padded"),
                  rank, world, url)
@@ -296,8 +298,9 @@ def bare_throughput(rank: int, world: int, model_dir: str, micro_batch: int, seq
                     steps: int, warmup: int, device: str, url: str, out: str, attention: str = "sdpa") -> None:
     from bench.megatron_bare import bare_loop_tokens_per_s
 
+    attention, _, flags = attention.partition("+")
     result = bare_loop_tokens_per_s(model_dir, micro_batch, seq, micro_batches, steps, warmup, device, url,
-                                    attention.partition("-")[0])
+                                    attention.partition("-")[0], compile_layers=flags == "compile")
     result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     write(out, result)
 

@@ -258,8 +258,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layout-seq", type=int, default=1024)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per spawned measurement")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="random model built when no --hf-model")
-    ap.add_argument("--attention", default="sdpa,unfused", help="core attentions to time (comma-separated; "
-                                                               "sdpa-padded: the backend on padded rows)")
+    ap.add_argument("--attention", default="sdpa,unfused",
+                    help="core attentions to time (comma-separated; sdpa-padded: the backend on padded rows; a "
+                    "+compile suffix, e.g. sdpa-padded+compile: train.compile, and the bare loop's layers "
+                    "compiled the same way)")
     ap.add_argument("--both-orders", action="store_true", help="time each variant twice, in both orders")
     a = ap.parse_args(argv)
     if a.smoke:

@@ -80,6 +80,11 @@ VARIANTS = {
     "megatron-16k": {"backend": "megatron", "micro_batch_tokens": 16384},
     "megatron-16k-padded": {"backend": "megatron", "micro_batch_tokens": 16384, "packing": False},
     "megatron-8k-padded": {"backend": "megatron", "micro_batch_tokens": 8192, "packing": False},
+    # train.compile on megatron's decoder layers
+    "megatron-8k-compile": {"backend": "megatron", "micro_batch_tokens": 8192, "compile": True},
+    "megatron-16k-compile": {"backend": "megatron", "micro_batch_tokens": 16384, "compile": True},
+    "megatron-8k-padded-compile": {"backend": "megatron", "micro_batch_tokens": 8192, "packing": False,
+                                   "compile": True},
     "megatron-16k-unfused": {"backend": "megatron", "micro_batch_tokens": 16384, "attention": "unfused",
                              "packing": False},
 }
@@ -195,7 +200,8 @@ def run_rlflow(model_path: str, batch: dict, steps: int, device: str, options: d
         from rlflow.engines.cluster.addresses import free_port
         from rlflow.engines.train.megatron.backend import MegatronTrainBackend
 
-        train = TrainConfig(device=device, precision="bf16", lr=1e-6, micro_batch_size=4096, threads=8)
+        train = TrainConfig(device=device, precision="bf16", lr=1e-6, micro_batch_size=4096, threads=8,
+                            compile=options.pop("compile", False))
         backend = MegatronTrainBackend(model_path, train, AlgorithmConfig(kl_coef=0.0), MegatronConfig(**options),
                                        rank=0, world_size=1, dist_url=f"tcp://127.0.0.1:{free_port()}")
     else:

@@ -21,12 +21,13 @@ MOE = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermedia
                      "norm_topk_prob": False}}
 
 
-def tiny_hf_model(out: str | Path, family: str, tied: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A 2-layer HF model with 4 query / 2 KV heads (head_dim 24 != hidden / heads), every weight perturbed so
-    that norms are not all 1 and biases not all 0 (MoE families: 4 experts, 2 per token). Saved to `out`; returns
-    its state dict."""
+def tiny_hf_model(out: str | Path, family: str, tied: bool = False, seed: int = 0, layers: int = 2
+                  ) -> dict[str, torch.Tensor]:
+    """A 2-layer (`layers`) HF model with 4 query / 2 KV heads (head_dim 24 != hidden / heads), every weight
+    perturbed so that norms are not all 1 and biases not all 0 (MoE families: 4 experts, 2 per token). Saved to
+    `out`; returns its state dict."""
     kw = {"intermediate_size": 128} | MOE.get(family, {})
-    cfg = FAMILIES[family](vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    cfg = FAMILIES[family](vocab_size=96, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=24, max_position_embeddings=64, tie_word_embeddings=tied,
                            rms_norm_eps=1e-6, **kw)
     torch.manual_seed(seed)

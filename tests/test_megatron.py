@@ -547,6 +547,48 @@ def test_bf16_backend_stays_close_to_fp32(hf_models, mcore):
     assert {t.dtype for _, t in bf16.named_tensors()} == {torch.bfloat16}
 
 
+def test_compiled_layers_train_like_eager_and_compile_once_for_every_layer(hf_models, mcore, tmp_path, monkeypatch):
+    """train.compile on megatron's decoder layers: the same logprobs, loss and update as eager, and the layers share
+    their compiled graphs (a 4-layer model then needs no graph the 2-layer one did not capture: nothing in a layer
+    makes dynamo specialise on which layer it is). Packed streams keep megatron's THD rotary eager (it copies the sample
+    lengths to the host). The graphs run through aot_eager (dynamo's capture and the autograd graph, no code
+    generation); the generated kernels run on GPUs (bench/megatron_gpu.py, +compile variants)."""
+    import functools  # only here: this test compiles through a backend of its own
+
+    import torch._dynamo  # the compile counters (imported here: only this test reads them)
+    import torch._dynamo.utils
+    from megatron.core.models.common.embeddings import rope_utils  # only here: the rotary compile leaves eager
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    path, batch = hf_models["qwen2"][0], toy_batch()
+    mask = batch["attention_mask"].bool()
+    mcfg = MegatronConfig(micro_batch_tokens=40)
+    eager = _backend(path, train_config(mini_batches=1), megatron=mcfg)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = _backend(path, train_config(mini_batches=1, compile=True), megatron=mcfg)
+    lp = eager.forward_logprobs(batch)
+    assert (compiled.forward_logprobs(batch) - lp)[mask].abs().max() < 1e-5
+    step = {**batch, "old_logprobs": lp + 0.05 * torch.randn_like(lp)}
+    m_e, m_c = eager.train_step(step), compiled.train_step(step)
+    assert m_c["loss"] == pytest.approx(m_e["loss"], rel=1e-4, abs=5e-6)
+    # after the step, logprobs (not weights: Adam turns the rounding noise of a gradient that is 0 in exact
+    # arithmetic, the key bias's, into steps of the learning rate, which no logprob sees)
+    assert (compiled.forward_logprobs(batch) - eager.forward_logprobs(batch))[mask].abs().max() < 1e-5
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    tiny_hf_model(tmp_path, "qwen2", tied=True, layers=4)  # twice the layers: the same graphs serve them all
+    deeper = _backend(str(tmp_path), train_config(mini_batches=1, compile=True), megatron=mcfg)
+    deeper.train_step({**step, "old_logprobs": deeper.forward_logprobs(batch)})
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert rope_utils._apply_rotary_pos_emb_thd._rlflow_eager
+
+
+def test_compile_refuses_transformer_engine_layers(hf_models, mcore):
+    with pytest.raises(ValueError, match="train.compile compiles the local layer spec"):
+        _backend(hf_models["llama"][0], train_config(compile=True), megatron=MegatronConfig(transformer_engine=True))
+
+
 # ----------------------------------------------------------------------------- 2 gloo processes
 
 

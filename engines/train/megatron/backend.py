@@ -50,6 +50,7 @@ from rlflow.engines.train.megatron.logprobs import token_logprobs
 from rlflow.engines.train.megatron.microbatch import Micro, filler, gather_rows, plan_micro_batches
 from rlflow.engines.train.megatron.model_build import (
     build_model,
+    compile_decoder_layers,
     init_parallel,
     load_hf_weights,
     stage_params,
@@ -116,6 +117,9 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         self.spec = spec_from_hf(self.hf_config)
         self.dtype = DTYPES[train.precision]
         self.use_te = use_transformer_engine(self.mcfg, self.device)
+        if train.compile and self.use_te:
+            raise ValueError("train.compile compiles the local layer spec's decoder layers; Transformer Engine's "
+                             "are fused kernels already (megatron.transformer_engine: false to compile instead)")
         self.tf_config = transformer_config(self.spec, self.mcfg, self.dtype, self.device)
         check_moe_tensor_parallel(self.spec, self.mcfg.tensor_parallel, self.use_te, self.tf_config.sequence_parallel)
         self.pp = self.mcfg.pipeline_parallel
@@ -153,6 +157,8 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
     def _load_core(self) -> torch.nn.Module:
         core = build_model(self.spec, self.tf_config, self.use_te, self.mcfg.attention)
         load_hf_weights(core, self.spec, self.model_path, fused_norms=self.use_te)
+        if self.cfg.compile:
+            compile_decoder_layers(core)
         return core
 
     def _wrap(self, core: torch.nn.Module) -> torch.nn.Module:

@@ -110,6 +110,26 @@ def build_model(spec: ModelSpec, config: TransformerConfig, use_te: bool, attent
                     post_process=parallel_state.is_pipeline_last_stage(), **spec.gpt_kwargs())
 
 
+def compile_decoder_layers(model: GPTModel) -> None:
+    """torch.compile each decoder layer's forward (dynamic shapes: micro-batch lengths vary). Without Transformer
+    Engine the local spec runs RMSNorm, rotary, SwiGLU, residual adds and casts as separate kernels; compiled,
+    the elementwise work between the GEMMs fuses (the native trainer's train.compile, on megatron's layers).
+
+    The layers share one compiled graph per piece (their code is the same; parameters are graph inputs). dynamo
+    splits each layer where megatron calls what it cannot trace: the deprecation warning every RowParallelLinear
+    issues, the activation-offload context manager around the attention projection, and megatron's rotary for
+    packed (THD) streams, which splits q and k per sample after copying the sample lengths to the host: traced,
+    it would recompile for every new count of samples, so it stays eager (torch.compiler.disable)."""
+    from megatron.core.models.common.embeddings import rope_utils  # the module whose global the layers look up
+
+    if not getattr(rope_utils._apply_rotary_pos_emb_thd, "_rlflow_eager", False):
+        eager = torch.compiler.disable(rope_utils._apply_rotary_pos_emb_thd)
+        eager._rlflow_eager = True
+        rope_utils._apply_rotary_pos_emb_thd = eager
+    for layer in model.decoder.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
 def _define_te_gemm_when_missing() -> None:
     """megatron-core 0.16's MoE router tests `te_general_gemm is not None`, a name its module defines only when
     Transformer Engine imports: without TE the router raises NameError. None is what it means there."""
