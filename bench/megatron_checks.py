@@ -252,15 +252,24 @@ def train_flops_per_token(model_dir: str, seq: int, causal: bool = True) -> floa
     return flops_per_step(AutoConfig.from_pretrained(model_dir).to_dict(), torch.tensor([seq]), causal=causal) / seq
 
 
+def split_compile(variant: str) -> tuple[str, bool]:
+    """A throughput variant ("sdpa-padded+compile") as its attention ("sdpa-padded") and whether the decoder
+    layers are compiled (the "+compile" suffix: train.compile in the backend, the same in the bare loop)."""
+    attention, _, flags = variant.partition("+")
+    if flags not in ("", "compile"):
+        raise ValueError(f"throughput variant {variant!r}: the only suffix is +compile")
+    return attention, flags == "compile"
+
+
 def backend_throughput(rank: int, world: int, model_dir: str, micro_batch: int, seq: int, micro_batches: int,
                        steps: int, warmup: int, device: str, url: str, out: str, attention: str = "sdpa") -> None:
     """Tokens/s of MegatronTrainBackend.train_step: one optimizer step over micro_batches x micro_batch rows."""
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-    attention, _, flags = attention.partition("+")  # "+compile": train.compile (each decoder layer compiled)
+    attention, compile_layers = split_compile(attention)
     train = TrainConfig(device=device, precision="bf16", micro_batch_size=micro_batch, mini_batches=1, lr=1e-5,
-                        compile=flags == "compile")
+                        compile=compile_layers)
     core, _, layout = attention.partition("-")  # "sdpa", "sdpa-padded", "unfused" (padded: it cannot pack)
     mega = _mega(model_dir, train, MegatronConfig(attention=core, packing=core != "unfused" and layout != "padded"),
                  rank, world, url)
@@ -298,9 +307,9 @@ def bare_throughput(rank: int, world: int, model_dir: str, micro_batch: int, seq
                     steps: int, warmup: int, device: str, url: str, out: str, attention: str = "sdpa") -> None:
     from bench.megatron_bare import bare_loop_tokens_per_s
 
-    attention, _, flags = attention.partition("+")
+    attention, compile_layers = split_compile(attention)
     result = bare_loop_tokens_per_s(model_dir, micro_batch, seq, micro_batches, steps, warmup, device, url,
-                                    attention.partition("-")[0], compile_layers=flags == "compile")
+                                    attention.partition("-")[0], compile_layers=compile_layers)
     result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     write(out, result)
 

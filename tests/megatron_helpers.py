@@ -23,7 +23,7 @@ MOE = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermedia
 
 def tiny_hf_model(out: str | Path, family: str, tied: bool = False, seed: int = 0, layers: int = 2
                   ) -> dict[str, torch.Tensor]:
-    """A 2-layer (`layers`) HF model with 4 query / 2 KV heads (head_dim 24 != hidden / heads), every weight
+    """A `layers`-layer (default 2) HF model with 4 query / 2 KV heads (head_dim 24 != hidden / heads), every weight
     perturbed so that norms are not all 1 and biases not all 0 (MoE families: 4 experts, 2 per token). Saved to
     `out`; returns its state dict."""
     kw = {"intermediate_size": 128} | MOE.get(family, {})
