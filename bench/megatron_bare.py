@@ -19,6 +19,7 @@ from transformers import AutoConfig
 from bench.megatron_checks import kernel_profile
 from rlflow.engines.core.config import MegatronConfig
 from rlflow.engines.train.megatron.cpu import device_context
+from rlflow.engines.train.megatron.fused_kernels import fuse_adam
 from rlflow.engines.train.megatron.hf_config import spec_from_hf
 from rlflow.engines.train.megatron.model_build import (
     build_model,
@@ -30,14 +31,18 @@ from rlflow.engines.train.megatron.model_build import (
 
 def bare_loop_tokens_per_s(model_dir: str, micro_batch: int, seq: int, micro_batches: int, steps: int,
                            warmup: int, device: str, dist_url: str | None, attention: str = "sdpa",
-                           compile_layers: bool = False) -> dict[str, float]:
+                           compile_layers: bool = False, torch_fused_kernels: bool = True,
+                           transformer: dict | None = None) -> dict[str, float]:
     """Tokens/s of `steps` optimizer steps (after `warmup`) on random tokens, bf16 weights, fp32 main params;
-    `compile_layers`: each decoder layer compiled as the backend's train.compile does."""
+    `compile_layers`: each decoder layer compiled as the backend's train.compile does; `torch_fused_kernels`:
+    torch's stand-ins for apex's fused kernels, as the backend's megatron.torch_fused_kernels (what a megatron-core
+    user with apex would have); `transformer`: megatron.transformer keys, as the backend takes them."""
     with device_context(device):
-        mcfg = MegatronConfig(attention=attention, packing=attention != "unfused")
+        mcfg = MegatronConfig(attention=attention, packing=attention != "unfused",
+                              torch_fused_kernels=torch_fused_kernels, transformer=transformer or {})
         init_parallel(0, 1, dist_url, mcfg, device, seed=0)
         spec = spec_from_hf(AutoConfig.from_pretrained(model_dir))
-        config = transformer_config(spec, mcfg, torch.bfloat16, device)
+        config = transformer_config(spec, mcfg, torch.bfloat16, device, compiled=compile_layers)
         core = build_model(spec, config, use_te=False, attention=attention)
         if compile_layers:
             compile_decoder_layers(core)
@@ -49,6 +54,8 @@ def bare_loop_tokens_per_s(model_dir: str, micro_batch: int, seq: int, micro_bat
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=1e-5, weight_decay=0.0, clip_grad=1.0, bf16=True, params_dtype=torch.bfloat16,
             use_distributed_optimizer=True), [ddp])
+        if torch_fused_kernels:
+            fuse_adam(optimizer)
         dev = "cuda" if device == "cuda" else "cpu"
         data = torch.randint(0, spec.vocab_size, (micro_batches, micro_batch, seq + 1), device=dev)
         positions = torch.arange(seq, device=dev).expand(micro_batch, seq)

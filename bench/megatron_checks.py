@@ -10,6 +10,7 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -252,13 +253,34 @@ def train_flops_per_token(model_dir: str, seq: int, causal: bool = True) -> floa
     return flops_per_step(AutoConfig.from_pretrained(model_dir).to_dict(), torch.tensor([seq]), causal=causal) / seq
 
 
-def split_compile(variant: str) -> tuple[str, bool]:
-    """A throughput variant ("sdpa-padded+compile") as its attention ("sdpa-padded") and whether the decoder
-    layers are compiled (the "+compile" suffix: train.compile in the backend, the same in the bare loop)."""
-    attention, _, flags = variant.partition("+")
-    if flags not in ("", "compile"):
-        raise ValueError(f"throughput variant {variant!r}: the only suffix is +compile")
-    return attention, flags == "compile"
+VARIANT_FLAGS = ("compile", "mcore-fallbacks", "no-wgrad-fusion")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A throughput variant ("sdpa-padded+compile"): its attention ("sdpa-padded") and flags. "+compile":
+    train.compile in the backend, the same in the bare loop; "+mcore-fallbacks": megatron.torch_fused_kernels
+    off (megatron-core's own fallbacks for apex's kernels) in both; "+no-wgrad-fusion": those kernels on but the
+    weight-gradient GEMMs unfused (megatron.transformer.gradient_accumulation_fusion: false)."""
+
+    attention: str
+    compile: bool
+    torch_fused_kernels: bool
+    wgrad_fusion: bool
+
+    @property
+    def transformer(self) -> dict:
+        return {} if self.wgrad_fusion else {"gradient_accumulation_fusion": False}
+
+
+def split_variant(variant: str) -> Variant:
+    attention, *flags = variant.split("+")
+    unknown = set(flags) - set(VARIANT_FLAGS)
+    if unknown:
+        raise ValueError(f"throughput variant {variant!r}: unknown suffix {sorted(unknown)}; the suffixes are "
+                         f"{', '.join('+' + f for f in VARIANT_FLAGS)}")
+    fused = "mcore-fallbacks" not in flags
+    return Variant(attention, "compile" in flags, fused, fused and "no-wgrad-fusion" not in flags)
 
 
 def backend_throughput(rank: int, world: int, model_dir: str, micro_batch: int, seq: int, micro_batches: int,
@@ -267,15 +289,17 @@ def backend_throughput(rank: int, world: int, model_dir: str, micro_batch: int, 
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-    attention, compile_layers = split_compile(attention)
+    v = split_variant(attention)
     train = TrainConfig(device=device, precision="bf16", micro_batch_size=micro_batch, mini_batches=1, lr=1e-5,
-                        compile=compile_layers)
-    core, _, layout = attention.partition("-")  # "sdpa", "sdpa-padded", "unfused" (padded: it cannot pack)
-    mega = _mega(model_dir, train, MegatronConfig(attention=core, packing=core != "unfused" and layout != "padded"),
-                 rank, world, url)
+                        compile=v.compile)
+    core, _, layout = v.attention.partition("-")  # "sdpa", "sdpa-padded", "unfused" (padded: it cannot pack)
+    mega = _mega(model_dir, train, MegatronConfig(attention=core, packing=core != "unfused" and layout != "padded",
+                                                  torch_fused_kernels=v.torch_fused_kernels,
+                                                  transformer=v.transformer), rank, world, url)
     batch = rl_batch(vocab, rows=micro_batch * micro_batches, max_len=seq, seed=2)
     batch["old_logprobs"] = mega.forward_logprobs(batch)
-    for _ in range(warmup):
+    first = mega.train_step(batch)  # from the same weights in every variant: their gradient norms must agree
+    for _ in range(warmup - 1):
         mega.train_step(batch)
     _sync(device)
     t0 = time.perf_counter()
@@ -286,7 +310,8 @@ def backend_throughput(rank: int, world: int, model_dir: str, micro_batch: int, 
     tokens = micro_batch * micro_batches * seq
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     write(out, {"step_s": elapsed, "tokens_per_step": tokens, "tokens_per_s": tokens / elapsed,
-                "loss": metrics["loss"], "peak_memory_gib": peak} | kernel_profile(lambda: mega.train_step(batch)))
+                "loss": metrics["loss"], "first_step_grad_norm": first["grad_norm"], "peak_memory_gib": peak}
+          | kernel_profile(lambda: mega.train_step(batch)))
 
 
 def kernel_profile(step) -> dict:
@@ -307,9 +332,10 @@ def bare_throughput(rank: int, world: int, model_dir: str, micro_batch: int, seq
                     steps: int, warmup: int, device: str, url: str, out: str, attention: str = "sdpa") -> None:
     from bench.megatron_bare import bare_loop_tokens_per_s
 
-    attention, compile_layers = split_compile(attention)
+    v = split_variant(attention)
     result = bare_loop_tokens_per_s(model_dir, micro_batch, seq, micro_batches, steps, warmup, device, url,
-                                    attention.partition("-")[0], compile_layers=compile_layers)
+                                    v.attention.partition("-")[0], compile_layers=v.compile,
+                                    torch_fused_kernels=v.torch_fused_kernels, transformer=v.transformer)
     result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     write(out, result)
 

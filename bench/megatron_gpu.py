@@ -111,14 +111,14 @@ def run_throughput(a, work: Path, model: str, device: str) -> dict:
     result = {"micro_batch": a.micro_batch, "seq": a.seq, "micro_batches": a.micro_batches, "steps": a.steps,
               "flops_per_token": flops, "flops_per_token_full_attention": flops_full}
     order = a.attention.split(",")
-    runs = [(att, kind) for att in order for kind in ("bare", "backend")]
+    runs = [(att, kind) for att in order for kind in a.kinds.split(",")]
     if a.both_orders:
         runs += runs[::-1]
     for att, kind in runs:
         out = work / f"{kind}_{att}.json"
         try:
             spawn(f"{kind}_throughput", 1, a.timeout, model, *shape, url(), str(out), att)
-        except RuntimeError as e:  # e.g. out of memory: recorded, and the other variants still run
+        except (RuntimeError, TimeoutError) as e:  # out of memory, too slow: recorded, the others still run
             result.setdefault(att, {}).setdefault("errors", {})[kind] = str(e)
             print(f"[throughput] {att} {kind} FAILED: {e}", flush=True)
             continue
@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--attention", default="sdpa,unfused",
                     help="core attentions to time (comma-separated; sdpa-padded: the backend on padded rows; a "
                     "+compile suffix, e.g. sdpa-padded+compile: train.compile, and the bare loop's layers "
-                    "compiled the same way)")
+                    "compiled the same way; +mcore-fallbacks, +no-wgrad-fusion: bench/megatron_checks.Variant)")
+    ap.add_argument("--kinds", default="bare,backend", help="which loops to time: bare, backend or both")
     ap.add_argument("--both-orders", action="store_true", help="time each variant twice, in both orders")
     a = ap.parse_args(argv)
     if a.smoke:

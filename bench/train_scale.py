@@ -85,6 +85,9 @@ VARIANTS = {
     "megatron-16k-compile": {"backend": "megatron", "micro_batch_tokens": 16384, "compile": True},
     "megatron-8k-padded-compile": {"backend": "megatron", "micro_batch_tokens": 8192, "packing": False,
                                    "compile": True},
+    # megatron-core's own per-tensor fallbacks for apex's kernels, not torch's fused stand-ins (the comparison)
+    "megatron-8k-padded-compile-mcore": {"backend": "megatron", "micro_batch_tokens": 8192, "packing": False,
+                                         "compile": True, "torch_fused_kernels": False},
     "megatron-16k-unfused": {"backend": "megatron", "micro_batch_tokens": 16384, "attention": "unfused",
                              "packing": False},
 }

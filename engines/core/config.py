@@ -890,6 +890,12 @@ class MegatronConfig(Section):
         "(docs/benchmarks.md)."
     )
     use_distributed_optimizer: bool = Field(True, description="Shard optimizer state over data-parallel ranks.")
+    torch_fused_kernels: bool = Field(
+        True, description="Where neither apex nor Transformer Engine is installed, torch's fused kernels stand in "
+        "for theirs: weight-gradient GEMMs accumulate straight into the fp32 main_grad, a fused AdamW, foreach "
+        "gradient norm and copies (engines/train/megatron/fused_kernels.py). false: megatron-core's own per-tensor "
+        "fallbacks (slower; kept to compare)."
+    )
     transformer_engine: bool | None = Field(
         None, description="Build layers from Transformer Engine; empty: when it is installed."
     )

@@ -45,6 +45,7 @@ from rlflow.engines.sync.store import put_bucket
 from rlflow.engines.train.megatron.checkpoint import set_tracker_rng_state, tracker_rng_state
 from rlflow.engines.train.megatron.cpu import device_context
 from rlflow.engines.train.megatron.export import WeightExporter
+from rlflow.engines.train.megatron.fused_kernels import fuse_adam
 from rlflow.engines.train.megatron.hf_config import spec_from_hf
 from rlflow.engines.train.megatron.logprobs import token_logprobs
 from rlflow.engines.train.megatron.microbatch import Micro, filler, gather_rows, plan_micro_batches
@@ -120,7 +121,8 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         if train.compile and self.use_te:
             raise ValueError("train.compile compiles the local layer spec's decoder layers; Transformer Engine's "
                              "are fused kernels already (megatron.transformer_engine: false to compile instead)")
-        self.tf_config = transformer_config(self.spec, self.mcfg, self.dtype, self.device)
+        self.tf_config = transformer_config(self.spec, self.mcfg, self.dtype, self.device, self.use_te,
+                                            compiled=train.compile)
         check_moe_tensor_parallel(self.spec, self.mcfg.tensor_parallel, self.use_te, self.tf_config.sequence_parallel)
         self.pp = self.mcfg.pipeline_parallel
         self.tp = self.mcfg.tensor_parallel
@@ -140,6 +142,8 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
             "adam_beta2": b2, "adam_eps": 1e-8, "clip_grad": train.grad_clip, "bf16": self.dtype == torch.bfloat16,
             "params_dtype": self.dtype, "use_distributed_optimizer": self.mcfg.use_distributed_optimizer,
         } | self.mcfg.optimizer)), [self.model])
+        if self.mcfg.torch_fused_kernels:
+            fuse_adam(self.optimizer)
         self.schedule = lr_lambda(train)
         self.updates = 0  # optimizer steps taken: the LR schedule's clock
         # colocated: what offload() parked in host memory while the rollout engine has the GPU

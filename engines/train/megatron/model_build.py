@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.core.config import MegatronConfig
+from rlflow.engines.train.megatron import fused_kernels
 from rlflow.engines.train.megatron.attention import local_layer_spec
 from rlflow.engines.train.megatron.hf_config import ModelSpec
 from rlflow.engines.train.megatron.weights import Rule, check_tensor_parallel, model_rules, to_megatron
@@ -61,8 +62,10 @@ def use_transformer_engine(cfg: MegatronConfig, device: str) -> bool:
     return device == "cuda" and importlib.util.find_spec("transformer_engine") is not None
 
 
-def transformer_config(spec: ModelSpec, cfg: MegatronConfig, dtype: torch.dtype, device: str) -> TransformerConfig:
-    """The derived TransformerConfig, then the recipe's megatron.transformer keys on top (except RESERVED)."""
+def transformer_config(spec: ModelSpec, cfg: MegatronConfig, dtype: torch.dtype, device: str,
+                       use_te: bool = False, compiled: bool = False) -> TransformerConfig:
+    """The derived TransformerConfig, then the recipe's megatron.transformer keys on top (except RESERVED).
+    `compiled`: the decoder layers will go through torch.compile (compile_decoder_layers)."""
     clash = sorted(set(cfg.transformer) & set(RESERVED))
     if clash:
         raise ValueError(f"megatron.transformer: {', '.join(clash)} are set by the backend, not the recipe")
@@ -86,6 +89,12 @@ def transformer_config(spec: ModelSpec, cfg: MegatronConfig, dtype: torch.dtype,
         "perform_initialization": True,
         "use_cpu_initialization": device == "cpu",
     }
+    if cfg.torch_fused_kernels and not use_te:
+        fused_kernels.install()
+        # the local spec's linears: weight-gradient GEMMs add into main_grad. Not under torch.compile: dynamo
+        # cannot trace that backward (it writes into main_grad, a tensor from outside the graph) and breaks the
+        # layer at every linear, which cost more than the fusion saves (docs/benchmarks.md, 2026-11-27)
+        kwargs["gradient_accumulation_fusion"] = not compiled
     if cfg.pipeline_parallel > 1:  # micro-batches differ in shape: stages exchange shapes first
         # (megatron-core 0.16 rejects variable lengths with the default MoE dispatcher even for dense models)
         kwargs |= {"pipeline_dtype": dtype, "variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
@@ -119,15 +128,35 @@ def compile_decoder_layers(model: GPTModel) -> None:
     splits each layer where megatron calls what it cannot trace: the deprecation warning every RowParallelLinear
     issues, the activation-offload context manager around the attention projection, and megatron's rotary for
     packed (THD) streams, which splits q and k per sample after copying the sample lengths to the host: traced,
-    it would recompile for every new count of samples, so it stays eager (torch.compiler.disable)."""
+    it would recompile for every new count of samples, so it stays eager (torch.compiler.disable).
+
+    The deprecation warning megatron-core 0.19 issues on every linear layer call that passes no tensor-parallel
+    group (RowParallelLinear always does) is a call dynamo cannot trace; inside the activation-offload context
+    manager a break cannot be resumed from, so dynamo gave up on whole attention blocks. The layers get megatron's
+    group lookup without the warning instead (`_default_tp_group`)."""
     from megatron.core.models.common.embeddings import rope_utils  # the module whose global the layers look up
+    from megatron.core.tensor_parallel import layers  # likewise
 
     if not getattr(rope_utils._apply_rotary_pos_emb_thd, "_rlflow_eager", False):
         eager = torch.compiler.disable(rope_utils._apply_rotary_pos_emb_thd)
         eager._rlflow_eager = True
         rope_utils._apply_rotary_pos_emb_thd = eager
+    layers.get_tensor_model_parallel_group_if_none = _default_tp_group
     for layer in model.decoder.layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+def _default_tp_group(tp_group: Any, is_expert: bool = False, check_initialized: bool = True) -> Any:
+    """megatron.core.utils.get_tensor_model_parallel_group_if_none, less its deprecation warning: the group
+    given, else the default (expert) tensor-parallel group once both torch.distributed and megatron's groups are
+    up."""
+    if not dist.is_initialized():
+        return None
+    if tp_group is not None or not parallel_state.is_initialized():
+        return tp_group
+    if is_expert:
+        return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
 
 
 def _define_te_gemm_when_missing() -> None:

@@ -68,8 +68,10 @@ class ParamState:
         state = self.optimizer.state.setdefault(self.main, {})
         if "exp_avg" not in state:
             state |= {"exp_avg": torch.zeros_like(self.main), "exp_avg_sq": torch.zeros_like(self.main)}
-        if "step" not in self.group:
-            state["step"] = torch.tensor(float(step))
+        if "step" not in self.group:  # torch's fused (or capturable) Adam keeps it on the parameter's device
+            on_device = self.group.get("fused") or self.group.get("capturable")
+            state["step"] = (torch.tensor(float(step), device=self.main.device) if on_device
+                             else torch.tensor(float(step)))
 
 
 class OptimizerView:
