@@ -115,28 +115,33 @@ def parity(rank: int, world: int, model_dir: str, device: str, url: str, out: st
         free_memory()
         return out
 
-    def diff(a: torch.Tensor, b: torch.Tensor, tolerance: float | None = None) -> dict:
+    def diff(a: torch.Tensor, b: torch.Tensor, tolerance: float | None = None, on: str = "max") -> dict:
+        """max and mean |a - b| over the real tokens; with a tolerance, whether the `on` statistic is within."""
         d = (a - b)[mask].abs()
         r = {"max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean())}
-        return r | ({"tolerance": tolerance, "pass": bool(d.max() <= tolerance)} if tolerance else {})
+        if tolerance is None:
+            return r
+        return r | {"tolerance": tolerance, "judged_on": on, "pass": r[f"{on}_abs_diff"] <= tolerance}
 
     truth = torch_logprobs("fp32")
-    result["fp32"] = diff(mega_logprobs("fp32"), truth, 1e-4)
+    result["fp32"] = diff(mega_logprobs("fp32"), truth, 1e-4)  # the mapping: every token
     # bf16 is two different regimes: the torch backend autocasts (fp32 weights and residual stream, bf16
     # matmuls); megatron's Float16Module keeps weights and activations in bf16 (its fp32_residual_connection
     # does not run with the local layer spec). Each is also compared with the fp32 logprobs.
     torch_bf16, mega_bf16 = torch_logprobs("bf16"), mega_logprobs("bf16")
-    result["bf16"] = diff(mega_bf16, torch_bf16, 2e-2)
+    # issue 20's bf16 goal is on the mean: any two bf16 regimes sit 3-9e-2 apart at the worst token
+    # (docs/benchmarks.md, layer by layer)
+    result["bf16"] = diff(mega_bf16, torch_bf16, 2e-2, on="mean")
     result["bf16_torch_vs_fp32"] = diff(torch_bf16, truth)
     result["bf16_megatron_vs_fp32"] = diff(mega_bf16, truth)
     # the same regime on both sides: the torch model with its weights in bf16 (what the rollout engine runs)
     torch_bf16_weights = torch_logprobs("bf16_weights")
-    result["bf16_megatron_vs_torch_bf16_weights"] = diff(mega_bf16, torch_bf16_weights, 2e-2)
+    result["bf16_megatron_vs_torch_bf16_weights"] = diff(mega_bf16, torch_bf16_weights, 2e-2, on="mean")
     result["bf16_torch_bf16_weights_vs_fp32"] = diff(torch_bf16_weights, truth)
     for key, r in result.items():
         if isinstance(r, dict):
             print(f"[parity] {key}: max |diff| {r['max_abs_diff']:.3e}, mean {r['mean_abs_diff']:.3e}"
-                  + (f" (tolerance {r['tolerance']})" if "tolerance" in r else ""), flush=True)
+                  + (f" (tolerance {r['tolerance']} on the {r['judged_on']})" if "tolerance" in r else ""), flush=True)
     write(out, result)
 
 
