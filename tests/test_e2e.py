@@ -58,6 +58,13 @@ def _prefect_logs(flow_run_id, expect: str, timeout_s: float = 30.0) -> list[str
             time.sleep(1)
 
 
+def _logged_steps(cfg, key: str = "rollout/reward_mean") -> list[int]:
+    """The steps at which the run's MLflow run logged `key`, as logged (a step logged twice appears twice)."""
+    client = MlflowClient(cfg.tracking.uri)
+    run = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])[0]
+    return [m.step for m in client.get_metric_history(run.info.run_id, key)]
+
+
 def test_demo_learns_and_is_tracked(tmp_path):
     cfg, history, final = _run_demo(tmp_path)
 
@@ -105,10 +112,7 @@ def test_one_step_off_async_on_s3_resumes_through_a_failure(tmp_path, s3_bucket,
     assert store.committed_steps() == [4, 9] and store.read_json("status.json")["status"] == "finished"
     assert [m["rollout/weight_version"] for m in history] == [0] + list(range(9))
     assert [m["train/staleness_max"] for m in history] == [0] + [1] * 9
-    client = MlflowClient(cfg.tracking.uri)
-    run = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])[0]
-    logged = [m.step for m in client.get_metric_history(run.info.run_id, "rollout/reward_mean")]
-    assert sorted(logged) == list(range(10))  # each step once: none lost, none repeated
+    assert sorted(_logged_steps(cfg)) == list(range(10))  # each step once: none lost, none repeated
     mlflow.set_tracking_uri(None)
 
 
@@ -167,10 +171,7 @@ def test_k2_async_bounds_staleness_records_versions_and_resumes(tmp_path, monkey
     assert max(m["train/staleness_max"] for m in history) >= 1  # it did run ahead
     # step 6's batch was generated ahead (during step 4) and stored; the resumed attempt reused it
     assert Path(store.path("steps", 6, "rollout.parquet")).stat().st_mtime_ns == seen[6]
-    client = MlflowClient(cfg.tracking.uri)
-    run = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])[0]
-    logged = [m.step for m in client.get_metric_history(run.info.run_id, "rollout/reward_mean")]
-    assert sorted(logged) == list(range(8))  # each step once: none lost, none repeated
+    assert sorted(_logged_steps(cfg)) == list(range(8))  # each step once: none lost, none repeated
     mlflow.set_tracking_uri(None)
 
 

@@ -71,11 +71,9 @@ def install() -> None:
         layers._grad_accum_fusion_available = True
 
 
-def fuse_adam(optimizer: Any) -> int:
+def fuse_adam(optimizer: Any) -> None:
     """Switch the torch Adam/AdamW inside megatron's optimizer (whatever wraps it) to torch's fused kernel: one
-    launch for all parameters instead of foreach's dozen. Before the first step (its state is created to suit).
-    Returns the param groups switched."""
-    switched = 0
+    launch for all parameters instead of foreach's dozen. Before the first step (its state is created to suit)."""
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(part, "optimizer", None)
         if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):  # apex/TE FusedAdam: fused already
@@ -83,5 +81,3 @@ def fuse_adam(optimizer: Any) -> int:
         for group in inner.param_groups:
             if all(p.device.type in ("cuda", "cpu") for p in group["params"]):
                 group["fused"], group["foreach"] = True, None
-                switched += 1
-    return switched

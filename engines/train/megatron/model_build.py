@@ -124,16 +124,15 @@ def compile_decoder_layers(model: GPTModel) -> None:
     Engine the local spec runs RMSNorm, rotary, SwiGLU, residual adds and casts as separate kernels; compiled,
     the elementwise work between the GEMMs fuses (the native trainer's train.compile, on megatron's layers).
 
-    The layers share one compiled graph per piece (their code is the same; parameters are graph inputs). dynamo
-    splits each layer where megatron calls what it cannot trace: the deprecation warning every RowParallelLinear
-    issues, the activation-offload context manager around the attention projection, and megatron's rotary for
-    packed (THD) streams, which splits q and k per sample after copying the sample lengths to the host: traced,
-    it would recompile for every new count of samples, so it stays eager (torch.compiler.disable).
-
-    The deprecation warning megatron-core 0.19 issues on every linear layer call that passes no tensor-parallel
-    group (RowParallelLinear always does) is a call dynamo cannot trace; inside the activation-offload context
-    manager a break cannot be resumed from, so dynamo gave up on whole attention blocks. The layers get megatron's
-    group lookup without the warning instead (`_default_tp_group`)."""
+    The layers share one compiled graph per piece (their code is the same; parameters are graph inputs). Two
+    things in megatron's code would split them:
+    - megatron's rotary for packed (THD) streams splits q and k per sample after copying the sample lengths to
+      the host: traced, it would recompile for every new count of samples, so it stays eager
+      (torch.compiler.disable);
+    - megatron-core 0.19 warns (DeprecationWarning) on every linear-layer call that passes no tensor-parallel
+      group, which RowParallelLinear always does. dynamo cannot trace the warning, and inside the
+      activation-offload context manager it cannot resume after a break, so it gave up on whole frames. The
+      layers get megatron's group lookup without the warning instead (`_default_tp_group`)."""
     from megatron.core.models.common.embeddings import rope_utils  # the module whose global the layers look up
     from megatron.core.tensor_parallel import layers  # likewise
 
