@@ -195,8 +195,16 @@ def drive_run_form(ui: str, deployment_id: str, chromium: str) -> None:
             expect(form_field(page, "Model", "Hidden Size").locator("input")).to_have_value("32")
             expect(form_field(page, "Rollout", "Prompts Per Step").locator("input")).to_have_value("4")
             steps.fill("1")
-            page.get_by_role("button", name="Submit").click()
-            page.wait_for_url(lambda url: not url.endswith("/run"), timeout=60_000)  # created: the UI moves on
+            expect(steps).to_have_value("1")
+            submit = page.get_by_role("button", name="Submit")
+            expect(submit).to_be_enabled(timeout=60_000)
+            submit.click()
+            try:
+                page.wait_for_url(lambda url: not url.endswith("/run"), timeout=90_000)  # created: the UI moves on
+            except Exception as e:  # say what the page showed instead (a validation message, a toast)
+                shown = page.locator("[role=alert], .p-toast, .p-message, .schema-form-property__errors")
+                shown = shown.all_inner_texts()
+                raise AssertionError(f"the form did not submit; the page shows {shown}") from e
         finally:
             browser.close()
 
