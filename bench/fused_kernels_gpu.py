@@ -25,6 +25,7 @@ from rlflow.engines.train.megatron import fused_kernels
 
 HIDDEN, FFN, KV, LAYERS = 1536, 8960, 256, 28  # Qwen2-1.5B
 WEIGHTS = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * FFN, HIDDEN), (HIDDEN, FFN)]  # qkv, proj, fc1, fc2
+MAIN_WEIGHTS = [s for _ in range(LAYERS) for s in WEIGHTS] + [(151936, HIDDEN)]  # the layers and tied embedding
 
 
 def timed(fn: Callable[[], object], reps: int) -> float:
@@ -39,7 +40,7 @@ def timed(fn: Callable[[], object], reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def wgrad(tokens: int, reps: int) -> dict[str, float]:
+def wgrad(tokens: int, reps: int) -> dict[str, dict[str, float]]:
     """Seconds for one micro-batch's weight gradients of one layer, three ways."""
     dev = "cuda"
     cases = [(torch.randn(tokens, i, device=dev).bfloat16(), torch.randn(tokens, o, device=dev).bfloat16(),
@@ -67,12 +68,11 @@ def wgrad(tokens: int, reps: int) -> dict[str, float]:
     return out
 
 
-def adamw(reps: int) -> dict[str, float]:
+def adamw(reps: int) -> dict[str, dict[str, float]]:
     """One AdamW step over a layer stack's fp32 main weights (plus the tied embedding), foreach and fused."""
-    shapes = [s for _ in range(LAYERS) for s in WEIGHTS] + [(151936, HIDDEN)]
     out = {}
     for name, kw in (("foreach", {"foreach": True}), ("fused", {"fused": True})):
-        params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in MAIN_WEIGHTS]
         for p in params:
             p.grad = torch.randn_like(p)
         opt = torch.optim.AdamW(params, lr=1e-5, **kw)
@@ -84,12 +84,11 @@ def adamw(reps: int) -> dict[str, float]:
     return out
 
 
-def norm_and_copy(reps: int) -> dict[str, float]:
+def norm_and_copy(reps: int) -> dict[str, dict[str, float]]:
     from megatron.core import utils  # megatron's own fallbacks, the reference
 
-    shapes = [s for _ in range(LAYERS) for s in WEIGHTS] + [(151936, HIDDEN)]
-    grads = [torch.randn(s, device="cuda") for s in shapes]
-    model = [torch.empty(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
+    grads = [torch.randn(s, device="cuda") for s in MAIN_WEIGHTS]
+    model = [torch.empty(s, device="cuda", dtype=torch.bfloat16) for s in MAIN_WEIGHTS]
     flag = torch.zeros(1, dtype=torch.int, device="cuda")
     out = {}
     for name, fn in (("norm_megatron", lambda: utils.local_multi_tensor_l2_norm(0, flag, [grads], False)),

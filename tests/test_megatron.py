@@ -594,7 +594,7 @@ def test_torch_fused_kernels_train_like_megatrons_own_fallbacks(hf_models, mcore
     megatron's gradient_accumulation_fusion path, tied output weights included) and the inner AdamW is torch's
     fused one; two optimizer steps land where megatron-core's own fallbacks land. (On CPU the accumulation runs
     in fp32; the bf16 -> fp32 GEMM it uses on CUDA is checked by bench/megatron_gpu.py's first-step gradient
-    norms, on and off.)"""
+    norms of an uncompiled variant with and without +no-wgrad-fusion.)"""
     from megatron.core.tensor_parallel import layers  # only here: where the fusion flag lives
 
     path, batch = hf_models["qwen2"][0], toy_batch()  # qwen2's tiny model ties its output layer to the embedding

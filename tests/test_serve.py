@@ -202,9 +202,8 @@ def drive_run_form(ui: str, deployment_id: str, chromium: str) -> None:
             try:
                 page.wait_for_url(lambda url: not url.endswith("/run"), timeout=90_000)  # created: the UI moves on
             except Exception as e:  # say what the page showed instead (a validation message, a toast)
-                shown = page.locator("[role=alert], .p-toast, .p-message, .schema-form-property__errors")
-                shown = shown.all_inner_texts()
-                raise AssertionError(f"the form did not submit; the page shows {shown}") from e
+                alerts = page.locator("[role=alert], .p-toast, .p-message, .schema-form-property__errors")
+                raise AssertionError(f"the form did not submit; the page shows {alerts.all_inner_texts()}") from e
         finally:
             browser.close()
 
