@@ -5,8 +5,12 @@
 #
 #   bash bench/device_wheels.sh            # the engines' needs: pydantic, the server's stack, megatron-core, liger
 #   bash bench/device_wheels.sh --ray      # also Ray, slimmed to fit (the RL loop's actors: bench/gpu_rl.py)
+#   bash bench/device_wheels.sh --all      # also Prefect and MLflow: the whole flow (`rlflow run`, bench/gpu_fault.py)
 #
 # Then, on the device (run tool, carry [".whl"]): `source .whl/setup.sh; python -m bench.<script> ...`.
+# --all's wheels are 105 MB, over a call's 64 MiB: they are installed here for CPython 3.12 and carried as one
+# xz-compressed folder (.whl/site.tar.xz, about 55 MB; compiled libraries compress far better with xz than in a
+# wheel's zip), which setup.sh unpacks.
 # Versions come from constraints.txt; megatron-core is the one exception (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +38,7 @@ fetch "importlib-metadata==$(installed importlib-metadata)"
 # suite pins constraints.txt's version, which the GPU machines run too but no figure was taken with
 fetch "megatron-core==${MEGATRON_CORE:-0.19.2}"
 
-if [[ "${1:-}" == "--ray" ]]; then
+if [[ "${1:-}" == "--ray" || "${1:-}" == "--all" ]]; then
     # Ray's wheel is 79 MB; without ray/jars (Java workers only, 32 MB) it fits a call. Ray's own needs the
     # machines lack: jsonschema and its three.
     for p in jsonschema jsonschema-specifications referencing rpds-py; do fetch "$p==$(pin $p)"; done
@@ -55,11 +59,39 @@ EOF
     rm -rf "$tmp"
 fi
 
+if [[ "${1:-}" == "--all" ]]; then
+    # the flow's own needs beyond the machines' packages and the above: Prefect (its server included: asyncpg and
+    # greenlet are imported with SQLite too), prefect-ray, MLflow's client (mlflow-skinny; SQLite through
+    # SQLAlchemy and alembic, which Prefect needs anyway); versions as installed here, from constraints.txt
+    for p in prefect prefect-ray aiosqlite alembic sqlalchemy greenlet mako amplitude-analytics apprise \
+             requests-oauthlib oauthlib asgi-lifespan sniffio asyncpg cachetools coolname cryptography cffi pycparser \
+             cyclopts docstring-parser rich-rst dateparser pytz tzlocal docker exceptiongroup graphviz griffe \
+             griffecli griffelib jinja2-humanize-extension jsonpatch jsonpointer pendulum tzdata pydantic-extra-types \
+             pydantic-settings python-dotenv pydocket burner-redis cronsim py-key-value-aio beartype redis \
+             python-json-logger uncalled-for python-slugify text-unidecode readchar rfc3339-validator ruamel-yaml-clib \
+             ruamel-yaml semver toml websockets mlflow-skinny mlflow-tracing databricks-sdk google-auth \
+             pyasn1-modules pyasn1 gitpython gitdb smmap opentelemetry-proto opentelemetry-sdk \
+             opentelemetry-semantic-conventions sqlparse; do
+        fetch "$p==$(installed $p)"
+    done
+    rm -rf "$out/site" "$out/site.tar.xz"
+    "$py" -m pip install -q --no-index --no-deps --no-compile --ignore-requires-python --only-binary=:all: \
+        --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --target "$out/site" "$out"/*.whl
+    tar -C "$out" -cf - site | xz -9 -T0 > "$out/site.tar.xz"
+    rm -rf "$out/site" "$out"/*.whl
+fi
+
 cat > "$out/setup.sh" <<'EOF'
-# source .whl/setup.sh (on the device, in the repository root): install the carried wheels into /tmp/site and
-# make `rlflow.*` importable from this checkout (the shim maps the package's four folders, as the editable
-# install does here).
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+# source .whl/setup.sh (on the device, in the repository root): install the carried wheels (or unpack --all's
+# folder) into /tmp/site and make `rlflow.*` importable from this checkout (the shim maps the package's four
+# folders, as the editable install does here).
+if [[ -f .whl/site.tar.xz ]]; then
+    rm -rf /tmp/site && tar -C /tmp -xJf .whl/site.tar.xz
+    sed -i '1s|^#!.*python.*|#!/usr/bin/env python3|' /tmp/site/bin/*  # installed here: shebangs named this venv
+else
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+fi
 export PYTHONPATH=/tmp/site:$PWD/shim:$PWD PATH=/tmp/site/bin:$PATH
 mkdir -p shim/rlflow && for d in flows tasks engines examples; do ln -sfn "$PWD/$d" "shim/rlflow/$d"; done
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1

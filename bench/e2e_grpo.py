@@ -4,9 +4,10 @@
     PYTHONUNBUFFERED=1 python -m bench.e2e_grpo --shape 1.5b --out e2e_grpo_15b.json              # 2 GPUs, any
     python -m bench.e2e_grpo --smoke --out /tmp/e2e_grpo_smoke.json                                # CPU: the script
 
-The loop is bench/bare_loop.py's with the engines as Ray actors, as the flow has them (no Prefect or MLflow: the
-GPU machines have neither; bench/overhead.py measures what they add). Ray must be importable: on the GPU machines,
-carry it (`bash bench/device_wheels.sh --ray`). The model is random weights of one of bench/train_scale.py's
+The loop is bench/bare_loop.py's with the engines as Ray actors, as the flow has them (no Prefect or MLflow:
+bench/overhead.py measures what they add; bench/gpu_fault.py runs the flow itself). Ray must be importable: on the
+GPU machines, carry it (`bash bench/device_wheels.sh --ray`). `--set KEY=VALUE` changes every mode's recipe (e.g.
+`--set rollout.compile=true --set train.compile=true`). The model is random weights of one of bench/train_scale.py's
 shapes (Qwen2-1.5B or Qwen2.5-7B dims) with the demo's char tokenizer beside it (ids outside it decode to nothing,
 which is all the reward of random text needs). Each step: --prompts x 8 samples of bench/workload_rollout.py
 (256-token prompts, responses of 64-1,792 tokens drawn uniformly and generated to length), the sort task's reward
@@ -82,11 +83,12 @@ def build_workload_model(shape: str, out: Path) -> Path:
     return out
 
 
-def recipe(work: Path, model: Path, mode: str, prompts: int, steps: int, device: str, max_new_tokens: int
-           ) -> RLConfig:
-    """The demo recipe turned into the workload: the model, the rollout function, the batch, one optimizer step."""
+def workload_overrides(work: Path, model: Path, mode: str, prompts: int, steps: int, device: str,
+                       max_new_tokens: int) -> list[str]:
+    """The demo recipe's changes that make it the workload: the model, the rollout function, the batch, one optimizer
+    step, the mode's placement (also `rlflow run deployments/sort-tiny.yaml --set ...`'s, bench/gpu_fault.py)."""
     _, placement = MODES[mode]
-    return load_recipe("deployments/sort-tiny.yaml", [
+    return [
         f"name=e2e-{mode}", f"model.path={model}", f"data.train_path={work}/train.jsonl",
         f"data.eval_path={work}/eval.jsonl", f"storage.uri=file://{work}/runs",
         "rollout.fn=bench.workload_rollout:fixed_lengths", f"rollout.prompts_per_step={prompts}",
@@ -95,16 +97,23 @@ def recipe(work: Path, model: Path, mode: str, prompts: int, steps: int, device:
         "train.micro_batch_tokens=8192", "train.activation_checkpointing=true", "train.mini_batches=1",
         "train.epochs=1", f"train.steps={steps}", "eval.every=0", "checkpoint.every=0",
         "checkpoint.save_rollouts=true", "cluster.cpus_per_worker=1", "cluster.num_cpus=8", *placement,
-    ])
+    ]
 
 
-def run_mode(shape: str, mode: str, prompts: int, steps: int, model: Path) -> dict:
+def recipe(work: Path, model: Path, mode: str, prompts: int, steps: int, device: str, max_new_tokens: int,
+           extra: list[str] = ()) -> RLConfig:
+    """The workload's recipe; `extra` overrides come last (--set)."""
+    return load_recipe("deployments/sort-tiny.yaml", [
+        *workload_overrides(work, model, mode, prompts, steps, device, max_new_tokens), *extra])
+
+
+def run_mode(shape: str, mode: str, prompts: int, steps: int, model: Path, extra: list[str]) -> dict:
     from bench.bare_loop import run_bare
 
     work = Path(tempfile.mkdtemp(prefix=f"rlflow-e2e-{mode}-"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     max_new = 1792 if shape != "smoke" else 8
-    history = run_bare(recipe(work, model, mode, prompts, steps, device, max_new), str(work),
+    history = run_bare(recipe(work, model, mode, prompts, steps, device, max_new, extra), str(work),
                        log=lambda line: print(line, flush=True), use_ray=True)
     gpus = MODES[mode][0] if device == "cuda" else 0
     samples = prompts * SAMPLES_PER_PROMPT
@@ -137,36 +146,41 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="steps a mode (the first and last are not timed)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a mode may take")
     ap.add_argument("--smoke", action="store_true", help="a toy shape on the CPU: checks the script")
+    ap.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY.PATH=VALUE",
+                    help="a recipe change for every mode, after the mode's own (e.g. rollout.compile=true)")
     ap.add_argument("--out", default="e2e_grpo.json")
     ap.add_argument("--child", nargs="*")
     a = ap.parse_args()
     if a.child is not None:
         shape, mode, model = a.child
-        print("RESULT " + json.dumps(run_mode(shape, mode, a.prompts, a.steps, Path(model))), flush=True)
+        result = run_mode(shape, mode, a.prompts, a.steps, Path(model), a.overrides)
+        print("RESULT " + json.dumps(result), flush=True)
         return
     shape = "smoke" if a.smoke else a.shape
     gpus = torch.cuda.device_count()
     report = {"date": dt.date.today().isoformat(), "command": " ".join(["python -m bench.e2e_grpo", *sys.argv[1:]]),
               "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)], "torch": torch.__version__,
-              "shape": shape, "prompts": a.prompts, "steps": a.steps, "modes": []}
+              "shape": shape, "prompts": a.prompts, "steps": a.steps, "overrides": a.overrides, "modes": []}
     model = build_workload_model(shape, Path(tempfile.mkdtemp(prefix="rlflow-e2e-model-")))  # one for every mode
     for mode in a.modes.split(","):
         needs = MODES[mode][0]
         if (gpus and gpus < needs) or (not gpus and mode.startswith("colocated")):  # on CPUs: cuda_ipc has no path
             report["modes"].append({"mode": mode, "skipped": f"needs {needs} GPU(s), {gpus} here"})
             continue
-        r = run_section([shape, mode, str(model), "--prompts", str(a.prompts), "--steps", str(a.steps)], a.timeout,
-                     module="bench.e2e_grpo")
+        sets = [arg for o in a.overrides for arg in ("--set", o)]
+        r = run_section([shape, mode, str(model), "--prompts", str(a.prompts), "--steps", str(a.steps), *sets],
+                        a.timeout, module="bench.e2e_grpo")
         if shutil.which("ray"):  # a mode that timed out leaves its Ray workers (and their GPU memory) behind
             subprocess.run(["ray", "stop", "--force"], capture_output=True)
         report["modes"].append({"mode": mode} | r)
         print(f"[e2e_grpo] {mode}: {json.dumps(r)[:400]}", flush=True)
         Path(a.out).write_text(json.dumps(report, indent=1))
     done = {m["mode"]: m for m in report["modes"] if m.get("step_s")}
-    if "disagg-sync" in done:
-        for mode in ("disagg-k1", "disagg-k2", "colocated-sync"):
-            if mode in done:
-                report[f"speedup_{mode}_vs_disagg_sync"] = done["disagg-sync"]["step_s"] / done[mode]["step_s"]
+    for sync, others in (("disagg-sync", ("disagg-k1", "disagg-k2", "colocated-sync")),
+                         ("disagg2x2-sync", ("disagg2x2-k1",))):
+        for mode in others:
+            if sync in done and mode in done:
+                report[f"speedup_{mode}_vs_{sync.replace('-', '_')}"] = done[sync]["step_s"] / done[mode]["step_s"]
     Path(a.out).write_text(json.dumps(report, indent=1))
 
 

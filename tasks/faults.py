@@ -3,7 +3,8 @@
     RLFLOW_FAULT="<stage>:<step>:<when>:<target>"   e.g. "train:3:before:flow", "rollout:1:after:rollout"
 
 stage is a task name (rollout, reward, teacher, advantages, train, sync-weights, checkpoint, evaluate), when is
-`before` or `after` that task's work, target is `flow` (this process), `train`, `rollout` or `critic` (rank 0
+`before` or `after` that task's work, or `during@<seconds>`: that long after the work started, from a timer, while
+the workers compute (a GPU lost mid-step). target is `flow` (this process), `train`, `rollout` or `critic` (rank 0
 of that actor group; `train@1`: rank 1, a rank whose peers are then left in a collective), or `raise`: an
 exception in the flow's first attempt only, so a Prefect flow retry (orchestration.flow_retries) gets past it.
 Unset (the normal case), it costs one dict lookup per task.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 from prefect.context import FlowRunContext
 
@@ -30,6 +32,15 @@ def maybe_inject(run, stage: str, step: int, when: str) -> None:
     if not spec:
         return
     f_stage, f_step, f_when, target = spec.split(":")
+    f_when, _, delay = f_when.partition("@")
+    if f_when == "during" and when == "before" and (f_stage, int(f_step)) == (stage, step):
+        if target in ("flow", "raise"):
+            raise ValueError(f"{ENV}={spec}: `during` kills a worker; its target is train, rollout or critic")
+        pid = _worker_pid(run, target)  # asked now: the worker is busy (one call at a time) once the work starts
+        timer = threading.Timer(float(delay or 0), os.kill, (pid, signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
+        return
     if (f_stage, int(f_step), f_when) != (stage, step, when):
         return
     if target == "flow":
@@ -39,10 +50,13 @@ def maybe_inject(run, stage: str, step: int, when: str) -> None:
         if ctx is None or ctx.flow_run is None or ctx.flow_run.run_count <= 1:
             raise InjectedFault(f"{ENV}={spec}")
         return
+    os.kill(_worker_pid(run, target), signal.SIGKILL)
+
+
+def _worker_pid(run, target: str) -> int:
+    """The process id of the worker `target` names (`train`, `rollout@1`, ...)."""
     s = run.session
     group, _, rank = target.partition("@")
     if group == "rollout":
-        pid = s.rollout_group.call_one(int(rank or 0), RolloutBackend.pid)
-    else:
-        pid = (s.train_group if group == "train" else s.critic_group).call_one(int(rank or 0), TrainBackend.pid)
-    os.kill(pid, signal.SIGKILL)
+        return s.rollout_group.call_one(int(rank or 0), RolloutBackend.pid)
+    return (s.train_group if group == "train" else s.critic_group).call_one(int(rank or 0), TrainBackend.pid)

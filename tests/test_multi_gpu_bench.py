@@ -129,6 +129,23 @@ def test_e2e_grpo_smoke_runs_the_cpu_modes(tmp_path):
         assert m["steps"] == 3 and m["staleness_max"] <= bound and m["tokens_per_s"] > 0
 
 
+@pytest.mark.slow  # ~2.5 min on 2 CPU cores: two flow runs, each with a Prefect server, Ray and four actors
+def test_gpu_fault_smoke_kills_a_rank_mid_step_and_resumes(tmp_path):
+    """bench/gpu_fault.py on the CPU (gloo ranks, the toy shape, whose embeddings are tied): `rlflow run` with train
+    rank 1 killed as step 2's train stage starts fails, the same command resumes from the checkpoint of step 1, and
+    every check of the bench holds (it exits non-zero otherwise)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "fault.json"
+    subprocess.run([sys.executable, "-m", "bench.gpu_fault", "--smoke", "--prompts", "2", "--timeout", "300",
+                    "--out", str(out)], check=True, timeout=700)
+    report = json.loads(out.read_text())
+    assert report["passed"] and all(report["checks"].values())
+    assert report["killed"]["committed_step"] == 1 and report["resumed"]["resumed_from"] == 1
+    assert report["steps_rerun"] == [2]
+
+
 @pytest.mark.slow  # ~50 s on 2 CPU cores: 4 runs of 2 spawned ranks, each importing megatron-core
 def test_megatron_multi_gpu_smoke_moe_runs_expert_parallel(tmp_path):
     """--smoke --shape moe: the toy Qwen3-MoE on 2 gloo ranks, data parallel (tp1) and expert parallel (ep2: each

@@ -216,3 +216,22 @@ def test_a_staged_bucket_unpacks_into_its_targets_and_a_shape_mismatch_fails():
         unpack_plan(buf, targets, ["a", "c"], 17)
     with pytest.raises(ValueError, match="does not fit the staging buffer"):
         pack(torch.zeros(10), list(sent.values()))
+
+
+def test_together_returns_in_order_and_a_member_left_in_a_collective_does_not_hold_the_exit():
+    """A lost GPU leaves a member of a weight-sync collective waiting for good: `together` raises the first error
+    at once, and its threads are daemons, so the process still exits (bench/gpu_fault.py's killed run)."""
+    import subprocess
+    import sys
+    import time
+
+    from rlflow.engines.sync.base import together
+
+    assert together(lambda: 1, lambda: 2) == [1, 2]
+    script = ("import threading\nfrom rlflow.engines.sync.base import together\n"
+              "def lost(): raise RuntimeError('peer died')\n"
+              "try:\n    together(threading.Event().wait, lost)\nexcept RuntimeError as e:\n    print(e)\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "peer died" in done.stdout, done.stderr
+    assert time.monotonic() - t0 < 30

@@ -625,7 +625,9 @@ class RLSession:
         self.weight_version = controller_state["weight_version"]
         self.kl_coef = controller_state.get("kl_coef", self.cfg.algorithm.kl_coef)
         if self.weight_transport is not None:
-            self.weight_transport.resend(self.weight_version)
+            # by the transport's own route, connecting first as at a run's first sync: not through Ray's object
+            # store, where 1.5B's fp32 weights were one 6 GB object, spilled to disk (2.5 min, bench/gpu_fault.py)
+            self.weight_transport.update(self.weight_version)
             self._fresh_adapter_due = False  # the checkpoint's adapter is served
 
     def _serve_fresh_adapter(self) -> None:

@@ -9,8 +9,9 @@ sample records which policy produced it. Buckets bound the memory a transfer hol
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, ClassVar
 
 import torch
@@ -38,15 +39,24 @@ def plan_buckets(layout: list[tuple[str, int]], bucket_bytes: int) -> Iterator[l
 def together(*calls: Callable[[], Any]) -> list[Any]:
     """Run blocking calls at the same time and return their results in order: the members of a collective each
     return only once all have joined, so they need threads, with in-process workers as with Ray actors. The
-    first error is raised at once (the others end with the group's timeout)."""
-    pool = ThreadPoolExecutor(len(calls), thread_name_prefix="weight-sync")
-    futures = [pool.submit(c) for c in calls]
-    wait(futures, return_when=FIRST_EXCEPTION)
-    pool.shutdown(wait=False)
-    for f in futures:
-        if f.done() and f.exception() is not None:
-            raise f.exception()
-    return [f.result() for f in futures]
+    first error is raised at once (the others end with the group's timeout). The threads are daemons: a member
+    left waiting in a collective whose peer died (a lost GPU) must not keep the process from exiting."""
+    results: list[Any] = [None] * len(calls)
+    finished: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+
+    def run(i: int, call: Callable[[], Any]) -> None:
+        try:
+            results[i] = call()
+            finished.put(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            finished.put(exc)
+
+    for i, call in enumerate(calls):
+        threading.Thread(target=run, args=(i, call), name=f"weight-sync-{i}", daemon=True).start()
+    for _ in calls:
+        if (exc := finished.get()) is not None:
+            raise exc
+    return results
 
 
 def sharded_trainer(cfg: RLConfig) -> bool:
@@ -151,8 +161,8 @@ class WeightTransport:
         self.connected = False
 
     def resend(self, version: int) -> None:
-        """All weights to every rollout worker through Ray, whatever the transport (after a checkpoint load or a
-        worker restart: one full update that needs no link)."""
+        """All weights to every rollout worker through Ray, whatever the transport (after a worker restart: one
+        full update that needs no link; a resumed run's first update goes by `update`, its link is new anyway)."""
         self.source.send_objects(self.rollout, None, version)
         self.rollout.call(RolloutBackend.end_weight_update)
 

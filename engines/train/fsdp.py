@@ -211,13 +211,32 @@ def save_checkpoint_to_store(model: torch.nn.Module, optimizer: torch.optim.Opti
 
 def _state_to_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
                    ) -> tuple[dict, dict[str, torch.Tensor] | None]:
-    """The model's sharded state dict and the optimizer's as flat tensors (None before the first step)."""
+    """The model's sharded state dict and the optimizer's as flat tensors (None before the first step), each
+    tensor once (`unaliased`)."""
     fresh = not optimizer.state
     model_state, optim_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY if trainable_only else None)
     if fresh:  # get_state_dict stepped the empty optimizer at lr 0 to make its state: undo that
         optimizer.state.clear()
-        return model_state, None
-    return model_state, _flat_optimizer_state(optim_state)
+        return unaliased(model_state), None
+    return unaliased(model_state), unaliased(_flat_optimizer_state(optim_state))
+
+
+def unaliased(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` without the later names of a tensor it holds under several: tied embeddings (Qwen2-0.5B/1.5B,
+    Llama-3.2) are one parameter that the state dict lists as both model.embed_tokens.weight and lm_head.weight,
+    and safetensors refuses to write two names for the same memory. The first name stays (the embedding's, as
+    transformers' save_pretrained keeps it); loading into it fills the other name's tensor too, which is the same."""
+    out, seen = {}, set()
+    for name, value in state.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        # by memory: the state dict detaches each name separately. A rank's empty shard of an FSDP2 parameter is
+        # still a view of that parameter's storage; only a tensor with no storage at all is told apart by object
+        ptr = local.untyped_storage().data_ptr() if torch.is_tensor(local) else 0
+        key = (ptr, local.storage_offset(), tuple(local.shape), local.stride()) if ptr else (id(value),)
+        if key not in seen:
+            seen.add(key)
+            out[name] = value
+    return out
 
 
 def _save_configs(model: torch.nn.Module, folder: Path) -> None:
@@ -284,13 +303,13 @@ def _load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_reader
     optimizer step, so the optimizer starts empty."""
     options = TRAINABLE_ONLY if trainable_only else None
     model_state, optim_state = get_state_dict(model, optimizer, options=options)  # templates: this run's shards
-    dcp.load(model_state, storage_reader=model_reader)
+    dcp.load(unaliased(model_state), storage_reader=model_reader)  # in place: a tied name's tensor is filled too
     if optimizer_reader is None:
         set_model_state_dict(model, model_state, options=options)
         optimizer.state.clear()
         return
     flat = _flat_optimizer_state(optim_state)
-    dcp.load(flat, storage_reader=optimizer_reader)
+    dcp.load(unaliased(flat), storage_reader=optimizer_reader)
     for fqn, state in optim_state["state"].items():
         for key in state:
             state[key] = flat[f"{fqn}.{key}"]
