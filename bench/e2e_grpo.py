@@ -162,12 +162,12 @@ def main() -> None:
               "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)], "torch": torch.__version__,
               "shape": shape, "prompts": a.prompts, "steps": a.steps, "overrides": a.overrides, "modes": []}
     model = build_workload_model(shape, Path(tempfile.mkdtemp(prefix="rlflow-e2e-model-")))  # one for every mode
+    sets = [arg for o in a.overrides for arg in ("--set", o)]
     for mode in a.modes.split(","):
         needs = MODES[mode][0]
         if (gpus and gpus < needs) or (not gpus and mode.startswith("colocated")):  # on CPUs: cuda_ipc has no path
             report["modes"].append({"mode": mode, "skipped": f"needs {needs} GPU(s), {gpus} here"})
             continue
-        sets = [arg for o in a.overrides for arg in ("--set", o)]
         r = run_section([shape, mode, str(model), "--prompts", str(a.prompts), "--steps", str(a.steps), *sets],
                         a.timeout, module="bench.e2e_grpo")
         if shutil.which("ray"):  # a mode that timed out leaves its Ray workers (and their GPU memory) behind

@@ -157,8 +157,8 @@ def main() -> None:
         "killed_run_failed": killed["exit"] not in (0, None),
         "killed_run_ended_within_timeout": not killed["timed_out"],
         "kill_inside_train_stage": bool(train_s) and delay < min(train_s),
-        "resumed_from_newest_committed_step": match is not None
-        and int(match.group(1)) == report["killed"]["committed_step"],
+        "resumed_from_newest_committed_step": report["resumed"]["resumed_from"] is not None
+        and report["resumed"]["resumed_from"] == report["killed"]["committed_step"],
         "resumed_run_finished": resumed["exit"] == 0 and report["resumed"]["status"] == "finished",
         "one_mlflow_run": runs == 1,
         "every_step_logged_once": sorted(logged) == list(range(a.steps)),
