@@ -30,12 +30,15 @@ Each mode trains on the same batch (the same seeds: bench/workload_rollout.py dr
 over the steps between the first and the last (--steps in all; the last has no rollout running ahead of it): the
 step time and its stages, and tokens/s/GPU = (prompt + response tokens of the step's samples) / step time / GPUs
 the mode uses, the unit of issue 24's anchor (NeMo-RL GRPO Llama3.1-8B on 16 H100s: 1,581 on-policy, 2,478
-one-step-off).
+one-step-off). The anchor generates 2,048 samples a step on 16 GPUs, 128 a GPU, with 4 optimizer steps: on 4 GPUs
+that is `--prompts 64 --set train.mini_batches=4` (docs/benchmarks.md). For staleness modes `steady_step_s` is what
+a long run settles to, max(rollout, train) + sync; a mode cut off by --timeout keeps the steps it finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import shutil
@@ -115,25 +118,53 @@ def run_mode(shape: str, mode: str, prompts: int, steps: int, model: Path, extra
     max_new = 1792 if shape != "smoke" else 8
     history = run_bare(recipe(work, model, mode, prompts, steps, device, max_new, extra), str(work),
                        log=lambda line: print(line, flush=True), use_ray=True)
-    gpus = MODES[mode][0] if device == "cuda" else 0
-    samples = prompts * SAMPLES_PER_PROMPT
-    # steady state: not the first step (nothing ran ahead of it) nor the last (no rollout runs ahead under it:
-    # with max_staleness >= 1 it is only train + sync, which flattered one-step-off 1.2x in a 3-step run)
-    warm = history[1:-1] if len(history) > 2 else history[1:]
+    return summarize(history, mode, prompts, gpus=MODES[mode][0] if device == "cuda" else 0)
+
+
+def summarize(history: list[dict], mode: str, prompts: int, gpus: int, finished: bool = True) -> dict:
+    """A mode's figures from its step metrics: medians over the steps between the first and the last.
+
+    The first step is not timed (nothing ran ahead of it; compilation), nor the last (with max_staleness >= 1 no
+    rollout runs ahead under it: it is only train + sync, which flattered one-step-off 1.2x in a 3-step run). With
+    staleness, a step can be shorter than its rollout only while the rollouts run ahead of a long first step, so
+    `steady_step_s` is what a long run settles to: max(rollout, train) + sync (the step time itself when sync).
+    `finished`: false for a mode its timeout cut off, whose last logged step was not the run's last."""
+    warm = history[1:-1] if finished and len(history) > 2 else history[1:]
+    if not warm:
+        return {"mode": mode, "steps": len(history), "error": "no step after the first finished"}
 
     def median(key: str) -> float | None:
         values = [h[key] for h in warm if key in h]
         return statistics.median(values) if values else None
 
+    samples = prompts * SAMPLES_PER_PROMPT
     tokens = statistics.median(h["rollout/tokens"] + PROMPT_TOKENS * samples for h in warm)
-    step_s = median("time/step")
+    step_s, rollout_s, train_s, sync_s = (median(k) for k in ("time/step", "time/rollout", "time/train", "time/sync"))
+    stale = max(h.get("train/staleness_max", 0) for h in history)
+    steady_s = max(step_s, max(rollout_s, train_s) + sync_s) if stale else step_s
     return {"mode": mode, "gpus": gpus, "samples": samples, "tokens_per_step": tokens, "step_s": step_s,
             "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": tokens / step_s / gpus if gpus else None,
-            "rollout_s": median("time/rollout"), "train_s": median("time/train"), "sync_s": median("time/sync"),
+            "steady_step_s": steady_s, "steady_tokens_per_s_per_gpu": tokens / steady_s / gpus if gpus else None,
+            "rollout_s": rollout_s, "train_s": train_s, "sync_s": sync_s,
             # time/sync holds a colocated trainer's parking too (time/offload); the transfer alone is bytes / GB/s
             "offload_s": median("time/offload"), "onload_s": median("time/onload"),
             "sync_gb_per_s": median("sync/gb_per_s"), "sync_bytes": median("sync/bytes"),
-            "staleness_max": max(h.get("train/staleness_max", 0) for h in history), "steps": len(history)}
+            "train_worker_s": median("time/train_worker"), "train_tokens_per_s": median("train/tokens_per_s"),
+            "staleness_max": stale, "steps": len(history), "timed_steps": len(warm),
+            "per_step": [{k: h.get(k) for k in PER_STEP} for h in history]}
+
+
+PER_STEP = ("step", "time/step", "time/rollout", "time/train", "time/sync", "rollout/tokens", "train/tokens_per_s")
+
+
+def logged_steps(output: str) -> list[dict]:
+    """The step metrics a mode printed (one JSON line a step): what is left of a mode cut off by its timeout."""
+    steps = []
+    for line in output.splitlines():
+        if line.startswith('{"step": '):
+            with contextlib.suppress(json.JSONDecodeError):  # the line the timeout cut
+                steps.append(json.loads(line))
+    return steps
 
 
 def main() -> None:
@@ -169,18 +200,23 @@ def main() -> None:
             report["modes"].append({"mode": mode, "skipped": f"needs {needs} GPU(s), {gpus} here"})
             continue
         r = run_section([shape, mode, str(model), "--prompts", str(a.prompts), "--steps", str(a.steps), *sets],
-                        a.timeout, module="bench.e2e_grpo")
+                        a.timeout, module="bench.e2e_grpo", keep_output=True)
+        output = r.pop("output", "")
+        if "error" in r and len(steps := logged_steps(output)) >= 2:  # cut off: keep the steps it finished
+            r |= summarize(steps, mode, a.prompts, needs if gpus else 0, finished=False) | {"partial": r.pop("error")}
         if shutil.which("ray"):  # a mode that timed out leaves its Ray workers (and their GPU memory) behind
             subprocess.run(["ray", "stop", "--force"], capture_output=True)
         report["modes"].append({"mode": mode} | r)
         print(f"[e2e_grpo] {mode}: {json.dumps(r)[:400]}", flush=True)
         Path(a.out).write_text(json.dumps(report, indent=1))
-    done = {m["mode"]: m for m in report["modes"] if m.get("step_s")}
+    done = {m["mode"]: m for m in report["modes"] if m.get("step_s")}  # a cut-off mode's finished steps count
     for sync, others in (("disagg-sync", ("disagg-k1", "disagg-k2", "colocated-sync")),
                          ("disagg2x2-sync", ("disagg2x2-k1",))):
         for mode in others:
             if sync in done and mode in done:
-                report[f"speedup_{mode}_vs_{sync.replace('-', '_')}"] = done[sync]["step_s"] / done[mode]["step_s"]
+                name = f"{mode}_vs_{sync.replace('-', '_')}"
+                report[f"speedup_{name}"] = done[sync]["step_s"] / done[mode]["step_s"]
+                report[f"steady_speedup_{name}"] = done[sync]["steady_step_s"] / done[mode]["steady_step_s"]
     Path(a.out).write_text(json.dumps(report, indent=1))
 
 

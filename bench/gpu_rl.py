@@ -170,19 +170,21 @@ def async_speedup(steps: int, smoke: bool) -> dict:
 
 
 # ---- driver ----------------------------------------------------------------------------------------------
-def run_section(args: list[str], timeout: float, module: str = "bench.gpu_rl") -> dict:
+def run_section(args: list[str], timeout: float, module: str = "bench.gpu_rl", keep_output: bool = False) -> dict:
     """`python -m <module> --child <args>` in a fresh process under `timeout`: its last `RESULT <json>` line, or
-    an error with the output's tail."""
+    an error with the output's tail (and, with `keep_output`, its whole stdout as "output")."""
     cmd = [sys.executable, "-m", module, "--child", *args]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        return {"error": f"timed out after {timeout} s", "tail": str(e.stdout)[-2000:]}
+    except subprocess.TimeoutExpired as e:  # its output comes back as bytes, text=True or not
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+        return {"error": f"timed out after {timeout} s", "tail": out[-2000:]} | ({"output": out} if keep_output else {})
     print(p.stdout[-3000:], p.stderr[-3000:], sep="\n", flush=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not lines:
-        return {"error": f"exit {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
+        return ({"error": f"exit {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
+                | ({"output": p.stdout} if keep_output else {}))
     return json.loads(lines[-1][len("RESULT "):]) | {"wall_s": time.perf_counter() - t0}
 
 

@@ -50,6 +50,8 @@ SHAPES = {
                  num_attention_heads=14, num_key_value_heads=2),
     "1.5B": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                  num_attention_heads=12, num_key_value_heads=2),
+    "7B": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,  # Qwen2.5-7B
+               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
     "smoke": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2),
 }
@@ -61,8 +63,8 @@ def build_model(size: str, out: Path, device: str) -> Path:
 
     from rlflow.engines.models.hf import build_char_tokenizer
 
-    cfg = Qwen2Config(tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=MAX_POSITIONS,
-                      **SHAPES[size])
+    cfg = Qwen2Config(**{"tie_word_embeddings": True, "rope_theta": 1e6, "max_position_embeddings": MAX_POSITIONS,
+                         **SHAPES[size]})
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -115,7 +117,7 @@ def kv_settings(args: argparse.Namespace, **changes) -> KVCacheConfig:
 
 def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int, device: str,
               profile: bool, kv: KVCacheConfig | None = None, warmup_tokens: int | None = None,
-              compile: bool = False, fused: bool = True) -> dict:
+              compile: bool = False, fused: bool = True, profile_tokens: int = 32) -> dict:
     from rlflow.engines.core.sampling import SamplingParams
     from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 
@@ -144,7 +146,8 @@ def time_ours(path: Path, prompts: list[list[int]], new_tokens: int, repeats: in
            "sample": [(g.prompt_ids, g.output_ids, g.output_logprobs) for g in gens[:8]]}
     if profile and device == "cuda":
         out["profile"] = kernel_profile(lambda: backend.generate(prompts, params.model_copy(
-            update={"max_new_tokens": 32}), seed=9))
+            update={"max_new_tokens": profile_tokens}), seed=9))
+        out["profile"]["new_tokens"] = profile_tokens
     backend.close()
     return out
 
@@ -352,6 +355,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="also record the GPU kernels of a short run of ours")
+    ap.add_argument("--profile-tokens", type=int, default=32, help="new tokens of the profiled run")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--check", action="store_true", help="first check logprobs against HF on a small fp32 model")
     ap.add_argument("--page-size", type=int, default=16, help="KV page size (rollout.kv_cache.page_size)")
@@ -446,7 +450,7 @@ def main() -> None:
         result["ours_unfused"].pop("sample")
         print(f"ours unfused: {result['ours_unfused']['tokens_per_s']:.0f} tokens/s", flush=True)
     result["ours"] = time_ours(path, prompts, args.new_tokens, args.repeats, device, args.profile, kv_settings(args),
-                               compile=args.compile)
+                               compile=args.compile, profile_tokens=args.profile_tokens)
     sample = result["ours"].pop("sample")
     print(f"ours: {result['ours']['tokens_per_s']:.0f} tokens/s  ({result['ours']['seconds']})", flush=True)
     save()
@@ -478,7 +482,8 @@ def main() -> None:
     save()
     prof = result["ours"].get("profile")
     if prof and "top" in prof:
-        print(f"profile (32 new tokens): wall {prof['wall_s']:.3f} s, GPU busy {prof['gpu_busy_s']:.3f} s")
+        print(f"profile ({prof['new_tokens']} new tokens): wall {prof['wall_s']:.3f} s, "
+              f"GPU busy {prof['gpu_busy_s']:.3f} s")
         for row in prof["top"][:15]:
             print(f"  {row['ms']:9.2f} ms  x{row['count']:<6} {row['name']}")
     if "ratio" in result:

@@ -107,6 +107,34 @@ def test_megatron_multi_gpu_smoke_runs_every_layout(tmp_path):
     assert [x["local_tokens"] for x in throughput["layouts"]["tp2"]["ranks"]] == [throughput["useful_tokens"]] * 2
 
 
+def _step(i: int, rollout: float, train: float, sync: float, step: float, stale: int) -> dict:
+    return {"step": i, "rollout/tokens": 1000.0, "time/rollout": rollout, "time/train": train, "time/sync": sync,
+            "time/step": step, "train/staleness_max": float(stale)}
+
+
+def test_e2e_summary_keeps_a_cut_off_modes_steps_and_states_the_steady_one_step_off_rate():
+    """A mode its timeout cut keeps the steps it logged (the cut line is dropped, the last finished step counts);
+    one-step-off's steady step is max(rollout, train) + sync, not a median flattered by rollouts running ahead."""
+    from bench.e2e_grpo import logged_steps, summarize
+    from bench.workload_rollout import PROMPT_TOKENS
+
+    lines = [json.dumps(_step(0, 30.0, 50.0, 1.0, 120.0, 0)), "INFO something else",
+             json.dumps(_step(1, 18.0, 8.0, 0.5, 14.0, 1)), json.dumps(_step(2, 18.0, 8.0, 0.5, 15.0, 1)),
+             '{"step": 3, "rollout/tok']
+    steps = logged_steps("\n".join(lines))
+    assert [h["step"] for h in steps] == [0, 1, 2]
+    cut = summarize(steps, "disagg2x2-k1", prompts=2, gpus=4, finished=False)
+    assert cut["timed_steps"] == 2 and cut["step_s"] == 14.5
+    assert cut["steady_step_s"] == 18.5  # the rollouts (18 s) bound a long run, not the 14.5 s median
+    assert cut["tokens_per_step"] == 1000 + PROMPT_TOKENS * 16
+    assert cut["steady_tokens_per_s_per_gpu"] == pytest.approx(cut["tokens_per_step"] / 18.5 / 4)
+    finished = summarize(steps, "disagg2x2-k1", prompts=2, gpus=4)  # a finished run's last step is not timed
+    assert finished["timed_steps"] == 1 and finished["step_s"] == 14.0
+    sync = summarize([_step(0, 30.0, 50.0, 1.0, 81.0, 0), _step(1, 18.0, 8.0, 0.5, 26.5, 0)], "disagg2x2-sync", 2, 4)
+    assert sync["steady_step_s"] == sync["step_s"] == 26.5
+    assert summarize(steps[:1], "disagg2x2-sync", 2, 4)["error"] == "no step after the first finished"
+
+
 @pytest.mark.slow
 def test_e2e_grpo_smoke_runs_the_cpu_modes(tmp_path):
     """bench/e2e_grpo.py end to end on the CPU (Ray actors, the nccl transport over gloo): each step trains the
