@@ -124,12 +124,14 @@ def run_mode(shape: str, mode: str, prompts: int, steps: int, model: Path, extra
 def summarize(history: list[dict], mode: str, prompts: int, gpus: int, finished: bool = True) -> dict:
     """A mode's figures from its step metrics: medians over the steps between the first and the last.
 
-    The first step is not timed (nothing ran ahead of it; compilation), nor the last (with max_staleness >= 1 no
+    The first step is not timed (nothing ran ahead of it; compilation), nor, with max_staleness >= 1, the last (no
     rollout runs ahead under it: it is only train + sync, which flattered one-step-off 1.2x in a 3-step run). With
     staleness, a step can be shorter than its rollout only while the rollouts run ahead of a long first step, so
-    `steady_step_s` is what a long run settles to: max(rollout, train) + sync (the step time itself when sync).
+    `steady_step_s` is what a long run settles to: the median step, or the median of max(rollout, train) + sync
+    over the same steps where that is longer (the step time itself when sync).
     `finished`: false for a mode its timeout cut off, whose last logged step was not the run's last."""
-    warm = history[1:-1] if finished and len(history) > 2 else history[1:]
+    stale = max(h.get("train/staleness_max", 0) for h in history)
+    warm = history[1:-1] if finished and stale and len(history) > 2 else history[1:]
     if not warm:
         return {"mode": mode, "steps": len(history), "error": "no step after the first finished"}
 
@@ -140,8 +142,8 @@ def summarize(history: list[dict], mode: str, prompts: int, gpus: int, finished:
     samples = prompts * SAMPLES_PER_PROMPT
     tokens = statistics.median(h["rollout/tokens"] + PROMPT_TOKENS * samples for h in warm)
     step_s, rollout_s, train_s, sync_s = (median(k) for k in ("time/step", "time/rollout", "time/train", "time/sync"))
-    stale = max(h.get("train/staleness_max", 0) for h in history)
-    steady_s = max(step_s, max(rollout_s, train_s) + sync_s) if stale else step_s
+    bound = statistics.median(max(h["time/rollout"], h["time/train"]) + h["time/sync"] for h in warm)
+    steady_s = max(step_s, bound) if stale else step_s
     return {"mode": mode, "gpus": gpus, "samples": samples, "tokens_per_step": tokens, "step_s": step_s,
             "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": tokens / step_s / gpus if gpus else None,
             "steady_step_s": steady_s, "steady_tokens_per_s_per_gpu": tokens / steady_s / gpus if gpus else None,

@@ -114,7 +114,8 @@ def _step(i: int, rollout: float, train: float, sync: float, step: float, stale:
 
 def test_e2e_summary_keeps_a_cut_off_modes_steps_and_states_the_steady_one_step_off_rate():
     """A mode its timeout cut keeps the steps it logged (the cut line is dropped, the last finished step counts);
-    one-step-off's steady step is max(rollout, train) + sync, not a median flattered by rollouts running ahead."""
+    one-step-off's steady step is max(rollout, train) + sync, not a median flattered by rollouts running ahead, and
+    its last step (nothing generating under it) is not timed."""
     from bench.e2e_grpo import logged_steps, summarize
     from bench.workload_rollout import PROMPT_TOKENS
 
@@ -130,8 +131,10 @@ def test_e2e_summary_keeps_a_cut_off_modes_steps_and_states_the_steady_one_step_
     assert cut["steady_tokens_per_s_per_gpu"] == pytest.approx(cut["tokens_per_step"] / 18.5 / 4)
     finished = summarize(steps, "disagg2x2-k1", prompts=2, gpus=4)  # a finished run's last step is not timed
     assert finished["timed_steps"] == 1 and finished["step_s"] == 14.0
-    sync = summarize([_step(0, 30.0, 50.0, 1.0, 81.0, 0), _step(1, 18.0, 8.0, 0.5, 26.5, 0)], "disagg2x2-sync", 2, 4)
-    assert sync["steady_step_s"] == sync["step_s"] == 26.5
+    sync = summarize([_step(0, 30.0, 50.0, 1.0, 81.0, 0), _step(1, 18.0, 8.0, 0.5, 26.5, 0),
+                      _step(2, 18.0, 8.0, 0.5, 28.5, 0)], "disagg2x2-sync", 2, 4)
+    assert sync["timed_steps"] == 2  # nothing runs ahead of a sync step, so its last step counts
+    assert sync["steady_step_s"] == sync["step_s"] == 27.5
     assert summarize(steps[:1], "disagg2x2-sync", 2, 4)["error"] == "no step after the first finished"
 
 
