@@ -15,8 +15,9 @@ broadcast over NCCL (the `distributed` transport); a checkpoint every --checkpoi
 Checked and reported: the failed run's exit and how long it took to end after the kill, the newest committed step
 it left, the step the second run resumed from (its log), that every step 0..steps-1 is in the one MLflow run
 exactly once, the steps trained twice (those after the checkpoint), the kill landing inside the train stage (the
-delay against the earlier steps' train time), and the GPU memory in use after each run (nvidia-smi: nothing left
-behind by the killed run's processes).
+delay against the earlier steps' train time), the GPU memory in use after each run (nvidia-smi: nothing left
+behind by the killed run's processes), and each checkpoint's stage time (with `--set checkpoint.async_save=true`
+also its background write's: checkpoint_s, checkpoint_write_s).
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=512, help="caps the workload's 64-1,792-token responses")
     ap.add_argument("--timeout", type=float, default=400, help="seconds each of the two runs may take")
     ap.add_argument("--smoke", action="store_true", help="a toy shape on the CPU (gloo): checks the script")
+    ap.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY.PATH=VALUE",
+                    help="a recipe change after the bench's own (e.g. checkpoint.async_save=true)")
     ap.add_argument("--out", default="gpu_fault.json")
     a = ap.parse_args()
     shape = "smoke" if a.smoke else a.shape
@@ -126,13 +129,14 @@ def main() -> None:
     max_new = 8 if a.smoke else a.max_new_tokens  # the toy's 512 positions hold the 256-token prompt too
     sets = [*workload_overrides(work, model, MODE, a.prompts, a.steps, device, max_new),
             f"name={name}", f"checkpoint.every={a.checkpoint_every}", "checkpoint.keep_last=2",
-            f"tracking.uri={tracking}", f"tracking.experiment={name}"]
+            f"tracking.uri={tracking}", f"tracking.experiment={name}", *a.overrides]
     args = ["deployments/sort-tiny.yaml", *[arg for s in sets for arg in ("--set", s)]]
     fault = f"train:{a.kill_step}:during@{delay}:train@1"
     report = {"date": dt.date.today().isoformat(), "command": " ".join(["python -m bench.gpu_fault", *sys.argv[1:]]),
               "gpus": nvidia_smi("name") or [],
               "torch": torch.__version__, "shape": shape, "mode": MODE, "steps": a.steps, "fault": fault,
-              "checkpoint_every": a.checkpoint_every, "gpu_memory_used_mib_before": gpu_memory_used_mib()}
+              "checkpoint_every": a.checkpoint_every, "overrides": a.overrides,
+              "gpu_memory_used_mib_before": gpu_memory_used_mib()}
 
     store = RunStore(StorageConfig(uri=f"file://{work}/runs"), name)
     killed = run_flow(args, fault, a.timeout, work / "killed.log")
@@ -151,8 +155,10 @@ def main() -> None:
     logged = [step for step, _ in after.get("time/step", [])]
     report["resumed"] = {k: v for k, v in resumed.items() if k != "log"} | {
         "resumed_from": int(match.group(1)) if match else None, "committed_step": store.latest_step(),
-        "status": run_status(store), "mlflow_runs": runs,
-        "steps_logged": logged, "log_tail": resumed["log"][-2500:]}
+        "status": run_status(store), "mlflow_runs": runs, "steps_logged": logged,
+        # the checkpoint stage's seconds, and with checkpoint.async_save the background write's after it returned
+        "checkpoint_s": after.get("time/checkpoint"), "checkpoint_write_s": after.get("time/checkpoint_write"),
+        "log_tail": resumed["log"][-2500:]}
     report["checks"] = {
         "killed_run_failed": killed["exit"] not in (0, None),
         "killed_run_ended_within_timeout": not killed["timed_out"],

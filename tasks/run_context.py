@@ -6,6 +6,7 @@ continues from it (same MLflow run, same data cursor, same weights and optimizer
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
@@ -20,6 +21,7 @@ from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.store.run_store import RunStore, worker_storage, workers_write_checkpoints
 from rlflow.tasks.artifacts import TrainingArtifacts
+from rlflow.tasks.checkpoint_commit import PendingCommit
 from rlflow.tasks.run_logs import send_to_prefect, step_log, step_summary
 from rlflow.tasks.tracking import Tracker
 
@@ -51,6 +53,7 @@ class RunContext:
     start_step: int = 0
     artifacts: TrainingArtifacts | None = None  # Prefect artifacts, when running as a flow
     stop_logs: Callable[[], None] = lambda: None  # ends the rlflow logger's link to the Prefect run's logs
+    pending: PendingCommit | None = None  # a checkpoint written in the background, not yet committed
 
     def notify(self, step: int, metrics: dict) -> None:
         """A step is done: its summary line to the Prefect run's logs, then the listeners."""
@@ -61,37 +64,94 @@ class RunContext:
     def checkpoint(self, step: int) -> dict[str, float]:
         """Save every worker's state, commit it to the store (marker last), prune old ones.
 
-        Metrics are written synchronously (tasks/tracking.py), so a committed step never lacks its metrics.
+        Metrics are written synchronously (tasks/tracking.py), so a committed step never lacks its metrics. With
+        checkpoint.async_save the workers write in the background and a PendingCommit commits the checkpoint when
+        they are done; this first waits for the previous one (and raises if it was not committed).
         """
+        self._await_commit()
         t0 = time.perf_counter()
         self.tracker.flush()
         meta = {"step": step, "next_step": step + 1, "mlflow_run_id": self.tracker.run_id}
+        background = self.cfg.checkpoint.async_save
         if workers_write_checkpoints(self.cfg):  # the workers write their shards into the store themselves
             target = self.store.begin_checkpoint(step)
-            controller = self.session.save(target, step, storage=worker_storage(self.cfg.storage))
-            uri = self.store.finish_checkpoint(step, meta | controller)  # only once every worker has returned
+            controller = self.session.save(target, step, storage=worker_storage(self.cfg.storage),
+                                           background=background)
+
+            def commit() -> str:  # only once every worker has returned, or written
+                return self.store.finish_checkpoint(step, meta | controller)
+
+            def exists(name: str) -> bool:
+                return self.store.exists("checkpoints", step, name)
+
+            def read_error(name: str) -> str:
+                return self.store.read_json("checkpoints", step, name).get("error", "")
         else:
-            with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
-                controller = self.session.save(tmp, step)
-                uri = self.store.commit_checkpoint(step, tmp, meta | controller)
-        pruned = self.store.prune(self.cfg.checkpoint.keep_last)
-        if not self.cfg.checkpoint.keep_rollouts:
-            self.store.prune_rollouts(before_step=step)
-        log.info("checkpoint step %d committed at %s (pruned %s)", step, uri, pruned or "none")
+            tmp = Path(tempfile.mkdtemp(dir=self.workdir))
+            try:
+                controller = self.session.save(tmp, step, background=background)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+
+            def commit() -> str:
+                try:
+                    return self.store.commit_checkpoint(step, tmp, meta | controller)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+
+            def exists(name: str) -> bool:
+                return (tmp / name).exists()
+
+            def read_error(name: str) -> str:
+                return json.loads((tmp / name).read_text()).get("error", "")
+        if background:
+            self.pending = PendingCommit(step, self.session.written_markers(), exists, read_error,
+                                         lambda: self._committed(step, commit()))
+        else:
+            self._committed(step, commit())
         self.tracker.log_metrics({"time/checkpoint": time.perf_counter() - t0}, step)
         return {"checkpoint/step": float(step)}
+
+    def _committed(self, step: int, uri: str) -> None:
+        pruned = self.store.prune(self.cfg.checkpoint.keep_last)
+        if not self.cfg.checkpoint.keep_rollouts:
+            self.store.prune_rollouts(before_step=step)  # only now: a resume before the commit still reads them
+        log.info("checkpoint step %d committed at %s (pruned %s)", step, uri, pruned or "none")
+
+    def _await_commit(self) -> None:
+        """The background checkpoint in flight, if any: wait for its commit and log how long its write took after
+        the stage returned (time/checkpoint_write, at its step); RuntimeError if it was not committed."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.tracker.log_metrics({"time/checkpoint_write": pending.result(self.session.savers_alive)},
+                                     pending.step)
 
     @property
     def name(self) -> str:
         return self.cfg.name
 
     def close(self, status: str) -> None:
+        """End the run: a finished one first waits for its last checkpoint's commit (and fails if that was not
+        committed); a failed one leaves a background write uncommitted."""
         _OPEN.pop(self.cfg.name, None)
+        error = None
+        if self.pending is not None and status == "FINISHED":
+            try:
+                self._await_commit()
+            except RuntimeError as exc:
+                error, status = exc, "FAILED"
+        elif self.pending is not None:
+            self.pending.cancel()
+            if self.pending.seconds is not None:  # committed before the run failed: its write time still counts
+                self.tracker.log_metrics({"time/checkpoint_write": self.pending.seconds}, self.pending.step)
         self.store.write_json({"status": status.lower(), "mlflow_run_id": self.tracker.run_id}, "status.json")
         self.tracker.finish(status)
         self.session.shutdown()
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.stop_logs()
+        if error is not None:
+            raise error
 
 
 def shared_dir(cfg: RLConfig) -> str | None:

@@ -369,3 +369,13 @@ def test_off_policy_steps_reads_as_max_staleness_with_a_warning(tmp_path):
         load_recipe(write(tmp_path, small_recipe(tmp_path, rollout={"off_policy_steps": 1, "max_staleness": 2})))
     assert any("rollout.off_policy_steps (1) and rollout.max_staleness (2) disagree" in p for p in e.value.problems)
     assert load_recipe(write(tmp_path, small_recipe(tmp_path, rollout={"max_staleness": 3}))).rollout.max_staleness == 3
+
+
+@pytest.mark.parametrize(("train", "why"), [({"backend": "megatron"}, "train.backend megatron saves synchronously"),
+                                             ({"lora": {"rank": 4}}, "a LoRA run's checkpoints")])
+def test_async_checkpoints_are_refused_where_they_are_not_written_in_the_background(tmp_path, train, why):
+    raw = small_recipe(tmp_path, train=train, checkpoint={"async_save": True})
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, raw))
+    assert len(e.value.problems) == 1 and "checkpoint.async_save" in e.value.problems[0], e.value.problems
+    assert why in e.value.problems[0]

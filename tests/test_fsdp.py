@@ -3,6 +3,9 @@ do not hang, and a checkpoint written by 2 ranks resumes on 1 and on 3 with the 
 
 from __future__ import annotations
 
+import json
+import threading
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -133,6 +136,62 @@ def test_a_tied_embedding_model_checkpoints_on_two_ranks_and_resumes_on_one(tiny
     one.load(tmp_path / "ckpt")
     assert one.model.lm_head.weight is one.model.model.embed_tokens.weight
     got = one.train_step(batch)
+    assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
+def test_a_background_save_holds_the_state_it_was_called_with_and_marks_each_rank_written(
+        tiny_model_dir, batch, ray_cluster, tmp_path):
+    """checkpoint.async_save on two ranks: they return from save once their state is copied to host memory and
+    train on while their threads write it (collectives over a gloo group of their own); the checkpoint is the state
+    at the call (a run resumed from it on one rank takes the step the two ranks took next), model/ is the HF
+    export, and each rank leaves its `written` marker."""
+    train = TrainConfig(threads=1, lr=1e-3)
+    two = _ranks(tiny_model_dir, train, 2, "ckpt-background")
+    _step(two, batch, 2)
+    two.call(TrainBackend.save, str(tmp_path / "ckpt"), None, background=True)
+    want = _step(two, batch, 2)  # changes every parameter while the threads may still be writing
+    two.call(TorchTrainBackend.wait_saved)
+    two.shutdown()
+
+    for rank in (0, 1):
+        assert json.loads((tmp_path / "ckpt" / f"written_rank{rank}.json").read_text())["seconds"] > 0
+    assert not list((tmp_path / "ckpt").glob("failed_rank*"))
+    assert not (tmp_path / "ckpt" / "model" / "sharded").exists()  # consolidated into model/, as a save does
+    AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model", dtype=torch.float32)
+    one = TorchTrainBackend(tiny_model_dir, train, ALGO)
+    one.load(tmp_path / "ckpt")
+    got = one.train_step(batch)
+    assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
+def test_a_background_save_writes_the_state_of_its_call_not_of_the_steps_after(tiny_model_dir, batch, tmp_path,
+                                                                             monkeypatch):
+    """The write is held (a gate before DCP's save; the real save runs after it) until the trainer has taken
+    another step: what is written is still the state at the call, from the host copy, and the rank's marker
+    appears only once the write is done."""
+    from rlflow.engines.train import fsdp
+
+    gate, real_save = threading.Event(), fsdp.dcp.save
+
+    def held_save(*args, **kwargs):
+        assert gate.wait(120), "the test never opened the gate"
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(fsdp.dcp, "save", held_save)
+    train = TrainConfig(threads=1, lr=1e-3)
+    trainer = TorchTrainBackend(tiny_model_dir, train, ALGO)
+    trainer.train_step(batch)
+    trainer.save(tmp_path / "ckpt", background=True)
+    want = trainer.train_step(batch)  # every parameter and Adam moment changes before a byte is written
+    assert not (tmp_path / "ckpt" / "written_rank0.json").exists()
+    gate.set()
+    trainer.wait_saved()
+    assert (tmp_path / "ckpt" / "written_rank0.json").exists()
+    resumed = TorchTrainBackend(tiny_model_dir, train, ALGO)
+    resumed.load(tmp_path / "ckpt")
+    got = resumed.train_step(batch)
     assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 

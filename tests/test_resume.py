@@ -101,7 +101,7 @@ def data_dir(tmp_path_factory):
 
 
 def _recipe(tmp_path: Path, data_dir: Path, storage: StorageConfig, name: str, ray: str, staleness: int = 0,
-            ppo: bool = False, train_ranks: int = 1) -> Path:
+            ppo: bool = False, train_ranks: int = 1, async_save: bool = False) -> Path:
     # the demo's schedule (deployments/sort-tiny.yaml: warm-up, then cosine decay) over STEPS: the checkpoint of
     # step 1 is taken mid-warm-up, step 3's mid-decay, so a resume that restarts the LR at step 0 differs
     raw = small_recipe(tmp_path, name=name, train={"steps": STEPS, "threads": 1, "mini_batches": 2, **SCHEDULE,
@@ -109,7 +109,8 @@ def _recipe(tmp_path: Path, data_dir: Path, storage: StorageConfig, name: str, r
                        algorithm={"advantage": "gae", "lam": 0.95} if ppo else {},
                        **({"critic": SCHEDULE} if ppo else {}),
                        rollout={"max_staleness": staleness},
-                       checkpoint={"every": 2, "keep_last": 2}, eval={"every": 3, "max_prompts": 16},
+                       checkpoint={"every": 2, "keep_last": 2, "async_save": async_save},
+                       eval={"every": 3, "max_prompts": 16},
                        cluster={"address": ray})
     raw["data"] = {"train_path": str(data_dir / "train.jsonl"), "eval_path": str(data_dir / "eval.jsonl")}
     raw["storage"] = {"uri": storage.uri, **({"endpoint_url": storage.endpoint_url} if storage.endpoint_url else {})}
@@ -270,6 +271,31 @@ def test_a_killed_rank_of_a_sharded_trainer_resumes_exactly(tmp_path, data_dir, 
     assert metrics == ref_metrics
 
 
+@pytest.mark.slow  # ~2 min; the in-process async test below runs in the default suite
+def test_async_checkpoints_on_s3_resume_exactly_after_a_rank_dies_mid_run(tmp_path, data_dir, prefect_api, ray_head,
+                                                                         uninterrupted, request):
+    """checkpoint.async_save with 2 FSDP2 ranks writing into S3 (moto) from their threads: train rank 1 is
+    SIGKILLed as step 2 trains, while step 1's checkpoint may still be writing. The resumed run starts from
+    whatever was committed (step 1's checkpoint if its writes were done, else the beginning) and ends exactly
+    like the uninterrupted 2-rank run that saved synchronously; every committed checkpoint has both ranks'
+    `written` markers."""
+    storage = _storage("s3", tmp_path, request)
+    recipe = _recipe(tmp_path, data_dir, storage, "async", ray_head, train_ranks=2, async_save=True)
+    killed = _rlflow(["run", str(recipe)], prefect_api, fault="train:2:before:train@1")
+    assert killed.returncode != 0, "killing train rank 1 did not stop the run"
+    store = RunStore(storage, "async")
+    assert store.latest_step() in (None, 1)
+    resumed = _rlflow(["run", str(recipe)], prefect_api)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    weights, metrics = _outcome(recipe, storage, "async")
+    ref_weights, ref_metrics = uninterrupted(0, train_ranks=2)
+    assert weights.keys() == ref_weights.keys()
+    assert all((weights[k] == ref_weights[k]).all() for k in weights)
+    assert metrics == ref_metrics
+    for step in store.committed_steps():
+        assert all(store.exists("checkpoints", step, f"written_rank{r}.json") for r in (0, 1)), step
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", [("train", 3, "before", "flow"), ("rollout", 4, "after", "rollout")])
 def test_k2_kill_then_resume_loses_and_repeats_no_step(fault, tmp_path, data_dir, prefect_api, ray_head):
@@ -356,3 +382,32 @@ def test_a_run_without_checkpoint_settings_resumes_after_a_crash(tmp_path, monke
                  [lambda step, m: steps.append(step)])
     assert steps == list(range(51))  # step 50 ran once, after the resume; no step ran twice
     assert RunStore(cfg.storage, cfg.name).committed_steps() == [49, 50]
+
+
+def test_async_checkpoints_commit_when_written_and_a_longer_run_resumes_from_them(tmp_path):
+    """checkpoint.async_save in the flow (one in-process rank, local store): each checkpoint is committed with
+    its rank's `written` marker once its background write is done, the last one before the run ends, each write's
+    seconds logged at its step (time/checkpoint_write); the same run given more steps goes on from the last."""
+    from mlflow.tracking import MlflowClient
+
+    from rlflow.engines.core.config import config_from_dict
+    from rlflow.flows.post_train import post_train
+
+    raw = small_recipe(tmp_path, cluster={"use_ray": False}, train={"steps": 4, "threads": 1}, eval={"every": 0},
+                       rollout={"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 2},
+                       checkpoint={"every": 2, "keep_last": 5, "async_save": True})
+    cfg = config_from_dict(raw)
+    seen, _ = step_metrics(lambda: post_train(cfg))
+    assert sorted(seen) == list(range(4))
+    store = RunStore(cfg.storage, cfg.name)
+    assert store.committed_steps() == [1, 3]
+    for step in (1, 3):
+        assert store.read_json("checkpoints", step, "written_rank0.json")["seconds"] > 0
+    client = MlflowClient(cfg.tracking.uri)
+    run_id = store.read_json("status.json")["mlflow_run_id"]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "time/checkpoint_write")) == [1, 3]
+
+    longer = config_from_dict(raw | {"train": {**raw["train"], "steps": 5}})
+    seen, _ = step_metrics(lambda: post_train(longer))
+    assert sorted(seen) == [4]  # from the last background checkpoint, not from step 0
+    assert store.committed_steps()[-1] == 4

@@ -977,6 +977,12 @@ class CheckpointConfig(Section):
         "0: no time interval.",
     )
     keep_last: int = Field(2, gt=0, description="Committed checkpoints kept; the newest is never deleted.")
+    async_save: bool = Field(
+        False, description="Write checkpoints in the background (train.backend torch, not with train.lora): the "
+        "checkpoint stage returns once every rank has copied its state to host memory (one more copy of each "
+        "rank's model and optimizer state there), and the ranks train on while threads write it. It is committed "
+        "once every rank's write is done; a run that fails before that resumes from the checkpoint before it. The "
+        "last step's checkpoint is waited for.")
     save_rollouts: bool = Field(True, description="Persist each step's samples so a retried step reuses them.")
     keep_rollouts: bool = Field(False, description="Keep rollout batches older than the newest checkpoint.")
 
@@ -1193,6 +1199,12 @@ class RLConfig(Section):
             if self.rollout.dynamic_sampling.enabled:
                 raise ValueError("algorithm.advantage: remax adds a greedy sample to every group; dynamic sampling "
                                  "(rollout.dynamic_sampling) does not generate it: use one or the other")
+        if self.checkpoint.async_save and self.train.backend != "torch":
+            raise ValueError("checkpoint.async_save: the torch backend writes checkpoints in the background; "
+                             f"train.backend {self.train.backend} saves synchronously (set async_save false)")
+        if self.checkpoint.async_save and self.train.lora is not None:
+            raise ValueError("checkpoint.async_save: a LoRA run's checkpoints (the adapters) are small and saved "
+                             "synchronously; set async_save false or leave train.lora out")
         batch = self.step_samples
         if batch % (self.data_parallel_size * self.train.mini_batches) != 0:
             raise ValueError(

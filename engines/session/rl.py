@@ -598,22 +598,39 @@ class RLSession:
         return {"rollout/workers_restarted": float(self.workers_restarted)} if self.workers_restarted else {}
 
     # ---- checkpoints ---------------------------------------------------------------------------------
-    def save(self, path: str | Path, step: int, storage: StorageConfig | None = None) -> dict:
+    def save(self, path: str | Path, step: int, storage: StorageConfig | None = None, background: bool = False
+             ) -> dict:
         """Every worker saves its state into `path`; returns the controller state to store beside it.
 
         With `storage`, `path` is the checkpoint's folder in that run store (s3:// too) and every worker writes
         there itself (tasks/run_context.py commits it after this returns). The cursor is saved as it was after
         `step` took its prompts: with asynchronous training (rollout.max_staleness) later steps have already
-        taken their own, and a resumed run reuses their batches from the store."""
+        taken their own, and a resumed run reuses their batches from the store. `background`
+        (checkpoint.async_save): the workers return once their state is in host memory and write it from threads,
+        each leaving one of `written_markers()` when done."""
         self.gpu.resident()  # the next rollout parks the state again
-        self.train_group.call(TrainBackend.save, *worker_target(path, "", storage))
+        how = {"background": True} if background else {}
+        self.train_group.call(TrainBackend.save, *worker_target(path, "", storage), **how)
         save_tokenizer(self.tokenizer, path, storage)  # so model/ loads with transformers as it is
         if self.critic_group is not None:
-            self.critic_group.call(CriticBackend.save, *worker_target(path, "critic", storage))
+            self.critic_group.call(CriticBackend.save, *worker_target(path, "critic", storage), **how)
         state = self.prompts.state_after(step) | {"weight_version": self.weight_version}
         if self.cfg.algorithm.kl_ctrl == "adaptive":  # the controller's state: resume must continue from it
             state["kl_coef"] = self.kl_coef
         return state
+
+    def written_markers(self) -> list[str]:
+        """The files a background save leaves in the checkpoint's folder, one a worker, once its write is done
+        (fsdp.BackgroundSave); a worker whose write failed leaves the same name with `failed` for `written`."""
+        critic = len(self.critic_group) if self.critic_group is not None else 0
+        return ([f"written_rank{r}.json" for r in range(len(self.train_group))]
+                + [f"critic/written_rank{r}.json" for r in range(critic)])
+
+    def savers_alive(self) -> bool:
+        """Whether every worker that writes checkpoints (train, critic) is still there: a background write whose
+        worker died leaves no marker, so the run asks this while it waits for one."""
+        groups = [self.train_group] + ([self.critic_group] if self.critic_group is not None else [])
+        return all(all(g.alive()) for g in groups)
 
     def load(self, path: str | Path, controller_state: dict, storage: StorageConfig | None = None) -> None:
         """Every worker loads its state from `path` (with `storage`: straight from that run store's folder)."""

@@ -205,14 +205,21 @@ class SFTSession:
         return read_round(self.rounds[rnd], self.cfg.rollout.samples_per_prompt)
 
     # ---- checkpoints ---------------------------------------------------------------------------------
-    def save(self, path, step: int, storage: StorageConfig | None = None) -> dict:
+    def save(self, path, step: int, storage: StorageConfig | None = None, background: bool = False) -> dict:
         """Worker state into `path` (with `storage`: that run store's folder, written by the workers); returns the
-        controller state: both data cursors (nothing is in flight)."""
+        controller state: both data cursors (nothing is in flight). `background`: as RLSession.save."""
         self.rl.gpu.resident()
-        self.rl.train_group.call(TrainBackend.save, *worker_target(path, "", storage))
+        how = {"background": True} if background else {}
+        self.rl.train_group.call(TrainBackend.save, *worker_target(path, "", storage), **how)
         save_tokenizer(self.rl.tokenizer, path, storage)
         return {"cursor": self.rl.prompts.cursor.state_dict(), "weight_version": self.rl.weight_version,
                 "sft_cursor": self.cursor.state_dict() if self.cursor else None}
+
+    def written_markers(self) -> list[str]:
+        return self.rl.written_markers()
+
+    def savers_alive(self) -> bool:
+        return self.rl.savers_alive()
 
     def load(self, path, controller_state: dict, storage: StorageConfig | None = None) -> None:
         self.rl.load(path, controller_state, storage)

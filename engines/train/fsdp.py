@@ -18,22 +18,29 @@ shards as safetensors (offsets in the file's metadata, no pickle anywhere), the 
 consolidated into a plain HF checkpoint (`model/`, loadable by transformers and the rollout engines), and a
 checkpoint loads onto any number of ranks, each reading the slices of its new shards. The same files go either
 into a local folder (torch's HF storage) or straight into a run store folder on any fsspec filesystem, S3
-included (engines/train/dcp_store.py: every rank uploads its own shards, readers fetch byte ranges).
+included (engines/train/dcp_store.py: every rank uploads its own shards, readers fetch byte ranges). With
+checkpoint.async_save a rank copies its state to host memory and a thread writes the same files while the rank
+trains on (BackgroundSave; docs/operations.md, "Writing checkpoints in the background").
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import shutil
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint import StorageReader, StorageWriter
 from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -207,6 +214,87 @@ def save_checkpoint_to_store(model: torch.nn.Module, optimizer: torch.optim.Opti
     if dist.get_rank() == 0 and not trainable_only:
         _export_from_store(model, store, list(model_state))
     dist.barrier()
+
+
+class BackgroundSave:
+    """A checkpoint that a thread of this rank writes from a host copy of its state, while the rank trains on
+    (checkpoint.async_save). The thread runs DCP's saves over `group`, a gloo group of their own, so their
+    collectives never interleave with training's, then `finish` (rank 0's HF export), then leaves a marker beside
+    the shards: `written_rank<r>.json` ({"seconds": ...}), or `failed_rank<r>.json` ({"error": ...}). The driver
+    commits the checkpoint once every rank's `written` marker is there (tasks/run_context.py); a rank that dies
+    leaves none, so the checkpoint is never committed."""
+
+    def __init__(self, writes: list[tuple[dict, StorageWriter]], group: dist.ProcessGroup,
+                 finish: Callable[[], None], put: Callable[[str, dict], None]):
+        self.writes, self.group, self.finish, self.put = writes, group, finish, put
+        self.rank = dist.get_rank()
+        self.error: BaseException | None = None
+        self.started = time.perf_counter()
+        self.thread = threading.Thread(target=self._run, name="rlflow-checkpoint-write", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for state, writer in self.writes:
+                dcp.save(state, storage_writer=writer, process_group=self.group)
+            self.writes = []  # the host copy is freed as soon as it is written
+            self.finish()
+        except BaseException as exc:  # reported to the driver through the marker, and by wait()
+            self.error = exc
+            self.put(f"failed_rank{self.rank}.json", {"error": f"{type(exc).__name__}: {exc}"})
+            return
+        self.put(f"written_rank{self.rank}.json", {"seconds": time.perf_counter() - self.started})
+
+    def wait(self) -> None:
+        """Block until the write ended; raise if it failed."""
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"checkpoint write of rank {self.rank} failed: {self.error}") from self.error
+
+
+def background_save_resources() -> tuple[dist.ProcessGroup, DefaultStager]:
+    """For checkpoint.async_save: a gloo group of every rank for the writing threads' collectives, and the stager
+    that copies a rank's state to host memory. Pageable memory, a fresh copy each save: pinned buffers would make
+    the copy faster but stay allocated between checkpoints, and the copy is small beside the write. Made once, at
+    the first background save. Collective."""
+    options = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                             use_non_blocking_copy=False)
+    return dist.new_group(backend="gloo"), DefaultStager(options)
+
+
+def save_checkpoint_in_background(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Path | RunStore,
+                                  group: dist.ProcessGroup, stager: DefaultStager) -> BackgroundSave:
+    """What save_checkpoint (a local folder) or save_checkpoint_to_store (a run store) writes, written by a thread
+    from host copies that `stager` makes before this returns (the caller then trains on). The folder is a fresh
+    checkpoint folder (the driver's): nothing of an earlier save is cleared first. Collective."""
+    model_state, optim_state = _state_to_save(model, optimizer)
+    # blocking copies: when this returns the next optimizer step may change the parameters
+    staged = [stager.stage(model_state)] + ([] if optim_state is None else [stager.stage(optim_state)])
+    local = isinstance(target, Path)
+    writers = [dcp.HuggingFaceStorageWriter(str(target / "model"), save_distributed=True, enable_consolidation=True)
+               if local else StoreWriter(target, "model/sharded")]
+    if optim_state is not None:
+        writers.append(dcp.HuggingFaceStorageWriter(str(target / "optimizer"), save_distributed=True) if local
+                       else StoreWriter(target, "optimizer"))
+    names = list(model_state)
+
+    def finish() -> None:  # rank 0, after its saves: every rank's shards are written (DCP's finish gathers them)
+        if dist.get_rank() != 0:
+            return
+        if local:
+            _save_configs(model, target / "model")
+            shutil.rmtree(target / "model" / "sharded", ignore_errors=True)
+            _single_file_name(target / "model")
+        else:
+            _export_from_store(model, target, names)
+
+    def put(name: str, body: dict) -> None:
+        if local:
+            (target / name).write_text(json.dumps(body))
+        else:
+            target.write_json(body, name)
+
+    return BackgroundSave(list(zip(staged, writers, strict=True)), group, finish, put)
 
 
 def _state_to_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False

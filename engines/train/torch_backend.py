@@ -113,6 +113,8 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         self.loss_kwargs = algorithm.loss_kwargs() | (distill.loss_kwargs() if distill is not None else {})
         self.temperature, self.norm_len = temperature, norm_len
         self.rank, self.world_size = rank, world_size
+        self._writing: fsdp.BackgroundSave | None = None  # a checkpoint its thread is writing (async_save)
+        self._background_save = None  # that thread's gloo group and host stager, made at the first such save
         fsdp.init_process_group(train.device, rank, world_size, dist_url, collective_timeout_s)
         torch.manual_seed(seed + rank)
         self.device = train.device
@@ -484,27 +486,46 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         return self._sent_names({n: torch.empty(p.shape, dtype=p.dtype, device="meta")
                                  for n, p in self.model.named_parameters()})
 
-    def save(self, path: str | Path, storage: StorageConfig | None = None) -> None:
+    def save(self, path: str | Path, storage: StorageConfig | None = None, background: bool = False) -> None:
         """Sharded model and optimizer state (engines/train/fsdp.py: safetensors, the model also consolidated
         into an HF checkpoint in `model/`), schedule and RNG state as JSON (no pickle). Collective.
 
         With `storage`, `path` is a folder of that run store (a checkpoint's URI, s3:// too) and every rank
-        writes its shards there itself, through fsspec; without it, a local folder."""
+        writes its shards there itself, through fsspec; without it, a local folder. `background`
+        (checkpoint.async_save; not for LoRA): return once the state is copied to host memory, and write it from
+        a thread that leaves a `written_rank<r>.json` marker in `path` when done (fsdp.BackgroundSave)."""
+        self.wait_saved()  # one background write at a time; its host copy is freed before the next is made
         self._resident("save", optimizer=True)
         state = json.dumps({"scheduler": self.scheduler.state_dict() | {"lr_lambdas": None}, "rng": rng_state()})
         own = f"trainer_rank{self.rank}.json"
         adapters_only = self.lora is not None
-        if storage is not None:
-            store = RunStore.at(storage, str(path))
-            fsdp.save_checkpoint_to_store(self.model, self.optimizer, store, adapters_only)
+        if background and adapters_only:
+            raise ValueError("save(background=True): a LoRA run's checkpoints are saved synchronously")
+        store = RunStore.at(storage, str(path)) if storage is not None else None
+        if store is not None:
             store.write_bytes(state.encode(), own)
         else:
             path = Path(path)
             path.mkdir(parents=True, exist_ok=True)
-            fsdp.save_checkpoint(self.model, self.optimizer, path, adapters_only)
             (path / own).write_text(state)
+        if background:
+            if self._background_save is None:
+                self._background_save = fsdp.background_save_resources()
+            group, stager = self._background_save
+            self._writing = fsdp.save_checkpoint_in_background(self.model, self.optimizer, store or path, group, stager)
+            return
+        if store is not None:
+            fsdp.save_checkpoint_to_store(self.model, self.optimizer, store, adapters_only)
+        else:
+            fsdp.save_checkpoint(self.model, self.optimizer, path, adapters_only)
         if adapters_only:
             self._export_lora(path, storage)
+
+    def wait_saved(self) -> None:
+        """Wait for this rank's background checkpoint write, if one runs; raise if it failed."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.wait()
 
     def _export_lora(self, path: str | Path, storage: StorageConfig | None) -> None:
         """A LoRA checkpoint's exports beside its sharded state: `adapter/` (PEFT's format, what SGLang, vLLM
@@ -542,6 +563,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         """Resume from save(), written by any number of ranks (with `storage`: read straight from that run
         store's folder `path`). A rank the checkpoint had no rank of keeps its own RNG (the train step draws
         no random numbers) and takes rank 0's schedule (the same on every rank)."""
+        self.wait_saved()
         self._resident("load", optimizer=True)
         self._forget_gathered()
         own = f"trainer_rank{self.rank}.json"

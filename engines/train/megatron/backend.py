@@ -439,14 +439,17 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
                 "megatron_core": megatron.core.__version__}
 
     @_on_device
-    def save(self, path: str | Path, storage: StorageConfig | None = None) -> None:
+    def save(self, path: str | Path, storage: StorageConfig | None = None, background: bool = False) -> None:
         """The HF model (written by the ranks that own its tensors, never gathered on one rank), this rank's model
         shards, the optimizer state in HF space (engines/train/megatron/optimizer_shards.py), and schedule/RNG
-        state: safetensors + JSON, loadable on any layout. Collective.
+        state: safetensors + JSON, loadable on any layout. Collective. Always synchronous: `background`
+        (checkpoint.async_save) is refused by the recipe's validation for this backend.
 
         With `storage`, `path` is a folder of that run store (s3:// too): every rank writes its own files into a
         local scratch folder and uploads them itself (nothing is gathered; the driver commits the checkpoint
         after every rank returned); without it, a local folder."""
+        if background:
+            raise ValueError("checkpoint.async_save: the megatron backend saves synchronously")
         self._resident("save", optimizer=True)
         if storage is None:
             self._write_checkpoint(Path(path))
