@@ -73,6 +73,8 @@ class RunContext:
         self.tracker.flush()
         meta = {"step": step, "next_step": step + 1, "mlflow_run_id": self.tracker.run_id}
         background = self.cfg.checkpoint.async_save
+        if background:  # a failed attempt of this stage may have left writers running: none may write below
+            self.session.drain_saves()
         if workers_write_checkpoints(self.cfg):  # the workers write their shards into the store themselves
             target = self.store.begin_checkpoint(step)
             controller = self.session.save(target, step, storage=worker_storage(self.cfg.storage),
@@ -124,7 +126,7 @@ class RunContext:
         the stage returned (time/checkpoint_write, at its step); RuntimeError if it was not committed."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            self.tracker.log_metrics({"time/checkpoint_write": pending.result(self.session.savers_alive)},
+            self.tracker.log_metrics({"time/checkpoint_write": pending.result(self.session.save_problem)},
                                      pending.step)
 
     @property
@@ -133,23 +135,25 @@ class RunContext:
 
     def close(self, status: str) -> None:
         """End the run: a finished one first waits for its last checkpoint's commit (and fails if that was not
-        committed); a failed one leaves a background write uncommitted."""
+        committed); a failed one leaves a background write uncommitted. The run's records and workers are closed
+        whatever happens here."""
         _OPEN.pop(self.cfg.name, None)
         error = None
-        if self.pending is not None and status == "FINISHED":
-            try:
+        try:
+            if self.pending is not None and status == "FINISHED":
                 self._await_commit()
-            except RuntimeError as exc:
-                error, status = exc, "FAILED"
-        elif self.pending is not None:
-            self.pending.cancel()
-            if self.pending.seconds is not None:  # committed before the run failed: its write time still counts
-                self.tracker.log_metrics({"time/checkpoint_write": self.pending.seconds}, self.pending.step)
-        self.store.write_json({"status": status.lower(), "mlflow_run_id": self.tracker.run_id}, "status.json")
-        self.tracker.finish(status)
-        self.session.shutdown()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-        self.stop_logs()
+            elif self.pending is not None:
+                self.pending.cancel()
+                if self.pending.seconds is not None:  # committed before the run failed: its write time counts
+                    self.tracker.log_metrics({"time/checkpoint_write": self.pending.seconds}, self.pending.step)
+        except Exception as exc:
+            error, status = exc, "FAILED"
+        finally:
+            self.store.write_json({"status": status.lower(), "mlflow_run_id": self.tracker.run_id}, "status.json")
+            self.tracker.finish(status)
+            self.session.shutdown()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.stop_logs()
         if error is not None:
             raise error
 

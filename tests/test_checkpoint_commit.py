@@ -64,6 +64,15 @@ def test_a_worker_that_dies_mid_write_fails_the_wait_instead_of_hanging(tmp_path
     commits: list = []
     pending = _pending(tmp_path, commits)
     _mark(tmp_path, "written_rank0.json", {"seconds": 1.0})  # rank 1 and the critic never write: gone
-    with pytest.raises(RuntimeError, match="a worker died before its write was done"):
-        pending.result(alive=lambda: False, check_s=0.05)
+    with pytest.raises(RuntimeError, match="step 5 was not committed: a worker is gone"):
+        pending.result(problem=lambda: "a worker is gone (ActorDiedError)", check_s=0.05)
     assert commits == []
+
+
+def test_an_unreadable_store_fails_the_wait_with_its_error(tmp_path):
+    def exists(name):
+        raise OSError("the store is unreachable")
+
+    pending = PendingCommit(5, MARKERS, exists, lambda name: "", lambda: None, poll_s=0.01)
+    with pytest.raises(RuntimeError, match="step 5 was not committed: OSError: the store is unreachable"):
+        pending.result()

@@ -196,6 +196,27 @@ def test_a_background_save_writes_the_state_of_its_call_not_of_the_steps_after(t
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 
 
+def test_a_failed_background_write_leaves_a_failed_marker_and_is_reported(tiny_model_dir, batch, tmp_path):
+    """A write that cannot be done (here its model/ folder is a file) leaves `failed_rank0.json` with the error,
+    no `written` marker, a 'failed' state the driver can ask for, and wait_saved raises it; the next save of the
+    rank is not blocked by it."""
+    trainer = TorchTrainBackend(tiny_model_dir, TrainConfig(threads=1, lr=1e-3), ALGO)
+    trainer.train_step(batch)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model").write_text("not a folder")
+    trainer.save(tmp_path / "ckpt", background=True)
+    trainer._writing.thread.join()
+    assert trainer.save_state().startswith("failed: ")
+    assert "error" in json.loads((tmp_path / "ckpt" / "failed_rank0.json").read_text())
+    assert not (tmp_path / "ckpt" / "written_rank0.json").exists()
+    with pytest.raises(RuntimeError, match="checkpoint write of rank 0 failed"):
+        trainer.wait_saved()
+    assert trainer.save_state() == "none"
+    trainer.save(tmp_path / "again", background=True)
+    trainer.wait_saved()
+    assert (tmp_path / "again" / "written_rank0.json").exists()
+
+
 def test_load_names_what_is_missing_or_outdated(tiny_model_dir, tmp_path):
     trainer = TorchTrainBackend(tiny_model_dir, TrainConfig(threads=1), ALGO)
     (tmp_path / "model").mkdir()

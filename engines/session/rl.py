@@ -626,11 +626,25 @@ class RLSession:
         return ([f"written_rank{r}.json" for r in range(len(self.train_group))]
                 + [f"critic/written_rank{r}.json" for r in range(critic)])
 
-    def savers_alive(self) -> bool:
-        """Whether every worker that writes checkpoints (train, critic) is still there: a background write whose
-        worker died leaves no marker, so the run asks this while it waits for one."""
-        groups = [self.train_group] + ([self.critic_group] if self.critic_group is not None else [])
-        return all(all(g.alive()) for g in groups)
+    def drain_saves(self) -> None:
+        """Wait for every worker's background checkpoint write to end (a failure was reported by its marker)."""
+        for group, protocol in self._savers():
+            group.call(protocol.wait_saved, raise_error=False)
+
+    def save_problem(self) -> str | None:
+        """Why a background checkpoint's markers may never all come, asked while the run waits for them: a worker
+        gone, or a writer that failed (its own marker may be what failed). None while they may still come."""
+        try:
+            states = [state for group, protocol in self._savers() for state in group.call(protocol.save_state)]
+        except Exception as exc:  # a dead actor's call raises
+            return f"a worker is gone ({type(exc).__name__}: {exc})"
+        failed = [state for state in states if state.startswith("failed")]
+        return failed[0] if failed else None
+
+    def _savers(self) -> list[tuple[WorkerGroup, type]]:
+        """The worker groups that write checkpoints, each with its protocol: the policy's, and the critic's."""
+        critic = [(self.critic_group, CriticBackend)] if self.critic_group is not None else []
+        return [(self.train_group, TrainBackend), *critic]
 
     def load(self, path: str | Path, controller_state: dict, storage: StorageConfig | None = None) -> None:
         """Every worker loads its state from `path` (with `storage`: straight from that run store's folder)."""

@@ -218,8 +218,11 @@ class SFTSession:
     def written_markers(self) -> list[str]:
         return self.rl.written_markers()
 
-    def savers_alive(self) -> bool:
-        return self.rl.savers_alive()
+    def drain_saves(self) -> None:
+        self.rl.drain_saves()
+
+    def save_problem(self) -> str | None:
+        return self.rl.save_problem()
 
     def load(self, path, controller_state: dict, storage: StorageConfig | None = None) -> None:
         self.rl.load(path, controller_state, storage)

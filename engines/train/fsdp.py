@@ -25,6 +25,7 @@ trains on (BackgroundSave; docs/operations.md, "Writing checkpoints in the backg
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import shutil
@@ -222,11 +223,12 @@ class BackgroundSave:
     collectives never interleave with training's, then `finish` (rank 0's HF export), then leaves a marker beside
     the shards: `written_rank<r>.json` ({"seconds": ...}), or `failed_rank<r>.json` ({"error": ...}). The driver
     commits the checkpoint once every rank's `written` marker is there (tasks/run_context.py); a rank that dies
-    leaves none, so the checkpoint is never committed."""
+    leaves none, so the checkpoint is never committed. The host copy (the stager's) is released when the write
+    ends: the stager keeps its copies as long as it lives."""
 
-    def __init__(self, writes: list[tuple[dict, StorageWriter]], group: dist.ProcessGroup,
+    def __init__(self, writes: list[tuple[dict, StorageWriter]], group: dist.ProcessGroup, stager: DefaultStager,
                  finish: Callable[[], None], put: Callable[[str, dict], None]):
-        self.writes, self.group, self.finish, self.put = writes, group, finish, put
+        self.writes, self.group, self.stager, self.finish, self.put = writes, group, stager, finish, put
         self.rank = dist.get_rank()
         self.error: BaseException | None = None
         self.started = time.perf_counter()
@@ -237,13 +239,24 @@ class BackgroundSave:
         try:
             for state, writer in self.writes:
                 dcp.save(state, storage_writer=writer, process_group=self.group)
-            self.writes = []  # the host copy is freed as soon as it is written
+            self._release()
             self.finish()
-        except BaseException as exc:  # reported to the driver through the marker, and by wait()
+            self.put(f"written_rank{self.rank}.json", {"seconds": time.perf_counter() - self.started})
+        except BaseException as exc:  # reported to the driver through the marker, by state() and by wait()
             self.error = exc
-            self.put(f"failed_rank{self.rank}.json", {"error": f"{type(exc).__name__}: {exc}"})
-            return
-        self.put(f"written_rank{self.rank}.json", {"seconds": time.perf_counter() - self.started})
+            self._release()
+            with contextlib.suppress(Exception):  # the driver also asks state() while it waits
+                self.put(f"failed_rank{self.rank}.json", {"error": f"{type(exc).__name__}: {exc}"})
+
+    def _release(self) -> None:
+        self.writes = []
+        self.stager.close()
+
+    def state(self) -> str:
+        """'writing', 'written', or 'failed: <error>'."""
+        if self.thread.is_alive():
+            return "writing"
+        return "written" if self.error is None else f"failed: {type(self.error).__name__}: {self.error}"
 
     def wait(self) -> None:
         """Block until the write ended; raise if it failed."""
@@ -252,22 +265,22 @@ class BackgroundSave:
             raise RuntimeError(f"checkpoint write of rank {self.rank} failed: {self.error}") from self.error
 
 
-def background_save_resources() -> tuple[dist.ProcessGroup, DefaultStager]:
-    """For checkpoint.async_save: a gloo group of every rank for the writing threads' collectives, and the stager
-    that copies a rank's state to host memory. Pageable memory, a fresh copy each save: pinned buffers would make
-    the copy faster but stay allocated between checkpoints, and the copy is small beside the write. Made once, at
-    the first background save. Collective."""
-    options = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
-                             use_non_blocking_copy=False)
-    return dist.new_group(backend="gloo"), DefaultStager(options)
+def background_save_group(timeout_s: float) -> dist.ProcessGroup:
+    """For checkpoint.async_save: a gloo group of every rank for the writing threads' collectives, whose waits for
+    a peer end after `timeout_s` as training's do. Made once, at the first background save. Collective."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def save_checkpoint_in_background(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Path | RunStore,
-                                  group: dist.ProcessGroup, stager: DefaultStager) -> BackgroundSave:
+                                  group: dist.ProcessGroup) -> BackgroundSave:
     """What save_checkpoint (a local folder) or save_checkpoint_to_store (a run store) writes, written by a thread
-    from host copies that `stager` makes before this returns (the caller then trains on). The folder is a fresh
-    checkpoint folder (the driver's): nothing of an earlier save is cleared first. Collective."""
+    from host copies made before this returns (the caller then trains on). Pageable memory, a fresh copy each
+    save, freed when it is written: pinned buffers would copy faster but stay allocated between checkpoints, and
+    the copy is short beside the write. The folder is a fresh checkpoint folder (the driver's): nothing of an
+    earlier save is cleared first. Collective."""
     model_state, optim_state = _state_to_save(model, optimizer)
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                          use_non_blocking_copy=False))
     # blocking copies: when this returns the next optimizer step may change the parameters
     staged = [stager.stage(model_state)] + ([] if optim_state is None else [stager.stage(optim_state)])
     local = isinstance(target, Path)
@@ -288,13 +301,15 @@ def save_checkpoint_in_background(model: torch.nn.Module, optimizer: torch.optim
         else:
             _export_from_store(model, target, names)
 
-    def put(name: str, body: dict) -> None:
+    def put(name: str, body: dict) -> None:  # whole or not at all: the driver may read it at any moment
         if local:
-            (target / name).write_text(json.dumps(body))
+            part = target / f".{name}.part"
+            part.write_text(json.dumps(body))
+            part.replace(target / name)
         else:
-            target.write_json(body, name)
+            target.write_json(body, name)  # one object put
 
-    return BackgroundSave(list(zip(staged, writers, strict=True)), group, finish, put)
+    return BackgroundSave(list(zip(staged, writers, strict=True)), group, stager, finish, put)
 
 
 def _state_to_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False

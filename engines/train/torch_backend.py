@@ -114,7 +114,8 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         self.temperature, self.norm_len = temperature, norm_len
         self.rank, self.world_size = rank, world_size
         self._writing: fsdp.BackgroundSave | None = None  # a checkpoint its thread is writing (async_save)
-        self._background_save = None  # that thread's gloo group and host stager, made at the first such save
+        self._save_group: dist.ProcessGroup | None = None  # that thread's gloo group, made at the first such save
+        self._collective_timeout_s = collective_timeout_s
         fsdp.init_process_group(train.device, rank, world_size, dist_url, collective_timeout_s)
         torch.manual_seed(seed + rank)
         self.device = train.device
@@ -494,7 +495,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         writes its shards there itself, through fsspec; without it, a local folder. `background`
         (checkpoint.async_save; not for LoRA): return once the state is copied to host memory, and write it from
         a thread that leaves a `written_rank<r>.json` marker in `path` when done (fsdp.BackgroundSave)."""
-        self.wait_saved()  # one background write at a time; its host copy is freed before the next is made
+        self.wait_saved(raise_error=False)  # one write at a time; a failed one was reported by its marker
         self._resident("save", optimizer=True)
         state = json.dumps({"scheduler": self.scheduler.state_dict() | {"lr_lambdas": None}, "rng": rng_state()})
         own = f"trainer_rank{self.rank}.json"
@@ -509,10 +510,10 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
             path.mkdir(parents=True, exist_ok=True)
             (path / own).write_text(state)
         if background:
-            if self._background_save is None:
-                self._background_save = fsdp.background_save_resources()
-            group, stager = self._background_save
-            self._writing = fsdp.save_checkpoint_in_background(self.model, self.optimizer, store or path, group, stager)
+            if self._save_group is None:
+                self._save_group = fsdp.background_save_group(self._collective_timeout_s)
+            self._writing = fsdp.save_checkpoint_in_background(self.model, self.optimizer, store or path,
+                                                               self._save_group)
             return
         if store is not None:
             fsdp.save_checkpoint_to_store(self.model, self.optimizer, store, adapters_only)
@@ -521,11 +522,18 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         if adapters_only:
             self._export_lora(path, storage)
 
-    def wait_saved(self) -> None:
-        """Wait for this rank's background checkpoint write, if one runs; raise if it failed."""
+    def wait_saved(self, raise_error: bool = True) -> None:
+        """Wait for this rank's background checkpoint write, if one runs; raise if it failed (`raise_error`)."""
         writing, self._writing = self._writing, None
         if writing is not None:
-            writing.wait()
+            writing.thread.join()
+            if raise_error:
+                writing.wait()
+
+    def save_state(self) -> str:
+        """This rank's background checkpoint write: 'none' (no write since the last wait), 'writing', 'written',
+        or 'failed: <error>'; what the driver asks while it waits for a marker (a dead writer leaves none)."""
+        return "none" if self._writing is None else self._writing.state()
 
     def _export_lora(self, path: str | Path, storage: StorageConfig | None) -> None:
         """A LoRA checkpoint's exports beside its sharded state: `adapter/` (PEFT's format, what SGLang, vLLM
@@ -563,7 +571,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         """Resume from save(), written by any number of ranks (with `storage`: read straight from that run
         store's folder `path`). A rank the checkpoint had no rank of keeps its own RNG (the train step draws
         no random numbers) and takes rank 0's schedule (the same on every rank)."""
-        self.wait_saved()
+        self.wait_saved(raise_error=False)
         self._resident("load", optimizer=True)
         self._forget_gathered()
         own = f"trainer_rank{self.rank}.json"
