@@ -163,8 +163,8 @@ def main() -> None:
         "killed_run_failed": killed["exit"] not in (0, None),
         "killed_run_ended_within_timeout": not killed["timed_out"],
         "kill_inside_train_stage": bool(train_s) and delay < min(train_s),
-        "resumed_from_newest_committed_step": report["resumed"]["resumed_from"] is not None
-        and report["resumed"]["resumed_from"] == report["killed"]["committed_step"],
+        # None for both: nothing was committed (an async_save write still in flight at the kill), a fresh start
+        "resumed_from_newest_committed_step": report["resumed"]["resumed_from"] == report["killed"]["committed_step"],
         "resumed_run_finished": resumed["exit"] == 0 and report["resumed"]["status"] == "finished",
         "one_mlflow_run": runs == 1,
         "every_step_logged_once": sorted(logged) == list(range(a.steps)),
@@ -172,7 +172,7 @@ def main() -> None:
     }
     committed = report["killed"]["committed_step"]
     # the killed step and the finished ones after the checkpoint: their work is done again after the resume
-    report["steps_rerun"] = list(range(committed + 1, a.kill_step + 1)) if committed is not None else None
+    report["steps_rerun"] = list(range(0 if committed is None else committed + 1, a.kill_step + 1))
     report["passed"] = all(report["checks"].values())
     print(f"[gpu_fault] checks: {json.dumps(report['checks'])} passed={report['passed']}", flush=True)
     Path(a.out).write_text(json.dumps(report, indent=1))
