@@ -24,8 +24,8 @@ Modes (--modes; each in a fresh process under --timeout seconds):
 - disagg2x2-sync, disagg2x2-k1: 4 GPUs, two FSDP2 train ranks and two rollout engines, distributed sync
   (gathered buckets broadcast over NCCL), rollout.max_staleness 0 and 1;
 - colocated2-sync, colocated4-sync: 2 or 4 GPUs, each with an FSDP2 train rank and a rollout engine (verl's
-  colocated layout), cuda_ipc sync through a staging buffer per GPU, the trainer's state parked while the engines
-  run, synchronous.
+  colocated layout), cuda_ipc sync (each rank gathers the weights straight into its GPU's engine), the trainer's
+  state parked while the engines run, synchronous.
 Each mode trains on the same batch (the same seeds: bench/workload_rollout.py draws from them). Per mode, medians
 over the steps between the first and the last (--steps in all; the last has no rollout running ahead of it): the
 step time and its stages, and tokens/s/GPU = (prompt + response tokens of the step's samples) / step time / GPUs
@@ -69,11 +69,11 @@ MODES = {  # name: (GPUs, recipe overrides)
     # four GPUs: FSDP2 over two train ranks, two rollout engines, gathered buckets broadcast over NCCL
     "disagg2x2-sync": (4, [*_TWO_BY_TWO, "rollout.max_staleness=0"]),
     "disagg2x2-k1": (4, [*_TWO_BY_TWO, "rollout.max_staleness=1"]),
-    # verl's colocated layout: every GPU holds an FSDP2 train rank and a rollout engine, cuda_ipc through a staging
-    # buffer per GPU (engines/sync/cuda_ipc.py), the trainer's state parked while the engines generate
+    # verl's colocated layout: every GPU holds an FSDP2 train rank and a rollout engine, cuda_ipc: each rank gathers
+    # the weights into its GPU's engine (engines/sync/cuda_ipc.py), the trainer's state parked while engines generate
     **{f"colocated{n}-sync": (n, ["cluster.colocate=true", "weight_sync.transport=cuda_ipc",
                                   "train.offload_during_rollout=true", f"train.num_workers={n}",
-                                  f"rollout.num_workers={n}", "weight_sync.bucket_mb=1024"]) for n in (2, 4)},
+                                  f"rollout.num_workers={n}"]) for n in (2, 4)},
 }
 
 

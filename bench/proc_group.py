@@ -20,7 +20,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ def _serve(conn, cls: type, kwargs: dict, gpu: int | None) -> None:
     import torch
 
     if gpu is not None:
-        torch.cuda.set_device(gpu)
+        torch.cuda.set_device(0)  # the one GPU it sees (`_sees_only`)
     try:
         backend = cls(**kwargs)
         conn.send(("ok", None))
@@ -52,6 +52,27 @@ def _serve(conn, cls: type, kwargs: dict, gpu: int | None) -> None:
     os._exit(0)  # no interpreter teardown: destroying an NCCL group at exit can block on its peer, gone already
 
 
+@contextlib.contextmanager
+def _sees_only(gpu: int | None) -> Iterator[None]:
+    """The environment a worker process starts with: GPU `gpu` of this process's alone visible, as cuda:0 (as Ray
+    shows an actor its GPU), so that every thread of the worker works on it: torch.cuda.set_device holds for the
+    calling thread only, and an embedded rollout server joins the `distributed` transport's NCCL group from a
+    thread of its own."""
+    if gpu is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = before.split(",") if before else None
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[gpu] if visible else str(gpu)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 @dataclass(frozen=True)
 class Ticket:
     """A call sent to worker `rank` of `group`, answered in order (`seq`)."""
@@ -62,8 +83,9 @@ class Ticket:
 
 
 class ProcessWorkerGroup:
-    """Worker i is `cls(**kwargs[i])` in its own spawned process on GPU `gpus[i]` (None: no GPU). The workers
-    are built concurrently; `ready()` waits for them. All calls end by `deadline` (time.monotonic())."""
+    """Worker i is `cls(**kwargs[i])` in its own spawned process on GPU `gpus[i]` (None: no GPU), the only GPU
+    it sees (its cuda:0). The workers are built concurrently; `ready()` waits for them. All calls end by
+    `deadline` (time.monotonic())."""
 
     def __init__(
         self, cls: type, kwargs: Sequence[dict], gpus: Sequence[int | None], deadline: float, name: str = "worker"
@@ -76,7 +98,8 @@ class ProcessWorkerGroup:
         for kw, gpu in zip(kwargs, gpus, strict=True):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(child, cls, kw, gpu), name=f"{name}-{len(self.procs)}", daemon=True)
-            proc.start()
+            with _sees_only(gpu):  # a spawned process takes the environment of this moment
+                proc.start()
             child.close()
             self._conns.append(parent)
             self.procs.append(proc)

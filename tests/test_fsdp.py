@@ -313,31 +313,35 @@ def test_weights_for_a_sync_are_gathered_in_the_sent_dtype(tiny_model_dir, ray_c
     two.shutdown()
 
 
-def test_colocated_ranks_stage_each_bucket_for_their_own_engine(tiny_model_dir, batch, ray_cluster, tmp_path):
-    """cuda_ipc with FSDP2 over 2 ranks (verl's colocated layout): each rank gathers a bucket into its staging
-    buffer and its own rollout worker copies it out, bucket by bucket, so both engines end with the trainer's
-    weights after a step. On the CPU the buffer is shared through a shared-memory file instead of CUDA IPC (no
-    GPU here); the gather, the packing and both workers' calls are the GPU path's."""
+def test_colocated_ranks_write_the_weights_into_their_own_engine(tiny_model_dir, batch, ray_cluster, tmp_path):
+    """cuda_ipc with FSDP2 over 3 ranks (verl's colocated layout): each rollout worker shares its weights with its
+    GPU's rank, and every rank gathers every weight straight into them (an all-gather into the shared memory
+    where the ranks divide the weight, a gather and a copy where they do not), so every engine ends with the
+    trainer's weights after a step, and serve them as the new version. On the CPU the weights are shared through
+    a shared-memory file instead of CUDA IPC (no GPU here); the gathers and every call are the GPU path's."""
     from rlflow.engines.core.config import config_from_dict
+    from rlflow.engines.core.sampling import SamplingParams
     from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
     from rlflow.engines.sync.base import WeightSource
     from rlflow.engines.sync.cuda_ipc import CudaIpcTransport
     from tests.conftest import small_recipe
 
-    two = _ranks(tiny_model_dir, TrainConfig(threads=1, lr=1e-3), 2, "staged-train")
-    engines = RayWorkerGroup(TorchRolloutBackend, 2, lambda r: dict(model_path=tiny_model_dir, threads=1, rank=r),
-                             num_cpus=0.25, name="staged-rollout")
+    three = _ranks(tiny_model_dir, TrainConfig(threads=1, lr=1e-3), 3, "ipc-train")
+    engines = RayWorkerGroup(TorchRolloutBackend, 3, lambda r: dict(model_path=tiny_model_dir, threads=1, rank=r),
+                             num_cpus=0.15, name="ipc-rollout")  # beside 3 x 0.5 for the ranks, in 2 CPUs
     cfg = config_from_dict(small_recipe(tmp_path))  # the transport reads rollout.precision (fp32) from it
-    source = WeightSource(two, bucket_bytes=8 * 1024, collective=True)
-    transport = CudaIpcTransport(cfg, source, engines)
-    assert len(source.buckets()) > 2  # several buckets through one staging buffer
+    shapes = three.call_rank0(TrainBackend.weight_shapes)
+    assert {s[0] % 3 for s in shapes.values()} >= {0, 1}  # both ways of gathering are taken
+    transport = CudaIpcTransport(cfg, WeightSource(three, bucket_bytes=8 * 1024, collective=True), engines)
     for version in (1, 2):
-        _step(two, batch, 2)
-        want = dict(two.wait(two.submit(TrainBackend.named_tensors))[0])
+        _step(three, batch, 3)
+        want = dict(three.wait(three.submit(TrainBackend.named_tensors))[0])
         assert not all(torch.equal(t, want[n]) for n, t in engines.call_rank0(TorchRolloutBackend.named_tensors))
         transport.update(version)
+        gens = engines.call(TorchRolloutBackend.generate, [[1, 2, 3]], SamplingParams(max_new_tokens=2), 0)
+        assert [g[0].weight_version for g in gens] == [version] * 3  # served, not held for the write
         for got in engines.call(TorchRolloutBackend.named_tensors):
             assert dict(got).keys() == want.keys()
             assert all(torch.equal(t, want[n]) for n, t in got)
-    two.shutdown()
+    three.shutdown()
     engines.shutdown()

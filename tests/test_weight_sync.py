@@ -197,25 +197,29 @@ def test_rollout_named_tensors_gives_the_named_ones_and_names_an_unknown_one(tin
         rollout.close()
 
 
-def test_a_staged_bucket_unpacks_into_its_targets_and_a_shape_mismatch_fails():
-    """cuda_ipc's staging buffer (a sharded trainer): tensors packed one after the other come out as views of the
-    same values and shapes; a receiver whose weights hold a different number of elements refuses the bucket
-    instead of loading shifted weights."""
-    from rlflow.engines.sync.cuda_ipc import pack, unpack_plan
+def test_shared_weights_map_by_name_and_a_view_outside_the_buffer_fails(tmp_path):
+    """cuda_ipc with a sharded trainer: a rollout worker's flat weights, shared through a file on the CPU, come out
+    on the other side as views of the same memory under the same names, strided views (an MoE expert's) included;
+    writing through them changes the worker's weights. A weight outside the buffer is refused by name, and the file
+    is removed once mapped."""
+    from rlflow.engines.models.flat_weights import flatten_
+    from rlflow.engines.sync.cuda_ipc import open_shared_weights, share_flat
 
-    buf = torch.zeros(64)
-    sent = {"a": torch.randn(3, 4), "b": torch.randn(5)}
-    assert pack(buf, list(sent.values())) == 17
-    targets = {n: torch.empty_like(t) for n, t in sent.items()}
-    dst, src = unpack_plan(buf, targets, ["a", "b"], 17)
-    torch._foreach_copy_(dst, src)
-    assert all(torch.equal(targets[n], t) for n, t in sent.items())
-    with pytest.raises(ValueError, match="disagree on the weights' shapes"):
-        unpack_plan(buf, {"a": torch.empty(3, 4), "b": torch.empty(6)}, ["a", "b"], 17)
-    with pytest.raises(KeyError, match="unknown parameter"):
-        unpack_plan(buf, targets, ["a", "c"], 17)
-    with pytest.raises(ValueError, match="does not fit the staging buffer"):
-        pack(torch.zeros(10), list(sent.values()))
+    path = str(tmp_path / "weights")
+    params = {"a": torch.randn(3, 4), "b": torch.randn(5)}
+    flat = flatten_(params, into=torch.from_file(path, shared=True, size=17, dtype=torch.float32))
+    targets = params | {"a.col1": params["a"][:, 1]}
+    handle = share_flat(flat, targets, path)
+    views, numel = open_shared_weights(handle, torch.device("cpu"))
+    assert numel == 17 and views.keys() == targets.keys() and not (tmp_path / "weights").exists()
+    assert all(torch.equal(views[n], t) for n, t in targets.items())
+    views["a.col1"].fill_(7.0)
+    views["b"].copy_(torch.arange(5.0))
+    assert torch.equal(params["a"][:, 1], torch.full((3,), 7.0)) and torch.equal(params["b"], torch.arange(5.0))
+    with pytest.raises(ValueError, match="'c' is not inside the shared flat buffer"):
+        share_flat(flat, {"c": torch.zeros(2)}, path)
+    with pytest.raises(ValueError, match="the weights need 17"):
+        flatten_({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, into=torch.zeros(16))
 
 
 def test_together_returns_in_order_and_a_member_left_in_a_collective_does_not_hold_the_exit():

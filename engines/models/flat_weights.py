@@ -39,16 +39,22 @@ def fusable_order(names: list[str]) -> list[str]:
 
 
 @torch.no_grad()
-def flatten_(params: dict[str, torch.Tensor], shapes: dict[str, torch.Size] | None = None) -> torch.Tensor:
+def flatten_(params: dict[str, torch.Tensor], shapes: dict[str, torch.Size] | None = None,
+             into: torch.Tensor | None = None) -> torch.Tensor:
     """Move every tensor of `params` (one dtype, one device) into one contiguous buffer, in dict order, and
     return the buffer. Each tensor (an nn.Parameter stays the same object) becomes a view into it, so an
     optimizer or a tied weight still refers to the right memory. With `shapes`, only allocate tensors of
-    those shapes (contents undefined): what re-allocating released weights needs."""
+    those shapes (contents undefined): what re-allocating released weights needs. `into`: a 1-D buffer of
+    exactly the right size to use (a shared-memory file's) instead of a new one."""
     dtypes, devices = {t.dtype for t in params.values()}, {t.device for t in params.values()}
     if len(dtypes) != 1 or len(devices) != 1:
         raise ValueError(f"flatten_: weights must share one dtype and device, found {dtypes} on {devices}")
     shape_of = shapes or {n: t.shape for n, t in params.items()}
-    flat = torch.empty(sum(shape_of[n].numel() for n in params), dtype=dtypes.pop(), device=devices.pop())
+    numel, dtype, device = sum(shape_of[n].numel() for n in params), dtypes.pop(), devices.pop()
+    if into is not None and (into.numel() != numel or into.dtype != dtype or into.device != device):
+        raise ValueError(f"flatten_: the buffer given holds {into.numel()} {into.dtype} on {into.device}; the "
+                         f"weights need {numel} {dtype} on {device}")
+    flat = into if into is not None else torch.empty(numel, dtype=dtype, device=device)
     offset = 0
     for name, t in params.items():
         numel = shape_of[name].numel()
@@ -79,7 +85,7 @@ def flat_span(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
 def views_of(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Views of the start of a 1-D buffer shaped like `tensors`, one after the other: where a bucket of them is
-    packed to travel (the nccl transport's broadcast buffer, cuda_ipc's staging buffer)."""
+    packed to travel (the nccl transport's broadcast buffer)."""
     sizes = [t.numel() for t in tensors]
     return [v.view(t.shape) for v, t in zip(flat[: sum(sizes)].split(sizes), tensors, strict=True)]
 

@@ -562,8 +562,8 @@ class ContinuousBatchEngine:
 
     def _reject(self, r: Request) -> Exception | None:
         if not self.weights_ready():
-            return RuntimeError("generate: the weights were released (release_memory_occupation); resume and "
-                                "update them first")
+            return RuntimeError("generate: the weights were released (release_memory_occupation) or are being "
+                                "written (a cuda_ipc update in progress); update them first")
         if not r.prompt:
             return ValueError("input_ids: the prompt is empty")
         if len(r.prompt) >= self.max_len:

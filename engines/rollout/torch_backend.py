@@ -29,14 +29,14 @@ from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.core.trace import TraceRecorder
 from rlflow.engines.models.decoder import DecoderLM
-from rlflow.engines.models.flat_weights import flatten_, fusable_order
+from rlflow.engines.models.flat_weights import flat_span, flatten_, fusable_order
 from rlflow.engines.models.hf import load_model, load_tokenizer
 from rlflow.engines.models.moe import checkpoint_named
 from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Generation, Request, request_generator
 from rlflow.engines.rollout.http_api import auth_headers
 from rlflow.engines.rollout.lora import LoraLimits, MergedAdapter, host_copy, read_adapter
 from rlflow.engines.rollout.server import RolloutServer
-from rlflow.engines.sync.cuda_ipc import copy_plan, open_ipc_handles, open_staging, unpack_plan
+from rlflow.engines.sync.cuda_ipc import SharedWeights, copy_plan, open_ipc_handles, share_flat
 from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
 from rlflow.engines.sync.endpoints import (
     AdapterReceiver,
@@ -47,7 +47,7 @@ from rlflow.engines.sync.endpoints import (
     NcclReceiver,
     StoreReceiver,
 )
-from rlflow.engines.sync.gpu import sync_device
+from rlflow.engines.sync.gpu import plain_segments, sync_device
 from rlflow.engines.sync.nccl import NcclChannel
 from rlflow.engines.sync.store import get_bucket
 
@@ -84,11 +84,15 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         self.params = {n: params[n] for n in fusable_order(list(params))}
         self._shapes = {n: p.shape for n, p in self.params.items()}  # kept: released weights are empty tensors
         self._targets: tuple[tuple[int, ...], dict[str, torch.Tensor]] | None = None  # weight_targets' cache
-        self._staging: torch.Tensor | None = None  # a sharded colocated trainer's buffer (cuda_ipc)
+        # cuda_ipc with a sharded trainer: it is writing the weights (share_weights); on the CPU the weights'
+        # shared-memory file (path, buffer)
+        self._awaiting_write, self._write_started = False, 0.0
+        self._shared_file: tuple[str, torch.Tensor] | None = None
         # on GPU the weights are one buffer in that order: syncs fill slices of it, q/k/v and gate/up run as one GEMM
         self.flat = device == "cuda"
-        if self.flat:
-            flatten_(self.params)
+        if self.flat:  # in a plain segment: a sharded colocated trainer maps it at every sync (cuda_ipc)
+            with plain_segments():
+                flatten_(self.params)
         self.weight_version = 0
         self.last_update_s = 0.0  # seconds the last weight update took inside this worker
         self._released = False  # colocated: the weights' memory was given back (release_memory_occupation)
@@ -97,8 +101,8 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         self.trace.name_thread(QUEUE_TID, "queue, weight updates, preemptions")  # then a lane per page-table row
         self.engine = ContinuousBatchEngine(
             DecoderLM(self.model), self.tokenizer, max_running=batch_size, max_len=context_len, trace=self.trace,
-            weight_version=lambda: self.weight_version, weights_ready=lambda: not self._released, kv=kv_cache,
-            compile=compile,
+            weight_version=lambda: self.weight_version,
+            weights_ready=lambda: not (self._released or self._awaiting_write), kv=kv_cache, compile=compile,
         )
         self.server = None  # rlflow.engines.rollout.server.RolloutServer once start_server() ran
         self._own_client = None  # httpx.Client for the routes this worker drives on its own server
@@ -184,24 +188,40 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             torch.cuda.synchronize()  # the trainer may step again as soon as this returns
             return self._weights_updated(version, t0)
 
-    def attach_ipc_staging(self, handle: tuple) -> None:
-        """cuda_ipc with a sharded trainer: map the colocated rank's staging buffer; each bucket lands there."""
-        self._staging = open_staging(handle, sync_device(self.device))
-
-    @torch.no_grad()
-    def update_weights_from_staging(self, names: list[str], numel: int, version: int) -> int:
-        """One bucket of a sharded trainer's cuda_ipc sync: copy these weights out of the staging buffer."""
+    def share_weights(self) -> SharedWeights:
+        """cuda_ipc with a sharded colocated trainer: the weights (allocated again if released: contents undefined
+        until written) as a handle its GPU's train rank writes them through. Generation waits for
+        `weights_written`. On the CPU (tests) the weights move once into a shared-memory file."""
         with self._between_steps():
-            self._refuse_under_adapter("update_weights_from_staging")
-            t0 = time.perf_counter()
-            if self._staging is None:
-                raise RuntimeError("update_weights_from_staging: no staging buffer mapped (attach_ipc_staging)")
+            self._refuse_under_adapter("share_weights")
+            self._write_started = time.perf_counter()
             self.resume_memory_occupation()
-            dst, src = unpack_plan(self._staging, self.weight_targets(), names, numel)
-            torch._foreach_copy_(dst, src)
-            if self._staging.is_cuda:
-                torch.cuda.synchronize()  # the trainer packs the next bucket as soon as this returns
-            return self._weights_updated(version, t0)
+            self._awaiting_write = True
+            flat = flat_span(list(self.params.values()))
+            if self.device == "cuda":
+                if flat is None:
+                    raise RuntimeError("share_weights: the weights are not one flat buffer")
+                return share_flat(flat, self.weight_targets())
+            if self._shared_file is None or flat is None or flat.data_ptr() != self._shared_file[1].data_ptr():
+                self._remove_shared_file()
+                path = f"/dev/shm/rlflow-weights-{os.getpid()}-{time.monotonic_ns()}"
+                numel = sum(p.numel() for p in self.params.values())
+                buffer = torch.from_file(path, shared=True, size=numel, dtype=next(iter(self.params.values())).dtype)
+                flatten_(self.params, into=buffer)
+                self._shared_file = path, buffer
+            return share_flat(self._shared_file[1], self.weight_targets(), self._shared_file[0])
+
+    def _remove_shared_file(self) -> None:
+        """The CPU weights' file, if its trainer never mapped it (mapping removes it)."""
+        if self._shared_file is not None and os.path.exists(self._shared_file[0]):
+            os.unlink(self._shared_file[0])
+
+    def weights_written(self, version: int) -> int:
+        with self._between_steps():
+            if not self._awaiting_write:
+                raise RuntimeError("weights_written: no weights were shared for writing (share_weights)")
+            self._awaiting_write = False
+            return self._weights_updated(version, self._write_started)
 
     def nccl_connect(self, host: str, port: int, rank: int, world_size: int) -> None:
         self._nccl = NcclChannel(host, port, rank, world_size, sync_device(self.device))
@@ -228,6 +248,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._released = True
             if self.device == "cuda":
+                torch.cuda.ipc_collect()  # weights a sharded trainer wrote through CUDA IPC (it let them go)
                 torch.cuda.empty_cache()
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
@@ -242,7 +263,8 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
                 return
             self._ipc_copy = None
             if self.flat:
-                flatten_(self.params, shapes=self._shapes)
+                with plain_segments():
+                    flatten_(self.params, shapes=self._shapes)
             else:
                 for n, p in self.params.items():
                     p.data = torch.empty(self._shapes[n], dtype=p.dtype, device=p.device)
@@ -430,6 +452,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             self.server.stop()
             self.server = None
         self.engine.shutdown()
+        self._remove_shared_file()
 
 
 def pack_generations(gens: list[Generation]) -> dict[str, np.ndarray]:

@@ -34,7 +34,7 @@ class ColocatedMemory:
         self.colocated = cfg.cluster.colocate and len(rollout) > 0
         self.offloads = cfg.offloads_trainer and self.colocated
         # the cuda_ipc rollout engine maps an unsharded trainer's parameters: they stay where they are (a sharded
-        # trainer stages each bucket in a buffer of its own, engines/sync/cuda_ipc.py)
+        # trainer writes into the engine's weights instead, engines/sync/cuda_ipc.py)
         self.keeps_weights = cfg.weight_sync.transport == "cuda_ipc" and not sharded_trainer(cfg)
         self.parked: Literal["nothing", "optimizer", "all"] = "nothing"
         self._metrics: dict[str, float] = {}

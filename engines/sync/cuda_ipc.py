@@ -6,22 +6,23 @@ reducer. Two ways, by how the trainer holds its weights:
   once and, at every sync, copies them into its own weights with one multi-tensor copy (casting to its dtype on
   the way; one kernel when both sides are flat, engines/sync/gpu.py). Nothing travels per sync but the call.
 - FSDP2 over several GPUs (`train.num_workers` > 1, verl's colocated layout: every GPU trains and generates):
-  no rank holds whole weights, so each rank shares one *staging buffer* with its rollout worker, once. Per bucket,
-  every rank gathers the bucket's weights (an all-gather, cast to the rollout dtype before it) into its staging
-  buffer, then every rollout worker copies the bucket out of its own. The buffer (one bucket) is kept for the run,
-  and a sync holds about two buckets per GPU (the gathered one beside it); the full model is never held by a rank.
+  no rank holds whole weights, so the other way round: each rollout worker shares its own flat weight buffer
+  with its GPU's train rank (`share_weights`: allocated again first if it was released, so the handle is new
+  after every release), every rank gathers each weight over NCCL (cast to the rollout dtype first) straight
+  into the mapped weights, and the rollout workers are told the version (`weights_written`). Three calls a
+  sync, no staging copy, and no rank ever holds a whole weight it does not write. A GPU rank lets go of the
+  mapping when it is done, so a rollout worker that releases its weights gives the memory back.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from rlflow.engines.models.flat_weights import flat_span, views_of
+from rlflow.engines.models.flat_weights import flat_span
 from rlflow.engines.models.hf import DTYPES
 from rlflow.engines.sync.base import NamedTensors, WeightTransport
 from rlflow.engines.sync.endpoints import IpcReceiver, IpcSender
@@ -69,63 +70,53 @@ def copy_plan(dst: dict[str, torch.Tensor], src: NamedTensors) -> Callable[[], N
     return torch.no_grad()(lambda: torch._foreach_copy_(targets, sources))
 
 
-# ---- the staging buffer of a sharded trainer ----------------------------------------------------------------
-StagingHandle = tuple  # ("cuda", torch's IPC reducer arguments) or ("file", path, numel, precision)
+# ---- a sharded trainer writes into its rollout worker's weights ----------------------------------------------
+# where each weight a sync names lies in the rollout worker's flat buffer: (name, element offset, shape, stride);
+# a view (a stacked MoE parameter's expert) is named like a weight
+WeightLayout = list[tuple[str, int, tuple[int, ...], tuple[int, ...]]]
+# (kind, where, elements, precision, layout): kind "cuda" with torch's IPC reducer arguments, or on the CPU (the
+# tests' gloo ranks) "file" with a shared-memory file's path
+SharedWeights = tuple
+PRECISIONS = {dtype: name for name, dtype in DTYPES.items()}
 
 
-def allocate_staging(numel: int, precision: str, device: torch.device, path: str,
-                     current: torch.Tensor | None = None) -> tuple[torch.Tensor, StagingHandle]:
-    """A flat buffer of `numel` elements in `precision` ("bf16", "fp32") that the colocated rollout worker maps, and
-    its handle. On a GPU through CUDA IPC; on the CPU (the tests' gloo ranks) a shared-memory file at `path`, which
-    the other process maps the same way. A GPU buffer `current` of that size is shared again rather than replaced
-    (a reconnect after a rollout worker restart): torch keeps a freed buffer that another process mapped until that
-    process lets go, which a killed worker never does."""
-    dtype = DTYPES[precision]
-    if device.type == "cuda":
-        fits = current is not None and current.is_cuda and current.numel() == numel and current.dtype == dtype
-        buf = current if fits else torch.empty(numel, dtype=dtype, device=device)
-        return buf, ("cuda", reduce_tensor(buf)[1])
-    buf = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-    return buf, ("file", path, numel, precision)
+def weight_layout(flat: torch.Tensor, targets: dict[str, torch.Tensor]) -> WeightLayout:
+    """Where each of `targets` lies inside `flat` (they must all be views of it)."""
+    size, out = flat.element_size(), []
+    for name, t in targets.items():
+        offset, rest = divmod(t.data_ptr() - flat.data_ptr(), size)
+        last = offset + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+        if rest or t.dtype != flat.dtype or offset < 0 or last >= flat.numel():
+            raise ValueError(f"cuda_ipc: weight {name!r} is not inside the shared flat buffer")
+        out.append((name, offset, tuple(t.shape), tuple(t.stride())))
+    return out
 
 
-def open_staging(handle: StagingHandle, device: torch.device) -> torch.Tensor:
-    """Map a colocated trainer's staging buffer (`allocate_staging`'s handle)."""
-    kind = handle[0]
+def share_flat(flat: torch.Tensor, targets: dict[str, torch.Tensor], path: str | None = None) -> SharedWeights:
+    """The handle of a rollout worker's flat weights: a CUDA IPC handle on a GPU; on the CPU `flat` must be the
+    shared-memory file at `path` (torch.from_file(path, shared=True))."""
+    layout, precision = weight_layout(flat, targets), PRECISIONS[flat.dtype]
+    if flat.is_cuda:
+        return "cuda", reduce_tensor(flat)[1], flat.numel(), precision, layout
+    if path is None:
+        raise ValueError("cuda_ipc: a CPU weight buffer is shared through its shared-memory file; none was given")
+    return "file", path, flat.numel(), precision, layout
+
+
+def open_shared_weights(handle: SharedWeights, device: torch.device) -> tuple[dict[str, torch.Tensor], int]:
+    """Map a rollout worker's weights (`share_flat`'s handle): (name -> a view this process writes through, the
+    elements of the whole buffer). A file is removed once mapped: both sides hold it then, nothing outlives them."""
+    kind, where, numel, precision, layout = handle
     if kind == "cuda":
-        return open_ipc_handles([("staging", handle[1])], device)[0][1]
-    if kind == "file":
-        _, path, numel, precision = handle
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"cuda_ipc: the staging file {path} is gone (mapped twice, or its trainer ended)")
-        buf = torch.from_file(path, shared=True, size=numel, dtype=DTYPES[precision])
-        os.unlink(path)  # both sides have it mapped: no file outlives them
-        return buf
-    raise ValueError(f"cuda_ipc: unknown staging handle kind {kind!r} (expected 'cuda' or 'file')")
-
-
-@torch.no_grad()
-def pack(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> int:
-    """Write tensors one after the other from the buffer's start (cast to its dtype); returns elements written."""
-    sizes = [t.numel() for t in tensors]
-    if sum(sizes) > buffer.numel():
-        raise ValueError(f"cuda_ipc: a bucket of {sum(sizes)} elements does not fit the staging buffer of "
-                         f"{buffer.numel()} (weight_sync.bucket_mb changed after the link was made?)")
-    if tensors:
-        torch._foreach_copy_(views_of(buffer, tensors), tensors)
-    return sum(sizes)
-
-
-def unpack_plan(buffer: torch.Tensor, targets: dict[str, torch.Tensor], names: list[str],
-                numel: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(destinations, sources): the named targets and their views of a packed buffer, checked against the sender's
-    element count so that a layout mismatch fails instead of loading shifted weights."""
-    dst = named_targets(targets, names)
-    held = sum(t.numel() for t in dst)
-    if held != numel:
-        raise ValueError(f"cuda_ipc: the trainer staged {numel} elements for {len(names)} weights, which hold "
-                         f"{held} here: the two sides disagree on the weights' shapes")
-    return dst, views_of(buffer, dst)
+        flat = open_ipc_handles([("weights", where)], device)[0][1]
+    elif kind == "file":
+        if not os.path.exists(where):
+            raise FileNotFoundError(f"cuda_ipc: the weights file {where} is gone (mapped twice, or its worker ended)")
+        flat = torch.from_file(where, shared=True, size=numel, dtype=DTYPES[precision])
+        os.unlink(where)
+    else:
+        raise ValueError(f"cuda_ipc: unknown weights handle kind {kind!r} (expected 'cuda' or 'file')")
+    return {name: flat.as_strided(shape, stride, offset) for name, offset, shape, stride in layout}, numel
 
 
 class CudaIpcTransport(WeightTransport):
@@ -133,21 +124,16 @@ class CudaIpcTransport(WeightTransport):
     sender, receiver = (IpcSender,), (IpcReceiver,)
 
     def connect(self) -> None:
-        """Rollout worker i maps train worker i's parameters, or (sharded trainer) its staging buffer, once."""
-        if self.source.collective:
-            shapes = self.source.shapes()
-            numel = max(sum(math.prod(shapes[n]) for n in names) for names in self.source.buckets())
-            handles = self.train.call(IpcSender.cuda_ipc_staging, numel, self.cfg.rollout.precision)
-            self.rollout.call_each(IpcReceiver.attach_ipc_staging, [(h,) for h in handles])
-            return
-        handles = self.train.call(IpcSender.cuda_ipc_handles)
-        self.rollout.call_each(IpcReceiver.attach_ipc, [(h,) for h in handles])
+        """Rollout worker i maps train worker i's parameters once (a sharded trainer maps the other way, at
+        every push: the rollout weights are allocated again after each release)."""
+        if not self.source.collective:
+            handles = self.train.call(IpcSender.cuda_ipc_handles)
+            self.rollout.call_each(IpcReceiver.attach_ipc, [(h,) for h in handles])
 
     def push(self, version: int) -> None:
         if not self.source.collective:
             self.rollout.call(IpcReceiver.update_weights_from_ipc, version)
             return
-        for names in self.source.buckets():  # each side waits for the other: one staging buffer per GPU
-            staged = self.train.call(IpcSender.stage_weights, names)
-            self.rollout.call_each(IpcReceiver.update_weights_from_staging,
-                                   [(names, numel, version) for numel in staged])
+        handles = self.rollout.call(IpcReceiver.share_weights)  # rollout worker i <-> train rank i, one GPU
+        self.train.call_each(IpcSender.write_weights_ipc, [(h,) for h in handles])
+        self.rollout.call(IpcReceiver.weights_written, version)

@@ -58,14 +58,10 @@ class AdapterReceiver(Protocol):
 class IpcSender(Protocol):
     def cuda_ipc_handles(self) -> list[tuple[str, tuple]]: ...
 
-    def cuda_ipc_staging(self, numel: int, dtype: str) -> tuple:
-        """A sharded trainer: allocate this rank's staging buffer (`numel` elements of the rollout dtype) and
-        return the handle its colocated rollout worker maps (engines/sync/cuda_ipc.py)."""
-        ...
-
-    def stage_weights(self, names: list[str]) -> int:
-        """Gather these HF-named weights (collective: every rank joins and keeps them) into this rank's staging
-        buffer, one after the other; returns the elements written, once they are on the GPU."""
+    def write_weights_ipc(self, handle: tuple) -> int:
+        """A sharded trainer: gather every weight (collective: every rank joins) straight into the colocated
+        rollout worker's weights that `handle` maps (its `share_weights`); returns the bytes written, once they
+        are there (engines/sync/cuda_ipc.py)."""
         ...
 
 
@@ -74,10 +70,13 @@ class IpcReceiver(Protocol):
 
     def update_weights_from_ipc(self, version: int) -> int: ...
 
-    def attach_ipc_staging(self, handle: tuple) -> None: ...
+    def share_weights(self) -> tuple:
+        """A sharded colocated trainer writes the weights: allocate them if released and return the handle its
+        GPU's train rank maps them through; generation waits until `weights_written`."""
+        ...
 
-    def update_weights_from_staging(self, names: list[str], numel: int, version: int) -> int:
-        """Copy these weights out of the mapped staging buffer (`numel` elements, as the trainer packed them)."""
+    def weights_written(self, version: int) -> int:
+        """The trainer wrote every weight: serve them as `version`."""
         ...
 
 

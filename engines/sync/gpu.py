@@ -1,17 +1,37 @@
-"""The device a worker's weight sync runs on, and the copy-bandwidth probe the GPU transports' benchmarks
-compare against (the flat weight layout they build on is engines/models/flat_weights.py)."""
+"""The device a worker's weight sync runs on, and the bandwidth probes (a device copy, an all-gather) the GPU
+transports' benchmarks compare against (the flat weight layout they build on is engines/models/flat_weights.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 
 
 def sync_device(kind: str) -> torch.device:
     """The device a worker's weight sync runs on: its current GPU for 'cuda' (the worker set it when it
     started), the CPU otherwise (the nccl transport's gloo path: tests and CPU runs)."""
     return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
+@contextlib.contextmanager
+def plain_segments() -> Iterator[None]:
+    """GPU memory allocated inside comes from plain cudaMalloc segments even under
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: what a rollout worker's weights need when a sharded trainer
+    maps them at every sync. CUDA IPC opens an expandable segment piece by piece in the other process; a 7B
+    model's 15 GB took 0.14 s more a sync that way, a plain segment one call (docs/benchmarks.md)."""
+    expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if expandable:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        if expandable:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 @torch.no_grad()
@@ -27,3 +47,28 @@ def device_copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10, 
         dst.copy_(src)
     torch.cuda.synchronize(device)
     return nbytes * repeats / (time.perf_counter() - t0) / 1e9
+
+
+@torch.no_grad()
+def all_gather_bandwidth(device: torch.device, nbytes: int, group: dist.ProcessGroup | None = None,
+                         repeats: int = 10) -> float:
+    """GB/s of an all-gather among the ranks of `group` (None: the default group) into a bf16 output of `nbytes`
+    (down to a multiple of the ranks): output bytes per second per rank, what each rank of a sharded trainer
+    receives and writes when every rank gathers every weight (cuda_ipc over FSDP2). Collective: every rank calls
+    it (gloo on the CPU)."""
+    shard = nbytes // 2 // dist.get_world_size(group)
+    part = torch.empty(shard, dtype=torch.bfloat16, device=device)
+    out = torch.empty(shard * dist.get_world_size(group), dtype=torch.bfloat16, device=device)
+    dist.all_gather_into_tensor(out, part, group=group)  # the first connects; it also lines the ranks up
+    _synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_gather_into_tensor(out, part, group=group)
+    _synchronize(device)
+    return out.numel() * out.element_size() * repeats / (time.perf_counter() - t0) / 1e9
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work (a CPU collective has ended when it returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

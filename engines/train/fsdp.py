@@ -48,8 +48,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.distributed_c10d import _coalescing_manager
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from rlflow.engines.models.packed import PackedLM
 from rlflow.engines.store.run_store import RunStore
@@ -158,6 +159,49 @@ def gather(params: dict[str, torch.Tensor], names: list[str], keep: bool, dtype:
         if keep:
             out.append((name, full.to(device)))
     return out
+
+
+@torch.no_grad()
+def gather_into(pairs: list[tuple[torch.Tensor, torch.Tensor]], group_bytes: int = 1 << 30) -> None:
+    """Write each (parameter, out) pair's full parameter into `out`, cast to its dtype (collective: every rank
+    passes the same list). FSDP2's layout, dim 0 sharded over one mesh dimension, is all-gathered straight into
+    `out` when the ranks divide that dim (each shard cast first, so the wire carries `out`'s dtype); anything else
+    is gathered whole and copied. On a GPU the all-gathers go `group_bytes` of output at a time as one NCCL group:
+    a 7B model has 339 weights, and one launch each made its 2-rank sync 0.053 s instead of 0.043 s."""
+    pending: list[tuple[torch.Tensor, torch.Tensor, dist.ProcessGroup]] = []
+    for param, out in pairs:
+        p = param.detach()
+        if tuple(out.shape) != tuple(p.shape):
+            raise ValueError(f"gather_into: a parameter of shape {tuple(p.shape)} into a tensor of {tuple(out.shape)}")
+        if isinstance(p, DTensor) and _tiles_dim0(p, out):
+            pending.append((out, p.to_local().to(out.dtype).contiguous(), p.device_mesh.get_group()))
+            if sum(o.nbytes for o, _, _ in pending) >= group_bytes:
+                _all_gather(pending)
+            continue
+        _all_gather(pending)  # in order: every rank issues the same collectives
+        out.copy_(p.to(out.dtype).full_tensor() if isinstance(p, DTensor) else p)
+    _all_gather(pending)
+
+
+def _tiles_dim0(p: DTensor, out: torch.Tensor) -> bool:
+    """Whether the shards, one after the other, are `out`: dim 0 sharded evenly over a 1-D mesh, on out's device."""
+    mesh = p.device_mesh
+    return (mesh.ndim == 1 and p.placements == (Shard(0),) and p.shape[0] % mesh.size() == 0
+            and p.to_local().device == out.device and out.is_contiguous())
+
+
+def _all_gather(pending: list[tuple[torch.Tensor, torch.Tensor, dist.ProcessGroup]]) -> None:
+    """Each (out, shard, group) all-gathered, done on return; on a GPU as one NCCL group (gloo, the CPU's, has no
+    coalesced all-gather). Empties the list."""
+    if pending and pending[0][0].is_cuda:
+        with _coalescing_manager(group=pending[0][2], device=pending[0][0].device, async_ops=True) as work:
+            for out, shard, g in pending:
+                dist.all_gather_into_tensor(out, shard, group=g)
+        work.wait()
+    else:
+        for out, shard, g in pending:
+            dist.all_gather_into_tensor(out, shard, group=g)
+    pending.clear()
 
 
 def grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

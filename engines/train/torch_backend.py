@@ -49,10 +49,10 @@ from rlflow.engines.models.moe import checkpoint_named
 from rlflow.engines.models.packed import PackedLM, PackedRows
 from rlflow.engines.models.transfer import tensor_to_device
 from rlflow.engines.store.run_store import RunStore
-from rlflow.engines.sync.cuda_ipc import allocate_staging, export_ipc_handles, pack
+from rlflow.engines.sync.cuda_ipc import SharedWeights, export_ipc_handles, open_shared_weights
 from rlflow.engines.sync.distributed import DistributedWeightSender
 from rlflow.engines.sync.endpoints import AdapterSender, GpuLinkProbe, IpcSender, NcclSender, StoreSender
-from rlflow.engines.sync.gpu import device_copy_bandwidth, sync_device
+from rlflow.engines.sync.gpu import all_gather_bandwidth, device_copy_bandwidth, sync_device
 from rlflow.engines.sync.nccl import NcclChannel
 from rlflow.engines.sync.store import put_bucket
 from rlflow.engines.train import fsdp, lora
@@ -165,7 +165,8 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         # named_tensors: sent name -> module parameter, and the last stacked MoE parameter it gathered
         self._source: dict[str, str] | None = None
         self._stacked: tuple[tuple[str, str, bool], str, torch.Tensor | None] | None = None
-        self._staging: torch.Tensor | None = None  # cuda_ipc over several ranks (cuda_ipc_staging)
+        # cuda_ipc over several ranks: the mapped weights of this GPU's rollout worker (a CPU file's are kept)
+        self._engine_weights: tuple[tuple, dict[str, torch.Tensor], int] | None = None
 
     # ---- forward -------------------------------------------------------------------------------------
     def _forward(self, lm: PackedLM, mb: TrainBatch, with_entropy: bool, temperature: float | None = None
@@ -431,24 +432,41 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         torch.cuda.synchronize()
         return export_ipc_handles(list(self._whole_parameters("cuda_ipc").items()))
 
-    def cuda_ipc_staging(self, numel: int, precision: str) -> tuple:
-        """A sharded trainer's side of cuda_ipc: this rank's staging buffer, shared once with its rollout worker."""
-        path = f"/dev/shm/rlflow-staging-{os.getpid()}-{self.rank}"  # used on the CPU (tests) only
-        self._staging, handle = allocate_staging(numel, precision, sync_device(self.device), path, self._staging)
-        return handle
-
-    def stage_weights(self, names: list[str]) -> int:
-        """Every rank gathers these weights (cast to the staging dtype before the all-gather) and packs them into
-        its staging buffer; returns once they are there (collective)."""
+    def write_weights_ipc(self, handle: SharedWeights) -> int:
+        """A sharded trainer's side of cuda_ipc: every rank gathers every weight straight into its colocated
+        rollout worker's weights, mapped through `handle` (engines/sync/cuda_ipc.py); returns the bytes written,
+        once they are there. Collective. On a GPU the mapping is let go at the end: kept, it would hold the
+        worker's memory through its release. A CPU file is mapped once (opening it removes it)."""
         self._resident("weight sync (cuda_ipc)")
-        if self._staging is None:
-            raise RuntimeError("stage_weights: no staging buffer; the cuda_ipc transport calls cuda_ipc_staging first")
-        params = dict(self.model.named_parameters())
-        tensors = self._gather_sent(params, names, self._staging.dtype, self._staging.device, every_rank=True)
-        numel = pack(self._staging, [t for _, t in tensors])
-        if self._staging.is_cuda:
-            torch.cuda.synchronize()  # the rollout worker reads the buffer as soon as this returns
-        return numel
+        key = handle[:2]
+        if self._engine_weights is None or self._engine_weights[0] != key:
+            self._engine_weights = key, *open_shared_weights(handle, sync_device(self.device))
+        _, targets, numel = self._engine_weights
+        if handle[0] == "cuda":
+            self._engine_weights = None
+        params, source = dict(self.model.named_parameters()), self._sent_source()
+        missing = [n for n in source if n not in targets]
+        if missing:
+            raise KeyError(f"write_weights_ipc: the rollout worker has no weight {missing[:3]}")
+        written = sum(targets[n].numel() for n in source)
+        if written != numel:
+            raise ValueError(f"write_weights_ipc: the trainer sends {written} elements, the rollout worker's weights "
+                             f"hold {numel}: the two sides disagree on the weights' shapes")
+        sent_of: dict[str, list[str]] = {}
+        for sent, module in source.items():
+            sent_of.setdefault(module, []).append(sent)
+        whole = [(params[m], targets[s[0]]) for m, s in sent_of.items()
+                 if len(s) == 1 and targets[s[0]].shape == params[m].shape]
+        fsdp.gather_into(whole)  # the same order on every rank: the gathers are collective
+        for module, sent in sent_of.items():  # a stacked MoE parameter: gathered whole, cut into its experts
+            if len(sent) > 1 or targets[sent[0]].shape != params[module].shape:
+                out = targets[sent[0]]
+                gathered = dict(fsdp.gather(params, [module], keep=True, dtype=out.dtype, device=out.device))
+                for n, t in self._sent_names(gathered).items():
+                    targets[n].copy_(t)
+        if self.device == "cuda":
+            torch.cuda.synchronize()  # the rollout worker generates from them as soon as this returns
+        return written * targets[next(iter(source))].element_size()
 
     def nccl_connect(self, host: str, port: int, world_size: int, rollout_precision: str) -> None:
         self._nccl = NcclChannel(host, port, 0, world_size, sync_device(self.device))
@@ -460,9 +478,12 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
 
     def link_bandwidth(self, kind: str, nbytes: int) -> float:
         """GB/s of the link a GPU transport uses ('copy': bf16 -> bf16 on this GPU; 'cast_copy': fp32 -> bf16
-        on this GPU; 'nccl': the weight-sync group)."""
+        on this GPU; 'nccl': the weight-sync group; 'all_gather': an all-gather over the train ranks, output bytes
+        per second per rank, what cuda_ipc over several ranks does for each weight; collective)."""
         if kind == "nccl":
             return self._nccl.measure_bandwidth(nbytes)
+        if kind == "all_gather":
+            return all_gather_bandwidth(sync_device(self.device), nbytes)
         source = {"copy": torch.bfloat16, "cast_copy": torch.float32}[kind]
         return device_copy_bandwidth(sync_device(self.device), nbytes, source_dtype=source)
 
