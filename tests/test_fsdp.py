@@ -317,8 +317,9 @@ def test_colocated_ranks_write_the_weights_into_their_own_engine(tiny_model_dir,
     """cuda_ipc with FSDP2 over 3 ranks (verl's colocated layout): each rollout worker shares its weights with its
     GPU's rank, and every rank gathers every weight straight into them (an all-gather into the shared memory
     where the ranks divide the weight, a gather and a copy where they do not), so every engine ends with the
-    trainer's weights after a step, and serve them as the new version. On the CPU the weights are shared through
-    a shared-memory file instead of CUDA IPC (no GPU here); the gathers and every call are the GPU path's."""
+    trainer's weights after a step, and serve them as the new version, also after they released their weights. On
+    the CPU the weights are shared through a shared-memory file instead of CUDA IPC (no GPU here); the gathers and
+    every call are the GPU path's."""
     from rlflow.engines.core.config import config_from_dict
     from rlflow.engines.core.sampling import SamplingParams
     from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
@@ -337,6 +338,8 @@ def test_colocated_ranks_write_the_weights_into_their_own_engine(tiny_model_dir,
         _step(three, batch, 3)
         want = dict(three.wait(three.submit(TrainBackend.named_tensors))[0])
         assert not all(torch.equal(t, want[n]) for n, t in engines.call_rank0(TorchRolloutBackend.named_tensors))
+        if version == 2:  # colocated: the engines gave their memory to the trainer; the sync allocates it again
+            engines.call(TorchRolloutBackend.release_memory_occupation)
         transport.update(version)
         gens = engines.call(TorchRolloutBackend.generate, [[1, 2, 3]], SamplingParams(max_new_tokens=2), 0)
         assert [g[0].weight_version for g in gens] == [version] * 3  # served, not held for the write

@@ -154,6 +154,18 @@ def _outcome(recipe: Path, storage: StorageConfig, name: str) -> tuple[dict, dic
     return weights, metrics
 
 
+def _assert_same_as_uninterrupted(outcome: tuple[dict, dict], reference: tuple[dict, dict]) -> None:
+    """A resumed run's (weights, metrics) against the uninterrupted run's: every weight bit for bit, every metric
+    at every step, nothing more and nothing missing."""
+    (weights, metrics), (ref_weights, ref_metrics) = outcome, reference
+    assert weights.keys() == ref_weights.keys()
+    for k in weights:
+        assert (weights[k] == ref_weights[k]).all(), k
+    assert metrics.keys() == ref_metrics.keys()
+    for key in metrics:
+        assert metrics[key] == ref_metrics[key], key
+
+
 def _storage(kind: str, tmp_path: Path, request) -> StorageConfig:
     if kind == "file":
         return StorageConfig(uri=str(tmp_path / "store"))
@@ -216,14 +228,7 @@ def test_kill_anywhere_then_resume_is_exact(trial, tmp_path, data_dir, prefect_a
         resumed = _rlflow(["resume", name, "--store", storage.uri, *sets], prefect_api)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    weights, metrics = _outcome(recipe, storage, name)
-    ref_weights, ref_metrics = uninterrupted(staleness)
-    assert weights.keys() == ref_weights.keys()
-    for k in weights:
-        assert (weights[k] == ref_weights[k]).all(), k
-    assert metrics.keys() == ref_metrics.keys()
-    for key in metrics:
-        assert metrics[key] == ref_metrics[key], key
+    _assert_same_as_uninterrupted(_outcome(recipe, storage, name), uninterrupted(staleness))
 
 
 # PPO with a critic: the critic's actor is killed too, and its weights must come back exactly. CI runs the critic's
@@ -244,11 +249,8 @@ def test_ppo_kill_then_resume_is_exact(fault, tmp_path, data_dir, prefect_api, r
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     weights, metrics = _outcome(recipe, storage, name)
-    ref_weights, ref_metrics = uninterrupted(0, ppo=True)
-    assert weights.keys() == ref_weights.keys() and any(k.startswith("critic/") for k in weights)
-    for k in weights:
-        assert (weights[k] == ref_weights[k]).all(), k
-    assert metrics == ref_metrics and "critic/value_loss" in metrics
+    _assert_same_as_uninterrupted((weights, metrics), uninterrupted(0, ppo=True))
+    assert any(k.startswith("critic/") for k in weights) and "critic/value_loss" in metrics
 
 
 def test_a_killed_rank_of_a_sharded_trainer_resumes_exactly(tmp_path, data_dir, prefect_api, ray_head, uninterrupted):
@@ -264,11 +266,7 @@ def test_a_killed_rank_of_a_sharded_trainer_resumes_exactly(tmp_path, data_dir, 
     assert RunStore(storage, "rank1").latest_step() == 1  # the checkpoint of step 1 is what the resume starts from
     resumed = _rlflow(["run", str(recipe)], prefect_api)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    weights, metrics = _outcome(recipe, storage, "rank1")
-    ref_weights, ref_metrics = uninterrupted(0, train_ranks=2)
-    assert weights.keys() == ref_weights.keys()
-    assert all((weights[k] == ref_weights[k]).all() for k in weights)
-    assert metrics == ref_metrics
+    _assert_same_as_uninterrupted(_outcome(recipe, storage, "rank1"), uninterrupted(0, train_ranks=2))
 
 
 @pytest.mark.slow  # ~2 min; the in-process async test below runs in the default suite
@@ -287,11 +285,7 @@ def test_async_checkpoints_on_s3_resume_exactly_after_a_rank_dies_mid_run(tmp_pa
     assert store.latest_step() in (None, 1)
     resumed = _rlflow(["run", str(recipe)], prefect_api)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    weights, metrics = _outcome(recipe, storage, "async")
-    ref_weights, ref_metrics = uninterrupted(0, train_ranks=2)
-    assert weights.keys() == ref_weights.keys()
-    assert all((weights[k] == ref_weights[k]).all() for k in weights)
-    assert metrics == ref_metrics
+    _assert_same_as_uninterrupted(_outcome(recipe, storage, "async"), uninterrupted(0, train_ranks=2))
     for step in store.committed_steps():
         assert all(store.exists("checkpoints", step, f"written_rank{r}.json") for r in (0, 1)), step
 
@@ -338,11 +332,7 @@ def test_flow_retry_resumes_in_the_same_process(tmp_path, data_dir, prefect_api,
     proc = _rlflow(["run", str(recipe)], prefect_api, fault="train:3:before:raise")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "InjectedFault" in proc.stdout + proc.stderr  # the first attempt did fail
-    weights, metrics = _outcome(recipe, storage, "retried")
-    ref_weights, ref_metrics = uninterrupted(0)
-    for k in weights:
-        assert (weights[k] == ref_weights[k]).all(), k
-    assert metrics == ref_metrics
+    _assert_same_as_uninterrupted(_outcome(recipe, storage, "retried"), uninterrupted(0))
 
 
 def test_checkpoint_schedule_defaults_bound_the_lost_work():

@@ -222,6 +222,37 @@ def test_shared_weights_map_by_name_and_a_view_outside_the_buffer_fails(tmp_path
         flatten_({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, into=torch.zeros(16))
 
 
+def test_released_weights_are_let_go_and_a_write_into_them_is_refused(tiny_model_dir):
+    """A colocated engine's weights in one flat buffer (as on a GPU) are freed by a release, even after a decode step
+    made fused views of them (they kept 15 GB alive through training at 7B). A write that a sharded trainer began
+    holds generation until it is done, and is refused if the weights were released after they were shared."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from rlflow.engines.core.sampling import SamplingParams
+    from rlflow.engines.models.flat_weights import flatten_
+    from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+
+    rollout = TorchRolloutBackend(tiny_model_dir, threads=1)
+    try:
+        flat = StorageWeakRef(flatten_(rollout.params).untyped_storage())
+        rollout.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), 0)
+        assert rollout.engine.lm.fused_groups > 0 and not flat.expired()
+        rollout.release_memory_occupation()
+        assert flat.expired()
+
+        rollout.share_weights()
+        with pytest.raises(RuntimeError, match="a cuda_ipc update began and has not finished"):
+            rollout.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), 0)
+        rollout.release_memory_occupation()
+        with pytest.raises(RuntimeError, match="released after share_weights"):
+            rollout.weights_written(1)
+        rollout.share_weights()
+        assert rollout.weights_written(1) == 1
+        assert rollout.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), 0)[0].weight_version == 1
+    finally:
+        rollout.close()
+
+
 def test_together_returns_in_order_and_a_member_left_in_a_collective_does_not_hold_the_exit():
     """A lost GPU leaves a member of a weight-sync collective waiting for good: `together` raises the first error
     at once, and its threads are daemons, so the process still exits (bench/gpu_fault.py's killed run)."""

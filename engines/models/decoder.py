@@ -132,6 +132,12 @@ class DecoderLM:
         """How many projection groups (q/k/v, gate/up: two a layer) run as one GEMM now."""
         return sum(f is not None for f in self._qkv + self._gate_up)
 
+    def unfuse(self) -> None:
+        """Let go of the fused views (the weights were released: the views would keep their memory); the next
+        step fuses again where the weights are then."""
+        n = len(self.model.model.layers)
+        self._qkv, self._gate_up, self._fused_at = [None] * n, [None] * n, None
+
     def fuse_projections(self) -> tuple[int, ...]:
         """Point the fused q/k/v and gate/up GEMMs at the weights' current memory (the first time, or after a
         re-allocation; otherwise nothing to do) and return where the weights are (`weight_pointers`)."""

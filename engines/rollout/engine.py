@@ -232,11 +232,16 @@ class ContinuousBatchEngine:
                 "kv_pages_used": alloc.num_used if alloc else 0, "kv_pages_peak": alloc.peak_used if alloc else 0,
                 "num_preemptions": self.preemptions}
 
+    def idle(self) -> bool:
+        """No request runs or waits."""
+        with self.lock:
+            return not (self._running or self._prefilling or self._waiting)
+
     def drop_cache(self) -> bool:
         """Free the KV cache (flush, or release memory); refused while requests run or wait (a queued request
         would be admitted into a released engine: SGLang, too, releases only an idle server)."""
         with self.lock:
-            if self._running or self._prefilling or self._waiting:
+            if not self.idle():
                 return False
             if self._cache is not None and self._overlap:
                 torch.cuda.synchronize()  # the last decode may still be writing the cache
@@ -562,8 +567,8 @@ class ContinuousBatchEngine:
 
     def _reject(self, r: Request) -> Exception | None:
         if not self.weights_ready():
-            return RuntimeError("generate: the weights were released (release_memory_occupation) or are being "
-                                "written (a cuda_ipc update in progress); update them first")
+            return RuntimeError("generate: the weights were released (release_memory_occupation), or a cuda_ipc "
+                                "update began and has not finished; update them first")
         if not r.prompt:
             return ValueError("input_ids: the prompt is empty")
         if len(r.prompt) >= self.max_len:

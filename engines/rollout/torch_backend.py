@@ -84,9 +84,10 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         self.params = {n: params[n] for n in fusable_order(list(params))}
         self._shapes = {n: p.shape for n, p in self.params.items()}  # kept: released weights are empty tensors
         self._targets: tuple[tuple[int, ...], dict[str, torch.Tensor]] | None = None  # weight_targets' cache
-        # cuda_ipc with a sharded trainer: it is writing the weights (share_weights); on the CPU the weights'
-        # shared-memory file (path, buffer)
-        self._awaiting_write, self._write_started = False, 0.0
+        # cuda_ipc with a sharded trainer: which allocation of the weights it is writing (share_weights; None: no
+        # write started and unfinished), and on the CPU the weights' shared-memory file (path, buffer)
+        self._awaiting_write: int | None = None
+        self._allocations, self._write_started = 0, 0.0
         self._shared_file: tuple[str, torch.Tensor] | None = None
         # on GPU the weights are one buffer in that order: syncs fill slices of it, q/k/v and gate/up run as one GEMM
         self.flat = device == "cuda"
@@ -102,7 +103,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         self.engine = ContinuousBatchEngine(
             DecoderLM(self.model), self.tokenizer, max_running=batch_size, max_len=context_len, trace=self.trace,
             weight_version=lambda: self.weight_version,
-            weights_ready=lambda: not (self._released or self._awaiting_write), kv=kv_cache, compile=compile,
+            weights_ready=lambda: not self._released and self._awaiting_write is None, kv=kv_cache, compile=compile,
         )
         self.server = None  # rlflow.engines.rollout.server.RolloutServer once start_server() ran
         self._own_client = None  # httpx.Client for the routes this worker drives on its own server
@@ -190,13 +191,16 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
 
     def share_weights(self) -> SharedWeights:
         """cuda_ipc with a sharded colocated trainer: the weights (allocated again if released: contents undefined
-        until written) as a handle its GPU's train rank writes them through. Generation waits for
-        `weights_written`. On the CPU (tests) the weights move once into a shared-memory file."""
+        until written) as a handle its GPU's train rank writes them through. Generation is refused until
+        `weights_written`; refused itself while requests run. On the CPU (tests) the weights move once into a
+        shared-memory file."""
         with self._between_steps():
             self._refuse_under_adapter("share_weights")
+            if not self.engine.idle():  # they would decode from weights being overwritten
+                raise RuntimeError("share_weights: requests are running (abort or finish them first)")
             self._write_started = time.perf_counter()
             self.resume_memory_occupation()
-            self._awaiting_write = True
+            self._awaiting_write = self._allocations  # the weights written must still be these
             flat = flat_span(list(self.params.values()))
             if self.device == "cuda":
                 if flat is None:
@@ -218,9 +222,12 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
 
     def weights_written(self, version: int) -> int:
         with self._between_steps():
-            if not self._awaiting_write:
+            if self._awaiting_write is None:
                 raise RuntimeError("weights_written: no weights were shared for writing (share_weights)")
-            self._awaiting_write = False
+            if self._awaiting_write != self._allocations:
+                raise RuntimeError("weights_written: the weights were released after share_weights; what the trainer "
+                                   "wrote is gone (share them again)")
+            self._awaiting_write = None
             return self._weights_updated(version, self._write_started)
 
     def nccl_connect(self, host: str, port: int, rank: int, world_size: int) -> None:
@@ -246,7 +253,10 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
                 self._host_weights = {n: host_copy(p) for n, p in self.params.items() if n not in self._merged.base}
             for p in self.params.values():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.engine.lm.unfuse()  # views of the old weights there and in the targets would keep their memory
+            self._targets = None
             self._released = True
+            self._allocations += 1
             if self.device == "cuda":
                 torch.cuda.ipc_collect()  # weights a sharded trainer wrote through CUDA IPC (it let them go)
                 torch.cuda.empty_cache()

@@ -11,7 +11,7 @@ reducer. Two ways, by how the trainer holds its weights:
   after every release), every rank gathers each weight over NCCL (cast to the rollout dtype first) straight
   into the mapped weights, and the rollout workers are told the version (`weights_written`). Three calls a
   sync, no staging copy, and no rank ever holds a whole weight it does not write. A GPU rank lets go of the
-  mapping when it is done, so a rollout worker that releases its weights gives the memory back.
+  mapping when it is done, so that a rollout worker that releases its weights gives the memory back.
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def share_flat(flat: torch.Tensor, targets: dict[str, torch.Tensor], path: str |
     layout, precision = weight_layout(flat, targets), PRECISIONS[flat.dtype]
     if flat.is_cuda:
         return "cuda", reduce_tensor(flat)[1], flat.numel(), precision, layout
-    if path is None:
-        raise ValueError("cuda_ipc: a CPU weight buffer is shared through its shared-memory file; none was given")
+    if path is None or flat.storage_offset() != 0:
+        raise ValueError("cuda_ipc: a CPU weight buffer is shared as a whole shared-memory file; none was given")
     return "file", path, flat.numel(), precision, layout
 
 
@@ -116,7 +116,8 @@ def open_shared_weights(handle: SharedWeights, device: torch.device) -> tuple[di
         os.unlink(where)
     else:
         raise ValueError(f"cuda_ipc: unknown weights handle kind {kind!r} (expected 'cuda' or 'file')")
-    return {name: flat.as_strided(shape, stride, offset) for name, offset, shape, stride in layout}, numel
+    start = flat.storage_offset()  # the layout's offsets count from the buffer's first element
+    return {name: flat.as_strided(shape, stride, start + offset) for name, offset, shape, stride in layout}, numel
 
 
 class CudaIpcTransport(WeightTransport):

@@ -72,7 +72,7 @@ class IpcReceiver(Protocol):
 
     def share_weights(self) -> tuple:
         """A sharded colocated trainer writes the weights: allocate them if released and return the handle its
-        GPU's train rank maps them through; generation waits until `weights_written`."""
+        GPU's train rank maps them through; generation is refused until `weights_written`."""
         ...
 
     def weights_written(self, version: int) -> int:

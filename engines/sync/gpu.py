@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import Iterator
 
@@ -20,18 +21,28 @@ def sync_device(kind: str) -> torch.device:
 
 @contextlib.contextmanager
 def plain_segments() -> Iterator[None]:
-    """GPU memory allocated inside comes from plain cudaMalloc segments even under
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: what a rollout worker's weights need when a sharded trainer
-    maps them at every sync. CUDA IPC opens an expandable segment piece by piece in the other process; a 7B
-    model's 15 GB took 0.14 s more a sync that way, a plain segment one call (docs/benchmarks.md)."""
-    expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if expandable:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    """GPU memory allocated inside comes from plain cudaMalloc segments even when the allocator is set to
+    expandable segments (PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF): what a rollout worker's weights need when a
+    sharded trainer maps them at every sync. CUDA IPC opens an expandable segment piece by piece in the other
+    process; a 7B model's 15 GB took 0.13 s more a sync that way (docs/benchmarks.md). Setting the allocator's
+    options replaces the whole string, so the rest of it is kept, and the string is put back as it was."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    before = get() if get is not None else (os.environ.get("PYTORCH_ALLOC_CONF")
+                                             or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    if not EXPANDABLE.search(before):
+        yield
+        return
+    torch.cuda.memory._set_allocator_settings(EXPANDABLE.sub("expandable_segments:False", before))
     try:
         yield
     finally:
-        if expandable:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        torch.cuda.memory._set_allocator_settings(before)
+
+
+EXPANDABLE = re.compile(r"expandable_segments:\s*true", re.IGNORECASE)
 
 
 @torch.no_grad()

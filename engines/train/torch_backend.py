@@ -444,26 +444,27 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         _, targets, numel = self._engine_weights
         if handle[0] == "cuda":
             self._engine_weights = None
-        params, source = dict(self.model.named_parameters()), self._sent_source()
+        params, source, shapes = dict(self.model.named_parameters()), self._sent_source(), self._sent_shapes()
         missing = [n for n in source if n not in targets]
         if missing:
             raise KeyError(f"write_weights_ipc: the rollout worker has no weight {missing[:3]}")
+        differ = [f"{n}: {tuple(shapes[n].shape)} here, {tuple(targets[n].shape)} there" for n in source
+                  if targets[n].shape != shapes[n].shape]
         written = sum(targets[n].numel() for n in source)
-        if written != numel:
-            raise ValueError(f"write_weights_ipc: the trainer sends {written} elements, the rollout worker's weights "
-                             f"hold {numel}: the two sides disagree on the weights' shapes")
+        if differ or written != numel:
+            raise ValueError(f"write_weights_ipc: the trainer and the rollout worker disagree on the weights' shapes "
+                             f"({differ[:3] or f'{written} elements sent, {numel} held there'})")
         sent_of: dict[str, list[str]] = {}
         for sent, module in source.items():
             sent_of.setdefault(module, []).append(sent)
-        whole = [(params[m], targets[s[0]]) for m, s in sent_of.items()
-                 if len(s) == 1 and targets[s[0]].shape == params[m].shape]
-        fsdp.gather_into(whole)  # the same order on every rank: the gathers are collective
-        for module, sent in sent_of.items():  # a stacked MoE parameter: gathered whole, cut into its experts
-            if len(sent) > 1 or targets[sent[0]].shape != params[module].shape:
-                out = targets[sent[0]]
-                gathered = dict(fsdp.gather(params, [module], keep=True, dtype=out.dtype, device=out.device))
-                for n, t in self._sent_names(gathered).items():
-                    targets[n].copy_(t)
+        # collective: every rank gathers in the same (the model's) order; MoE experts are gathered whole, then cut
+        stacked = [m for m, sent in sent_of.items() if sent != [m]]
+        fsdp.gather_into([(params[m], targets[m]) for m, sent in sent_of.items() if sent == [m]])
+        for module in stacked:
+            out = targets[sent_of[module][0]]
+            gathered = dict(fsdp.gather(params, [module], keep=True, dtype=out.dtype, device=out.device))
+            for n, t in self._sent_names(gathered).items():
+                targets[n].copy_(t)
         if self.device == "cuda":
             torch.cuda.synchronize()  # the rollout worker generates from them as soon as this returns
         return written * targets[next(iter(source))].element_size()
