@@ -164,6 +164,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         self._parked_weights, self._parked_optimizer = HostParking(), HostParking()
         # named_tensors: sent name -> module parameter, and the last stacked MoE parameter it gathered
         self._source: dict[str, str] | None = None
+        self._shapes: dict[str, torch.Tensor] | None = None  # _sent_shapes'
         self._stacked: tuple[tuple[str, str, bool], str, torch.Tensor | None] | None = None
         # cuda_ipc over several ranks: the mapped weights of this GPU's rollout worker (a CPU file's are kept)
         self._engine_weights: tuple[tuple, dict[str, torch.Tensor], int] | None = None
@@ -505,9 +506,12 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         return {n: list(t.shape) for n, t in self._sent_shapes().items()}
 
     def _sent_shapes(self) -> dict[str, torch.Tensor]:
-        """Every sent weight as a meta tensor (its full shape and dtype, no memory)."""
-        return self._sent_names({n: torch.empty(p.shape, dtype=p.dtype, device="meta")
-                                 for n, p in self.model.named_parameters()})
+        """Every sent weight as a meta tensor (its full shape and dtype, no memory); built once, as every sync
+        checks against it."""
+        if self._shapes is None:
+            self._shapes = self._sent_names({n: torch.empty(p.shape, dtype=p.dtype, device="meta")
+                                             for n, p in self.model.named_parameters()})
+        return self._shapes
 
     def save(self, path: str | Path, storage: StorageConfig | None = None, background: bool = False) -> None:
         """Sharded model and optimizer state (engines/train/fsdp.py: safetensors, the model also consolidated

@@ -438,13 +438,13 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
                 "distributed_optimizer": self.mcfg.use_distributed_optimizer, "precision": self.cfg.precision,
                 "megatron_core": megatron.core.__version__}
 
-    @_on_device
     def wait_saved(self, raise_error: bool = True) -> None:
         """Nothing to wait for: this backend's saves return when written."""
 
     def save_state(self) -> str:
         return "none"
 
+    @_on_device
     def save(self, path: str | Path, storage: StorageConfig | None = None, background: bool = False) -> None:
         """The HF model (written by the ranks that own its tensors, never gathered on one rank), this rank's model
         shards, the optimizer state in HF space (engines/train/megatron/optimizer_shards.py), and schedule/RNG
