@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks import artifacts as art
+from rlflow.tasks import artifacts as art
 
 
 def test_training_artifacts_are_few_and_complete(monkeypatch):
