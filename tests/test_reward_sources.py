@@ -5,8 +5,8 @@ we can reason about: every layer's output projection is zero, so the hidden stat
 token's embedding (normalized), and the head is the target character's normalized embedding / d, so a text
 scores 1.0 when it ends with TARGET and cos(e_last, e_TARGET) otherwise.
 
-The judges are real HTTP servers: the embedded rollout server on a tiny random model (which answers junk, so
-every reply is a parse failure scored default_score), and a small stdlib HTTP server started here that
+The judges are real HTTP servers: the embedded rollout server on a tiny random model (whose short replies hold a
+digit or none: a score or a parse failure scored default_score), and a small stdlib HTTP server started here that
 answers /v1/chat/completions with fixed replies (scores, junk, 503s), so retries, parsing and the bearer
 token are checked end to end over a socket.
 """
@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 import ray
 import torch
@@ -287,13 +289,12 @@ def test_judge_retries_transient_errors_and_fails_on_refusal(fixed_judge, caplog
 
 
 def test_judge_keeps_to_its_concurrency_limit(fixed_judge):
-    """8 samples, max_concurrency 3, a judge taking 0.2 s a reply: never more than 3 requests in flight, and
-    they do overlap (the batch takes about 3 rounds, not 8)."""
+    """8 samples, max_concurrency 3, a judge taking 0.2 s a reply: the requests overlap, never more than 3 in
+    flight at once."""
     FixedJudge.replies, FixedJudge.delay_s = ["Score: 5"], 0.2
     judge = LLMJudge(_judge(fixed_judge, max_concurrency=3), "reward.sources[0]")
-    t0 = time.perf_counter()
     assert judge.score(["p"] * 8, ["r"] * 8, ["l"] * 8).scores == [0.5] * 8
-    assert FixedJudge.most_in_flight == 3 and time.perf_counter() - t0 < 8 * 0.2
+    assert FixedJudge.most_in_flight == 3
 
 
 def test_judge_times_out(tmp_path):
@@ -319,21 +320,38 @@ def test_judge_parser_is_deterministic():
     assert [whole.parse(t) for t in ["3", "x5y", "0", "nan"]] == [0.5, 1.0, None, None]
 
 
-def test_judge_against_the_embedded_server(tiny_model_dir, monkeypatch):
-    """The embedded rollout server as the judge (its OpenAI chat route, the tiny model's chat template): a
-    random model answers junk, so every reply is a parse failure scored default_score, counted; the
-    completions route works the same way."""
+def test_judge_against_the_embedded_server(tiny_model_dir):
+    """The embedded rollout server as the judge, over its OpenAI chat and completions routes: each sample's score
+    is what the judge's pattern finds in the server's own reply to the filled-in rubric (asked here directly over
+    HTTP, greedy as the judge asks), normalized, and a reply without one is a parse failure scored default_score,
+    counted. The tiny random model's replies to these samples hold digits or nothing, so both paths run."""
     server = TorchRolloutBackend(tiny_model_dir, threads=1, batch_size=8)
     server.start_server()
+    prompts, responses = ["S12=", "S987=", "S45=", "S7=", "S3="], ["12", "789", "54", "7", "3"]
     try:
         url = f"{server.server_url()}/v1"
         for route in ("chat", "completions"):
+            expected = []
+            for p, r in zip(prompts, responses, strict=True):
+                body = {"max_tokens": 4, "temperature": 0.0}
+                if route == "chat":
+                    reply = httpx.post(f"{url}/chat/completions", json=body | {
+                        "messages": [{"role": "user", "content": p + r}]}).json()["choices"][0]["message"]["content"]
+                else:
+                    reply = httpx.post(f"{url}/completions", json=body | {"prompt": p + r}).json()["choices"][0]["text"]
+                digit = re.search(r"\d", reply)
+                expected.append(int(digit.group(0)) / 9 if digit else None)
+            failures = expected.count(None)
+            assert 0 < failures < len(expected), f"{route}: these samples must give both kinds of reply: {expected}"
             cfg = RewardConfig(sources=[{"kind": "judge", "url": url, "route": route, "default_score": 0.25,
-                                         "rubric": "{prompt}{response}", "score_pattern": "R{5}", "max_tokens": 4}])
+                                         "rubric": "{prompt}{response}", "score_pattern": r"(\d)", "max_score": 9,
+                                         "max_tokens": 4}])
             sources = RewardSources(cfg)
-            assert sources.score(["S12=", "S3="] * 3, ["12", "3"] * 3, ["12", "3"] * 3, [{}] * 6) == [0.25] * 6
+            scores = sources.score(prompts, responses, responses, [{}] * len(prompts))
+            assert scores == pytest.approx([0.25 if e is None else e for e in expected]), route
             metrics = sources.take_metrics()
-            assert metrics["reward/judge_parse_failures"] == 6 and metrics["reward/judge_request_failures"] == 0
+            assert metrics["reward/judge_parse_failures"] == failures, route
+            assert metrics["reward/judge_request_failures"] == 0
             sources.close()
     finally:
         server.close()
