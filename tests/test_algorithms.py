@@ -762,6 +762,26 @@ def test_gspo_weights_and_empty_batch():
         assert loss.item() == 0.0 and all(v.item() == 0.0 for v in m.values())
 
 
+def test_gspo_clamp_stops_the_gradient_as_verls_does():
+    """verl clamps GSPO's token log-ratio log s_t = sg(log s) + log p - sg(log p) at 10, value and gradient, so a
+    sequence whose mean log-ratio drifted past 10 gets no gradient; so does rlflow (docs/algorithms.md, "Where
+    rlflow and verl differ"). Below the clamp the gradient is s * (-A) / |y| per token."""
+    adv = torch.tensor([-0.73])
+    # mean log-ratio 12 (tokens 11 and 13): s capped at e^10; A < 0 takes the unclipped -s * A
+    logp = torch.zeros(1, 2, requires_grad=True)
+    loss, m = A.gspo_loss(logp, torch.tensor([[-11.0, -13.0]]), adv, torch.ones(1, 2))
+    assert loss.item() == pytest.approx(0.73 * math.exp(10), rel=1e-6)  # 16079.6: the value is unchanged
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros(1, 2))  # the ungated form gave 0.73 e^10 / 2 = 8039.8 per token
+    assert m["ratio_mean"].item() == pytest.approx(math.exp(10), rel=1e-6)
+    # mean log-ratio 1 (tokens 0.5 and 1.5): s = e, gradient 0.73 e / 2 = 0.992173 on each token
+    logp = torch.zeros(1, 2, requires_grad=True)
+    loss, _ = A.gspo_loss(logp, torch.tensor([[-0.5, -1.5]]), adv, torch.ones(1, 2))
+    assert loss.item() == pytest.approx(0.73 * math.e, abs=1e-5)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.full((1, 2), 0.73 * math.e / 2), atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- cispo
 
 # row 0: logp [-1, -2], ratios [1.5, 0.5], A = +1; row 1: logp -0.5, ratio 1, A = -2; row 2 empty, garbage everywhere
@@ -944,6 +964,24 @@ def test_kl_cov_by_hand():
     # the paper's ratio on 5 tokens still penalises max(1, int(2e-4 * 5)) = 1 token: the top one, (1, 0)
     _, m = A.kl_cov_loss(COV_LOGP, COV_OLD, COV_ADV, COV_MASK)
     assert m["cov_frac"].item() == pytest.approx(1 / 5)
+
+
+def test_gmpo_and_kl_cov_keep_the_log_ratio_guard_verl_leaves_out():
+    """rlflow clamps log(p / p_old) to +-20 in every loss; verl does in its PPO, CISPO and SAPO losses but not in
+    geo_mean (GMPO) or kl_cov. Past the bound the clamped value stays and the gradient stops."""
+    one = torch.ones(1, 1)
+    # KL-Cov, log-ratio 25 on the one (penalised) token, A = 0: penalty 0.1 * 20 = 2 (verl: 2.5, gradient 0.1)
+    logp = torch.zeros(1, 1, requires_grad=True)
+    loss, m = A.kl_cov_loss(logp, torch.tensor([[-25.0]]), torch.tensor([0.0]), one, kl_cov_coef=0.1)
+    assert loss.item() == pytest.approx(2.0) and m["cov_frac"].item() == 1.0
+    loss.backward()
+    assert logp.grad.item() == 0.0
+    # GMPO, log-ratio -25 with A = +1 (its band clips above only): s = e^-20, loss -e^-20, no gradient
+    logp = torch.zeros(1, 1, requires_grad=True)
+    loss, m = A.gmpo_loss(logp, torch.tensor([[25.0]]), torch.tensor([1.0]), one)
+    assert loss.item() == pytest.approx(-math.exp(-20), rel=1e-5) and m["clip_frac"].item() == 0.0
+    loss.backward()
+    assert logp.grad.item() == 0.0
 
 
 @pytest.mark.parametrize("policy", ["cispo", "gmpo", "sapo", "clip_cov", "kl_cov"])
