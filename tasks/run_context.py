@@ -19,6 +19,7 @@ from typing import Any
 from rlflow.engines.core.config import RLConfig, public_tree
 from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
+from rlflow.engines.store.lease import RunLease
 from rlflow.engines.store.run_store import RunStore, worker_storage, workers_write_checkpoints
 from rlflow.tasks.artifacts import TrainingArtifacts
 from rlflow.tasks.checkpoint_commit import PendingCommit
@@ -38,8 +39,10 @@ _OPEN: dict[str, RunContext] = {}
 
 
 def active_run(name: str) -> RunContext:
+    """The open run `name`, for a stage about to run: LeaseLost if another process took the run over."""
     if name not in _OPEN:
         raise RuntimeError(f"run {name!r} is not open in this process (open_run starts it)")
+    _OPEN[name].lease.check()
     return _OPEN[name]
 
 
@@ -48,6 +51,7 @@ class RunContext:
     cfg: RLConfig
     session: RLSession  # or an rlflow.engines.session.sft.SFTSession, which has the same stage, save and load methods
     store: RunStore
+    lease: RunLease  # this process's claim to write the run (engines/store/lease.py), released by close()
     tracker: Tracker
     workdir: Path
     start_step: int = 0
@@ -81,6 +85,7 @@ class RunContext:
                                            background=background)
 
             def commit() -> str:  # only once every worker has returned, or written
+                self.lease.check()
                 return self.store.finish_checkpoint(step, meta | controller)
 
             def exists(name: str) -> bool:
@@ -98,6 +103,7 @@ class RunContext:
 
             def commit() -> str:
                 try:
+                    self.lease.check()
                     return self.store.commit_checkpoint(step, tmp, meta | controller)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -136,7 +142,7 @@ class RunContext:
     def close(self, status: str) -> None:
         """End the run: a finished one first waits for its last checkpoint's commit (and fails if that was not
         committed); a failed one leaves a background write uncommitted. The run's records and workers are closed
-        whatever happens here."""
+        whatever happens here, and the lease released last (a run taken over by another process writes no status)."""
         _OPEN.pop(self.cfg.name, None)
         error = None
         try:
@@ -149,11 +155,16 @@ class RunContext:
         except Exception as exc:
             error, status = exc, "FAILED"
         finally:
-            self.store.write_json({"status": status.lower(), "mlflow_run_id": self.tracker.run_id}, "status.json")
-            self.tracker.finish(status)
-            self.session.shutdown()
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            self.stop_logs()
+            try:
+                if self.lease.held:
+                    self.store.write_json({"status": status.lower(), "mlflow_run_id": self.tracker.run_id},
+                                          "status.json")
+                self.tracker.finish(status)
+                self.session.shutdown()
+                shutil.rmtree(self.workdir, ignore_errors=True)
+                self.stop_logs()
+            finally:
+                self.lease.release()
         if error is not None:
             raise error
 
@@ -183,8 +194,20 @@ def open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any] = RLSes
 
 def _open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_logs: Callable[[], None]
               ) -> RunContext:
-    store = RunStore(cfg.storage, cfg.name)
+    store = RunStore(cfg.storage, cfg.name)  # a name whose folder would leave the store is refused here
     store.probe()  # a missing bucket or a dead endpoint stops the run now, before data and model are prepared
+    store.claim()  # the RUN marker: a folder that is not this run's is refused, and never cleaned
+    lease = RunLease(store)  # one writer per run: another live process holding it is named and refused
+    lease.acquire()
+    try:
+        return _open_leased(cfg, make_session, stop_logs, store, lease)
+    except BaseException:
+        lease.release()
+        raise
+
+
+def _open_leased(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_logs: Callable[[], None],
+                 store: RunStore, lease: RunLease) -> RunContext:
     torn = store.clean_torn()
     if torn:
         log.warning("removed uncommitted leftovers of an interrupted attempt: %s", ", ".join(torn))
@@ -204,7 +227,7 @@ def _open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_
         tracker.resume_after(latest if meta is not None else -1)
     session = make_session(cfg, model_path)
     store.write_json({"status": "running", "mlflow_run_id": tracker.run_id}, "status.json")
-    ctx = RunContext(cfg, session, store, tracker, workdir, stop_logs=stop_logs)
+    ctx = RunContext(cfg, session, store, lease, tracker, workdir, stop_logs=stop_logs)
     _OPEN[cfg.name] = ctx
     if meta is not None and workers_write_checkpoints(cfg):
         session.load(store.uri("checkpoints", latest), meta, storage=worker_storage(cfg.storage))

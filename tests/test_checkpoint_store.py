@@ -65,6 +65,7 @@ def test_a_crash_before_the_marker_leaves_no_checkpoint(tiny_model_dir, batch, s
     the step was never committed, and the next attempt removes the leftovers. On a local store and on S3: the
     same store-direct code serves both."""
     store = RunStore(storage, "run")
+    store.claim()  # the RUN marker, as open_run writes it: clean_torn deletes only in a folder that has it
     store.write_json({}, "config.json")
     trainer = TorchTrainBackend(tiny_model_dir, TRAIN, ALGO)
     _step_one(trainer, batch)

@@ -1,12 +1,16 @@
-"""The run store on file:// and on an S3 server: commit markers, torn writes, retention, retries."""
+"""The run store on file:// and on an S3 server: commit markers, torn writes, retention, retries, run names that
+would leave the store, and the RUN marker that every cleanup requires."""
 
 from __future__ import annotations
+
+import os
+import re
 
 import pyarrow as pa
 import pytest
 
 from rlflow.engines.core.retry import is_transient
-from rlflow.engines.store.run_store import RunStore, StorageError, list_runs
+from rlflow.engines.store.run_store import NotThisRun, RunNameError, RunStore, StorageError, list_runs
 
 
 def _ckpt(tmp_path, step: int):
@@ -31,6 +35,7 @@ def test_commit_latest_and_download(storage, tmp_path):
 
 def test_torn_checkpoint_is_ignored_and_cleaned(storage, tmp_path):
     store = RunStore(storage, "r2")
+    store.claim()
     store.commit_checkpoint(2, _ckpt(tmp_path, 2), {"step": 2})
     # a crash mid-upload: files of step 4 without COMMITTED, and a rollout without its marker
     store.write_bytes(b"partial", "checkpoints", 4, "model", "w.bin")
@@ -42,6 +47,7 @@ def test_torn_checkpoint_is_ignored_and_cleaned(storage, tmp_path):
 
 def test_prune_keeps_newest(storage, tmp_path):
     store = RunStore(storage, "r3")
+    store.claim()
     for s in (1, 2, 3, 4):
         store.commit_checkpoint(s, _ckpt(tmp_path, s), {"step": s})
     assert store.prune(keep_last=2) == [1, 2]
@@ -52,6 +58,7 @@ def test_prune_keeps_newest(storage, tmp_path):
 
 def test_rollout_batches_round_trip(storage):
     store = RunStore(storage, "r4")
+    store.claim()
     table = pa.table({"prompt": ["a", "b"], "output_ids": [[1, 2], [3]], "output_logprobs": [[-0.5, -1.0], [-2.0]]})
     store.save_rollout(7, table)
     assert store.load_rollout(7).equals(table)
@@ -160,3 +167,57 @@ def test_export_of_a_lora_adapter(tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(["export", "r", str(tmp_path / "b"), "--adapter", "--store", root]) == 2
     assert "step 4 of 'r' has no LoRA adapter" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "a/b", "../runs-b", "a\\b"])
+def test_a_run_name_outside_the_store_is_refused(storage, name):
+    """The config refuses such names too; the store refuses them itself, whoever built it (here: directly)."""
+    with pytest.raises(RunNameError, match=rf"^name: run name .*\(storage.uri {re.escape(storage.uri)}\)$"):
+        RunStore(storage, name)
+
+
+def test_a_run_folder_that_resolves_outside_the_store_is_refused(tmp_path):
+    """A local run folder that is a symlink out of the store: its resolved path is not inside the root."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "runs" / "r")
+    with pytest.raises(RunNameError, match=r"resolves to .*/elsewhere, not a folder of"):
+        RunStore(str(tmp_path / "runs"), "r")
+
+
+def test_the_cleanup_never_deletes_a_folder_without_the_marker(storage):
+    """A folder rlflow did not create (here: one named like a run, holding what clean_torn and prune delete) is
+    never cleaned: every cleanup names it and deletes nothing, and claim refuses it before writing anything."""
+    store = RunStore(storage, "notes")
+    store.write_bytes(b"mine", "checkpoints", 3, "w.bin")  # no COMMITTED: what clean_torn would call torn
+    store.write_bytes(b"mine", "steps", 1, "rollout.parquet")
+    store.write_bytes(b"3", "checkpoints", 2, "COMMITTED")
+    before, folder = store.files(), re.escape(store.uri())
+    for cleanup in (store.clean_torn, lambda: store.prune(keep_last=0), lambda: store.prune_rollouts(9)):
+        with pytest.raises(NotThisRun, match=rf"refusing to delete anything in {folder}: it has no RUN marker"):
+            cleanup()
+    with pytest.raises(NotThisRun, match=rf"{folder} holds checkpoints, steps but no RUN marker of run 'notes'"):
+        store.claim()
+    assert RunStore(storage, "notes").files() == before  # nothing deleted, nothing written (no marker, no lock)
+
+
+def test_claim_creates_the_marker_and_adopts_a_run_from_before_markers(storage, tmp_path):
+    fresh = RunStore(storage, "fresh")
+    made = fresh.claim()
+    assert made["run"] == "fresh" and len(made["id"]) == 32
+    assert RunStore(storage, "fresh").claim() == made  # a second start keeps the creation id
+    old = RunStore(storage, "old")  # a run written before markers: its config.json names it
+    old.write_json({"name": "old"}, "config.json")
+    old.commit_checkpoint(2, _ckpt(tmp_path, 2), {"step": 2})
+    old.write_bytes(b"partial", "checkpoints", 4, "model", "w.bin")
+    assert old.claim()["adopted"] is True and old.read_json("RUN")["run"] == "old"
+    assert old.clean_torn() == ["checkpoints/4"] and old.committed_steps() == [2]
+    other = RunStore(storage, "copy")  # a folder whose config.json names another run is not adopted
+    other.write_json({"name": "old"}, "config.json")
+    with pytest.raises(NotThisRun, match="no RUN marker of run 'copy' \\(nor a config.json naming it\\)"):
+        other.claim()
+    other.write_json({"run": "old", "id": "x"}, "RUN")  # nor is one whose marker names another run
+    with pytest.raises(NotThisRun, match=r"RUN belongs to run 'old', not 'copy'"):
+        other.claim()
+    with pytest.raises(NotThisRun):
+        other.clean_torn()

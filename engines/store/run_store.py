@@ -1,6 +1,8 @@
 """The run store: everything a run needs to resume, on any fsspec filesystem (local path, file://, s3://).
 
 Layout (see docs/architecture.md):
+    <root>/<run>/RUN                              written when the run is created: its name and a creation id
+    <root>/<run>/LEASE                            the process writing the run (engines/store/lease.py)
     <root>/<run>/config.json
     <root>/<run>/steps/<step>/rollout.parquet     the step's generated samples
     <root>/<run>/steps/<step>/COMMITTED           written after rollout.parquet
@@ -12,17 +14,23 @@ Object stores have no rename, so everything is committed by writing a marker las
 Transient errors (timeouts, 5xx, throttling) are retried with backoff within storage.retries and
 storage.deadline_s (engines/core/retry.py, the only retry layer); anything else stops the run with a
 StorageError naming the URI (a missing bucket: naming the bucket and the endpoint).
+
+A run's folder is always one level inside the root (a name such as `..` is refused here, whatever validated it
+before), and nothing is deleted by listing a run's folder unless its RUN marker says the folder is that run's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import io
 import json
 import logging
 import os
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,6 +48,56 @@ T = TypeVar("T")
 
 class StorageError(RuntimeError):
     """A storage call that failed for good: the message names the URI and the reason."""
+
+
+class RunNameError(StorageError, ValueError):
+    """A run name that would put the run's folder anywhere but directly inside the store's root."""
+
+
+class NotThisRun(StorageError):
+    """A run folder this store cannot prove is the run's own (no RUN marker of that name): never written to by
+    `claim`, never cleaned."""
+
+
+class Conflict(Exception):
+    """A conditional write lost to another writer: the file changed between its read and the write."""
+
+
+MARKER = "RUN"
+_CONFLICT_CODES = {"PreconditionFailed", "ConditionalRequestConflict", "412", "409"}
+
+
+def lost_a_race(err: BaseException) -> bool:
+    """Whether a failed conditional write means another writer came first: S3's 412 PreconditionFailed (s3fs: an
+    OSError, or FileExistsError for If-None-Match), 409 ConditionalRequestConflict, or the file gone (If-Match on a
+    deleted key)."""
+    seen: BaseException | None = err
+    for _ in range(6):
+        if seen is None:
+            return False
+        if isinstance(seen, FileExistsError | FileNotFoundError):
+            return True
+        resp = getattr(seen, "response", None)
+        if isinstance(resp, dict) and str(resp.get("Error", {}).get("Code", "")) in _CONFLICT_CODES:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def check_run_name(root: str, run: str, protocol: str, uri: str) -> None:
+    """Refuse a run name whose folder would not be strictly inside the store's root: empty, `.`, `..`, a path
+    separator, or (local stores) a folder that resolves elsewhere through a symlink. The config validates `name`
+    too; this check holds for every caller that builds a store, whatever it validated."""
+    problem = None
+    if run in ("", ".", "..") or any(c in run for c in ("/", "\\", "\0")):
+        problem = "is not a single folder name"
+    elif protocol == "file":
+        real_root = os.path.realpath(root)
+        if os.path.dirname(os.path.realpath(f"{root}/{run}")) != real_root:
+            problem = f"resolves to {os.path.realpath(f'{root}/{run}')}, not a folder of {real_root}"
+    if problem:
+        raise RunNameError(f"name: run name {run!r} {problem}: a run's folder must be directly inside the run "
+                           f"store (storage.uri {uri})")
 
 
 def missing_bucket(err: BaseException) -> bool:
@@ -66,10 +124,12 @@ class RunStore:
         if self.protocol in ("s3", "s3a"):
             self.fs.retries = 1  # s3fs's own retry loop (a class attribute, 5): the policy below is the only one
         self.root = root_path.rstrip("/")
+        check_run_name(self.root, run, self.protocol, storage.uri)
         self.run = run
         self.run_dir = f"{self.root}/{run}"
         self.endpoint = storage.endpoint_url
         self.policy = dataclasses.replace(storage.retry_policy(), backoff_s=backoff_s)
+        self._marker: dict | None = None  # this run's RUN marker, once read or written
 
     # ---- the one place storage is called ------------------------------------------------------------
     def _call(self, what: str, path: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -167,6 +227,132 @@ class RunStore:
         if self._call("stat", path, self.fs.exists, path):
             self._call("delete", path, self.fs.rm, path, recursive=True)
 
+    # ---- the run's own folder: its marker, and files that concurrent processes contend for ------------------
+    def claim(self) -> dict:
+        """Make this folder the run's, or prove it is: the RUN marker (JSON: run name, creation id and time) is
+        written when the folder holds nothing yet, read back when it is there. A folder of an earlier version
+        (no marker, a config.json naming this run) is adopted and given one. Anything else is a NotThisRun naming
+        the folder, raised before anything is written there: the folder was not made by this run, and nothing
+        here writes into it or cleans it."""
+        before = self.read_json(MARKER) if self.exists(MARKER) else None
+        self._new_marker(before)  # a folder that is not this run's is refused before anything is written into it
+        self._marker = self.update_json(self._new_marker, MARKER)
+        if before is None and self._marker.get("adopted"):
+            log.warning("run folder %s had no %s marker (made before rlflow wrote one): adopted as run %r, "
+                        "its config.json naming it", self.uri(), MARKER, self.run)
+        return self._marker
+
+    def _new_marker(self, marker: dict | None) -> dict | None:
+        """The marker to write over `marker` (the one there, or None): None to keep it, else a new one."""
+        if marker is not None:
+            if marker.get("run") != self.run:
+                raise NotThisRun(f"{self.uri(MARKER)} belongs to run {marker.get('run')!r}, not {self.run!r}")
+            return None
+        made = {"run": self.run, "id": uuid.uuid4().hex,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        others = sorted(set(self._list()) - {MARKER, f"{MARKER}.lock", "LEASE", "LEASE.lock"})
+        if not others:
+            return made
+        stored = self.read_json("config.json") if "config.json" in others else {}
+        if isinstance(stored, dict) and stored.get("name") == self.run:
+            return made | {"adopted": True}
+        raise NotThisRun(
+            f"name: {self.uri()} holds {', '.join(others[:5])}{' ...' if len(others) > 5 else ''} but no {MARKER} "
+            f"marker of run {self.run!r} (nor a config.json naming it): not a run folder, so rlflow neither writes "
+            f"into nor cleans it (storage.uri {self._uri(self.root)})")
+
+    def require_marker(self) -> None:
+        """Before a delete that lists the run's folder to find what to delete: the folder must carry this run's
+        RUN marker (claim writes it), else a NotThisRun naming the folder and nothing is deleted."""
+        if self._marker is not None:
+            return
+        marker = self.read_json(MARKER) if self.exists(MARKER) else None
+        if not isinstance(marker, dict) or marker.get("run") != self.run:
+            raise NotThisRun(f"refusing to delete anything in {self.uri()}: it has no {MARKER} marker of run "
+                             f"{self.run!r} (a folder that is not provably this run's is never cleaned)")
+        self._marker = marker
+
+    def update_json(self, change: Callable[[Any], Any], *parts: str | int, attempts: int = 8) -> Any:
+        """Read-modify-write of a small JSON file that several processes may contend for (RUN, LEASE):
+        `change(current or None)` returns the new content (None: keep the current one; raise: leave it and say why),
+        written only if the file did not change since it was read, else read and decided again. Returns what the
+        file then holds.
+
+        Local stores hold an exclusive flock on `<file>.lock` over the read and the write (also between hosts
+        sharing an NFS mount with working locks). Object stores write conditionally: on S3 `If-None-Match: *` to
+        create and `If-Match: <ETag read>` to replace (AWS S3, MinIO and moto honour both); every remote write is
+        then read back, which catches a server that ignores the conditions, except for two writers whose writes
+        both land between the other's read and read-back (a window of one round trip)."""
+        path = self.path(*parts)
+        for _ in range(attempts):
+            with self._file_lock(path):
+                current, version = self._read_versioned(path)
+                new = change(current)
+                if new is None:
+                    return current
+                try:
+                    self._write_if_unchanged(path, json.dumps(new, indent=1, sort_keys=True).encode(), version)
+                except Conflict:
+                    continue
+                if self.protocol == "file" or self._read_versioned(path)[0] == new:
+                    return new
+        raise StorageError(f"update {self._uri(path)}: {attempts} attempts in a row lost to other writers")
+
+    @contextlib.contextmanager
+    def _file_lock(self, path: str) -> Iterator[None]:
+        if self.protocol != "file":
+            yield
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _read_versioned(self, path: str) -> tuple[Any, str | None]:
+        """(parsed JSON or None if absent, the version a conditional write compares: S3's ETag, else None). The
+        ETag is read before the body: a body newer than it makes the conditional write fail, never succeed."""
+        if self.protocol in ("s3", "s3a"):
+            try:
+                etag = self._call("stat", path, self.fs.info, path, refresh=True).get("ETag")
+            except FileNotFoundError:
+                return None, None
+        elif not self._call("stat", path, self.fs.exists, path):
+            return None, None
+        else:
+            etag = None
+        try:
+            data = self._call("read", path, self.fs.cat_file, path)
+        except FileNotFoundError:
+            return None, None
+        try:
+            return json.loads(data), etag
+        except ValueError as e:
+            raise StorageError(f"{self._uri(path)}: not JSON ({e}); expected the file rlflow writes there") from None
+
+    def _write_if_unchanged(self, path: str, data: bytes, version: str | None) -> None:
+        if self.protocol == "file":  # under the flock: write a new file and move it over, so readers never see half
+            tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+            return
+        condition = {}
+        if self.protocol in ("s3", "s3a"):
+            condition = {"IfMatch": version} if version else {"IfNoneMatch": "*"}
+        try:
+            self._call("write", path, self.fs.pipe_file, path, data, **condition)
+        except FileNotFoundError as e:  # If-Match on a key deleted since it was read
+            raise Conflict from e
+        except StorageError as e:
+            if lost_a_race(e):
+                raise Conflict from e
+            raise
+        finally:
+            self.fs.invalidate_cache(path)
+
     def _list(self, *parts: str | int) -> list[str]:
         path = self.path(*parts)
         if not self._call("stat", path, self.fs.exists, path):
@@ -251,7 +437,9 @@ class RunStore:
                            f"{where}: {', '.join(map(str, committed))}")
 
     def clean_torn(self) -> list[str]:
-        """Delete checkpoints and rollout batches that never got their COMMITTED marker."""
+        """Delete checkpoints and rollout batches that never got their COMMITTED marker: only in a folder that
+        carries this run's RUN marker (require_marker)."""
+        self.require_marker()
         removed = []
         for kind in ("checkpoints", "steps", "rounds"):
             for name in self._list(kind):
@@ -277,6 +465,7 @@ class RunStore:
 
     def prune(self, keep_last: int) -> list[int]:
         """Delete all but the newest `keep_last` committed checkpoints; never the newest one."""
+        self.require_marker()
         steps = self.committed_steps()
         doomed = steps[: max(len(steps) - max(keep_last, 1), 0)]
         for s in doomed:
@@ -285,6 +474,7 @@ class RunStore:
 
     def prune_rollouts(self, before_step: int) -> None:
         """Rollout batches older than the newest checkpoint are never read again on resume."""
+        self.require_marker()
         for name in self._list("steps"):
             if name.isdigit() and int(name) <= before_step:
                 self.remove("steps", name)
@@ -311,12 +501,19 @@ def worker_storage(storage: StorageConfig) -> StorageConfig:
 
 
 def list_runs(storage: StorageConfig | str) -> list[dict]:
-    """Every run under a store root with its latest committed step and whether it finished."""
+    """Every run under a store root with its latest committed step and whether it finished. A root that is not
+    there is a StorageError naming it: a local folder that does not exist, or a bucket (an S3 prefix without
+    objects is an empty store: S3 has no folders)."""
     probe = RunStore(storage, "_")
-    if not probe._call("stat", probe.root, probe.fs.exists, probe.root):
+    try:  # _call names a missing bucket and its endpoint
+        names = probe._call("list", probe.root, probe.fs.ls, probe.root, detail=False)
+    except FileNotFoundError as e:
+        if probe.protocol == "file":
+            raise StorageError(f"run store {probe._uri(probe.root)}: no such folder (storage.uri: the folder that "
+                               "holds the runs)") from e
         return []
     out = []
-    for p in probe._call("list", probe.root, probe.fs.ls, probe.root, detail=False):
+    for p in names:
         name = p.rstrip("/").rsplit("/", 1)[-1]
         store = RunStore(storage, name)
         if not store.exists("config.json"):
