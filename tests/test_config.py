@@ -9,9 +9,21 @@ import warnings
 import pytest
 import torch
 import yaml
+from pydantic import ValidationError
 
 from rlflow.engines.core.algorithms import rl_loss
-from rlflow.engines.core.config import AlgorithmConfig, RecipeError, load_recipe
+from rlflow.engines.core.config import (
+    AlgorithmConfig,
+    DebugConfig,
+    EvalDatasetConfig,
+    EvaluationConfig,
+    FnRewardSource,
+    RecipeError,
+    RLConfig,
+    apply_overrides,
+    load_recipe,
+    resolve_config,
+)
 from rlflow.engines.session.preflight import check
 from rlflow.flows.cli import main
 from tests.conftest import small_recipe
@@ -379,3 +391,63 @@ def test_async_checkpoints_are_refused_where_they_are_not_written_in_the_backgro
         load_recipe(write(tmp_path, raw))
     assert len(e.value.problems) == 1 and "checkpoint.async_save" in e.value.problems[0], e.value.problems
     assert why in e.value.problems[0]
+
+
+@pytest.mark.parametrize("name", [".", "..", "..."])
+def test_a_run_name_made_of_dots_is_refused_naming_the_field(tmp_path, name):
+    """A run's name is its folder in the store: `..` would put the run in the store's parent (issue 49). A recipe,
+    a `--set` override (the CLI) and the Prefect run form's config or overrides all reach the same check."""
+    good = write(tmp_path, small_recipe(tmp_path))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(small_recipe(tmp_path, name=name)))
+    loads = {
+        "recipe": lambda: load_recipe(bad),
+        "--set": lambda: load_recipe(good, [f"name='{name}'"]),  # quoted: a bare ... is YAML's document end
+        "form config": lambda: resolve_config(RLConfig, {"name": name}, good, None),
+        "form overrides": lambda: resolve_config(RLConfig, None, good, [f"name='{name}'"]),
+    }
+    for how, load in loads.items():
+        with pytest.raises(RecipeError) as e:
+            load()
+        assert len(e.value.problems) == 1, (how, e.value.problems)
+        assert e.value.problems[0].startswith(f"name: Value error, {name!r} is not a usable name"), (how, e.value)
+
+
+def test_cli_refuses_a_run_name_that_leaves_the_store(tmp_path, capsys):
+    assert main(["validate", write(tmp_path, small_recipe(tmp_path)), "--set", "name=.."]) == 2
+    assert "name: Value error, '..' is not a usable name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["v1.2", "run.", ".run", "a..b", "-", "_"])
+def test_names_with_dots_and_something_else_still_load(tmp_path, name):
+    assert load_recipe(write(tmp_path, small_recipe(tmp_path, name=name))).name == name
+
+
+@pytest.mark.parametrize("model, raw, field", [
+    (DebugConfig, {"replay_run": ".."}, "replay_run"),
+    (EvalDatasetConfig, {"path": "e.jsonl", "name": "."}, "name"),
+    (EvaluationConfig, {"name": "..", "checkpoint": "runs/a", "eval": {"datasets": [{"path": "e.jsonl"}]}}, "name"),
+    (FnRewardSource, {"kind": "fn", "name": ".."}, "name"),
+])
+def test_every_name_field_refuses_dots_alone(model, raw, field):
+    """The other names a recipe gives (a replayed run's folder, MLflow and file names) follow the run name's rule,
+    and keep refusing what the pattern refuses."""
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(raw)
+    assert [(err["loc"], "is not a usable name" in err["msg"]) for err in e.value.errors()] == [((field,), True)]
+    with pytest.raises(ValidationError, match="String should match pattern"):
+        model.model_validate(raw | {field: "a/b"})
+    assert getattr(model.model_validate(raw | {field: "a.b"}), field) == "a.b"
+
+
+def test_a_replayed_run_named_dots_is_refused_in_a_recipe(tmp_path):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, small_recipe(tmp_path)), ["debug.mode=train_only", "debug.replay_run=.."])
+    assert [p.split(":")[0] for p in e.value.problems] == ["debug.replay_run"]
+
+
+def test_an_override_that_is_not_yaml_names_itself():
+    with pytest.raises(RecipeError) as e:
+        apply_overrides({}, ["name=..."])  # YAML reads a bare ... as the end of the document
+    assert e.value.problems == ["'name=...': the value is not valid YAML (expected the node content, but found "
+                                "'<document end>'); quote a string: name='...'"]
