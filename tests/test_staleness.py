@@ -101,18 +101,60 @@ def test_a_steps_prompts_do_not_depend_on_the_order_steps_take_them():
     assert resumed.take(3) == expected[3] and resumed.take(2) == expected[2]
 
 
-def test_dynamic_sampling_runs_two_steps_ahead_in_order(tmp_path):
-    """Dynamic sampling with max_staleness 2 in the bare loop (engines in this process): each rollout carries
-    prompts into the next, so the schedule chains them; every step trains, within the bound."""
-    from bench.bare_loop import run_bare
+def test_dynamic_sampling_runs_two_steps_ahead_in_order(tmp_path, monkeypatch):
+    """Dynamic sampling with max_staleness 2 in the bare loop (engines in this process, the real rollouts): the
+    rollouts of steps s + 1 and s + 2 are handed to the loop's executor before step s trains, with version s on
+    the workers; each carries prompts into the next, so each one starts only after the one before it ended; every
+    step trains on samples within the bound (all but the carried ones, which are older by design: docs/rollout.md)."""
+    from bench.e2e import bare_loop
     from rlflow.engines.core.config import config_from_dict
+    from rlflow.engines.session.rl import RLSession
+    from rlflow.engines.session.workers import prepare_data, prepare_model
     from tests.conftest import small_recipe
 
     cfg = config_from_dict(small_recipe(
         tmp_path, cluster={"use_ray": False}, train={"steps": 4, "threads": 1},
         rollout={"prompts_per_step": 8, "samples_per_prompt": 4, "max_staleness": 2,
                  "dynamic_sampling": {"enabled": True, "over_sample": 2.0}}))
-    history = run_bare(cfg, str(tmp_path), log=lambda line: None)
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
+    events: list[tuple] = []  # (what, step, the weight version on the rollout workers then)
+    trained_versions: dict[int, list[int]] = {}  # each step's samples that were not carried: the versions they began
+
+    def recorded(what: str, stage):
+        def call(step: int) -> dict:
+            events.append((what, step, session.weight_version))
+            if what == "train":
+                batch = session.rollout_batch(step)
+                trained_versions[step] = batch.weight_version[~batch.carried].tolist()
+            out = stage(step)
+            events.append((f"{what} end", step, session.weight_version))
+            return out
+        return call
+
+    class RecordingPool(bare_loop.ThreadPoolExecutor):  # the loop's real executor, its submissions recorded
+        def submit(self, fn, step, *args):
+            events.append(("submit", step, session.weight_version))
+            return super().submit(fn, step, *args)
+
+    session.rollout, session.train = recorded("rollout", session.rollout), recorded("train", session.train)
+    monkeypatch.setattr(bare_loop, "ThreadPoolExecutor", RecordingPool)
+    try:
+        history = bare_loop.run_steps(session, cfg, log=lambda line: None)
+    finally:
+        session.shutdown()
     assert [m["step"] for m in history] == [0, 1, 2, 3]
     assert all(m["rollout/ds_prompts_started"] >= 8 for m in history)
-    assert all(m["train/staleness_max"] <= 2 for m in history)
+
+    def where(kind: str) -> dict[int, int]:
+        return {step: i for i, (what, step, _) in enumerate(events) if what == kind}
+
+    submitted = {step: version for what, step, version in events if what == "submit"}
+    assert submitted == {1: 0, 2: 0, 3: 1}  # two steps ahead: steps 1 and 2 with version 0, step 3 with version 1
+    submits, trains, starts, ends = where("submit"), where("train"), where("rollout"), where("rollout end")
+    assert all(submits[step] < trains[max(0, step - 2)] for step in (1, 2, 3))  # ... before step - 2 trains
+    assert sorted(starts, key=starts.get) == [0, 1, 2, 3]
+    assert all(ends[step - 1] < starts[step] for step in (1, 2, 3))  # chained: each after the one before it
+    assert all(version >= step - 2 for what, step, version in events if what == "rollout")  # the bound, as it began
+    assert all(versions and min(versions) >= step - 2 for step, versions in trained_versions.items())
+    assert sorted(trained_versions) == [0, 1, 2, 3]
