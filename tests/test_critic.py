@@ -24,6 +24,7 @@ from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.models.hf import load_model
 from rlflow.engines.session.preflight import find_problems
 from rlflow.engines.session.rl import RLSession
+from rlflow.engines.session.stages.train_batch import pack
 from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 from tests.conftest import assert_same_update, small_recipe
@@ -174,8 +175,8 @@ def test_ppo_stages_train_policy_and_critic(recipe, tmp_path):
     session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
     policy0, critic0 = _weights(session.train_group), _weights(session.critic_group)
     history = _run_steps(session, range(1))
-    st = session._state(0)
-    mask = session._pack(st, st.advantages)["loss_mask"]
+    st = session.steps.get(0)
+    mask = pack(session, st, st.advantages)["loss_mask"]
     assert st.advantages.shape == st.values.shape == st.returns.shape == mask.shape  # token-level, packed layout
     assert abs(float(algorithms.masked_mean(st.advantages, mask))) < 1e-5  # whitened
     assert not st.values.any() and history[0]["critic/values_mean"] == 0.0  # the zero head
@@ -199,7 +200,7 @@ def test_critic_beside_grpo_keeps_grpo_advantages(recipe, tmp_path):
     prepare_data(cfg)
     session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
     m = _run_steps(session, range(1))[0]
-    st = session._state(0)
+    st = session.steps.get(0)
     assert torch.equal(st.advantages, algorithms.group_advantages(torch.tensor(st.batch.reward, dtype=torch.float32),
                                                               cfg.rollout.samples_per_prompt, True))
     assert m["critic/value_loss"] > 0 and "adv/shaped_reward_mean" not in m

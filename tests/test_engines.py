@@ -207,7 +207,7 @@ def test_session_token_advantages_kl_reward_and_is(recipe, tmp_path):
         session.rollout(step)
         session.reward(step)
         adv = session.advantages(step)
-        st = session._state(step)
+        st = session.steps.get(step)
         n = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
         assert st.advantages.dim() == 2 and st.advantages.shape[0] == n and st.train_logprobs is not None
         train = session.train(step)

@@ -264,7 +264,7 @@ def test_train_and_eval_render_a_prompt_alike(tmp_path, chat_model_dir):
     session = RLSession.create(cfg, chat_model_dir, use_ray=False)
     try:
         session.rollout(0)
-        st = session._state(0)
+        st = session.steps.get(0)
         b = st.batch
         in_training = {st.rows[int(g)]["prompt"]: ids for g, ids in zip(b.group, b.prompt_ids, strict=True)}
     finally:
@@ -421,7 +421,7 @@ def test_a_verl_parquet_file_trains_as_it_is(tmp_path, chat_model_dir):
     try:
         session.rollout(0)
         assert session.reward(0)["rollout/reward_mean"] == 1.0
-        st = session._state(0)
+        st = session.steps.get(0)
         first = st.rows[int(st.batch.group[0])]
         assert st.batch.prompt_ids[0] == encode_prompt(session.tokenizer, first["messages"])
     finally:

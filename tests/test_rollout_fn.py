@@ -17,6 +17,7 @@ from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, Sample
 from rlflow.engines.rollout.router import RolloutRouter
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.session.rl import RLSession
+from rlflow.engines.session.stages.train_batch import pack
 from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.sync.endpoints import GpuLinkProbe
 from tests.conftest import small_recipe
@@ -134,10 +135,10 @@ def test_dynamic_sampling_aborts_the_rest_and_loses_no_finished_sample(served):
     long = PARAMS | {"max_new_tokens": 24, "ignore_eos": True}
     runner = RolloutRunner(recording, url, [b.server_url() for b in backends], token=TOKEN)
     try:
-        def collect(carry):
+        def collect(carry, need=3, max_prompts=40):
             return runner.submit(collect_groups(
-                recording, "recording", url, long, 3, lambda k: [next(supply) for _ in range(k)], score, carry,
-                over_sample=4.0, max_prompts=40, partial=True))
+                recording, "recording", url, long, need, lambda k: [next(supply) for _ in range(k)], score, carry,
+                over_sample=4.0, max_prompts=max_prompts, partial=True))
 
         first = collect([])
         assert len(first.groups) == 3 and first.metrics["rollout/ds_aborted_samples"] > 0
@@ -151,14 +152,15 @@ def test_dynamic_sampling_aborts_the_rest_and_loses_no_finished_sample(served):
         assert cut, "some running request was cut short with tokens"
 
         carry = [Carry.from_json(c.to_json(), backends[0].tokenizer) for c in first.carry]  # as a checkpoint does
-        second = collect(carry)
+        # the next step needs exactly the carried groups and starts no new prompt, so every cut-short sample runs on
+        second = collect(carry, need=len(carry), max_prompts=0)
+        assert not second.carry and second.metrics["rollout/ds_aborted_samples"] == 0
         continued = {(p.index, j): s for p, g in second.groups for j, s in enumerate(g)}
-        continued |= {(c.prompt.index, j): s for c in second.carry for j, s in enumerate(c.samples)}
         for index, j, head in cut:
-            s = continued.get((index, j))
-            if s is not None and s.finish_reason != "abort":
-                assert s.response_ids[: len(head)] == head and len(s.response_ids) == 24
-                assert s.metadata.get("partial") and s.metadata.get("carried")
+            s = continued[(index, j)]
+            assert s.finish_reason == "length" and len(s.response_ids) == 24
+            assert s.response_ids[: len(head)] == head, "continued after the tokens it had, not generated anew"
+            assert s.metadata.get("partial") and s.metadata.get("carried")
     finally:
         runner.close()
 
@@ -186,8 +188,8 @@ def test_calculator_example_masks_the_tool_out_of_the_loss_and_learns(tmp_path):
             session.rollout(step)
             rewards.append(session.reward(step)["rollout/reward_mean"])
             if step == 0:
-                st = session._state(0)
-                batch = session._pack(st, torch.zeros(len(st.batch)))
+                st = session.steps.get(0)
+                batch = pack(session, st, torch.zeros(len(st.batch)))
                 for i, (p, row_mask) in enumerate(zip(st.batch.prompt_ids, batch["loss_mask"], strict=True)):
                     ids = batch["input_ids"][i, : int(batch["attention_mask"][i].sum())].tolist()
                     text = tok.decode(ids[len(p):], skip_special_tokens=False)
@@ -214,10 +216,10 @@ def test_openai_agent_example_trains_with_logprobs_the_trainer_computes(tmp_path
     try:
         session.rollout(0)
         session.reward(0)
-        st = session._state(0)
+        st = session.steps.get(0)
         assert not st.batch.has_logprobs.any() and (st.batch.weight_version == -1).all()
         session.advantages(0)
-        batch = session._pack(st, torch.zeros(len(st.batch)))
+        batch = pack(session, st, torch.zeros(len(st.batch)))
         trained = batch["loss_mask"] > 0
         assert trained.any() and (batch["old_logprobs"][trained] < 0).all()
         metrics = session.train(0)

@@ -22,7 +22,8 @@ from rlflow.engines.core.config import RLConfig, StorageConfig, TrainConfig
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.data.prompts import PromptCursor, load_pairs
 from rlflow.engines.models.hf import encode_prompt, prompt_input
-from rlflow.engines.session.rl import RLSession, save_tokenizer, worker_target
+from rlflow.engines.session.rl import RLSession
+from rlflow.engines.session.stages.checkpoint import save_tokenizer, worker_target
 
 # rejection sampling's round table (<run>/rounds/<round>/samples.parquet): a scored rollout batch and which
 # samples the verifier kept
