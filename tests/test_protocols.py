@@ -4,6 +4,7 @@ protocol's methods (never a method-name string)."""
 from __future__ import annotations
 
 import ast
+import typing
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,20 @@ def test_megatron_backend_implements_what_it_declares() -> None:
     assert TrainBackend in declared(MegatronTrainBackend)
     for protocol in declared(MegatronTrainBackend):
         assert missing_methods(MegatronTrainBackend, protocol) == [], protocol.__name__
+    assert not code_bases(MegatronTrainBackend)
+
+
+def code_bases(cls: type) -> list[str]:
+    """The classes `cls` inherits that are not protocols (they would bring it code)."""
+    return [b.__name__ for b in cls.__mro__[1:]
+            if b not in (object, typing.Generic) and not getattr(b, "_is_protocol", False)]
+
+
+@pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
+def test_backends_inherit_declarations_only(cls: type) -> None:
+    """A backend's bases say what it may be called through; what a transport does on its side comes by
+    composition from engines/sync/ (docs/architecture.md, "Weight sync"), never from an inherited mixin."""
+    assert code_bases(cls) == []
 
 
 class HalfTrainer(TrainBackend):

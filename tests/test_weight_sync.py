@@ -122,7 +122,7 @@ def test_store_transport_matches_in_memory(backend, recipe, tmp_path):
 def test_flat_weights_copy_as_one_slice():
     """GPU transports lay weights out flat (flatten_) so a whole run of them is one slice (flat_span); the
     copy through that slice must give the same weights as the per-tensor path. Checked here on CPU tensors;
-    the CUDA IPC and NCCL paths that use it run on the device machine (bench/gpu_rl.py)."""
+    the CUDA IPC and NCCL paths that use it run on the device machine (bench/e2e/rl.py)."""
     from rlflow.engines.models.flat_weights import flat_span, flatten_
     from rlflow.engines.sync.cuda_ipc import copy_plan
 
@@ -222,6 +222,62 @@ def test_shared_weights_map_by_name_and_a_view_outside_the_buffer_fails(tmp_path
         flatten_({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, into=torch.zeros(16))
 
 
+def test_a_sharded_ranks_writer_checks_every_shape_before_it_writes_and_keeps_a_cpu_mapping(tmp_path):
+    """cuda_ipc's trainer end (SharedWeightsWriter): the rank's gather writes through the mapped views into the
+    rollout worker's memory and the bytes written come back; a CPU file is mapped once, so the next write with
+    the same handle reuses the mapping. A weight the worker lacks, or a shape that differs, is refused by name
+    before anything is written."""
+    from rlflow.engines.models.flat_weights import flatten_
+    from rlflow.engines.sync.cuda_ipc import SharedWeightsWriter, share_flat
+
+    path = str(tmp_path / "weights")
+    engine = {"a": torch.zeros(3, 4), "b": torch.zeros(5)}
+    handle = share_flat(flatten_(engine, into=torch.from_file(path, shared=True, size=17, dtype=torch.float32)),
+                        engine, path)
+    shapes = {n: torch.empty(t.shape, device="meta") for n, t in engine.items()}
+    gathers: list[list[str]] = []
+
+    def gather_into(value: float):
+        def write(views: dict[str, torch.Tensor]) -> None:
+            gathers.append(sorted(views))
+            for t in views.values():
+                t.fill_(value)
+        return write
+
+    writer = SharedWeightsWriter()
+    assert writer.write(handle, torch.device("cpu"), shapes, gather_into(1.0)) == 17 * 4
+    assert all(torch.equal(t, torch.ones_like(t)) for t in engine.values())
+    assert writer.write(handle, torch.device("cpu"), shapes, gather_into(2.0)) == 17 * 4  # the file is gone: kept
+    assert all(torch.equal(t, torch.full_like(t, 2.0)) for t in engine.values())
+    with pytest.raises(KeyError, match=r"has no weight \['c'\]"):
+        writer.write(handle, torch.device("cpu"), shapes | {"c": torch.empty(1, device="meta")}, gather_into(3.0))
+    with pytest.raises(ValueError, match=r"a: \(4, 3\) here, \(3, 4\) there"):
+        writer.write(handle, torch.device("cpu"), shapes | {"a": torch.empty(4, 3, device="meta")}, gather_into(3.0))
+    with pytest.raises(ValueError, match="12 elements sent, 17 held there"):
+        writer.write(handle, torch.device("cpu"), {"a": shapes["a"]}, gather_into(3.0))
+    assert len(gathers) == 2 and all(torch.equal(t, torch.full_like(t, 2.0)) for t in engine.values())
+
+
+def test_the_distributed_senders_other_ranks_join_only_the_gather():
+    """distributed's trainer end (DistributedWeightSender): every rank runs the backend's gather (a collective),
+    in the dtype named, onto the CPU for gloo; only rank 0 is in the weight-update group and broadcasts, and it
+    refuses to broadcast before it joined."""
+    from rlflow.engines.sync.distributed import DistributedWeightSender
+
+    asked = []
+
+    def gather(names, dtype, device):
+        asked.append((names, dtype, device))
+        return [(n, torch.zeros(2, dtype=dtype)) for n in names]
+
+    other = DistributedWeightSender(rank=1)
+    other.join("127.0.0.1", 1, 3)  # no rendezvous is served or joined: a wrong port cannot fail it
+    assert other.group is None and other.broadcast(gather, ["w"], "bfloat16") == 0
+    with pytest.raises(RuntimeError, match="join_weights_update_group first"):
+        DistributedWeightSender(rank=0).broadcast(gather, ["w"], "float32")
+    assert asked == [(["w"], torch.bfloat16, "cpu"), (["w"], torch.float32, "cpu")]
+
+
 def test_released_weights_are_let_go_and_a_write_into_them_is_refused(tiny_model_dir):
     """A colocated engine's weights in one flat buffer (as on a GPU) are freed by a release, even after a decode step
     made fused views of them (they kept 15 GB alive through training at 7B). A write that a sharded trainer began
@@ -255,7 +311,7 @@ def test_released_weights_are_let_go_and_a_write_into_them_is_refused(tiny_model
 
 def test_together_returns_in_order_and_a_member_left_in_a_collective_does_not_hold_the_exit():
     """A lost GPU leaves a member of a weight-sync collective waiting for good: `together` raises the first error
-    at once, and its threads are daemons, so the process still exits (bench/gpu_fault.py's killed run)."""
+    at once, and its threads are daemons, so the process still exits (bench/e2e/fault.py's killed run)."""
     import subprocess
     import sys
     import time

@@ -14,11 +14,41 @@ loaded.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from rlflow.engines.core.config import LoraConfig
 from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.base import WeightTransport
 from rlflow.engines.sync.disk import disk_folder
-from rlflow.engines.sync.endpoints import AdapterReceiver, AdapterSender
+
+
+class AdapterSender(Protocol):
+    """The trainer's side of LoRA sync (train.lora): only the adapter moves."""
+
+    def save_adapter(self, path: str) -> int:
+        """Write the current LoRA adapter in PEFT's format (adapter_config.json + adapter_model.safetensors)
+        into the local folder `path`. Collective over the train ranks (each holds a shard); rank 0 writes.
+        Returns the adapter's bytes."""
+        ...
+
+
+class AdapterReceiver(Protocol):
+    """A rollout worker's side of LoRA sync: SGLang's adapter routes, with their field names."""
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """/load_lora_adapter: serve the PEFT adapter in the local folder `lora_path` under `lora_name`
+        (requests then name it in /generate's `lora_path`), replacing the adapter this worker serves under that
+        name, if any (SGLang refuses a loaded name: its backend unloads it first)."""
+        ...
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """/unload_lora_adapter."""
+        ...
+
+    def update_weight_version(self, version: int) -> None:
+        """/update_weight_version: the version the server stamps on what it generates from now on (a loaded
+        adapter does not change it by itself)."""
+        ...
 
 
 def adapter_dir(version: int) -> tuple[str, str]:

@@ -1,7 +1,9 @@
-"""What every weight transport shares: the trainer's side as a `WeightSource` (its weight layout, the bucket
-plan, the rank-0-or-collective call), the `WeightTransport` base class a transport subclasses, and `together`
-for collectives driven from one thread. Transports live one per module beside this one; the registry that
-names them by `weight_sync.transport` is engines/sync/transports.py.
+"""What every weight transport shares: the train side as the driver sees it, a `WeightSource` (its weight
+layout, the bucket plan, the rank-0-or-collective call), the `WeightTransport` base class a transport subclasses,
+`together` for collectives driven from one thread, and `free_rendezvous_address` for the groups train rank 0
+serves. Transports live one per module beside this one, each with the protocols it calls on either side and the
+code of the train backends' end; the registry that names them by `weight_sync.transport` is
+engines/sync/transports.py.
 
 A weight update sends HF-named tensors, bucket by bucket, stamped with a weight version so each generated
 sample records which policy produced it. Buckets bound the memory a transfer holds at once.
@@ -16,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from rlflow.engines.cluster.addresses import free_port, node_ip
 from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.protocols import RolloutBackend, TrainBackend, WorkerGroup
 from rlflow.engines.models.flat_weights import fusable_order
@@ -57,6 +60,12 @@ def together(*calls: Callable[[], Any]) -> list[Any]:
         if (exc := finished.get()) is not None:
             raise exc
     return results
+
+
+def free_rendezvous_address() -> tuple[str, int]:
+    """Host and free port for a weight-sync group's TCP store, which the train worker that asks (rank 0 of the
+    group: nccl, distributed) serves."""
+    return node_ip(), free_port()
 
 
 def sharded_trainer(cfg: RLConfig) -> bool:
@@ -127,7 +136,7 @@ class WeightTransport:
     workers (followed by `resend`), `resend(version)` after loading a checkpoint, and `close()` at shutdown. A
     transport implements `push(version)` and, when it keeps a link between the two sides, `connect()` (run
     before the first push, and again after a reconnect) and `close()`. `sender` and `receiver` name the
-    protocols (engines/sync/endpoints.py) it needs of the train and the rollout backends."""
+    protocols it needs of the train and the rollout backends, defined beside it in its module."""
 
     name: ClassVar[str]
     sender: ClassVar[tuple[type, ...]] = ()

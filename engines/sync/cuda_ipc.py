@@ -12,12 +12,15 @@ reducer. Two ways, by how the trainer holds its weights:
   into the mapped weights, and the rollout workers are told the version (`weights_written`). Three calls a
   sync, no staging copy, and no rank ever holds a whole weight it does not write. A GPU rank lets go of the
   mapping when it is done, so that a rollout worker that releases its weights gives the memory back.
+
+The train backends' end is here too: `export_ipc_handles` (one rank) and `SharedWeightsWriter` (several).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
@@ -25,11 +28,40 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from rlflow.engines.models.flat_weights import flat_span
 from rlflow.engines.models.hf import DTYPES
 from rlflow.engines.sync.base import NamedTensors, WeightTransport
-from rlflow.engines.sync.endpoints import IpcReceiver, IpcSender
+
+
+class IpcSender(Protocol):
+    """A train backend's side: `export_ipc_handles` of its parameters (one unsharded rank), or a
+    `SharedWeightsWriter` (a sharded trainer)."""
+
+    def cuda_ipc_handles(self) -> list[tuple[str, tuple]]: ...
+
+    def write_weights_ipc(self, handle: tuple) -> int:
+        """A sharded trainer: gather every weight (collective: every rank joins) straight into the colocated
+        rollout worker's weights that `handle` maps (its `share_weights`); returns the bytes written, once they
+        are there."""
+        ...
+
+
+class IpcReceiver(Protocol):
+    def attach_ipc(self, handles: list[tuple[str, tuple]]) -> None: ...
+
+    def update_weights_from_ipc(self, version: int) -> int: ...
+
+    def share_weights(self) -> tuple:
+        """A sharded colocated trainer writes the weights: allocate them if released and return the handle its
+        GPU's train rank maps them through; generation is refused until `weights_written`."""
+        ...
+
+    def weights_written(self, version: int) -> int:
+        """The trainer wrote every weight: serve them as `version`."""
+        ...
 
 
 def export_ipc_handles(named: NamedTensors) -> list[tuple[str, tuple]]:
-    """(name, handle) per CUDA tensor: the arguments torch's CUDA-IPC reducer rebuilds a shared view from."""
+    """(name, handle) per CUDA tensor: the arguments torch's CUDA-IPC reducer rebuilds a shared view from. The
+    GPU's queued work is waited for first: the other process reads the tensors as they are in memory."""
+    torch.cuda.synchronize()
     out = []
     for name, t in named:
         if not t.is_cuda:
@@ -118,6 +150,42 @@ def open_shared_weights(handle: SharedWeights, device: torch.device) -> tuple[di
         raise ValueError(f"cuda_ipc: unknown weights handle kind {kind!r} (expected 'cuda' or 'file')")
     start = flat.storage_offset()  # the layout's offsets count from the buffer's first element
     return {name: flat.as_strided(shape, stride, start + offset) for name, offset, shape, stride in layout}, numel
+
+
+class SharedWeightsWriter:
+    """A sharded train rank's end of cuda_ipc; a train backend holds one and its write_weights_ipc calls it. It
+    maps its GPU's rollout worker's weights (`share_weights`' handle), checks that both sides agree on every
+    weight's shape, lets the rank gather into them, and waits until they are written. On a GPU the mapping is let
+    go after each write: kept, it would hold the worker's memory through its release. A CPU file is mapped once
+    (opening it removes it) and kept."""
+
+    def __init__(self) -> None:
+        self._mapped: tuple[tuple, dict[str, torch.Tensor], int] | None = None  # (handle key, views, elements)
+
+    def write(self, handle: SharedWeights, device: torch.device, shapes: dict[str, torch.Tensor],
+              gather_into: Callable[[dict[str, torch.Tensor]], None]) -> int:
+        """Map `handle` on `device`, check that it holds every sent weight (`shapes`: each as a meta tensor) and
+        nothing else, and run `gather_into(views)`: the rank's collective that writes every sent weight into its
+        view. Returns the bytes written, once they are there."""
+        key = handle[:2]
+        if self._mapped is None or self._mapped[0] != key:
+            self._mapped = key, *open_shared_weights(handle, device)
+        _, targets, numel = self._mapped
+        if handle[0] == "cuda":
+            self._mapped = None
+        missing = [n for n in shapes if n not in targets]
+        if missing:
+            raise KeyError(f"write_weights_ipc: the rollout worker has no weight {missing[:3]}")
+        differ = [f"{n}: {tuple(s.shape)} here, {tuple(targets[n].shape)} there" for n, s in shapes.items()
+                  if targets[n].shape != s.shape]
+        written = sum(targets[n].numel() for n in shapes)
+        if differ or written != numel:
+            raise ValueError(f"write_weights_ipc: the trainer and the rollout worker disagree on the weights' shapes "
+                             f"({differ[:3] or f'{written} elements sent, {numel} held there'})")
+        gather_into(targets)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the rollout worker generates from them as soon as this returns
+        return written * targets[next(iter(shapes))].element_size()
 
 
 class CudaIpcTransport(WeightTransport):

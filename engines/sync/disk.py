@@ -5,11 +5,18 @@ a version's folder stays until the next version is loaded (or the transport clos
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from rlflow.engines.core.config import RLConfig, StorageConfig
 from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.base import WeightTransport
-from rlflow.engines.sync.endpoints import DiskReceiver, StoreSender
-from rlflow.engines.sync.store import version_dir
+from rlflow.engines.sync.store import StoreSender, version_dir
+
+
+class DiskReceiver(Protocol):
+    def update_weights_from_disk(self, path: str, version: int) -> int:
+        """Load every *.safetensors file of a local folder (SGLang's /update_weights_from_disk)."""
+        ...
 
 
 class DiskTransport(WeightTransport):

@@ -1,7 +1,8 @@
 """SGLang's distributed weight update, in one place: the group (joined as SGLang joins it), the request bodies
-the embedded server's routes and the SGLang backend share, the trainer's sender (`DistributedWeightSender`, a
-mixin of the train backends) and the driver's `distributed` transport (`DistributedTransport`). It is how real
-SGLang servers take weights without a disk hop and without pickle; the embedded engine's server speaks it too.
+the embedded server's routes and the SGLang backend share, the protocols of both sides, the trainer's end
+(`DistributedWeightSender`, which the train backends hold) and the driver's `distributed` transport
+(`DistributedTransport`). It is how real SGLang servers take weights without a disk hop and without pickle; the
+embedded engine's server speaks it too.
 
 SGLang's pair of routes, with its field names and meanings:
 
@@ -26,18 +27,17 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from functools import partial
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
-from rlflow.engines.cluster.addresses import free_port, node_ip
 from rlflow.engines.models.hf import DTYPES
-from rlflow.engines.sync.base import WeightTransport, together
-from rlflow.engines.sync.endpoints import DistributedReceiver, DistributedSender
+from rlflow.engines.sync.base import NamedTensors, WeightTransport, together
 
 GROUP_NAME = "weight_update_group"  # SGLang's default
 INIT_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
@@ -51,6 +51,40 @@ UPDATE_FIELDS = {
     "flush_cache",
     "load_format",
 }
+
+
+class DistributedSender(Protocol):
+    """The trainer's side: a train backend's methods that call its `DistributedWeightSender` (rendezvous_address:
+    `base.free_rendezvous_address`)."""
+
+    def rendezvous_address(self) -> tuple[str, int]: ...
+
+    def join_weights_update_group(self, master_address: str, master_port: int, world_size: int,
+                                  group_name: str = ..., backend: str = "gloo") -> None: ...
+
+    def leave_weights_update_group(self) -> None: ...
+
+    def broadcast_weights_update(self, names: list[str], dtype: str) -> int: ...
+
+
+class DistributedReceiver(Protocol):
+    """A rollout worker's side: SGLang's /init_weights_update_group and /update_weights_from_distributed."""
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = ..., backend: str = ...) -> None: ...
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        version: int, group_name: str = ...) -> int: ...
+
+    def destroy_weights_update_group(self, group_name: str = ...) -> None: ...
+
+    def weight_update_ranks(self) -> int:
+        """Ranks this server joins a weight-update group with (SGLang: one per tensor-parallel rank)."""
+        ...
+
+    def weight_dtype(self) -> str:
+        """The dtype ("bfloat16", ...) the server holds its weights in: what the trainer broadcasts."""
+        ...
 
 
 def join_weights_update_group(
@@ -121,46 +155,49 @@ def update_request(names: list[str], dtypes: list[str], shapes: list[list[int]],
             "weight_version": str(version), "flush_cache": False}
 
 
-class DistributedWeightSender(DistributedSender):
-    """The trainer's side of the `distributed` weight-sync transport, for a train backend with `rank`,
-    `named_tensors(names, dtype, device)` (HF names; collective where weights are sharded, full tensors at rank 0) and
-    `weight_shapes()`. Rank 0 is rank 0 of the weight-update group; the rollout servers join as 1..N through
-    /init_weights_update_group, and receive what it broadcasts through /update_weights_from_distributed."""
+# a train backend's `named_tensors(names, dtype, device)`: HF-named full weights at rank 0, [] on other ranks
+# (collective where the weights are sharded)
+Gather = Callable[[list[str], torch.dtype, torch.device | str], NamedTensors]
 
-    _weights_group: dist.ProcessGroup | None = None
-    _weights_device: torch.device | None = None
 
-    def rendezvous_address(self) -> tuple[str, int]:
-        """Host and free port for a weight-sync group's TCP store, which this worker (rank 0) serves."""
-        return node_ip(), free_port()
+class DistributedWeightSender:
+    """A train rank's end of the `distributed` transport; a train backend holds one and its DistributedSender
+    methods call it. Rank 0 is rank 0 of the weight-update group and serves its rendezvous; the rollout servers
+    join as 1..N through /init_weights_update_group, and receive what it broadcasts through
+    /update_weights_from_distributed. The other train ranks join no group: they only take part in the gathers."""
 
-    def join_weights_update_group(self, master_address: str, master_port: int, world_size: int,
-                                  group_name: str = GROUP_NAME, backend: str = "gloo") -> None:
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.group: dist.ProcessGroup | None = None
+        self.device: torch.device | str = "cpu"  # where rank 0 gathers what it broadcasts: its GPU for NCCL
+
+    def join(self, master_address: str, master_port: int, world_size: int, group_name: str = GROUP_NAME,
+             backend: str = "gloo") -> None:
         """Rank 0 joins (serving the rendezvous); other ranks have nothing to join."""
         if self.rank != 0:
             return
-        if self._weights_group is not None:
+        if self.group is not None:
             raise RuntimeError("join_weights_update_group: leave the current group first (all members together)")
-        self._weights_group = join_weights_update_group(master_address, master_port, 0, world_size, group_name,
-                                                        backend)
-        self._weights_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        self.group = join_weights_update_group(master_address, master_port, 0, world_size, group_name, backend)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
 
-    def leave_weights_update_group(self) -> None:
+    def leave(self) -> None:
         """Destroy this worker's side of the group, while the servers destroy theirs."""
-        if self._weights_group is not None:
-            destroy_weights_update_group(self._weights_group)
-            self._weights_group = None
+        if self.group is not None:
+            destroy_weights_update_group(self.group)
+            self.group = None
 
-    def broadcast_weights_update(self, names: list[str], dtype: str) -> int:
-        """Broadcast these weights in order, as `dtype` (what the receivers were told; an LM's weights are all
-        floating point); returns the bytes sent (0 on other ranks, which only join the gather)."""
+    def broadcast(self, gather: Gather, names: list[str], dtype: str) -> int:
+        """Gather these weights with the backend's `gather` (every rank joins) and broadcast them in order, as
+        `dtype` (what the receivers were told; an LM's weights are all floating point); returns the bytes sent (0
+        on other ranks)."""
         # gathered straight onto the GPU that broadcasts (NCCL), in the dtype the servers were told
-        tensors = [t for _, t in self.named_tensors(names, getattr(torch, dtype), self._weights_device or "cpu")]
+        tensors = [t for _, t in gather(names, getattr(torch, dtype), self.device)]
         if self.rank != 0:
             return 0
-        if self._weights_group is None:
+        if self.group is None:
             raise RuntimeError("broadcast_weights_update: join_weights_update_group first")
-        return broadcast_weights(self._weights_group, tensors)
+        return broadcast_weights(self.group, tensors)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

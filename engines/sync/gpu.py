@@ -1,5 +1,6 @@
 """The device a worker's weight sync runs on, and the bandwidth probes (a device copy, an all-gather) the GPU
-transports' benchmarks compare against (the flat weight layout they build on is engines/models/flat_weights.py)."""
+transports' benchmarks compare against, with `GpuLinkProbe`, what the benchmarks ask of both sides (the flat
+weight layout the GPU transports build on is engines/models/flat_weights.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,18 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+
+class GpuLinkProbe(Protocol):
+    """What the GPU benchmarks ask of both sides: the link's bandwidth and a checksum of the weights."""
+
+    def link_bandwidth(self, kind: str, nbytes: int) -> float: ...
+
+    def weights_digest(self, *args: str) -> float: ...
 
 
 def sync_device(kind: str) -> torch.device:

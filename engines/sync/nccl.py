@@ -10,13 +10,30 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from rlflow.engines.models.flat_weights import flat_span, views_of
 from rlflow.engines.sync.base import WeightTransport
-from rlflow.engines.sync.endpoints import NcclReceiver, NcclSender
+
+
+class NcclSender(Protocol):
+    """Train rank 0's side: it serves the channel's rendezvous (`base.free_rendezvous_address`), joins as its rank 0
+    and sends its whole weights (`NcclChannel.send`)."""
+
+    def rendezvous_address(self) -> tuple[str, int]: ...
+
+    def nccl_connect(self, host: str, port: int, world_size: int, rollout_precision: str) -> None: ...
+
+    def nccl_send(self, buckets: list[list[str]]) -> int: ...
+
+
+class NcclReceiver(Protocol):
+    def nccl_connect(self, host: str, port: int, rank: int, world_size: int) -> None: ...
+
+    def update_weights_from_nccl(self, buckets: list[list[str]], version: int) -> int: ...
 
 
 class NcclChannel:

@@ -6,13 +6,28 @@ receivers); the `disk` transport writes the same files."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from rlflow.engines.core.config import StorageConfig
 from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.base import NamedTensors, WeightTransport
-from rlflow.engines.sync.endpoints import StoreReceiver, StoreSender
+
+
+class StoreSender(Protocol):
+    """A train backend's side of the store and disk transports: it gathers a bucket and rank 0 writes it with
+    `put_bucket`."""
+
+    def put_weights_to_store(self, storage: StorageConfig, run: str, version: int, index: int,
+                             names: list[str]) -> None:
+        """Write bucket `index` (these HF-named weights) of weight version `version` as safetensors."""
+        ...
+
+
+class StoreReceiver(Protocol):
+    def update_weights_from_store(self, storage: StorageConfig, run: str, version: int, index: int) -> int: ...
 
 
 def version_dir(version: int) -> tuple[str, str]:

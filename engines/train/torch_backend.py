@@ -49,12 +49,13 @@ from rlflow.engines.models.moe import checkpoint_named
 from rlflow.engines.models.packed import PackedLM, PackedRows
 from rlflow.engines.models.transfer import tensor_to_device
 from rlflow.engines.store.run_store import RunStore
-from rlflow.engines.sync.cuda_ipc import SharedWeights, export_ipc_handles, open_shared_weights
-from rlflow.engines.sync.distributed import DistributedWeightSender
-from rlflow.engines.sync.endpoints import AdapterSender, GpuLinkProbe, IpcSender, NcclSender, StoreSender
-from rlflow.engines.sync.gpu import all_gather_bandwidth, device_copy_bandwidth, sync_device
-from rlflow.engines.sync.nccl import NcclChannel
-from rlflow.engines.sync.store import put_bucket
+from rlflow.engines.sync.adapter import AdapterSender
+from rlflow.engines.sync.base import free_rendezvous_address
+from rlflow.engines.sync.cuda_ipc import IpcSender, SharedWeights, SharedWeightsWriter, export_ipc_handles
+from rlflow.engines.sync.distributed import GROUP_NAME, DistributedSender, DistributedWeightSender
+from rlflow.engines.sync.gpu import GpuLinkProbe, all_gather_bandwidth, device_copy_bandwidth, sync_device
+from rlflow.engines.sync.nccl import NcclChannel, NcclSender
+from rlflow.engines.sync.store import StoreSender, put_bucket
 from rlflow.engines.train import fsdp, lora
 from rlflow.engines.train.kernels import apply_kernels
 from rlflow.engines.train.microbatch import packed_micro_batches
@@ -81,9 +82,11 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
-class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, TeacherBackend, StoreSender, IpcSender,
-                        NcclSender, GpuLinkProbe, AdapterSender):
-    """One FSDP2 rank of the policy (or, as role "critic", of the value model)."""
+class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender, DistributedSender, NcclSender,
+                        IpcSender, AdapterSender, GpuLinkProbe):
+    """One FSDP2 rank of the policy (or, as role "critic", of the value model). Its bases are protocols only: what
+    the session and each weight transport may call on it. The transports' code comes by composition (the weight
+    sync section)."""
 
     def __init__(
         self,
@@ -166,8 +169,12 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         self._source: dict[str, str] | None = None
         self._shapes: dict[str, torch.Tensor] | None = None  # _sent_shapes'
         self._stacked: tuple[tuple[str, str, bool], str, torch.Tensor | None] | None = None
-        # cuda_ipc over several ranks: the mapped weights of this GPU's rollout worker (a CPU file's are kept)
-        self._engine_weights: tuple[tuple, dict[str, torch.Tensor], int] | None = None
+        # this worker's end of the transports that keep state: a weight-update group (distributed), a channel and
+        # the rollout dtype (nccl), the mapped weights of this GPU's rollout worker (cuda_ipc over several ranks)
+        self._update_group = DistributedWeightSender(rank)
+        self._nccl: NcclChannel | None = None
+        self._nccl_dtype: torch.dtype | None = None
+        self._shared_weights = SharedWeightsWriter()
 
     # ---- forward -------------------------------------------------------------------------------------
     def _forward(self, lm: PackedLM, mb: TrainBatch, with_entropy: bool, temperature: float | None = None
@@ -350,7 +357,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
             entropy=entropy if self.algo.entropy_coef else entropy.detach(), **self.loss_kwargs,
         )
 
-    # ---- weights and checkpoints ---------------------------------------------------------------------
+    # ---- weights: what a sync sends -----------------------------------------------------------------
     def named_tensors(self, names: list[str] | None = None, dtype: torch.dtype | None = None,
                       device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
         """HF-named full weights (all, or the named ones; in `dtype` if given) on `device` at rank 0, [] on other
@@ -410,14 +417,6 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         """How many sent tensors each module parameter is cut into (stacked MoE experts: several)."""
         return Counter(self._sent_source().values())
 
-    def put_weights_to_store(
-        self, storage: StorageConfig, run: str, version: int, index: int, names: list[str]
-    ) -> None:
-        """Gather these weights (collective) and write them from rank 0 as bucket `index` of `version`."""
-        tensors = self.named_tensors(names)
-        if self.rank == 0:
-            put_bucket(storage, run, version, index, tensors)
-
     def _whole_parameters(self, transport: str) -> dict[str, torch.Tensor]:
         """The parameters themselves, for the GPU transports that read them in place: one unsharded rank."""
         self._resident(f"weight sync ({transport})")
@@ -427,38 +426,29 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
                              "(use 'distributed')")
         return {n: fsdp.local(p) for n, p in self.model.named_parameters()}
 
-    # GPU transports (rlflow.engines.sync.gpu): IPC handles for a colocated rollout worker, NCCL for others
-    def cuda_ipc_handles(self) -> list[tuple[str, tuple]]:
-        """Handles of this worker's parameters for its colocated rollout worker (shared once, copied each sync)."""
-        torch.cuda.synchronize()
-        return export_ipc_handles(list(self._whole_parameters("cuda_ipc").items()))
+    def weight_layout(self) -> list[tuple[str, int]]:
+        """(name, bytes) of every weight a sync sends, in order: lets the sync plan buckets without moving
+        tensors."""
+        return [(n, t.numel() * t.element_size()) for n, t in self._sent_shapes().items()]
 
-    def write_weights_ipc(self, handle: SharedWeights) -> int:
-        """A sharded trainer's side of cuda_ipc: every rank gathers every weight straight into its colocated
-        rollout worker's weights, mapped through `handle` (engines/sync/cuda_ipc.py); returns the bytes written,
-        once they are there. Collective. On a GPU the mapping is let go at the end: kept, it would hold the
-        worker's memory through its release. A CPU file is mapped once (opening it removes it)."""
-        self._resident("weight sync (cuda_ipc)")
-        key = handle[:2]
-        if self._engine_weights is None or self._engine_weights[0] != key:
-            self._engine_weights = key, *open_shared_weights(handle, sync_device(self.device))
-        _, targets, numel = self._engine_weights
-        if handle[0] == "cuda":
-            self._engine_weights = None
-        params, source, shapes = dict(self.model.named_parameters()), self._sent_source(), self._sent_shapes()
-        missing = [n for n in source if n not in targets]
-        if missing:
-            raise KeyError(f"write_weights_ipc: the rollout worker has no weight {missing[:3]}")
-        differ = [f"{n}: {tuple(shapes[n].shape)} here, {tuple(targets[n].shape)} there" for n in source
-                  if targets[n].shape != shapes[n].shape]
-        written = sum(targets[n].numel() for n in source)
-        if differ or written != numel:
-            raise ValueError(f"write_weights_ipc: the trainer and the rollout worker disagree on the weights' shapes "
-                             f"({differ[:3] or f'{written} elements sent, {numel} held there'})")
+    def weight_shapes(self) -> dict[str, list[int]]:
+        return {n: list(t.shape) for n, t in self._sent_shapes().items()}
+
+    def _sent_shapes(self) -> dict[str, torch.Tensor]:
+        """Every sent weight as a meta tensor (its full shape and dtype, no memory); built once, as every sync
+        checks against it."""
+        if self._shapes is None:
+            self._shapes = self._sent_names({n: torch.empty(p.shape, dtype=p.dtype, device="meta")
+                                             for n, p in self.model.named_parameters()})
+        return self._shapes
+
+    def _gather_into(self, targets: dict[str, torch.Tensor]) -> None:
+        """Every sent weight into its tensor of `targets` (by sent name), cast to its dtype. Collective: every rank
+        gathers in the same (the model's) order; MoE experts are gathered whole, then cut."""
+        params, source = dict(self.model.named_parameters()), self._sent_source()
         sent_of: dict[str, list[str]] = {}
         for sent, module in source.items():
             sent_of.setdefault(module, []).append(sent)
-        # collective: every rank gathers in the same (the model's) order; MoE experts are gathered whole, then cut
         stacked = [m for m, sent in sent_of.items() if sent != [m]]
         fsdp.gather_into([(params[m], targets[m]) for m, sent in sent_of.items() if sent == [m]])
         for module in stacked:
@@ -466,17 +456,53 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
             gathered = dict(fsdp.gather(params, [module], keep=True, dtype=out.dtype, device=out.device))
             for n, t in self._sent_names(gathered).items():
                 targets[n].copy_(t)
-        if self.device == "cuda":
-            torch.cuda.synchronize()  # the rollout worker generates from them as soon as this returns
-        return written * targets[next(iter(source))].element_size()
+
+    # ---- weight sync: this worker's end of each transport ---------------------------------------------
+    # Ray calls a worker's methods by name, so each transport's are here; each passes this backend's weights to its
+    # transport's code in engines/sync/ (store.py, distributed.py, nccl.py, cuda_ipc.py), which does the work.
+    def put_weights_to_store(
+        self, storage: StorageConfig, run: str, version: int, index: int, names: list[str]
+    ) -> None:
+        """Gather these weights (collective) and write them from rank 0 as bucket `index` of `version`."""
+        tensors = self.named_tensors(names)
+        if self.rank == 0:
+            put_bucket(storage, run, version, index, tensors)
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Where the group this worker serves as rank 0 meets (nccl, distributed)."""
+        return free_rendezvous_address()
+
+    def join_weights_update_group(self, master_address: str, master_port: int, world_size: int,
+                                  group_name: str = GROUP_NAME, backend: str = "gloo") -> None:
+        """distributed: rank 0 joins the weight-update group (serving its rendezvous); other ranks have none."""
+        self._update_group.join(master_address, master_port, world_size, group_name, backend)
+
+    def leave_weights_update_group(self) -> None:
+        self._update_group.leave()
+
+    def broadcast_weights_update(self, names: list[str], dtype: str) -> int:
+        """distributed: every rank gathers these weights as `dtype`, rank 0 broadcasts them; its bytes sent."""
+        return self._update_group.broadcast(self.named_tensors, names, dtype)
 
     def nccl_connect(self, host: str, port: int, world_size: int, rollout_precision: str) -> None:
+        """nccl: join the weight-sync channel as its rank 0, sending in the rollout workers' precision."""
         self._nccl = NcclChannel(host, port, 0, world_size, sync_device(self.device))
         self._nccl_dtype = DTYPES[rollout_precision]
 
     def nccl_send(self, buckets: list[list[str]]) -> int:
         """Broadcast every bucket (rank 0 of the weight-sync group); returns bytes sent."""
         return self._nccl.send(self._sent_names(self._whole_parameters("nccl")), buckets, self._nccl_dtype)
+
+    def cuda_ipc_handles(self) -> list[tuple[str, tuple]]:
+        """Handles of this worker's parameters for its colocated rollout worker (shared once, copied each sync)."""
+        return export_ipc_handles(list(self._whole_parameters("cuda_ipc").items()))
+
+    def write_weights_ipc(self, handle: SharedWeights) -> int:
+        """A sharded trainer's side of cuda_ipc: every rank gathers every weight straight into its colocated
+        rollout worker's weights, mapped through `handle`; returns the bytes written, once they are there.
+        Collective."""
+        self._resident("weight sync (cuda_ipc)")
+        return self._shared_weights.write(handle, sync_device(self.device), self._sent_shapes(), self._gather_into)
 
     def link_bandwidth(self, kind: str, nbytes: int) -> float:
         """GB/s of the link a GPU transport uses ('copy': bf16 -> bf16 on this GPU; 'cast_copy': fp32 -> bf16
@@ -497,22 +523,7 @@ class TorchTrainBackend(DistributedWeightSender, TrainBackend, CriticBackend, Te
         params = dict(self.model.named_parameters())
         return float(sum(t.to(DTYPES[dtype]).double().sum() for _, t in fsdp.gather(params, list(params), True)))
 
-    def weight_layout(self) -> list[tuple[str, int]]:
-        """(name, bytes) of every weight a sync sends, in order: lets the sync plan buckets without moving
-        tensors."""
-        return [(n, t.numel() * t.element_size()) for n, t in self._sent_shapes().items()]
-
-    def weight_shapes(self) -> dict[str, list[int]]:
-        return {n: list(t.shape) for n, t in self._sent_shapes().items()}
-
-    def _sent_shapes(self) -> dict[str, torch.Tensor]:
-        """Every sent weight as a meta tensor (its full shape and dtype, no memory); built once, as every sync
-        checks against it."""
-        if self._shapes is None:
-            self._shapes = self._sent_names({n: torch.empty(p.shape, dtype=p.dtype, device="meta")
-                                             for n, p in self.model.named_parameters()})
-        return self._shapes
-
+    # ---- checkpoints ---------------------------------------------------------------------------------
     def save(self, path: str | Path, storage: StorageConfig | None = None, background: bool = False) -> None:
         """Sharded model and optimizer state (engines/train/fsdp.py: safetensors, the model also consolidated
         into an HF checkpoint in `model/`), schedule and RNG state as JSON (no pickle). Collective.

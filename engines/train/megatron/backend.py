@@ -39,9 +39,9 @@ from rlflow.engines.core.config import AlgorithmConfig, DistillConfig, MegatronC
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.models.hf import DTYPES
 from rlflow.engines.store.run_store import RunStore
-from rlflow.engines.sync.distributed import DistributedWeightSender
-from rlflow.engines.sync.endpoints import StoreSender
-from rlflow.engines.sync.store import put_bucket
+from rlflow.engines.sync.base import free_rendezvous_address
+from rlflow.engines.sync.distributed import GROUP_NAME, DistributedSender, DistributedWeightSender
+from rlflow.engines.sync.store import StoreSender, put_bucket
 from rlflow.engines.train.megatron.checkpoint import set_tracker_rng_state, tracker_rng_state
 from rlflow.engines.train.megatron.cpu import device_context
 from rlflow.engines.train.megatron.export import WeightExporter
@@ -80,7 +80,7 @@ def _on_device(method):
     return run
 
 
-class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
+class MegatronTrainBackend(TrainBackend, StoreSender, DistributedSender):
     def __init__(
         self,
         model_path: str,
@@ -106,6 +106,7 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         self.rank, self.world_size, self.device = rank, world_size, train.device
         self.model_path = model_path
         self._sft = False  # inside sft_step: the loss is algorithms.sft_loss
+        self._update_group = DistributedWeightSender(rank)  # this rank's end of the `distributed` transport
         with device_context(self.device):
             self._build(dist_url, seed)
 
@@ -424,6 +425,20 @@ class MegatronTrainBackend(DistributedWeightSender, TrainBackend, StoreSender):
         tensors = self.named_tensors(names)
         if self.rank == 0:
             put_bucket(storage, run, version, index, tensors)
+
+    # the `distributed` transport: its code is engines/sync/distributed.py's, as for the torch backend
+    def rendezvous_address(self) -> tuple[str, int]:
+        return free_rendezvous_address()
+
+    def join_weights_update_group(self, master_address: str, master_port: int, world_size: int,
+                                  group_name: str = GROUP_NAME, backend: str = "gloo") -> None:
+        self._update_group.join(master_address, master_port, world_size, group_name, backend)
+
+    def leave_weights_update_group(self) -> None:
+        self._update_group.leave()
+
+    def broadcast_weights_update(self, names: list[str], dtype: str) -> int:
+        return self._update_group.broadcast(self.named_tensors, names, dtype)
 
     def weight_layout(self) -> list[tuple[str, int]]:
         """(HF name, bytes) of every exported weight, in order: lets the sync plan buckets without moving tensors."""
