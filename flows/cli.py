@@ -93,21 +93,21 @@ def _probe_services(cfg) -> list[str]:
 
 
 def cmd_run(args) -> int:
-    return _run(_load(args))
+    return _run(_load(args), takeover=args.takeover)
 
 
 def cmd_sft(args) -> int:
     from rlflow.flows.sft import sft  # deferred: Prefect, Ray, torch (seconds)
 
     cfg = _load(args)
-    return _run(cfg, sft, cfg.sft.steps)
+    return _run(cfg, sft, cfg.sft.steps, takeover=args.takeover)
 
 
 def cmd_rejection_sample(args) -> int:
     from rlflow.flows.rejection_sampling import rejection_sampling  # deferred: Prefect, Ray, torch (seconds)
 
     cfg = _load(args)
-    return _run(cfg, rejection_sampling, cfg.sft.total_steps(rejection=True))
+    return _run(cfg, rejection_sampling, cfg.sft.total_steps(rejection=True), takeover=args.takeover)
 
 
 def _store_config(args):
@@ -132,7 +132,7 @@ def cmd_resume(args) -> int:
     raw = apply_overrides(store.read_json("config.json"),
                           [f"storage.uri={args.store}", *args.overrides, *_debug_overrides(args)])
     cfg = check_recipe(raw, store.uri("config.json"))
-    return _run(cfg)
+    return _run(cfg, takeover=args.takeover)
 
 
 def cmd_runs(args) -> int:
@@ -221,8 +221,9 @@ def _download_trace(args, tmp: str):
     return Path(client.download_artifacts(run_id, trace_artifact(step), tmp))
 
 
-def _run(cfg, flow_fn=None, total: int | None = None) -> int:
-    """Run a flow (post_train by default) with a progress bar over its `total` steps."""
+def _run(cfg, flow_fn=None, total: int | None = None, takeover: bool = False) -> int:
+    """Run a flow (post_train by default) with a progress bar over its `total` steps. `takeover`: take the run's
+    lease from a process that holds it (engines/store/lease.py), through the environment a flow run reads it from."""
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the progress bar says what the task logs would
     from rlflow.flows.serve import use_prefect_server_defaults  # deferred: httpx; before Prefect is imported
 
@@ -232,12 +233,15 @@ def _run(cfg, flow_fn=None, total: int | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from rlflow.engines.cluster.termination import bound_exit_on_sigterm
+    from rlflow.engines.store.lease import TAKEOVER_ENV
     from rlflow.flows.post_train import post_train
     from rlflow.flows.temporary_server import guard_temporary_server
     from rlflow.tasks.run_context import STEP_LISTENERS
 
     guard_temporary_server()  # without PREFECT_API_URL: the temporary Prefect server dies with this process
     bound_exit_on_sigterm()  # SIGTERM: the run's status is written and the process ends within a deadline
+    if takeover:
+        os.environ[TAKEOVER_ENV] = "1"
 
     flow_fn = flow_fn or post_train
     total = total or cfg.train.steps
@@ -301,6 +305,11 @@ def cmd_data_gsm8k(args) -> int:
     return 0
 
 
+def _takeover_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--takeover", action="store_true",
+                   help="take the run over from another process that holds its lease (it stops at its next stage)")
+
+
 def _debug_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("debug (the recipe's debug section; docs/debugging.md)")
     g.add_argument("--debug", choices=["rollout_only", "train_only"],
@@ -338,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY.PATH=VALUE",
                        help="override a recipe field, e.g. --set train.steps=20 (repeatable)")
         _debug_flags(p)
+        if name != "validate":
+            _takeover_flag(p)
         if name == "validate":
             p.add_argument("--offline", action="store_true",
                            help="check the recipe alone; do not try the run store and the tracking server")
@@ -358,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a field (storage.endpoint_url=..., train.steps=...)")
         if name == "resume":
             _debug_flags(p)
+            _takeover_flag(p)
         p.set_defaults(fn=fn)
     trace = sub.add_parser("trace", help="rollout trace timelines").add_subparsers(dest="trace_command", required=True)
     render = trace.add_parser("render", help="draw a trace (file, or a run's trace in MLflow) as a PNG timeline")

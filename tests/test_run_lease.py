@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import yaml
 
 from rlflow.engines.core.config import StorageConfig, config_from_dict
 from rlflow.engines.store.lease import HOST, LeaseHeld, LeaseLost, RunLease, process_alive, process_start
@@ -268,3 +269,24 @@ def test_a_run_taken_over_stops_at_its_next_stage_and_writes_no_status(tmp_path)
     finally:
         taker.release()
     assert json.loads((tmp_path / "runs" / "t" / "LEASE").read_text())["released"]
+
+
+def test_rlflow_run_takeover_takes_the_run_from_a_live_holder(tmp_path):
+    """`rlflow run RECIPE --takeover` while another process holds the run: the run goes through, the holder
+    stops at its next heartbeat, and the run's end releases the lease."""
+    raw = small_recipe(tmp_path, cluster={"use_ray": False}, train={"steps": 1, "threads": 1}, eval={"every": 0},
+                       rollout={"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 1})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    cfg = config_from_dict(raw)
+    holder = _holder(cfg.storage, cfg.name, timeout_s=10)
+    try:
+        run = subprocess.run([sys.executable, "-m", "rlflow.flows.cli", "run", str(tmp_path / "r.yaml"), "--takeover"],
+                             env=os.environ | {"RLFLOW_TAKEOVER": "0"}, capture_output=True, text=True, timeout=600,
+                             cwd=tmp_path)
+        out, _ = holder.communicate(timeout=120)
+    finally:
+        holder.kill()
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "took over the lease" in run.stderr and f"pid {holder.pid}" in run.stderr
+    assert out.startswith("lost: run 't': this process's lease") and holder.returncode == 0
+    assert RunStore(cfg.storage, cfg.name).read_json("LEASE")["released"]

@@ -100,12 +100,14 @@ def process_alive(pid: int, started: int | None) -> bool:
     return state != "Z" and (started is None or start == started)
 
 
-FIELDS = {"run": str, "id": str, "host": str, "pid": int, "since": float, "heartbeat": float, "timeout_s": float}
+# what a lease holds, and the types each field may have (times: seconds since the epoch)
+FIELDS = {"run": str, "id": str, "host": str, "pid": int, "since": (int, float), "heartbeat": (int, float),
+          "timeout_s": (int, float)}
 
 
 def well_formed(lease: object) -> bool:
-    return isinstance(lease, dict) and all(isinstance(lease.get(k), int | float if t is float else t)
-                                           for k, t in FIELDS.items())
+    """Whether `lease` is what RunLease writes: a LEASE edited by hand or by something else is not judged."""
+    return isinstance(lease, dict) and all(isinstance(lease.get(k), t) for k, t in FIELDS.items())
 
 
 def describe(lease: dict, now: float) -> str:
