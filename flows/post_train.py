@@ -26,7 +26,13 @@ from rlflow.tasks.run_context import RunContext, open_run
 
 
 def _due(every: int, step: int, last: int) -> bool:
+    """Every `every` steps and at the last step (checkpoint.every: 0 still saves the last step)."""
     return step == last or (every > 0 and (step + 1) % every == 0)
+
+
+def evaluation_due(every: int, step: int, last: int) -> bool:
+    """eval.every: every `every` steps and at the last step; 0 disables evaluation, the last step's included."""
+    return every > 0 and _due(every, step, last)
 
 
 class CheckpointSchedule:
@@ -87,7 +93,7 @@ def post_train(
                 metrics |= s.train(r, step)
                 metrics |= rollouts.before_sync(step)  # k = 1: waits for the rollout in flight; k >= 2 syncs under it
                 metrics |= s.sync_weights(r, step)
-            if debug.mode is None and config.data.eval_path and _due(config.eval.every, step, last):
+            if debug.mode is None and config.data.eval_path and evaluation_due(config.eval.every, step, last):
                 metrics |= s.evaluate(r, step)
             metrics["time/step"] = time.perf_counter() - t0
             run.tracker.log_metrics(metrics, step)

@@ -17,7 +17,7 @@ from prefect import flow
 
 from rlflow.engines.core.config import RLConfig
 from rlflow.engines.session.sft import SFTSession
-from rlflow.flows.post_train import _due
+from rlflow.flows.post_train import evaluation_due
 from rlflow.tasks import stages
 from rlflow.tasks.run_context import RunContext, open_run
 
@@ -41,7 +41,7 @@ def rejection_sampling(config: RLConfig) -> dict[str, float]:
                     run.tracker.log_metrics(metrics, step)
                     run.notify(step, metrics)
             metrics |= round_metrics | s.sync_weights(r, step)  # the next round samples from the trained weights
-            if config.data.eval_path and _due(config.eval.every, rnd, rs.rounds - 1):  # every N rounds
+            if config.data.eval_path and evaluation_due(config.eval.every, rnd, rs.rounds - 1):  # every N rounds
                 metrics |= s.evaluate(r, step)
             metrics["time/round"] = time.perf_counter() - t0
             run.tracker.log_metrics(metrics, step)

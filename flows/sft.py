@@ -15,7 +15,7 @@ from prefect import flow
 
 from rlflow.engines.core.config import RLConfig
 from rlflow.engines.session.sft import SFTSession
-from rlflow.flows.post_train import CheckpointSchedule, _due
+from rlflow.flows.post_train import CheckpointSchedule, evaluation_due
 from rlflow.tasks import stages
 from rlflow.tasks.run_context import RunContext, open_run
 
@@ -33,7 +33,7 @@ def sft(config: RLConfig) -> dict[str, float]:
         for step in range(run.start_step, config.sft.steps):
             t0 = time.perf_counter()
             metrics = s.train(r, step)
-            if config.data.eval_path and _due(config.eval.every, step, last):
+            if config.data.eval_path and evaluation_due(config.eval.every, step, last):
                 metrics |= s.sync_weights(r, step)  # the rollout engine evaluates the weights just trained
                 metrics |= s.evaluate(r, step)
             metrics["time/step"] = time.perf_counter() - t0
