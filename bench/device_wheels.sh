@@ -4,8 +4,8 @@
 # but no registry access and no pydantic, fastapi, Ray, Prefect or MLflow; a call carries at most 64 MiB.
 #
 #   bash bench/device_wheels.sh            # the engines' needs: pydantic, the server's stack, megatron-core, liger
-#   bash bench/device_wheels.sh --ray      # also Ray, slimmed to fit (the RL loop's actors: bench/gpu_rl.py)
-#   bash bench/device_wheels.sh --all      # also Prefect and MLflow: the whole flow (`rlflow run`, bench/gpu_fault.py)
+#   bash bench/device_wheels.sh --ray      # also Ray, slimmed to fit (the RL loop's actors: bench/e2e/rl.py)
+#   bash bench/device_wheels.sh --all      # also Prefect and MLflow: the whole flow (`rlflow run`, bench/e2e/fault.py)
 #
 # Then, on the device (run tool, carry [".whl"]): `source .whl/setup.sh; python -m bench.<script> ...`.
 # --all's wheels are 105 MB, over a call's 64 MiB: they are installed here for CPython 3.12 and carried as one

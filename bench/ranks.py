@@ -13,7 +13,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import sys
 import time
 import traceback
@@ -22,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from bench import harness
 
 
 def _rank_main(target: Callable, rank: int, world: int, args: tuple) -> None:
@@ -76,7 +77,7 @@ def rank_result(out: str, rank: int) -> Iterator[dict]:
     if cuda:
         torch.cuda.set_device(gpu)
         torch.cuda.reset_peak_memory_stats(gpu)
-    result: dict = {"rank": rank, "device": torch.cuda.get_device_name(gpu) if cuda else platform.processor() or "cpu"}
+    result: dict = {"rank": rank, "device": harness.device_name(gpu)}
     try:
         yield result
     except BaseException as e:
@@ -106,22 +107,14 @@ def run_and_collect(target: Callable, world: int, timeout: float, out: str, *arg
     return ranks, error
 
 
-def sync(device: str) -> None:
-    """Wait for the GPU, so a wall-clock interval covers the work queued in it."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def step_figures(
-    ranks: list[dict], steps: int, useful_tokens: int, flops: float, peak_tflops: dict[str, float]
-) -> dict:
+def step_figures(ranks: list[dict], steps: int, useful_tokens: int, flops: float) -> dict:
     """Throughput of an N-rank run from the ranks' "step_s" lists: a step ends when its slowest rank's does; the
-    median step; useful tokens/s in all and per GPU; TFLOP/s and MFU per GPU (peak by device name; None if
-    unknown); peak memory per rank."""
+    median step; useful tokens/s in all and per GPU; TFLOP/s and MFU per GPU (harness.PEAK_BF16_TFLOPS by device
+    name; None if unknown); peak memory per rank."""
     n = len(ranks)
     step = [max(r["step_s"][i] for r in ranks) for i in range(steps)]
     step_s = sorted(step)[len(step) // 2]
-    peak = next((v for k, v in peak_tflops.items() if k in ranks[0]["device"]), None)
+    peak = harness.by_device(harness.PEAK_BF16_TFLOPS, ranks[0]["device"])
     tflops = flops / step_s / n / 1e12
     return {
         "step_s": step,
@@ -150,10 +143,10 @@ def rendezvous(out: str) -> str:
 
 
 def add_workload_args(p: argparse.ArgumentParser, shapes: dict, steps: int) -> None:
-    """The flags both multi-GPU benches share: the model shape, bench/train_scale.py's RL workload per GPU, the timed
+    """The flags both multi-GPU benches share: the model shape, bench/train/scale.py's RL workload per GPU, the timed
     steps and the whole script's deadline. `finish_workload_args` completes them after parsing."""
     p.add_argument("--shape", choices=sorted(shapes), default="1.5b")
-    p.add_argument("--smoke", action="store_true", help="a toy shape on CPU, gloo ranks: checks the script")
+    harness.add_smoke(p)
     p.add_argument("--steps", type=int, default=steps, help="timed steps (after one warm-up); the median is reported")
     p.add_argument("--samples", type=int, default=64, help="samples per GPU (the batch is N x this)")
     p.add_argument("--prompt", type=int, default=256)

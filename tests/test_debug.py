@@ -17,7 +17,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from bench.bare_loop import run_bare, run_steps
+from bench.e2e.bare_loop import run_bare, run_steps
 from rlflow.engines.core.config import RecipeError, config_from_dict
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend

@@ -11,7 +11,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from bench.bare_loop import run_bare
+from bench.e2e.bare_loop import run_bare
 from rlflow.engines.core import algorithms as A
 from rlflow.engines.core.batch import pack_samples
 from rlflow.engines.core.config import AlgorithmConfig, DistillConfig, TrainConfig, config_from_dict, load_recipe

@@ -114,7 +114,7 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_three(tiny_model_dir, batch,
 def test_a_tied_embedding_model_checkpoints_on_two_ranks_and_resumes_on_one(tiny_model_dir, batch, ray_cluster,
                                                                            tmp_path):
     """Tied input and output embeddings (Qwen2-0.5B/1.5B, Llama-3.2) are one parameter under two state-dict names;
-    safetensors refused to write both (found by bench/gpu_fault.py at the 1.5B shape). The checkpoint holds it
+    safetensors refused to write both (found by bench/e2e/fault.py at the 1.5B shape). The checkpoint holds it
     once, model/ loads in transformers with the two still tied, and a run resumed from it on one rank takes the
     next step as the two ranks do."""
     tied = tmp_path / "tied"

@@ -39,10 +39,12 @@ def test_layer_contracts_hold() -> None:
 
 def test_layer_contracts_catch_an_upward_import_and_a_circle(tmp_path: Path) -> None:
     """A copy of the package tree with deliberate faults: core importing session (upward), two data modules
-    importing each other (a circle), a store module importing Prefect, and a package under engines/ that no layer
-    names. The copy comes first on the path, so it is what gets analysed."""
+    importing each other (a circle), a store module importing Prefect and bench/, a package under engines/ that no
+    layer names, two of bench's areas importing each other and bench's harness importing an area. The copy comes
+    first on the path, so it is what gets analysed."""
     for folder in ("flows", "tasks", "engines", "examples"):
         shutil.copytree(REPO / folder, tmp_path / "rlflow" / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "bench", tmp_path / "bench", ignore=shutil.ignore_patterns("__pycache__", "results"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     engines = tmp_path / "rlflow" / "engines"
     with (engines / "core" / "batch.py").open("a") as f:
@@ -52,7 +54,14 @@ def test_layer_contracts_catch_an_upward_import_and_a_circle(tmp_path: Path) -> 
     with (engines / "data" / "builtin_tasks.py").open("a") as f:
         f.write("\nimport rlflow.engines.data.prompts  # the other half\n")
     with (engines / "store" / "run_store.py").open("a") as f:
-        f.write("\nimport prefect  # Prefect below tasks\n")
+        f.write("\nimport prefect  # Prefect below tasks\nimport bench.harness  # the package importing bench/\n")
+    bench = tmp_path / "bench"
+    with (bench / "e2e" / "workload.py").open("a") as f:
+        f.write("\nimport bench.cpu.sweep  # one half of a circle between two areas\n")
+    with (bench / "cpu" / "sweep.py").open("a") as f:
+        f.write("\nimport bench.e2e.workload  # the other half\n")
+    with (bench / "harness.py").open("a") as f:
+        f.write("\nimport bench.train.scale  # the floor importing an area\n")
     (engines / "extras").mkdir()
     (engines / "extras" / "__init__.py").write_text("import rlflow.engines.core.batch\n")  # a package with no layer
     env = os.environ | {"PYTHONPATH": str(tmp_path)}
@@ -66,6 +75,11 @@ def test_layer_contracts_catch_an_upward_import_and_a_circle(tmp_path: Path) -> 
     assert "No cycles are allowed in rlflow.engines.data." in out, out
     assert "- .prompts -> .builtin_tasks" in out or "- .builtin_tasks -> .prompts" in out, out
     assert "rlflow.engines.store.run_store -> prefect" in out, out
+    assert "rlflow.engines is not allowed to import bench:" in out, out
+    assert "rlflow.engines.store.run_store -> bench.harness" in out, out
+    assert "No cycles are allowed in bench." in out, out
+    assert "- .e2e -> .cpu" in out or "- .cpu -> .e2e" in out, out
+    assert "bench.harness is not allowed to import bench.train:" in out, out
     assert "- rlflow.engines.extras" in out, out  # the exhaustive layers contract inside engines/
 
 

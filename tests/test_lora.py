@@ -14,7 +14,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from bench.bare_loop import run_bare
+from bench.e2e.bare_loop import run_bare
 from rlflow.engines.core.config import (
     LORA_TARGETS,
     AlgorithmConfig,

@@ -553,7 +553,7 @@ def test_compiled_layers_train_like_eager_and_compile_once_for_every_layer(hf_mo
     their compiled graphs (a 4-layer model then needs no graph the 2-layer one did not capture: nothing in a layer
     makes dynamo specialise on which layer it is). Packed streams keep megatron's THD rotary eager (it copies the sample
     lengths to the host). The graphs run through aot_eager (dynamo's capture and the autograd graph, no code
-    generation); the generated kernels run on GPUs (bench/megatron_gpu.py, +compile variants)."""
+    generation); the generated kernels run on GPUs (bench/megatron/gpu.py, +compile variants)."""
     import functools  # only here: this test compiles through a backend of its own
 
     import torch._dynamo  # the compile counters (imported here: only this test reads them)
@@ -593,7 +593,7 @@ def test_torch_fused_kernels_train_like_megatrons_own_fallbacks(hf_models, mcore
     """megatron.torch_fused_kernels (the default): the weight-gradient GEMMs accumulate into main_grad (through
     megatron's gradient_accumulation_fusion path, tied output weights included) and the inner AdamW is torch's
     fused one; two optimizer steps land where megatron-core's own fallbacks land. (On CPU the accumulation runs
-    in fp32; the bf16 -> fp32 GEMM it uses on CUDA is checked by bench/megatron_gpu.py's first-step gradient
+    in fp32; the bf16 -> fp32 GEMM it uses on CUDA is checked by bench/megatron/gpu.py's first-step gradient
     norms of an uncompiled variant with and without +no-wgrad-fusion.)"""
     from megatron.core.tensor_parallel import layers  # only here: where the fusion flag lives
 
@@ -901,7 +901,7 @@ def test_preflight_reports_models_the_mapping_cannot_take(recipe, hf_models, mco
 @pytest.mark.parametrize("packing, split", [(False, 4), (True, 4), (True, 6)], ids=["padded", "packed", "empty"])
 def test_expert_parallel_ranks_with_different_micro_batch_counts(hf_models, mcore, tmp_path, packing, split):
     """Expert-parallel ranks exchange tokens in every MoE layer of every micro-batch, so a rank whose shard makes
-    fewer micro-batches must still take part in the others' (bench/megatron_multi_gpu.py's 4-rank workload makes
+    fewer micro-batches must still take part in the others' (bench/megatron/multi_gpu.py's 4-rank workload makes
     16 on one rank, 15 on the rest): rank 0 runs 2 micro-batches where rank 1 has 1, and both finish with the
     logprobs and the step of TorchTrainBackend on the whole batch; also when rank 1's shard is empty."""
     from bench.ranks import run_ranks

@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
-from bench import megatron_multi_gpu, train_multi_gpu
+# only the launcher: this module is what the OOM test's spawned ranks import, so the heavy bench modules (the
+# session, megatron-core, transformers) are imported by the tests that use them
 from bench.ranks import rank_result, run_and_collect
 
 
@@ -33,6 +36,8 @@ def test_a_rank_out_of_memory_ends_the_run_at_once_and_is_the_reported_error(tmp
 
 
 def test_train_multi_gpu_smoke_runs_one_and_two_ranks(tmp_path):
+    from bench.train import multi_gpu as train_multi_gpu
+
     out = tmp_path / "train.json"
     report = train_multi_gpu.main(["--smoke", "--gpus", "1,2", "--steps", "1", "--deadline", "1800", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
@@ -51,11 +56,15 @@ def test_train_multi_gpu_smoke_runs_one_and_two_ranks(tmp_path):
 
 
 def test_train_multi_gpu_rejects_unknown_variants(tmp_path):
+    from bench.train import multi_gpu as train_multi_gpu
+
     with pytest.raises(SystemExit):
         train_multi_gpu.main(["--smoke", "--variants", "baseline", "--out", str(tmp_path / "x.json")])
 
 
 def test_layouts_parse_and_bad_ones_are_named():
+    from bench.megatron import multi_gpu as megatron_multi_gpu
+
     names = ("tp1", "tp2", "pp2", "tp2pp2", "ep2", "tp2ep2", "pp2ep4", "tp2pp2ep2")
     assert [megatron_multi_gpu.parse_layout(x) for x in names] == [
         (1, 1, 1),
@@ -83,6 +92,8 @@ def test_layouts_parse_and_bad_ones_are_named():
     ],
 )
 def test_layouts_that_cannot_run_on_the_shape_are_named(tmp_path, capsys, argv, message):
+    from bench.megatron import multi_gpu as megatron_multi_gpu
+
     with pytest.raises(SystemExit):
         megatron_multi_gpu.main([*argv, "--out", str(tmp_path / "x.json")])
     assert re.search(message, capsys.readouterr().err)
@@ -90,6 +101,8 @@ def test_layouts_that_cannot_run_on_the_shape_are_named(tmp_path, capsys, argv, 
 
 @pytest.mark.slow
 def test_megatron_multi_gpu_smoke_runs_every_layout(tmp_path):
+    from bench.megatron import multi_gpu as megatron_multi_gpu
+
     pytest.importorskip("megatron.core")
     out = tmp_path / "megatron.json"
     report = megatron_multi_gpu.main(["--smoke", "--steps", "1", "--deadline", "3000", "--out", str(out)])
@@ -116,8 +129,8 @@ def test_e2e_summary_keeps_a_cut_off_modes_steps_and_states_the_steady_one_step_
     """A mode its timeout cut keeps the steps it logged (the cut line is dropped, the last finished step counts);
     one-step-off's steady step is max(rollout, train) + sync, not a median flattered by rollouts running ahead, and
     its last step (nothing generating under it) is not timed."""
-    from bench.e2e_grpo import logged_steps, summarize
-    from bench.workload_rollout import PROMPT_TOKENS
+    from bench.e2e.grpo import logged_steps, summarize
+    from bench.e2e.workload import PROMPT_TOKENS
 
     lines = [json.dumps(_step(0, 30.0, 50.0, 1.0, 120.0, 0)), "INFO something else",
              json.dumps(_step(1, 18.0, 8.0, 0.5, 14.0, 1)), json.dumps(_step(2, 18.0, 8.0, 0.5, 15.0, 1)),
@@ -140,17 +153,14 @@ def test_e2e_summary_keeps_a_cut_off_modes_steps_and_states_the_steady_one_step_
 
 @pytest.mark.slow
 def test_e2e_grpo_smoke_runs_the_cpu_modes(tmp_path):
-    """bench/e2e_grpo.py end to end on the CPU (Ray actors, the nccl transport over gloo): each step trains the
+    """bench/e2e/grpo.py end to end on the CPU (Ray actors, the nccl transport over gloo): each step trains the
     workload's token count, k = 2 stays within its bound, and the colocated mode (cuda_ipc) is skipped with a
     reason rather than run wrongly."""
-    import subprocess
-    import sys
-
-    from bench.workload_rollout import PROMPT_TOKENS
+    from bench.e2e.workload import PROMPT_TOKENS
 
     out = tmp_path / "e2e.json"
     modes = "colocated-sync,disagg-sync,disagg-k2"
-    subprocess.run([sys.executable, "-m", "bench.e2e_grpo", "--smoke", "--modes", modes,
+    subprocess.run([sys.executable, "-m", "bench.e2e.grpo", "--smoke", "--modes", modes,
                     "--prompts", "2", "--steps", "3", "--timeout", "300", "--out", str(out)], check=True, timeout=900)
     modes = {m["mode"]: m for m in json.loads(out.read_text())["modes"]}
     assert "skipped" in modes["colocated-sync"]
@@ -162,14 +172,11 @@ def test_e2e_grpo_smoke_runs_the_cpu_modes(tmp_path):
 
 @pytest.mark.slow  # ~2.5 min on 2 CPU cores: two flow runs, each with a Prefect server, Ray and four actors
 def test_gpu_fault_smoke_kills_a_rank_mid_step_and_resumes(tmp_path):
-    """bench/gpu_fault.py on the CPU (gloo ranks, the toy shape, whose embeddings are tied): `rlflow run` with train
+    """bench/e2e/fault.py on the CPU (gloo ranks, the toy shape, whose embeddings are tied): `rlflow run` with train
     rank 1 killed as step 2's train stage starts fails, the same command resumes from the checkpoint of step 1, and
     every check of the bench holds (it exits non-zero otherwise)."""
-    import subprocess
-    import sys
-
     out = tmp_path / "fault.json"
-    subprocess.run([sys.executable, "-m", "bench.gpu_fault", "--smoke", "--prompts", "2", "--timeout", "300",
+    subprocess.run([sys.executable, "-m", "bench.e2e.fault", "--smoke", "--prompts", "2", "--timeout", "300",
                     "--out", str(out)], check=True, timeout=700)
     report = json.loads(out.read_text())
     assert report["passed"] and all(report["checks"].values())
@@ -182,6 +189,8 @@ def test_megatron_multi_gpu_smoke_moe_runs_expert_parallel(tmp_path):
     """--smoke --shape moe: the toy Qwen3-MoE on 2 gloo ranks, data parallel (tp1) and expert parallel (ep2: each
     rank holds 2 of the 4 experts, tokens reach the other rank's by all-to-all): the same fp32 log-probs, and bf16
     train steps with throughput figures, each layout's "ep" recorded."""
+    from bench.megatron import multi_gpu as megatron_multi_gpu
+
     pytest.importorskip("megatron.core")
     out = tmp_path / "moe.json"
     argv = ["--smoke", "--shape", "moe", "--gpus", "2", "--layouts", "tp1,ep2", "--steps", "1", "--deadline", "600"]
@@ -199,7 +208,7 @@ def test_megatron_multi_gpu_smoke_moe_runs_expert_parallel(tmp_path):
 
 
 def test_flops_per_step_counts_a_dense_shape_as_before_and_an_moe_shape_by_its_active_experts():
-    from bench.train_scale import flops_per_step
+    from bench.train.scale import flops_per_step
 
     lengths = torch.tensor([3, 5])  # 8 tokens, sum of squares 34
     dense = {"hidden_size": 8, "num_hidden_layers": 2, "vocab_size": 10, "num_attention_heads": 2}
@@ -220,13 +229,13 @@ def test_flops_per_step_counts_a_dense_shape_as_before_and_an_moe_shape_by_its_a
 
 
 def test_megatron_gpus_flops_per_token_is_train_scales_count_of_one_full_row(tmp_path):
-    """bench/megatron_gpu.py's MFU (checks.train_flops_per_token, from a model folder) is flops_per_step's count for
+    """bench/megatron/gpu.py's MFU (checks.train_flops_per_token, from a model folder) is flops_per_step's count for
     one row of `seq` tokens, per token; its full-attention variant (Megatron-LM's convention) adds the other half
     of the s x s attention."""
     from transformers import Qwen3MoeConfig
 
-    from bench.megatron_checks import train_flops_per_token
-    from bench.train_scale import flops_per_step
+    from bench.megatron.checks import train_flops_per_token
+    from bench.train.scale import flops_per_step
 
     cfg = dict(vocab_size=10, hidden_size=8, intermediate_size=99, num_hidden_layers=2, num_attention_heads=2,
                num_key_value_heads=1, head_dim=6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=5)

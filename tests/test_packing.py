@@ -69,7 +69,7 @@ def test_compiled_layers_equal_eager_and_compile_once_for_every_layer_and_length
     built in training forwards too, put per-layer state in the compile guards, so every layer recompiled until
     dynamo's limit (8) and the rest ran eagerly. The graphs run through aot_eager (dynamo's capture and the
     autograd graph, no code generation: seconds instead of a C++ build on every run); the generated kernels'
-    numbers are checked on a GPU (bench/fsdp_gpu_check.py)."""
+    numbers are checked on a GPU (bench/train/fsdp_check.py)."""
     import functools  # only here: this test compiles through a backend of its own
 
     import torch._dynamo  # the compile counters (imported here: only this test reads them)

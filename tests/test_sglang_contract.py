@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.rollout import sglang_server_flags
+from rlflow.engines.core import sglang_flags
 from rlflow.engines.core.config import SGLangConfig
 from rlflow.engines.core.sglang_args import gpus_per_server, normalise_args, server_dtype, weight_update_ranks
 from rlflow.engines.rollout.functions import sample_from_item
@@ -129,11 +131,50 @@ def test_args_are_spelled_as_sglangs_parser_takes_them():
         ({"tp-size": 1, "tensor_parallel_size": 2}, r"'tp-size' and 'tensor_parallel_size' are the same flag"),
         ({"model": "/elsewhere"}, r"args\.model: --model-path is set by the rollout worker"),
         ({"enable-deterministic-inference": False}, r"contradicts rollout\.sglang\.deterministic: True"),
+        # deprecated in 0.5.10.post1 (DeprecatedAction, nargs=0): SGLang's parser takes no value after them
+        ({"hybrid-kvcache-ratio": 0.5}, r"args\.hybrid-kvcache-ratio: --hybrid-kvcache-ratio is a switch"),
+        ({"prefill_round_robin_balance": 2}, r"--prefill-round-robin-balance is a switch"),
+        ({"enable-piecewise-cuda-graph": "yes"}, r"--enable-piecewise-cuda-graph is a switch"),
+        # rlflow numbers the weights it sends; a server launched as "v1" fails the first generation's version parse
+        ({"weight-version": "v1"}, r"args\.weight-version: --weight-version is rlflow's to set"),
+        ({"weight_version": "default"}, r"args\.weight_version: --weight-version is rlflow's to set"),
     ],
 )
 def test_args_sglang_would_refuse_are_refused_at_validation(args, message):
     with pytest.raises(ValueError, match=message):
         SGLangConfig.model_validate({"args": args})
+
+
+def test_flag_table_reads_actions_that_take_no_value():
+    """The table generator (bench/rollout/sglang_server_flags.py) reads a flag as a switch when argparse consumes
+    nothing after it: argparse's own switch actions, an explicit nargs=0, and the file's own Action classes whose
+    __init__ defaults nargs to 0, as 0.5.10.post1 declares DeprecatedAction (the checked-in table's three deprecated
+    flags are switches). The source here has that release's declarations, cut down."""
+    source = "\n".join([
+        "import argparse",
+        "class DeprecatedAction(argparse.Action):",
+        "    def __init__(self, option_strings, dest, nargs=0, **kwargs):",
+        "        super().__init__(option_strings, dest, nargs=nargs, **kwargs)",
+        "class LoRAPathAction(argparse.Action):",
+        "    def __call__(self, parser, namespace, values, option_string=None): ...",
+        "def add_cli_args(parser):",
+        "    parser.add_argument('--hybrid-kvcache-ratio', action=DeprecatedAction, help='deprecated')",
+        "    parser.add_argument('--lora-paths', nargs='*', action=LoRAPathAction)",
+        "    parser.add_argument('--page-size', type=int)",
+        "    parser.add_argument('--enable-x', action='store_true')",
+        "    parser.add_argument('--quiet', action='count')",
+        "    parser.add_argument('--marker', nargs=0, action=LoRAPathAction)",
+        "    parser.add_argument('--flag', action=argparse.BooleanOptionalAction)",
+    ] + [f"    parser.add_argument('--pad-{i}', type=int)" for i in range(sglang_server_flags.MIN_FLAGS)])
+    flags = sglang_server_flags.flags_from_source(source)
+    kinds = {name: flags[name][1] for name in ("--hybrid-kvcache-ratio", "--lora-paths", "--page-size", "--enable-x",
+                                                "--quiet", "--marker", "--flag", "--no-flag")}
+    assert kinds == {"--hybrid-kvcache-ratio": "switch", "--lora-paths": "value", "--page-size": "value",
+                     "--enable-x": "switch", "--quiet": "switch", "--marker": "switch", "--flag": "switch",
+                     "--no-flag": "switch"}
+    for deprecated in ("--hybrid-kvcache-ratio", "--prefill-round-robin-balance", "--enable-piecewise-cuda-graph"):
+        assert sglang_flags.FLAGS[deprecated] == (deprecated, "switch")
+    assert normalise_args({"hybrid-kvcache-ratio": True}) == {"hybrid-kvcache-ratio": True}
 
 
 def test_pipeline_stages_cannot_join_one_weight_update_group(recipe):

@@ -1,7 +1,7 @@
 """train.kernels: the fused-kernel option is refused where it cannot run, with errors naming the field.
 
 The liger kernels themselves are Triton (CUDA only): their speed and their agreement with HF's modules are
-measured on a GPU by bench/train_scale.py (variant rlflow-8k-liger) and bench/fsdp_gpu_check.py."""
+measured on a GPU by bench/train/scale.py (variant rlflow-8k-liger) and bench/train/fsdp_check.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""bench/gpu_weight_sync.py in its CPU smoke mode, as the device machine runs it (no Ray there): the real
+"""bench/sync/weight_sync.py in its CPU smoke mode, as the device machine runs it (no Ray there): the real
 train and rollout backends in separate processes, the nccl transport over gloo (and, with a trainer sharded over
 two gloo ranks, cuda_ipc over shared-memory files and the distributed transport), and the process worker group
-it drives them through (bench/proc_group.py), whose failures must end a run rather than hang it."""
+it drives them through (bench/sync/proc_group.py), whose failures must end a run rather than hang it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.proc_group import ProcessWorkerGroup
+from bench.sync.proc_group import ProcessWorkerGroup
+from bench.sync.weight_sync import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +32,7 @@ def run_smoke(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, 
         [
             sys.executable,
             "-m",
-            "bench.gpu_weight_sync",
+            "bench.sync.weight_sync",
             "--smoke",
             "--repeats",
             "2",
@@ -102,8 +103,6 @@ def test_smoke_syncs_a_trainer_sharded_over_two_ranks_to_every_rollout_worker(tm
 
 
 def test_nccl_is_refused_for_a_sharded_trainer(tmp_path, capsys):
-    from bench.gpu_weight_sync import main
-
     with pytest.raises(SystemExit) as exit_:
         main(["--smoke", "--train-ranks", "2", "--modes", "nccl@1", "--out", str(tmp_path / "x.json")])
     assert exit_.value.code == 2

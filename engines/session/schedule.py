@@ -2,9 +2,9 @@
 
 The weights on the rollout workers have version v = the syncs so far: step t trains with version t and its sync
 makes version t + 1. A rollout for step t may start once version t - k is on the workers, so while step s trains
-(version s there) the rollouts of steps s + 1 .. s + k may run. The loop (the Prefect flow, or bench/bare_loop.py)
-asks `take(step)` for the step's rollout metrics at the start of the step, and calls `before_sync(step)` before
-the step's sync:
+(version s there) the rollouts of steps s + 1 .. s + k may run. The loop (the Prefect flow, or
+bench/e2e/bare_loop.py) asks `take(step)` for the step's rollout metrics at the start of the step, and calls
+`before_sync(step)` before the step's sync:
 
 - k = 0: every rollout runs in the loop's own thread, nothing runs ahead (synchronous);
 - k = 1: step s + 1's rollout runs while step s trains and the sync waits for it, so each step's samples come

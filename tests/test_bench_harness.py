@@ -1,0 +1,53 @@
+"""bench/harness.py, which every bench script's child processes, timings and reports go through: a child's answer is
+its last RESULT line; a crash, a silent exit or a hang comes back as an error with the output's tail, never as a
+figure; a report is rewritten whole where its folder does not exist yet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import harness
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def child(code: str, timeout: float | None = 60, **kwargs) -> dict:
+    return harness.run_child(["-c", code], timeout, cwd=REPO, **kwargs)
+
+
+def test_a_childs_answer_is_its_last_result_line():
+    code = ("from bench import harness; print('noise'); harness.emit_result({'step': 1}); "
+            "harness.emit_result({'step': 2, 'tokens_per_s': 3.5})")
+    out = child(code)
+    assert out.pop("wall_s") > 0
+    assert out == {"step": 2, "tokens_per_s": 3.5}
+
+
+def test_a_crash_a_silent_exit_and_a_hang_are_errors_with_the_output():
+    crashed = child("from bench import harness; harness.emit_result({'x': 1}); raise SystemExit('boom')")
+    assert crashed["error"] == "exit 1" and "boom" in crashed["tail"] and "x" not in crashed
+    silent = child("print('no result here')", keep_output=True)
+    assert silent["error"] == "exit 0" and silent["output"].strip() == "no result here"
+    hung = child("import time; print('started', flush=True); time.sleep(60)", timeout=5, keep_output=True)
+    assert hung["error"] == "timed out after 5 s" and "started" in hung["output"]
+
+
+def test_the_report_is_rewritten_whole_and_its_header_names_the_command(tmp_path):
+    out = tmp_path / "new" / "folder" / "report.json"
+    harness.write_json(out, {"a": 1, "b": [1, 2]})
+    harness.write_json(out, {"a": 2})
+    assert json.loads(out.read_text()) == {"a": 2}
+    header = harness.report_header("bench.train.scale", ["--smoke", "--out", "x.json"])
+    assert header["command"] == "python -m bench.train.scale --smoke --out x.json"
+    assert {"date", "device", "gpus", "torch", "python"} <= set(header)
+    assert "device" not in harness.report_header("bench.train.multi_gpu", [], name_device=False)
+
+
+def test_timing_calls_after_the_warm_up_and_device_tables():
+    calls = []
+    times = harness.timed(lambda: calls.append(len(calls)), repeats=3, warmup=2, on="cpu")
+    assert calls == [0, 1, 2, 3, 4] and len(times) == 3 and all(t >= 0 for t in times)
+    assert harness.by_device(harness.PEAK_BF16_TFLOPS, "NVIDIA H100 80GB HBM3") == 989.4
+    assert harness.by_device(harness.HBM_GB_PER_S, "NVIDIA H200") == 4800.0
+    assert harness.by_device(harness.PEAK_BF16_TFLOPS, "cpu") is None
