@@ -152,12 +152,12 @@ class AlgorithmConfig(Section):
     rejection: Literal["none", "token", "sequence", "geometric"] = Field(
         "none", description="Rejection of mismatched rollouts (verl's rollout_rs): drop from the loss mask the "
         "tokens (token), whole sequences by their ratio exp(sum log-ratio) (sequence, verl's seq_sum_k1) or by "
-        "their geometric-mean ratio exp(mean log-ratio) (geometric, verl's seq_mean_k1) whose p_train / "
-        "p_rollout is outside [reject_low, reject_high]. Combines with is_correction; costs the same extra "
-        "forward pass.",
+        "their geometric-mean ratio exp(mean log-ratio) (geometric, verl's seq_mean_k1) whose p_rollout / "
+        "p_train (verl's k1 direction) is outside [reject_low, reject_high]. Combines with is_correction; costs "
+        "the same extra forward pass.",
     )
-    reject_low: float = Field(0.5, gt=0.0, description="rejection: smallest ratio kept (at most 1).")
-    reject_high: float = Field(2.0, gt=0.0, description="rejection: largest ratio kept (at least 1).")
+    reject_low: float = Field(0.5, gt=0.0, description="rejection: smallest p_rollout / p_train kept (at most 1).")
+    reject_high: float = Field(2.0, gt=0.0, description="rejection: largest p_rollout / p_train kept (at least 1).")
     tis_cap: float = Field(2.0, gt=0.0, description="TIS: upper bound of the importance weight.")
     icepop_low: float = Field(0.5, gt=0.0, description="IcePop: smallest p_train / p_rollout kept.")
     icepop_high: float = Field(5.0, gt=0.0, description="IcePop: largest p_train / p_rollout kept.")

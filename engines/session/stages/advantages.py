@@ -1,6 +1,6 @@
 """The advantages stage: rewards -> advantages. Overlong shaping and KL-in-reward first (with the adaptive KL
 controller), rollout correction's rejection mask and importance weights over the whole batch, the critic's values
-and GAE, then the recipe's estimator (engines/core/algorithms.py)."""
+and GAE, then the recipe's estimator (engines/core/algorithms/)."""
 
 from __future__ import annotations
 
@@ -109,14 +109,11 @@ def _rollout_correction(s: RunEngines, st: StepState, batch: TrainBatch) -> dict
     """Rejection mask and importance weights of the step over its whole batch (batch normalisation needs
     all of it; a micro-batch would give another mean): the train stage hands both to the workers."""
     algo = s.cfg.algorithm
-    mask, rollout = batch["loss_mask"], batch["old_logprobs"]
-    st.keep, metrics = algorithms.rejection_mask(st.train_logprobs, rollout, mask, algo.rejection,
-                                                 algo.reject_low, algo.reject_high)
-    if algo.is_correction != "none":
-        st.is_weights, is_metrics = algorithms.importance_weights(
-            st.train_logprobs, rollout, mask * st.keep, algo.is_correction, algo.tis_cap, algo.icepop_low,
-            algo.icepop_high, level=algo.is_level, batch_normalize=algo.is_batch_normalize)
-        metrics |= is_metrics
+    st.keep, st.is_weights, metrics = algorithms.rollout_correction(
+        st.train_logprobs, batch["old_logprobs"], batch["loss_mask"], is_correction=algo.is_correction,
+        tis_cap=algo.tis_cap, icepop_low=algo.icepop_low, icepop_high=algo.icepop_high, is_level=algo.is_level,
+        batch_normalize=algo.is_batch_normalize, rejection=algo.rejection, reject_low=algo.reject_low,
+        reject_high=algo.reject_high)
     return {f"rollout_corr/{k}": float(v) for k, v in metrics.items()}
 
 
