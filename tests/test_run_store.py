@@ -183,6 +183,8 @@ def test_a_run_folder_that_resolves_outside_the_store_is_refused(tmp_path):
     os.symlink(tmp_path / "elsewhere", tmp_path / "runs" / "r")
     with pytest.raises(RunNameError, match=r"resolves to .*/elsewhere, not a folder of"):
         RunStore(str(tmp_path / "runs"), "r")
+    RunStore(str(tmp_path / "runs"), "ok").write_json({"name": "ok"}, "config.json")
+    assert [r["run"] for r in list_runs(str(tmp_path / "runs"))] == ["ok"]  # `rlflow runs` passes the link by
 
 
 def test_the_cleanup_never_deletes_a_folder_without_the_marker(storage):

@@ -515,7 +515,10 @@ def list_runs(storage: StorageConfig | str) -> list[dict]:
     out = []
     for p in names:
         name = p.rstrip("/").rsplit("/", 1)[-1]
-        store = RunStore(storage, name)
+        try:
+            store = RunStore(storage, name)
+        except RunNameError:  # e.g. a symlink out of a local store: not a run here
+            continue
         if not store.exists("config.json"):
             continue
         latest = store.latest_step()
