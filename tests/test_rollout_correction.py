@@ -4,11 +4,15 @@ token / sequence / geometric rejection masks, against numbers worked out by hand
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rlflow.engines.core import algorithms as A
+from rlflow.engines.core.config import AlgorithmConfig
+from rlflow.engines.session.stages.advantages import _rollout_correction
+from rlflow.engines.session.step_state import StepState
 
 LN2 = math.log(2.0)
 # ratios p_train / p_rollout: row 0: 1, 2, 0.5 (sequence: exp(0 + ln2 - ln2) = 1); row 1: 4, 1, padding
@@ -143,3 +147,16 @@ def test_rollout_correction_takes_the_weights_before_rejection_as_verl():
     # rejection alone: no weights, the same keep mask
     keep_only, w, m = A.rollout_correction(TRAIN, ROLLOUT, MASK, rejection="token")
     assert w is None and torch.equal(keep_only, keep) and "is_weight_mean" not in m
+
+
+def test_the_advantages_stage_weighs_before_it_rejects():
+    """The session's advantages stage hands the workers verl's order too: sequence weights over every sampled token
+    (row 1: 4, not the kept token's 1) beside the keep mask that drops row 1's first token."""
+    algo = AlgorithmConfig(is_correction="tis", tis_cap=5.0, is_level="sequence", rejection="token",
+                           reject_low=0.5, reject_high=2.0)
+    st = StepState(step=0, rows=[], batch=None, train_logprobs=TRAIN)
+    metrics = _rollout_correction(SimpleNamespace(cfg=SimpleNamespace(algorithm=algo)), st,
+                                  {"loss_mask": MASK, "old_logprobs": ROLLOUT})
+    assert torch.equal(st.keep, torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0]]))
+    assert torch.allclose(st.is_weights, torch.tensor([[1.0, 1.0, 1.0], [4.0, 4.0, 0.0]]), atol=1e-5)
+    assert metrics["rollout_corr/reject_token_frac"] == pytest.approx(1 / 5)
