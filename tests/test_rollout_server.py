@@ -10,15 +10,20 @@ updates in our safetensors payload, trace events) run against the embedded serve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.core.batch import pack_samples
 from rlflow.engines.core.config import AlgorithmConfig, ModelConfig, TrainConfig
 from rlflow.engines.models.hf import build_tiny_model
@@ -105,10 +110,15 @@ def _long_streams(url: str, n: int) -> tuple[list[threading.Thread], list]:
 
 # ---------------------------------------------------------------------------------------------- information
 def test_health_and_info(http):
+    """/health answers; /health_generate generates a token; the model and server information agree on what is
+    served (path, weight version) and state the limits the rollout relies on (a context for LONG tokens)."""
     assert http.get("/health").status_code == 200
-    info = http.get("/get_model_info").json()
-    assert info["is_generation"] is True and info["model_path"]
-    assert isinstance(http.get("/get_server_info").json(), dict)
+    assert http.get("/health_generate").status_code == 200
+    model, server = http.get("/get_model_info").json(), http.get("/get_server_info").json()
+    assert model["is_generation"] is True and model["model_path"] == server["model_path"]
+    assert model["weight_version"] == server["weight_version"]
+    assert server["context_length"] >= LONG and server["max_total_num_tokens"] >= LONG
+    assert server["max_running_requests"] >= 1
 
 
 # ---------------------------------------------------------------------------------------------- /generate
@@ -208,8 +218,32 @@ def test_abort_all(http, server):
 
 
 # ---------------------------------------------------------------------------------------------- weights and memory
-def test_flush_cache(http):
+def test_flush_cache(http, server):
+    """Refused (400) while a request runs, which goes on unharmed; done (200) once the server is idle."""
+    threads, finals = _long_streams(server, 1)
+    refused = http.post("/flush_cache")
+    assert refused.status_code == 400, refused.text
+    assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
+    threads[0].join()
+    assert finals[0]["meta_info"]["finish_reason"]["type"] == "abort" and len(finals[0]["output_ids"]) >= 1
     assert http.post("/flush_cache").status_code == 200
+
+
+def test_flush_cache_drops_the_kv_cache(embedded):
+    """The embedded engine keeps no prefix cache across requests: a flush frees its paged KV cache, which the next
+    request builds anew (its page counters start from zero), and generation after it is unchanged."""
+    greedy = {"text": "12+", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    with httpx.Client(base_url=embedded.server_url(), timeout=60) as http:
+
+        def kv() -> dict:
+            return http.get("/get_server_info").json()["internal_states"][0]
+
+        before = _gen(http, **greedy)["output_ids"]
+        assert kv()["kv_pages_peak"] > 0 and kv()["kv_pages_used"] == 0  # pages in the cache, none held now
+        assert http.post("/flush_cache").status_code == 200
+        assert kv()["kv_pages_peak"] == 0  # the cache is gone, not only emptied
+        assert _gen(http, **greedy)["output_ids"] == before
+        assert kv()["kv_pages_peak"] > 0
 
 
 def test_release_resume_and_update_from_disk(http, server):
@@ -421,3 +455,39 @@ def test_router_balances_broadcasts_and_retries(model_dir):
         router.stop()
         for b in backends:
             b.close()
+
+
+# ---- the standalone server (`python -m rlflow.engines.rollout.launch`) and its control token --------------------
+def _launch_standalone(model_dir: str, *flags: str, port: int | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlflow.engines.rollout.launch", "--model-path", model_dir, "--device", "cpu",
+         "--port", str(port or free_port()), *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+
+
+def test_the_standalone_server_needs_a_token_or_says_it_serves_without(model_dir):
+    """Without --api-key it refuses to start, naming both ways on (it served its control routes open, silently);
+    --api-key with --insecure-no-token is refused too. Both before the model is loaded."""
+    for flags, expected in (((), "give --api-key KEY"), (("--api-key=k", "--insecure-no-token"), "give one")):
+        proc = _launch_standalone(model_dir, *flags)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2 and expected in err and "--insecure-no-token" in err, err
+
+
+def test_insecure_no_token_serves_the_control_routes_open_and_warns(model_dir):
+    port = free_port()
+    proc = _launch_standalone(model_dir, "--insecure-no-token", port=port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.3)
+        assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200  # no token asked: as told
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert "WARNING: --insecure-no-token: the control routes" in err and url in err, err

@@ -155,6 +155,7 @@ def test_launch_waits_for_health_and_passes_the_args(worker, model_dir):
         worker.server_url().rsplit(":", 1)[1],
         *server_args(ARGS),
         "--enable-deterministic-inference",  # SGLang honours sampling_seed only with it (rollout.sglang.deterministic)
+        "--insecure-no-token",  # a worker made without a token: the embedded server is told its routes are open
     ]
     info = worker.server_info()
     assert (info["max_running_requests"], info["context_length"], info["dtype"]) == (3, 48, "float32")

@@ -1,5 +1,9 @@
 """`python -m rlflow.engines.rollout.launch`: the embedded rollout server as a process of its own, a stand-in for
-`python -m sglang.launch_server` (the SGLang backend launches either)."""
+`python -m sglang.launch_server` (the SGLang backend launches either).
+
+Its control routes (weights, memory, aborts, cache, process groups) take orders from whoever reaches its port, so it
+starts only with `--api-key` (required on them) or with `--insecure-no-token`, which says they are meant to be open
+(docs/security.md)."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import argparse
 import json
 import os
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +27,7 @@ from rlflow.engines.rollout.weight_routes import WEIGHT_DIRS_ENV
 # any other flag is refused by name rather than ignored
 DTYPE_FLAGS = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
                "float32": "float32"}
+NO_TOKEN_FLAG = "--insecure-no-token"  # rlflow's: serve the control routes without a token
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     --model-path (--model), --host, --port, --dtype, --device, --context-length, --max-running-requests,
     --random-seed, --enable-deterministic-inference (always on here), --api-key (here required on control routes
     only), --enable-lora with --max-lora-rank and --lora-target-modules (one adapter served at a time, merged:
-    engines/rollout/lora.py); and rlflow's --weight-dir. Stops on SIGTERM / SIGINT."""
+    engines/rollout/lora.py); and rlflow's --weight-dir and --insecure-no-token (no --api-key: the control routes
+    open). Stops on SIGTERM / SIGINT."""
     parser = argparse.ArgumentParser(prog="python -m rlflow.engines.rollout.launch", allow_abbrev=False,
                                      description="rlflow's embedded rollout server with SGLang's routes and a "
                                      "subset of sglang.launch_server's flags.")
@@ -65,7 +72,11 @@ def main(argv: list[str] | None = None) -> None:
                         "sampling_seed the same way, whatever else shares its batch.")
     parser.add_argument("--api-key", default=None,
                         help="Required as 'Authorization: Bearer <key>' on the control routes (weights, memory, "
-                        "aborts, cache, process groups).")
+                        f"aborts, cache, process groups). Without it, give {NO_TOKEN_FLAG}.")
+    parser.add_argument(NO_TOKEN_FLAG, action="store_true",
+                        help="Start without --api-key: the control routes then obey any process that reaches the "
+                        "port (push weights, load a folder's, abort, dial a host). For a test or a benchmark on a "
+                        "machine of your own. rlflow's, not SGLang's.")
     parser.add_argument("--enable-lora", action="store_true",
                         help="Serve LoRA adapters (/load_lora_adapter); the embedded engine merges one at a time.")
     parser.add_argument("--max-lora-rank", type=int, default=None,
@@ -83,6 +94,16 @@ def main(argv: list[str] | None = None) -> None:
         flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-")] or unknown
         known = sorted({s for a in parser._actions for s in a.option_strings} - {"-h", "--help"})
         parser.error(f"the embedded server does not support {', '.join(flags)} (it takes SGLang's {', '.join(known)})")
+
+    if not args.api_key and not args.insecure_no_token:
+        parser.error(f"give --api-key KEY (then required as 'Authorization: Bearer KEY' on the control routes: "
+                     f"weights, memory, aborts, cache, process groups), or {NO_TOKEN_FLAG} to serve those routes open "
+                     "to every process that reaches the port")
+    if args.api_key and args.insecure_no_token:
+        parser.error(f"--api-key and {NO_TOKEN_FLAG}: give one")
+    if args.insecure_no_token:
+        print(f"WARNING: {NO_TOKEN_FLAG}: the control routes (weights, memory, aborts, cache, process groups) obey "
+              f"any process that reaches http://{args.host}:{args.port}", file=sys.stderr, flush=True)
 
     lora = None
     if args.enable_lora:

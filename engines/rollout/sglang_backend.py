@@ -51,7 +51,7 @@ from safetensors.torch import save_file
 
 from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.cluster.process_group import start_guard, stop_group
-from rlflow.engines.core.config import SGLangConfig, StorageConfig
+from rlflow.engines.core.config import SGLANG_LAUNCHERS, SGLangConfig, StorageConfig
 from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.core.sglang_args import server_dtype, weight_update_ranks
@@ -66,6 +66,7 @@ from rlflow.engines.sync.store import get_bucket
 
 STOP_GRACE_S = 10.0  # SIGTERM first; SIGKILL what is left of the process group after this
 LOG_TAIL_CHARS = 4000
+EMBEDDED_LAUNCHER = SGLANG_LAUNCHERS[1]  # rlflow's stand-in: launched without a token, it must be told so
 
 
 def server_args(args: dict[str, Any]) -> list[str]:
@@ -214,7 +215,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
             "--port",
             str(port),
             *server_args(self.launch_args),
-            *([f"--api-key={token}"] if token else []),  # one argument: a token may start with "-"
+            *self._token_args(token),
         ]
         self.adapters = {}  # a new server serves none
         env = dict(os.environ)
@@ -236,6 +237,13 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         self.url = f"http://{host}:{port}"
         self._wait_healthy()
         return self.url
+
+    def _token_args(self, token: str | None) -> list[str]:
+        """`--api-key=<token>`: one argument, since a token may start with "-". Without a token, rlflow's embedded
+        launcher is told its control routes are open (it refuses to start otherwise); SGLang's serves them open."""
+        if token:
+            return [f"--api-key={token}"]
+        return ["--insecure-no-token"] if self.cfg.launch_module == EMBEDDED_LAUNCHER else []
 
     def shown_command(self) -> str:
         """The launch command for logs and errors, the control token masked."""
