@@ -4,6 +4,10 @@ MLflow's own HTTP retries (7, with backoff: about 4.5 minutes against an unreach
 120 s request timeout) are turned off for this process, so `tracking.deadline_s` bounds how long a dead or
 failing tracking server holds a run. Retrying a log_batch is safe: its metrics carry their timestamps, and an
 identical point is stored once.
+
+Once a call has used up its retries, the server is taken for down: later calls get one attempt each until one
+succeeds. A server that died mid-run then costs one retry budget, not one per call that follows (the run's
+clean-up: its final status, a last metric), and the error the run reports stays the first one.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from typing import Any, TypeVar
 
 from mlflow.tracking import MlflowClient
 
-from rlflow.engines.core.retry import RetryPolicy
+from rlflow.engines.core.retry import RetriesExhausted, RetryPolicy, ServiceError
 
 T = TypeVar("T")
+ONE_ATTEMPT = RetryPolicy(retries=0)
 
 
 def one_attempt_http(timeout_s: float) -> None:
@@ -34,16 +39,23 @@ class RetryingClient(MlflowClient):
         one_attempt_http(timeout_s)
         super().__init__(uri)
         self.policy = policy
+        self.down: RetriesExhausted | None = None  # the call that used up its retries, until a call succeeds
         self._inside = threading.local()  # MLflow's log_table calls get_run: one retry layer, the outer one
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         if getattr(self._inside, "call", False):
             return fn()
         self._inside.call = True
+        policy = self.policy if self.down is None else ONE_ATTEMPT
         try:
-            return self.policy.call(f"MLflow {what} at {self.tracking_uri}", fn)
+            result = policy.call(f"MLflow {what} at {self.tracking_uri}", fn)
+        except RetriesExhausted as e:
+            self.down = self.down or e
+            raise
         finally:
             self._inside.call = False
+        self.down = None
+        return result
 
     def get_experiment_by_name(self, name: str) -> Any:
         return self._call("get_experiment_by_name", lambda: super(RetryingClient, self).get_experiment_by_name(name))
@@ -83,8 +95,15 @@ class RetryingClient(MlflowClient):
     def log_table(self, *args: Any, **kwargs: Any) -> None:
         self._call("log_table", lambda: super(RetryingClient, self).log_table(*args, **kwargs))
 
+    def list_artifacts(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call("list_artifacts", lambda: super(RetryingClient, self).list_artifacts(*args, **kwargs))
 
-class TrackingUnavailable(RuntimeError):
+    def download_artifacts(self, *args: Any, **kwargs: Any) -> str:
+        return self._call("download_artifacts",
+                          lambda: super(RetryingClient, self).download_artifacts(*args, **kwargs))
+
+
+class TrackingUnavailable(ServiceError):
     """The tracking URI cannot take runs; the message names it."""
 
 

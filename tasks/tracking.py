@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import subprocess
@@ -26,6 +27,8 @@ from prefect.runtime import deployment, flow_run
 from rlflow.engines.core.config import RLConfig
 from rlflow.engines.core.retry import RetryPolicy
 from rlflow.tasks.mlflow_client import RetryingClient
+
+log = logging.getLogger("rlflow")
 
 # MLflow 3 opens an experiment in its GenAI view unless this tag says it holds model development (training) runs
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
@@ -146,8 +149,17 @@ class Tracker:
         mlflow.flush_async_logging()
 
     def finish(self, status: str = "FINISHED") -> None:
+        """End the MLflow run with `status`. A finished run raises if the server does not take it; a failed run
+        only warns: the error that ended the run is the one to report, not its clean-up's (after the server went
+        down mid-run, this costs one attempt: tasks/mlflow_client.py)."""
         mlflow.flush_async_logging()
-        self.client.set_terminated(self.run_id, status=status)
+        if status == "FINISHED":
+            self.client.set_terminated(self.run_id, status=status)
+            return
+        try:
+            self.client.set_terminated(self.run_id, status=status)
+        except Exception as e:  # noqa: BLE001 - whatever it is, the run's own error is raised instead
+            log.warning("MLflow run %s was not marked %s: %s: %s", self.run_id, status, type(e).__name__, e)
 
     @property
     def url(self) -> str:

@@ -1,13 +1,21 @@
-"""MLflow conventions of a run: chart sections by metric prefix, the classic ML experiment view, provenance tags."""
+"""MLflow conventions of a run: chart sections by metric prefix, the classic ML experiment view, provenance tags;
+a tracking server that dies mid-run."""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import subprocess
 
 import pytest
 from mlflow.tracking import MlflowClient
 
+from rlflow.engines.cluster.addresses import free_port
+from rlflow.engines.core.retry import RetriesExhausted, RetryPolicy
+from rlflow.tasks.mlflow_client import RetryingClient
 from rlflow.tasks.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, Tracker, recipe_hash
+from tests.conftest import small_recipe, step_metrics
 
 
 @pytest.fixture
@@ -73,3 +81,52 @@ def test_no_prefect_tags_outside_a_flow_run(uri, tmp_path, monkeypatch):
     tags = MlflowClient(uri).get_run(tracker.run_id).data.tags
     assert not any(k.startswith("prefect.") for k in tags) and "mlflow.source.git.commit" not in tags
     assert tags["rlflow.recipe_hash"] == recipe_hash({"a": 1})
+
+
+class _Warnings(logging.Handler):
+    """The warnings of a logger and its children (Prefect's logging setup replaces the root's handlers, caplog's)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_tracking_server_killed_mid_run_fails_the_run_with_the_first_error(tmp_path):
+    """A real MLflow server, SIGKILLed after step 0 of a run: step 1's log_batch uses up its retries and is the
+    error the run raises; the clean-up's set_terminated gets one attempt (no retries: the server is known down)
+    and only warns. Before, set_terminated spent a second retry budget and its error replaced log_batch's."""
+    from rlflow.engines.core.config import config_from_dict
+    from rlflow.engines.store.run_store import RunStore
+    from rlflow.flows.post_train import post_train
+    from rlflow.flows.serve import Services, start_mlflow_server
+
+    svc, warnings = Services(), _Warnings()
+    logging.getLogger("rlflow").addHandler(warnings)  # rlflow.retry's too
+    try:
+        uri = start_mlflow_server(svc, free_port(), f"sqlite:///{tmp_path}/mlflow-server.db", tmp_path / "artifacts",
+                                  log=tmp_path / "mlflow.log")
+        server = svc.procs[-1]
+        # its first answers take seconds on a loaded machine (imports, the database): not a failure to test here
+        RetryingClient(uri, RetryPolicy(retries=5, deadline_s=120), timeout_s=120).get_experiment_by_name("rlflow")
+        cfg = config_from_dict(small_recipe(
+            tmp_path, cluster={"use_ray": False}, train={"steps": 3, "threads": 1}, eval={"every": 0},
+            checkpoint={"every": 0}, rollout={"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 1},
+            tracking={"uri": uri, "deadline_s": 10}))
+
+        def kill_after_step_0(step: int, metrics: dict) -> None:
+            if step == 0:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+
+        with pytest.raises(RetriesExhausted, match=rf"MLflow log_batch at {uri}: transient error, gave up after"):
+            step_metrics(lambda: post_train(cfg), [kill_after_step_0])
+    finally:
+        logging.getLogger("rlflow").removeHandler(warnings)
+        svc.stop()
+    retried = [r.getMessage() for r in warnings.records if r.name == "rlflow.retry"]
+    assert retried and all(m.startswith(f"MLflow log_batch at {uri}") for m in retried), retried
+    assert any("was not marked FAILED" in r.getMessage() for r in warnings.records if r.name == "rlflow")
+    assert RunStore(cfg.storage, cfg.name).read_json("status.json")["status"] == "failed"

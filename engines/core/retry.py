@@ -73,7 +73,12 @@ def is_transient(err: BaseException, _depth: int = 0) -> bool:
     return _depth < 6 and cause is not None and is_transient(cause, _depth + 1)
 
 
-class RetriesExhausted(RuntimeError):
+class ServiceError(RuntimeError):
+    """An outside service (the run store, MLflow, the Prefect API) failed for good; the message names the service
+    and where it was asked. The CLI prints it as one line (no traceback) and exits 2."""
+
+
+class RetriesExhausted(ServiceError):
     """A transient error outlasted the retry budget; raised from the last error."""
 
 

@@ -40,13 +40,13 @@ import pyarrow.parquet as pq
 from pydantic import SecretStr
 
 from rlflow.engines.core.config import RLConfig, StorageConfig
-from rlflow.engines.core.retry import RetriesExhausted
+from rlflow.engines.core.retry import RetriesExhausted, ServiceError
 
 log = logging.getLogger("rlflow.store")
 T = TypeVar("T")
 
 
-class StorageError(RuntimeError):
+class StorageError(ServiceError):
     """A storage call that failed for good: the message names the URI and the reason."""
 
 
