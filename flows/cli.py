@@ -33,6 +33,7 @@ from rlflow.engines.core.config import (
     apply_overrides,
     read_recipe,
 )
+from rlflow.engines.core.retry import RetryPolicy, ServiceError
 from rlflow.engines.core.trace_render import load_trace, render
 from rlflow.flows.project import ProjectError, init_project
 
@@ -74,7 +75,6 @@ def _probe_services(cfg) -> list[str]:
     """What the run needs from outside, tried once with a short deadline: write, read and delete an object in
     the run store; one API call to the tracking server. One problem per service, naming its URI."""
     # deferred: the run store (pyarrow, fsspec) and MLflow (seconds)
-    from rlflow.engines.core.retry import RetryPolicy
     from rlflow.engines.store.run_store import RunStore, StorageError
     from rlflow.tasks.mlflow_client import TrackingUnavailable, probe_tracking
 
@@ -97,16 +97,18 @@ def cmd_run(args) -> int:
 
 
 def cmd_sft(args) -> int:
-    from rlflow.flows.sft import sft  # deferred: Prefect, Ray, torch (seconds)
-
     cfg = _load(args)
+    prepare_flow_process()
+    from rlflow.flows.sft import sft  # deferred: Prefect, Ray, torch (seconds), after Prefect's defaults
+
     return _run(cfg, sft, cfg.sft.steps, takeover=args.takeover)
 
 
 def cmd_rejection_sample(args) -> int:
-    from rlflow.flows.rejection_sampling import rejection_sampling  # deferred: Prefect, Ray, torch (seconds)
-
     cfg = _load(args)
+    prepare_flow_process()
+    from rlflow.flows.rejection_sampling import rejection_sampling  # deferred, as in cmd_sft
+
     return _run(cfg, rejection_sampling, cfg.sft.total_steps(rejection=True), takeover=args.takeover)
 
 
@@ -195,9 +197,8 @@ def cmd_trace_render(args) -> int:
 def _download_trace(args, tmp: str):
     """The run's traces/step_<N>.json from its MLflow run (found through the run store), or None."""
     # deferred: MLflow and, through tasks.stages, Prefect and torch (seconds)
-    from mlflow.tracking import MlflowClient
-
     from rlflow.engines.store.run_store import RunStore
+    from rlflow.tasks.mlflow_client import RetryingClient
     from rlflow.tasks.stages import trace_artifact
 
     store = RunStore(_store_config(args), args.source)
@@ -207,7 +208,7 @@ def _download_trace(args, tmp: str):
         return None
     tracking = store.read_json("config.json")["tracking"]["uri"]
     run_id = store.read_json("status.json").get("mlflow_run_id") if store.exists("status.json") else None
-    client = MlflowClient(tracking)
+    client = RetryingClient(tracking, RetryPolicy(retries=1, deadline_s=10), timeout_s=10)  # a dead server: an error
     steps = sorted(int(a.path.rsplit("_", 1)[1].split(".")[0]) for a in client.list_artifacts(run_id, "traces")
                    ) if run_id else []
     if not steps:
@@ -221,13 +222,30 @@ def _download_trace(args, tmp: str):
     return Path(client.download_artifacts(run_id, trace_artifact(step), tmp))
 
 
+def prepare_flow_process() -> None:
+    """Settings of a process that runs flows, set before Prefect is first imported (it reads them once then),
+    unless the environment sets them: quiet Prefect logs, and the temporary server's (flows/serve.py)."""
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the progress bar says what the task logs would
+    from rlflow.flows.serve import use_prefect_server_defaults  # deferred: httpx
+
+    use_prefect_server_defaults()  # for the temporary server, when no PREFECT_API_URL is set
+
+
+class _ServiceErrorsInOneLine(logging.Filter):
+    """Prefect logs a failed flow run's exception with its traceback. A ServiceError names the service and where,
+    and `main` prints it: on the console its record keeps its one line, without the traceback (the Prefect run's
+    own log keeps it: Prefect's API handler sees the record before the console's)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], ServiceError):
+            record.exc_info = record.exc_text = None
+        return True
+
+
 def _run(cfg, flow_fn=None, total: int | None = None, takeover: bool = False) -> int:
     """Run a flow (post_train by default) with a progress bar over its `total` steps. `takeover`: take the run's
     lease from a process that holds it (engines/store/lease.py), through the environment a flow run reads it from."""
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the progress bar says what the task logs would
-    from rlflow.flows.serve import use_prefect_server_defaults  # deferred: httpx; before Prefect is imported
-
-    use_prefect_server_defaults()  # for the temporary server, when no PREFECT_API_URL is set
+    prepare_flow_process()
     logging.getLogger("rlflow").setLevel(logging.INFO)
     # deferred: Prefect, Ray, torch (seconds), after the defaults above; rich.progress ~50 ms, 1/6 of `--help`
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -235,10 +253,14 @@ def _run(cfg, flow_fn=None, total: int | None = None, takeover: bool = False) ->
     from rlflow.engines.cluster.termination import bound_exit_on_sigterm
     from rlflow.engines.store.lease import TAKEOVER_ENV
     from rlflow.flows.post_train import post_train
-    from rlflow.flows.temporary_server import guard_temporary_server
+    from rlflow.flows.temporary_server import guard_temporary_server, require_prefect_api
     from rlflow.tasks.run_context import STEP_LISTENERS
 
     guard_temporary_server()  # without PREFECT_API_URL: the temporary Prefect server dies with this process
+    require_prefect_api()  # with one: its server answers, or a ServiceError names it
+    for handler in logging.getLogger().handlers:  # Prefect's console handler
+        if not any(isinstance(f, _ServiceErrorsInOneLine) for f in handler.filters):
+            handler.addFilter(_ServiceErrorsInOneLine())
     bound_exit_on_sigterm()  # SIGTERM: the run's status is written and the process ends within a deadline
     if takeover:
         os.environ[TAKEOVER_ENV] = "1"
@@ -413,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (RecipeError, ProjectError) as e:
+    except (RecipeError, ProjectError, ServiceError) as e:  # each names its field, file or service
         print(f"error: {e}", file=sys.stderr)
         return 2
 

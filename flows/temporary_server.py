@@ -14,6 +14,7 @@ import functools
 import subprocess
 
 from rlflow.engines.cluster.process_group import start_guard
+from rlflow.engines.core.retry import ServiceError
 
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL: Prefect's own stop() waits as long
 
@@ -30,6 +31,23 @@ def guard_temporary_server() -> None:
         return
     # Prefect looks its server up as SubprocessASGIServer() (port None): the instance under that key is the one
     SubprocessASGIServer._instances[None] = guarded()
+
+
+def require_prefect_api() -> None:
+    """With an API URL (PREFECT_API_URL, or the Prefect profile's), its server must answer before a flow starts:
+    a ServiceError naming the URL if not (the flow call would fail later, with Prefect's traceback)."""
+    from prefect.client.orchestration import get_client  # slow to import: see above
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return
+    with get_client(sync_client=True) as client:
+        problem = client.api_healthcheck()
+    if problem is not None:
+        raise ServiceError(f"the Prefect API at {url} (PREFECT_API_URL) does not answer: {type(problem).__name__}: "
+                           f"{problem}. Start its server (`rlflow serve`), or unset PREFECT_API_URL for a temporary "
+                           "server of the run's own.")
 
 
 @functools.cache

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +19,8 @@ from rlflow.engines.core.retry import RetriesExhausted, RetryPolicy
 from rlflow.engines.store.run_store import RunStore, StorageError
 from rlflow.tasks.mlflow_client import RetryingClient
 from tests.conftest import small_recipe
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _Unavailable(BaseHTTPRequestHandler):
@@ -148,3 +153,76 @@ def test_a_run_in_a_missing_bucket_stops_before_preparing_anything(tmp_path, s3_
     with pytest.raises(StorageError, match=rf"bucket 'no-such-bucket-here' does not exist at endpoint {s3_server}"):
         open_run(cfg)
     assert not (tmp_path / "data").exists()  # the data files were not generated yet
+
+
+def test_runs_in_a_missing_folder_or_bucket_is_an_error(tmp_path, s3_bucket, s3_server, capsys):
+    """`rlflow runs` said "no runs" (rc 0) for a store root that is not there; an empty one still says so."""
+    from rlflow.flows.cli import main
+
+    def runs(store: str, *flags: str) -> tuple[int, str]:
+        rc = main(["runs", "--store", store, *flags])
+        out = capsys.readouterr()
+        return rc, out.out + out.err
+
+    missing = tmp_path / "nowhere"
+    rc, text = runs(str(missing))
+    assert rc == 2 and text.startswith(f"error: run store {missing}: no such folder"), text
+    (tmp_path / "empty").mkdir()
+    assert runs(str(tmp_path / "empty")) == (0, f"no runs in {tmp_path / 'empty'}\n")
+    rc, text = runs("s3://no-such-bucket-here/runs", "--set", f"storage.endpoint_url={s3_server}")
+    assert rc == 2 and text.startswith("error: ") and (
+        f"bucket 'no-such-bucket-here' does not exist at endpoint {s3_server}" in text), text
+    root, endpoint = s3_bucket  # a bucket without objects under the prefix: an empty store (S3 has no folders)
+    assert runs(root, "--set", f"storage.endpoint_url={endpoint}") == (0, f"no runs in {root}\n")
+
+
+def test_unreachable_services_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    """export, resume and trace render against a store endpoint or an MLflow server where nothing listens: rc 2
+    and one line naming the service and its URI (before: a traceback, rc 1)."""
+    from rlflow.flows.cli import main
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    dead = f"http://127.0.0.1:{free_port()}"
+    quick = ["--set", f"storage.endpoint_url={dead}", "--set", "storage.deadline_s=1"]
+    for command in (["export", "r", str(tmp_path / "out"), "--store", "s3://bucket/runs", *quick],
+                    ["resume", "r", "--store", "s3://bucket/runs", *quick]):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err  # the retry layer's warnings (a retry each), then the error
+        assert "Traceback" not in err, err
+        last = err.splitlines()[-1]
+        assert last.startswith("error: ") and "s3://bucket/runs/r/" in last and dead in last, err
+
+    store = RunStore(str(tmp_path / "runs"), "r")  # a run whose MLflow server is gone
+    store.write_json({"tracking": {"uri": dead}}, "config.json")
+    store.write_json({"status": "finished", "mlflow_run_id": "0"}, "status.json")
+    assert main(["trace", "render", "r", "--out", str(tmp_path / "t.png"), "--store", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(f"error: MLflow list_artifacts at {dead}: transient error"), err
+
+
+def _rlflow_run(recipe, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlflow.flows.cli", "run", str(recipe)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_run_with_an_unreachable_prefect_api_or_mlflow_server_is_a_named_error(tmp_path):
+    """`rlflow run` with PREFECT_API_URL where nothing answers stops before the flow, naming the URL; with an MLflow
+    server where nothing listens the flow fails, and the CLI prints the retry layer's error (the service, its URI)
+    as its last line, with no traceback from Prefect's log of the failed flow run: rc 2 both."""
+    dead_api, dead_mlflow = f"http://127.0.0.1:{free_port()}/api", f"http://127.0.0.1:{free_port()}"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(small_recipe(
+        tmp_path, cluster={"use_ray": False}, train={"steps": 1}, eval={"every": 0},
+        tracking={"uri": dead_mlflow, "deadline_s": 1, "timeout_s": 2})))
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(tmp_path / "prefect")}
+
+    done = _rlflow_run(recipe, env | {"PREFECT_API_URL": dead_api})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.startswith(f"error: the Prefect API at {dead_api} (PREFECT_API_URL) does not answer"), (
+        done.stderr)
+
+    done = _rlflow_run(recipe, env)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: MLflow get_experiment_by_name at {dead_mlflow}: transient error"), last

@@ -1,4 +1,5 @@
-"""A flow process killed with SIGKILL leaves no temporary Prefect server behind (issue 28 item 6)."""
+"""A flow process killed with SIGKILL leaves no temporary Prefect server behind (issue 28 item 6); the temporary
+server's start-up timeout (issue 49 defect 2)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,27 @@ def test_sigkilled_flow_leaves_no_temporary_prefect_server(tmp_path):
             flow.kill()
         if server is not None and _alive(server):
             os.kill(server, signal.SIGKILL)
+
+
+STARTUP_TIMEOUT = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+READ_TIMEOUT = """
+import sys
+from rlflow.flows.cli import prepare_flow_process
+assert "prefect" not in sys.modules, "Prefect was imported before its settings' defaults"
+prepare_flow_process()  # what `rlflow run|sft|rejection-sample|resume` do before importing Prefect
+from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+print(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+"""
+
+
+@pytest.mark.parametrize(("environment", "seconds"), [(None, "180"), ("45", "45")])
+def test_the_cli_gives_the_temporary_server_180_s_to_start_unless_the_environment_says(environment, seconds):
+    """Prefect's default is 20 s, which 2 of 6 `rlflow run` starts on a loaded machine ran out of. Prefect reads
+    the setting once, at import: the value is asked of Prefect in a fresh process, as the CLI starts."""
+    env = {k: v for k, v in os.environ.items() if k != STARTUP_TIMEOUT}
+    if environment is not None:
+        env[STARTUP_TIMEOUT] = environment
+    done = subprocess.run([sys.executable, "-c", READ_TIMEOUT], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [seconds]
