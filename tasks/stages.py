@@ -9,18 +9,18 @@ store instead: committed checkpoints, and committed rollout batches that the rol
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import time
 from dataclasses import dataclass
 
-from prefect import Task, task
+from prefect import State, Task, task
 from prefect.cache_policies import NO_CACHE
 
 from rlflow.engines.core.config import RLConfig
 from rlflow.tasks.faults import maybe_inject
 from rlflow.tasks.run_context import RunContext, active_run, log
+from rlflow.tasks.time_limits import run_within
 
 
 def _timed(stage: str, fn, *args) -> dict[str, float]:
@@ -38,18 +38,17 @@ def _stage(name: str):
         @functools.wraps(fn)
         def body(run: str, step: int) -> dict[str, float]:
             ctx = active_run(run)
-            t0 = time.monotonic()
-            try:
+            limit = getattr(ctx.cfg.orchestration.stage_timeout_s, field, 0)
+
+            def work() -> dict[str, float]:
                 with ctx.session.stage_span(name, step):  # the stage's lane in the trace timeline
                     maybe_inject(ctx, name, step, "before")
                     out = fn(ctx, step)
                     maybe_inject(ctx, name, step, "after")
-            except asyncio.CancelledError as exc:  # how Prefect's task timeout interrupts the stage
-                limit = getattr(ctx.cfg.orchestration.stage_timeout_s, field, 0)
-                if limit and time.monotonic() - t0 >= 0.9 * limit:  # its clock started a moment before ours
-                    raise StageTimeout(timeout_message(ctx.cfg, name, field, step, limit)) from exc
-                raise
-            return out
+                return out
+
+            return run_within(limit, work, lambda: StageTimeout(timeout_message(ctx.cfg, name, field, step, limit)),
+                              f"rlflow-stage-{name}-{step}")
 
         return task(name=name, task_run_name=f"{name}-{{step}}", cache_policy=NO_CACHE, persist_result=False)(body)
 
@@ -176,15 +175,21 @@ class Stages:
 
 
 def bind(cfg: RLConfig) -> Stages:
+    """The stage tasks with the recipe's retries. Their time limits are enforced in `_stage` (tasks/time_limits.py),
+    not by Prefect's task timeout, which cannot interrupt a stage in a worker thread."""
     o = cfg.orchestration
     tasks = {name: globals()[name] for name in Stages.__dataclass_fields__}
     if o.task_retries:
         for name in IDEMPOTENT:
-            tasks[name] = tasks[name].with_options(retries=o.task_retries, retry_delay_seconds=o.retry_delay_s)
-    for name, seconds in o.stage_timeout_s.model_dump().items():
-        if seconds:
-            tasks[name] = tasks[name].with_options(timeout_seconds=seconds)
+            tasks[name] = tasks[name].with_options(retries=o.task_retries, retry_delay_seconds=o.retry_delay_s,
+                                                   retry_condition_fn=_unless_timed_out)
     return Stages(**tasks)
+
+
+def _unless_timed_out(task: Task, task_run: object, state: State) -> bool:
+    """Retry a failed stage unless it ran past its limit: that fails the step (its work may still be running, left
+    to a helper thread), and the run resumes from its last checkpoint."""
+    return not isinstance(state.data, StageTimeout)
 
 
 class StageTimeout(TimeoutError):
