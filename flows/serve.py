@@ -2,7 +2,9 @@
 project directory it starts in (prefect.yaml and recipes: `rlflow init`).
 
 The tests start the same services with the same functions. Each service is a child process in its own
-process group, stopped by signalling that group (never by name).
+process group, stopped by signalling that group (never by name). Each also has a guard process
+(engines/cluster/process_group.py) that stops its group when this process ends without stopping it, SIGKILL
+included: a killed `rlflow serve` leaves no service holding its port.
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ from pathlib import Path
 
 import httpx
 
+from rlflow.engines.cluster.process_group import start_guard
 from rlflow.flows.project import require_prefect_file
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout, in an editable install (tests, bench)
 WORK_POOL = "rlflow-process"  # the pool prefect.yaml's deployments use
+STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL: how long a service may take to stop
 
 
 @dataclass
 class Services:
-    """Started service processes; `stop()` ends them (newest first)."""
+    """Started service processes and their guards; `stop()` ends them (newest first)."""
 
     procs: list[subprocess.Popen] = field(default_factory=list)
+    guards: list[subprocess.Popen] = field(default_factory=list)  # one per service, in the same order
     prefect_api: str | None = None
     mlflow_uri: str | None = None
 
@@ -37,12 +42,17 @@ class Services:
         out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child process owns it
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
+        self.guards.append(start_guard(proc.pid, STOP_GRACE_S))
         return proc
 
-    def stop(self, timeout: float = 20) -> None:
+    def stop(self, timeout: float = STOP_GRACE_S) -> None:
         """One at a time, newest first: the worker while the Prefect server still answers it (signalled together,
-        the worker retried the gone server until it was killed, 20 s later), then MLflow, then Prefect."""
-        for proc in reversed(self.procs):
+        the worker retried the gone server until it was killed, 20 s later), then MLflow, then Prefect. (The
+        guards of a killed owner signal every group at once: the worker then takes its grace time.)"""
+        for proc, guard in zip(reversed(self.procs), reversed(self.guards), strict=True):
+            guard.kill()  # first: no guard may signal the group once it is gone (its id may be reused)
+            guard.wait()
+            guard.stdin.close()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -54,6 +64,7 @@ class Services:
             with contextlib.suppress(ProcessLookupError):  # a child left in the group (mlflow's job runner)
                 os.killpg(proc.pid, signal.SIGKILL)
         self.procs.clear()
+        self.guards.clear()
 
 
 def wait_http(url: str, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
@@ -74,13 +85,18 @@ def wait_http(url: str, proc: subprocess.Popen, what: str, timeout: float = 120)
 # the CPU per RL step (docs/benchmarks.md), and a task's state reaches the UI within the flush interval (5 s).
 # Analytics off: its heartbeat writes to a fresh SQLite database while the server migrates it and prints a
 # "database is locked" traceback at the start of the first run (and it has no network to reach on a cluster).
+# The temporary server may take 180 s to answer, not Prefect's 20: on a loaded machine (2 busy cores) 2 of 6
+# `rlflow run` starts timed out at 20 s, while migrating its fresh database.
 PREFECT_SERVER_DEFAULTS = {
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
 }
 
 
 def use_prefect_server_defaults(env: dict[str, str] | os._Environ = os.environ) -> None:
+    """Set PREFECT_SERVER_DEFAULTS where `env` leaves them unset. Prefect reads its settings once, when first
+    imported: call this before that, as the CLI does."""
     for key, value in PREFECT_SERVER_DEFAULTS.items():
         env.setdefault(key, value)
 

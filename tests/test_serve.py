@@ -1,6 +1,7 @@
 """A user's project directory: `rlflow init` writes it, `rlflow serve` (a subprocess, on free ports) deploys it and
 runs its flows there; the post-train deployment's run form, driven in Chromium, opens with the recipe and a run
-started from it uses the recipe plus the one field changed; SIGTERM on `rlflow serve` stops every service it started.
+started from it uses the recipe plus the one field changed; SIGTERM on `rlflow serve` stops every service it started,
+and so do their guards when it is SIGKILLed (that test starts a `rlflow serve --no-deploy` of its own).
 
 One `rlflow serve` serves the module (a Prefect server, an MLflow server, a deploy and a worker take most of a
 minute to start on a loaded 2-core machine); the SIGTERM test stops it, so it comes last.
@@ -109,14 +110,8 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """`rlflow init` + `rlflow serve` in a fresh project directory, the way a user starts them."""
-    project = tmp_path_factory.mktemp("project")
-    assert rlflow("init", cwd=project).returncode == 0
-    prefect_port, mlflow_port = free_port(), free_port()
-    mlflow_uri = f"http://127.0.0.1:{mlflow_port}"
-    tiny_train_recipe(project, mlflow_uri)
+def start_serve(project: Path, prefect_port: int, mlflow_port: int, *flags: str) -> subprocess.Popen:
+    """`rlflow serve` in `project` (its output in serve.log there), once it says every service is up."""
     env = os.environ | {
         "PREFECT_HOME": str(project / ".prefect"),
         "PREFECT_WORKER_QUERY_SECONDS": "1",
@@ -128,7 +123,7 @@ def served(tmp_path_factory):
     cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "rlflow.flows.cli"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [*cmd, "serve", "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)],
+            [*cmd, "serve", "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port), *flags],
             cwd=project,
             env=env,
             stdout=out,
@@ -141,6 +136,47 @@ def served(tmp_path_factory):
             proc.kill()
             raise AssertionError(f"rlflow serve did not come up:\n{log.read_text()[-4000:]}")
         time.sleep(0.5)
+    return proc
+
+
+def wait_gone(pids: set[int], ports: tuple[int, ...], timeout: float) -> dict[int, bytes]:
+    """Wait up to `timeout` s for the processes to end and the ports to close; the command lines of those left."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and ([p for p in pids if alive(p)] or any(map(port_open, ports))):
+        time.sleep(0.2)
+    return {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for pid in pids if alive(pid)}
+
+
+def test_sigkill_on_serve_leaves_no_service_behind(tmp_path):
+    """`rlflow serve` SIGKILLed runs no handler: each service's guard stops it, so within the services' stop grace
+    (20 s, then SIGKILL) and a margin every process serve started is gone, guards included, and the ports are free.
+    Before, 12 processes lived on, holding their ports."""
+    ports = (free_port(), free_port())
+    proc = start_serve(tmp_path, *ports, "--no-deploy")
+    tree = descendants(proc.pid)
+    try:
+        assert len(tree) >= 6 and all(map(port_open, ports)), tree  # 3 services (and their children), 3 guards
+        proc.kill()
+        proc.wait()
+        left = wait_gone(tree, ports, timeout=60)
+        assert not left, f"still running after rlflow serve was SIGKILLed: {left}"
+        assert not [p for p in ports if port_open(p)], "a service port is still open"
+    finally:
+        for pid in tree | descendants(proc.pid):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`rlflow init` + `rlflow serve` in a fresh project directory, the way a user starts them."""
+    project = tmp_path_factory.mktemp("project")
+    assert rlflow("init", cwd=project).returncode == 0
+    prefect_port, mlflow_port = free_port(), free_port()
+    mlflow_uri = f"http://127.0.0.1:{mlflow_port}"
+    tiny_train_recipe(project, mlflow_uri)
+    proc = start_serve(project, prefect_port, mlflow_port)
+    log = project / "serve.log"
     tree = descendants(proc.pid)
     yield {
         "proc": proc,
@@ -254,9 +290,6 @@ def test_sigterm_stops_every_service_serve_started(served):
     proc.send_signal(signal.SIGINT)  # must not cut the shutdown short
     assert proc.wait(60) == 0, served["log"].read_text()[-3000:]
     print(f"rlflow serve stopped {len(tree)} processes in {time.monotonic() - t0:.1f} s")
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and ([p for p in tree if alive(p)] or any(map(port_open, served["ports"]))):
-        time.sleep(0.2)
-    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for pid in tree if alive(pid)}
+    left = wait_gone(tree, served["ports"], timeout=5)
     assert not left, f"still running after rlflow serve exited: {left}"
     assert not [p for p in served["ports"] if port_open(p)], "a service port is still open"
