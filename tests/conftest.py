@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -12,6 +13,9 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # a loaded 2-core CI machine
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+if "PREFECT_HOME" not in os.environ:  # each pytest process (an xdist worker too) its own Prefect database
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"rlflow-prefect-{worker}-")
 
 from rlflow.engines.core.config import ModelConfig, config_from_dict  # noqa: E402
 from rlflow.engines.models.hf import build_tiny_model  # noqa: E402
