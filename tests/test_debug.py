@@ -36,7 +36,7 @@ REQUESTS = 8 * 4  # prompts_per_step x samples_per_prompt of small_recipe
 
 def _recipe(tmp: Path, name: str, **sections):
     base = {"name": name, "cluster": {"use_ray": False}, "train": {"steps": STEPS, "threads": 1},
-            "eval": {"every": 0}, "checkpoint": {"keep_rollouts": True}}
+            "eval": {"every": STEPS}, "checkpoint": {"keep_rollouts": True}}  # eval: the last step only
     return config_from_dict(small_recipe(tmp, **(base | sections)))
 
 

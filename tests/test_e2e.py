@@ -104,7 +104,7 @@ def test_one_step_off_async_on_s3_resumes_through_a_failure(tmp_path, s3_bucket,
     monkeypatch.setenv("RLFLOW_FAULT", "train:8:before:raise")
     cfg, history, _ = _run_demo(tmp_path, "rollout.max_staleness=1", "name=sort-tiny-async-small", "train.steps=10",
                                 "rollout.prompts_per_step=16", "train.epochs=1", "data.generate.num_train=2000",
-                                "checkpoint.every=5", "eval.every=0", "eval.max_prompts=32",
+                                "checkpoint.every=5", "eval.every=10", "eval.max_prompts=32",
                                 f"storage.uri={root}", f"storage.endpoint_url={endpoint}", flow_retries=1)
 
     assert len(history) == 10
@@ -157,7 +157,7 @@ def test_k2_async_bounds_staleness_records_versions_and_resumes(tmp_path, monkey
 
     cfg, history, _ = _run_demo(tmp_path, "rollout.max_staleness=2", "name=sort-tiny-k2", "train.steps=8",
                                 "rollout.prompts_per_step=16", "train.epochs=1", "data.generate.num_train=2000",
-                                "checkpoint.every=3", "checkpoint.keep_rollouts=true", "eval.every=0",
+                                "checkpoint.every=3", "checkpoint.keep_rollouts=true", "eval.every=8",
                                 "eval.max_prompts=32", flow_retries=1, listeners=[snapshot])
 
     assert len(history) == 8

@@ -176,8 +176,14 @@ class RunLease:
                     "pid_start": started[1] if started else None, "since": now, "heartbeat": now,
                     "timeout_s": self.timeout_s}
 
-        self.store.update_json(take, LEASE)
+        # live before it is written: another thread of this process that reads the lease while this one is still
+        # writing (or reading it back, on S3) must see a live holder, not one "left by an earlier attempt"
         _live.add(self.id)
+        try:
+            self.store.update_json(take, LEASE)
+        except BaseException:
+            _live.discard(self.id)
+            raise
         self._renewed = time.monotonic()
         if taken:
             log.warning("run %r: took over the lease of %s", self.store.run, taken[0])
