@@ -170,7 +170,13 @@ def test_two_ranks_train_the_adapters_one_rank_does(tiny_model_dir, batch, ray_c
         assert len(resumed.optimizer.state) == len(parallel)
     finally:
         two.shutdown()  # its actors and placement group: the session test below needs the CPUs
-    assert_same_update(start, list(single.items()), list(parallel.items()))
+    if precision == "fp32":
+        assert_same_update(start, list(single.items()), list(parallel.items()))
+    else:  # bf16: an adapter element whose gradient is ~0 gets its sign from bf16 rounding, which the split into
+        # shards changes, and Adam's first step moves it by +-lr either way; every other element must agree
+        for name, a in single.items():
+            off = ((a - parallel[name]).abs() > 1e-2 * (a - start[name]).abs().max() + 1e-7).float().mean()
+            assert off <= 0.01, (name, float(off))
     assert any(not torch.equal(start[k], single[k]) for k in single)
 
 
