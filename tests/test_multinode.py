@@ -113,6 +113,7 @@ def cluster():
                                                       "include_dashboard": False})
     workers = [c.add_node(num_cpus=1, object_store_memory=80 * 2**20) for _ in range(3)]
     c.wait_for_nodes()
+    ray.shutdown()  # a Ray an earlier test of this process left running (another file's, under pytest-xdist)
     ray.init(address=c.address)
     yield c, workers
     ray.shutdown()
