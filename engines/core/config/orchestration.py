@@ -10,8 +10,9 @@ from rlflow.engines.core.config.base import Section
 class StageTimeouts(Section):
     """Seconds a stage of one step may take before its Prefect task fails (0: no limit). A hung reward function,
     a stuck worker or a lost node then fails the step instead of holding the run forever; the run resumes from
-    its last checkpoint. Enforced by Prefect's task timeout, which interrupts the flow's own thread (where the
-    stages run) but not a one-step-off rollout running in a worker thread until its blocking call returns."""
+    its last checkpoint. Enforced by rlflow in any thread (tasks/time_limits.py): in the flow's own thread an
+    alarm interrupts the stage where it blocks; a one-step-off rollout running in a worker thread fails at the
+    limit while its blocking call is left to end when the run closes."""
 
     rollout: float = Field(7200, ge=0, description="Generating the step's samples (rollout.fn).")
     reward: float = Field(1800, ge=0, description="Scoring them (reward.fn).")
