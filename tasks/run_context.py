@@ -151,7 +151,10 @@ class RunContext:
             elif self.pending is not None:
                 self.pending.cancel()
                 if self.pending.seconds is not None:  # committed before the run failed: its write time counts
-                    self.tracker.log_metrics({"time/checkpoint_write": self.pending.seconds}, self.pending.step)
+                    try:
+                        self.tracker.log_metrics({"time/checkpoint_write": self.pending.seconds}, self.pending.step)
+                    except Exception as exc:  # a failed run reports its own error, not a dead tracker's
+                        log.warning("could not log the last checkpoint's write time: %s", exc)
         except Exception as exc:
             error, status = exc, "FAILED"
         finally:

@@ -7,13 +7,16 @@ import logging
 import os
 import signal
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.core.retry import RetriesExhausted, RetryPolicy
+from rlflow.engines.store.run_store import RunStore
 from rlflow.tasks.mlflow_client import RetryingClient
+from rlflow.tasks.run_context import RunContext
 from rlflow.tasks.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, Tracker, recipe_hash
 from tests.conftest import small_recipe, step_metrics
 
@@ -130,3 +133,23 @@ def test_a_tracking_server_killed_mid_run_fails_the_run_with_the_first_error(tmp
     assert retried and all(m.startswith(f"MLflow log_batch at {uri}") for m in retried), retried
     assert any("was not marked FAILED" in r.getMessage() for r in warnings.records if r.name == "rlflow")
     assert RunStore(cfg.storage, cfg.name).read_json("status.json")["status"] == "failed"
+
+
+def test_closing_a_failed_run_with_a_dead_tracker_raises_nothing_of_its_own(tmp_path, caplog):
+    """A failed run whose background checkpoint had committed logs that write's time at close; with the tracking
+    server gone too, that call only warns, so the run reports its own first error. Stand-ins for the session, lease,
+    tracker and pending commit: what close() calls on them is the behaviour under test."""
+    def dead(*_args, **_kwargs):
+        raise RetriesExhausted("mlflow log_batch http://127.0.0.1:1: connection refused")
+
+    finished: list[str] = []
+    tracker = SimpleNamespace(run_id="r", log_metrics=dead, finish=finished.append)
+    pending = SimpleNamespace(cancel=lambda: None, seconds=1.5, step=3)
+    lease = SimpleNamespace(held=True, release=lambda: None)
+    store = RunStore(str(tmp_path / "runs"), "t")
+    ctx = RunContext(SimpleNamespace(name="t"), SimpleNamespace(shutdown=lambda: None), store, lease, tracker,
+                     tmp_path / "work", pending=pending)
+    with caplog.at_level(logging.WARNING, logger="rlflow"):
+        ctx.close("FAILED")
+    assert finished == ["FAILED"] and store.read_json("status.json")["status"] == "failed"
+    assert "could not log the last checkpoint's write time" in caplog.text
