@@ -4,10 +4,13 @@ do not hang, and a checkpoint written by 2 ranks resumes on 1 and on 3 with the 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 
 import pytest
 import torch
+from ray.exceptions import RayActorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlflow.engines.cluster.addresses import free_port
@@ -109,6 +112,39 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_three(tiny_model_dir, batch,
             assert got["loss"] == pytest.approx(want["loss"], abs=1e-6), world
             assert got["lr"] == want["lr"], world
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), world
+
+
+def test_a_killed_rank_fails_the_step_with_its_death_and_the_checkpoint_resumes_exactly(tiny_model_dir, batch,
+                                                                                      ray_cluster, tmp_path):
+    """The fast twin of tests/test_resume.py's sharded-trainer kill (slow; through the CLI): rank 1 of 2 SIGKILLed
+    after a checkpoint. The next step fails with rank 1's death while rank 0 still waits in the step's collective
+    (groups.get_all raises the first error; the collective's own timeout, 120 s here, would fail with a gloo
+    error instead), and two fresh ranks loading the checkpoint take the step the killed pair took after it."""
+    train = TrainConfig(threads=1, lr=1e-3, lr_schedule="cosine", warmup_steps=1, steps=6)
+    url = f"tcp://127.0.0.1:{free_port()}"
+    two = RayWorkerGroup(
+        TorchTrainBackend, 2,
+        lambda r: dict(model_path=tiny_model_dir, train=train, algorithm=ALGO, rank=r, world_size=2, dist_url=url,
+                       collective_timeout_s=120),
+        num_cpus=0.5, name="killed-rank")
+    try:
+        _step(two, batch, 2)
+        two.call(TrainBackend.save, str(tmp_path))
+        uninterrupted = _step(two, batch, 2)
+        os.kill(two.call_one(1, TrainBackend.pid), signal.SIGKILL)
+        with pytest.raises(RayActorError):  # a gloo timeout would be a RayTaskError
+            _step(two, batch, 2)
+    finally:
+        two.shutdown()
+    fresh = _ranks(tiny_model_dir, train, 2, "killed-rank-resumed")
+    try:
+        fresh.call(TrainBackend.load, str(tmp_path))
+        resumed = _step(fresh, batch, 2)
+    finally:
+        fresh.shutdown()
+    assert resumed["loss"] == pytest.approx(uninterrupted["loss"], abs=1e-6)
+    assert resumed["lr"] == uninterrupted["lr"]
+    assert resumed["grad_norm"] == pytest.approx(uninterrupted["grad_norm"], rel=1e-5)
 
 
 def test_a_tied_embedding_model_checkpoints_on_two_ranks_and_resumes_on_one(tiny_model_dir, batch, ray_cluster,

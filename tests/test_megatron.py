@@ -898,7 +898,9 @@ def test_preflight_reports_models_the_mapping_cannot_take(recipe, hf_models, mco
     assert not [p for p in find_problems(ok) if p.startswith("model.path")]
 
 
-@pytest.mark.parametrize("packing, split", [(False, 4), (True, 4), (True, 6)], ids=["padded", "packed", "empty"])
+# padded micro-batches take the same exchange as packed ones (~40 s each on 2 cores): that case runs with -m slow
+@pytest.mark.parametrize("packing, split", [pytest.param(False, 4, marks=pytest.mark.slow), (True, 4), (True, 6)],
+                         ids=["padded", "packed", "empty"])
 def test_expert_parallel_ranks_with_different_micro_batch_counts(hf_models, mcore, tmp_path, packing, split):
     """Expert-parallel ranks exchange tokens in every MoE layer of every micro-batch, so a rank whose shard makes
     fewer micro-batches must still take part in the others' (bench/megatron/multi_gpu.py's 4-rank workload makes

@@ -290,8 +290,9 @@ def test_a_dead_rollout_worker_is_routed_around_then_restarted_with_current_weig
             session.rollout_group.workers[0].close()
         m = session.rollout(1)  # every request lands, on worker 1
         assert m["rollout/tokens"] > 0 and session.router.workers[0].healthy is False
-        for stage in ("reward", "advantages", "train", "sync_weights"):
+        for stage in ("reward", "advantages", "train"):
             getattr(session, stage)(1)
+        assert session.sync_weights(1)["rollout/workers_restarted"] == 1.0  # healed at the sync, counted there
         assert session.workers_restarted == 1 and session.router.workers[0].url != old_url
         digests = session.rollout_group.call(GpuLinkProbe.weights_digest)
         assert digests[0] == pytest.approx(digests[1], rel=1e-6)

@@ -15,7 +15,7 @@ def run(s: RunEngines, step: int) -> dict[str, float]:
     if s.weight_transport is None:  # train_only: no rollout workers; the version still counts updates
         s.weight_version = step + 1
         return {"sync/weight_version": float(s.weight_version)}
-    replace_dead_rollout_workers(s, probe=True)
+    healed = replace_dead_rollout_workers(s, probe=True)  # counted in this step's metrics, as the rollout's are
     s.gpu.before_sync()  # colocated: the optimizer state leaves the GPU before the rollout weights come
     t0 = time.perf_counter()
     version = step + 1
@@ -34,7 +34,7 @@ def run(s: RunEngines, step: int) -> dict[str, float]:
     dt = time.perf_counter() - t0
     s.gpu.for_rollout()  # ... and the weights after: evaluation and the next rollout get the memory
     return {"sync/weight_version": float(version), "sync/bytes": float(nbytes),
-            "sync/gb_per_s": nbytes / dt / 1e9} | s.gpu.take_metrics()
+            "sync/gb_per_s": nbytes / dt / 1e9} | healed | s.gpu.take_metrics()
 
 
 def serve_fresh_adapter(s: RunEngines) -> None:
