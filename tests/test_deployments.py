@@ -205,9 +205,10 @@ def test_pipeline_deployment_trains_evaluates_registers(stack, tmp_path):
     versions = ml.search_model_versions("name = 'e2e-model'")
     assert len(versions) == 1
     v = versions[0]
-    assert v.tags["rlflow.metric"] == "eval/accuracy" and v.tags["rlflow.checkpoint"].endswith("e2e/checkpoints/1")
+    # the evaluate flow logs eval/<dataset>/<metric>; the recipe's one eval file is the dataset "eval"
+    assert v.tags["rlflow.metric"] == "eval/eval/accuracy" and v.tags["rlflow.checkpoint"].endswith("e2e/checkpoints/1")
     eval_run = ml.get_run(v.run_id)
-    assert {"eval.accuracy", "eval.reward_mean", "eval.pass_at_1", "eval.pass_at_4", "eval.response_len_mean"} <= \
+    assert {f"eval/eval/{k}" for k in ("accuracy", "reward_mean", "pass_at_1", "pass_at_4", "response_len_mean")} <= \
         set(eval_run.data.metrics)
     training = ml.get_run(eval_run.data.tags["rlflow.training_run_id"])
     assert training.info.run_name == "e2e" and eval_run.data.tags["mlflow.parentRunId"] == training.info.run_id
