@@ -25,7 +25,7 @@ use_prefect_server_defaults()  # the temporary Prefect server the tests' flows s
 
 # Under pytest-xdist (`-n 2 --dist loadfile --no-loadscope-reorder`, the README's command) files are handed out in
 # collection order, one file to a worker at a time: the longest go first, so neither worker ends on a long file
-# while the other idles (seconds: summed test durations of one -n 2 run, 2026-11-28).
+# while the other idles (the order of summed test durations in one -n 2 run, 2026-11-28).
 LONGEST_FILES_FIRST = ["test_e2e.py", "test_resume.py", "test_megatron.py", "test_evaluation.py", "test_fsdp.py",
                        "test_serve.py", "test_rollout_sglang.py", "test_reward_sources.py", "test_rollout_fn.py",
                        "test_weight_sync_bench.py", "test_multinode.py", "test_lora.py"]

@@ -40,14 +40,16 @@ def batch(tiny_model_dir):
     return _toy_batch(tiny_model_dir, n=12)
 
 
-def _ranks(model_dir: str, train: TrainConfig, world: int, name: str, algo: AlgorithmConfig = ALGO):
-    """`world` FSDP2 ranks, each a Ray actor (one rank runs in this process)."""
+def _ranks(model_dir: str, train: TrainConfig, world: int, name: str, algo: AlgorithmConfig = ALGO, **backend):
+    """`world` FSDP2 ranks, each a Ray actor (one rank runs in this process); `backend`: more TorchTrainBackend
+    arguments."""
     if world == 1:
-        return LocalWorkerGroup([TorchTrainBackend(model_dir, train, algo)])
+        return LocalWorkerGroup([TorchTrainBackend(model_dir, train, algo, **backend)])
     url = f"tcp://127.0.0.1:{free_port()}"
     return RayWorkerGroup(
         TorchTrainBackend, world,
-        lambda r: dict(model_path=model_dir, train=train, algorithm=algo, rank=r, world_size=world, dist_url=url),
+        lambda r: dict(model_path=model_dir, train=train, algorithm=algo, rank=r, world_size=world, dist_url=url,
+                       **backend),
         num_cpus=0.5, name=name,
     )
 
@@ -121,12 +123,7 @@ def test_a_killed_rank_fails_the_step_with_its_death_and_the_checkpoint_resumes_
     (groups.get_all raises the first error; the collective's own timeout, 120 s here, would fail with a gloo
     error instead), and two fresh ranks loading the checkpoint take the step the killed pair took after it."""
     train = TrainConfig(threads=1, lr=1e-3, lr_schedule="cosine", warmup_steps=1, steps=6)
-    url = f"tcp://127.0.0.1:{free_port()}"
-    two = RayWorkerGroup(
-        TorchTrainBackend, 2,
-        lambda r: dict(model_path=tiny_model_dir, train=train, algorithm=ALGO, rank=r, world_size=2, dist_url=url,
-                       collective_timeout_s=120),
-        num_cpus=0.5, name="killed-rank")
+    two = _ranks(tiny_model_dir, train, 2, "killed-rank", collective_timeout_s=120)
     try:
         _step(two, batch, 2)
         two.call(TrainBackend.save, str(tmp_path))
