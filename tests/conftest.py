@@ -13,34 +13,14 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # a loaded 2-core CI machine
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-if "PREFECT_HOME" not in os.environ:  # each pytest process (an xdist worker too) its own Prefect database
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"rlflow-prefect-{worker}-")
+if "PREFECT_HOME" not in os.environ:  # each pytest run its own Prefect database
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="rlflow-prefect-")
 
 from rlflow.engines.core.config import ModelConfig, config_from_dict  # noqa: E402
 from rlflow.engines.models.hf import build_tiny_model  # noqa: E402
 from rlflow.flows.serve import use_prefect_server_defaults  # noqa: E402
 
 use_prefect_server_defaults()  # the temporary Prefect server the tests' flows start, as `rlflow run` starts it
-
-# Under pytest-xdist (`-n 2 --dist loadfile --no-loadscope-reorder`, the README's command) files are handed out in
-# collection order, one file to a worker at a time: the longest go first, so neither worker ends on a long file
-# while the other idles (the order of summed test durations in one -n 2 run, 2026-11-28).
-LONGEST_FILES_FIRST = ["test_e2e.py", "test_resume.py", "test_megatron.py", "test_evaluation.py", "test_fsdp.py",
-                       "test_serve.py", "test_rollout_sglang.py", "test_reward_sources.py", "test_rollout_fn.py",
-                       "test_weight_sync_bench.py", "test_multinode.py", "test_lora.py"]
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return  # a serial run keeps pytest's own order
-
-    def rank(item: pytest.Item) -> int:
-        name = item.path.name
-        return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
-
-    items.sort(key=rank)  # stable: a file's tests keep their order
-
 
 def assert_same_update(start: dict, single: list, parallel: list) -> None:
     """Data-parallel workers took the same optimizer steps as one worker on the whole batch, up to float
