@@ -14,6 +14,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -212,6 +213,9 @@ def test_pipeline_deployment_trains_evaluates_registers(stack, tmp_path):
         set(eval_run.data.metrics)
     training = ml.get_run(eval_run.data.tags["rlflow.training_run_id"])
     assert training.info.run_name == "e2e" and eval_run.data.tags["mlflow.parentRunId"] == training.info.run_id
-    files = {a.path for a in ml.list_artifacts(v.run_id, "model")}
-    assert {"model/model.safetensors", "model/config.json", "model/tokenizer.json"} <= files
+    # MLflow 3 keeps a logged model's files with the model (the version's source), not in its run's artifacts
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=v.source, dst_path=str(tmp_path / "version"),
+                                                     tracking_uri=stack["mlflow"]))
+    files = {p.name for p in local.rglob("*") if p.is_file()}
+    assert {"MLmodel", "model.safetensors", "config.json", "tokenizer.json"} <= files, files
     assert not any(f.endswith((".pkl", ".pt", ".bin")) for f in files)

@@ -1,10 +1,11 @@
 """The demo recipe through the whole stack: Prefect flow -> Ray actors -> MLflow + run store.
 
-These are the acceptance runs of the CPU demo (about two minutes each on 2 cores): the recipe in
+These are the acceptance runs of the CPU demo (about five minutes each on 2 cores, slow mark): the recipe in
 deployments/sort-tiny.yaml must reach held-out reward >= 0.95 within its 100 steps, synchronously and
-(slow mark) in one-step-off async mode, that run also storing on S3 (the moto server) and failing once
-midway so that its Prefect flow retry resumes from the S3 checkpoint. A ten-step version of the async
-run on S3 through a failure is in the default suite.
+in one-step-off async mode, that run also storing on S3 (the moto server) and failing once
+midway so that its Prefect flow retry resumes from the S3 checkpoint. The default suite runs their twins: the demo
+recipe cut to 20 steps, checked as the 100-step run is but for the bar, and ten steps of the async run on S3 through a
+failure.
 """
 
 from __future__ import annotations
@@ -65,24 +66,26 @@ def _logged_steps(cfg, key: str = "rollout/reward_mean") -> list[int]:
     return [m.step for m in client.get_metric_history(run.info.run_id, key)]
 
 
-def test_demo_learns_and_is_tracked(tmp_path):
-    cfg, history, final = _run_demo(tmp_path)
-
-    assert len(history) == cfg.train.steps == 100
-    assert final["eval/reward_mean"] >= 0.95, [m.get("eval/reward_mean") for m in history]
+def _check_demo_run(tmp_path, *overrides: str) -> list[float]:
+    """The demo recipe through the flow: its metrics, checkpoints, MLflow run and Prefect logs; the held-out
+    rewards, in order, for the caller's bar."""
+    cfg, history, final = _run_demo(tmp_path, *overrides)
+    steps, every = cfg.train.steps, cfg.checkpoint.every
+    evals = [m["eval/reward_mean"] for m in history if "eval/reward_mean" in m]
+    assert len(history) == steps and final["eval/reward_mean"] == evals[-1]
     assert history[0]["rollout/reward_mean"] < 0.3
     assert all(m["rollout/weight_version"] == i for i, m in enumerate(history))  # on-policy: synced every step
     assert all(m["train/staleness_max"] == 0 for m in history)
 
     store = RunStore(cfg.storage.uri, cfg.name)
-    assert store.committed_steps() == [49, 99] and store.latest_step() == 99
+    assert store.committed_steps() == [every - 1, steps - 1] and store.latest_step() == steps - 1
 
     client = MlflowClient(cfg.tracking.uri)
     run = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])[0]
     assert run.info.status == "FINISHED"
     assert run.data.params["train.lr"] == str(cfg.train.lr)
     logged = client.get_metric_history(run.info.run_id, "rollout/reward_mean")
-    assert [m.step for m in logged] == list(range(100))
+    assert [m.step for m in logged] == list(range(steps))
     for key in ("train/loss", "train/grad_norm", "time/rollout", "time/train", "eval/reward_mean"):
         assert client.get_metric_history(run.info.run_id, key), key
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
@@ -90,10 +93,25 @@ def test_demo_learns_and_is_tracked(tmp_path):
     mlflow.set_tracking_uri(None)
 
     # the run's progress is in its Prefect logs (the UI's Logs tab): a summary line per step, the checkpoints
-    messages = _prefect_logs(_run_demo.flow_run_id, expect="step 100/100")
-    assert any(m.startswith("step 1/100: reward ") for m in messages), messages[:20]
-    assert any(m.startswith("step 100/100: reward ") and "eval reward" in m for m in messages)
-    assert any(m.startswith("checkpoint step 99 committed") for m in messages)
+    messages = _prefect_logs(_run_demo.flow_run_id, expect=f"step {steps}/{steps}")
+    assert any(m.startswith(f"step 1/{steps}: reward ") for m in messages), messages[:20]
+    assert any(m.startswith(f"step {steps}/{steps}: reward ") and "eval reward" in m for m in messages)
+    assert any(m.startswith(f"checkpoint step {steps - 1} committed") for m in messages)
+    return evals
+
+
+@pytest.mark.slow  # ~5 min on 2 cores; the default suite's twin is the 20-step run below
+def test_demo_learns_and_is_tracked(tmp_path):
+    evals = _check_demo_run(tmp_path)
+    assert len(evals) == 10 and evals[-1] >= 0.95, evals
+
+
+def test_demo_learns_in_twenty_steps_and_is_tracked(tmp_path):
+    """The demo recipe cut to 20 steps (its cosine schedule over 20): everything the 100-step run is checked for but the
+    0.95 bar. Measured (seed 0, 2 cores): held-out reward 0.43 / 0.52 at steps 10 / 20 (untrained: about 0.09); the
+    100-step run's were 0.42 / 0.52 there."""
+    evals = _check_demo_run(tmp_path, "train.steps=20", "checkpoint.every=10")
+    assert len(evals) == 2 and evals[1] > evals[0] and evals[1] >= 0.45, evals
 
 
 def test_one_step_off_async_on_s3_resumes_through_a_failure(tmp_path, s3_bucket, monkeypatch):

@@ -847,6 +847,8 @@ def test_rl_session_trains_and_syncs_an_moe_model(recipe, mcore, tmp_path, backe
         assert torch.equal(engine[name], t), name
 
 
+@pytest.mark.slow  # ~3 min on 2 cores; its parts in the default suite: the TP=2 rank tests (parallel_runs) and the
+# Ray worker groups of tests/test_fsdp.py, which gather a sharded trainer's weights for the rollout engine
 def test_ray_tensor_parallel_group_syncs_gathered_weights(recipe, mcore, tmp_path):
     """Two Ray actors as one TP=2 group: each trains its half of every weight, and weight sync (a collective
     gather through both actors) hands the rollout engine the full tensors."""
@@ -899,7 +901,9 @@ def test_preflight_reports_models_the_mapping_cannot_take(recipe, hf_models, mco
 
 
 # padded micro-batches take the same exchange as packed ones (~40 s each on 2 cores): that case runs with -m slow
-@pytest.mark.parametrize("packing, split", [pytest.param(False, 4, marks=pytest.mark.slow), (True, 4), (True, 6)],
+# padded and packed with 2 and 1 micro-batches run with -m slow; the default suite's twin is 'empty' (2 and 0 + filler)
+@pytest.mark.parametrize("packing, split", [pytest.param(False, 4, marks=pytest.mark.slow),
+                                            pytest.param(True, 4, marks=pytest.mark.slow), (True, 6)],
                          ids=["padded", "packed", "empty"])
 def test_expert_parallel_ranks_with_different_micro_batch_counts(hf_models, mcore, tmp_path, packing, split):
     """Expert-parallel ranks exchange tokens in every MoE layer of every micro-batch, so a rank whose shard makes
@@ -912,7 +916,7 @@ def test_expert_parallel_ranks_with_different_micro_batch_counts(hf_models, mcor
 
     path = hf_models["qwen3_moe"][0]
     out = str(tmp_path / "uneven")
-    run_ranks(uneven_expert_parallel_worker, 2, 150, path, f"tcp://127.0.0.1:{free_port()}", packing, out, split)
+    run_ranks(uneven_expert_parallel_worker, 2, 300, path, f"tcp://127.0.0.1:{free_port()}", packing, out, split)
     ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
     batch = toy_batch(6)
     torch_be = TorchTrainBackend(path, train_config(micro_batch_size=2, mini_batches=1), AlgorithmConfig())
