@@ -213,8 +213,11 @@ def test_pipeline_deployment_trains_evaluates_registers(stack, tmp_path):
         set(eval_run.data.metrics)
     training = ml.get_run(eval_run.data.tags["rlflow.training_run_id"])
     assert training.info.run_name == "e2e" and eval_run.data.tags["mlflow.parentRunId"] == training.info.run_id
-    # MLflow 3 keeps a logged model's files with the model (the version's source), not in its run's artifacts
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=v.source, dst_path=str(tmp_path / "version"),
+    # MLflow 3 keeps a logged model's files with the logged model, not in its run's artifacts; the version's source
+    # names it (models:/<model id>; its registry store leaves the version's model_id empty)
+    assert v.source.startswith("models:/m-"), v.source
+    location = ml.get_logged_model(v.source.removeprefix("models:/")).artifact_location
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=str(tmp_path / "version"),
                                                      tracking_uri=stack["mlflow"]))
     files = {p.name for p in local.rglob("*") if p.is_file()}
     assert {"MLmodel", "model.safetensors", "config.json", "tokenizer.json"} <= files, files
