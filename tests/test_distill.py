@@ -11,15 +11,14 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from bench.e2e.bare_loop import run_bare
+from bench.e2e.bare_loop import run_bare, run_sft_bare
 from rlflow.engines.core import algorithms as A
 from rlflow.engines.core.batch import pack_samples
 from rlflow.engines.core.config import AlgorithmConfig, DistillConfig, TrainConfig, config_from_dict, load_recipe
 from rlflow.engines.models.hf import load_model, load_tokenizer
 from rlflow.engines.models.packed import PackedLM, PackedRows
 from rlflow.engines.session.preflight import find_problems
-from rlflow.engines.session.sft import SFTSession
-from rlflow.engines.session.workers import check_teacher_vocabulary, prepare_data, prepare_model, role_demands
+from rlflow.engines.session.workers import check_teacher_vocabulary, role_demands
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 from rlflow.flows.post_train import post_train
 from tests.conftest import small_recipe, step_metrics
@@ -275,16 +274,7 @@ def _sft_teacher(tmp_path, raw: dict, steps: int, examples: int = 1024, lr: floa
     raw = {**raw, "model": {**raw["model"], **model}, "cluster": {"use_ray": False},
            "sft": {"train_path": str(tmp_path / "data/sft.jsonl"), "batch_size": 64, "lr": lr, "steps": steps,
                    "generate": {**raw["data"]["generate"], "num_train": examples}}}
-    cfg = config_from_dict(raw)
-    prepare_data(cfg)
-    session = SFTSession.create(cfg, prepare_model(cfg, tmp_path / "teacher_base"))
-    try:
-        for step in range(steps):
-            session.train(step)
-        session.save(tmp_path / "teacher", steps - 1)
-    finally:
-        session.shutdown()
-    return str(tmp_path / "teacher" / "model")
+    return str(run_sft_bare(config_from_dict(raw), tmp_path / "teacher_base", tmp_path / "teacher"))
 
 
 def test_student_moves_toward_the_teacher_through_the_flow(tmp_path):

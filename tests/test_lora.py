@@ -14,7 +14,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from bench.e2e.bare_loop import run_bare
+from bench.e2e.bare_loop import run_bare, run_sft_bare
 from rlflow.engines.core.config import (
     LORA_TARGETS,
     AlgorithmConfig,
@@ -28,7 +28,6 @@ from rlflow.engines.models.peft_adapter import CONFIG_FILE, WEIGHTS_FILE
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.session.preflight import find_problems
 from rlflow.engines.session.rl import RLSession
-from rlflow.engines.session.sft import SFTSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.train import lora
 from rlflow.engines.train.torch_backend import TorchTrainBackend
@@ -250,14 +249,7 @@ def test_lora_reaches_the_demo_bar(tmp_path):
     data = [f"data.train_path={tmp_path}/data/train.jsonl", f"data.eval_path={tmp_path}/data/eval.jsonl"]
     sft = load_recipe("deployments/sort-tiny-sft.yaml", [*data, f"sft.train_path={tmp_path}/data/sft.jsonl",
                                                          "sft.steps=30", "cluster.use_ray=false"])
-    prepare_data(sft)
-    session = SFTSession.create(sft, prepare_model(sft, tmp_path / "random"))
-    try:
-        for step in range(30):
-            session.train(step)
-        session.save(tmp_path / "sft", 29)
-    finally:
-        session.shutdown()
+    run_sft_bare(sft, tmp_path / "random", tmp_path / "sft")
     cfg = load_recipe("deployments/sort-tiny-lora.yaml", [
         *data, f"model.path={tmp_path}/sft/model", "train.steps=40", "checkpoint.every=0", "cluster.use_ray=false",
         f"weight_sync.disk_dir={tmp_path}/sync"])

@@ -15,10 +15,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from bench.e2e.bare_loop import run_bare
+from bench.e2e.bare_loop import run_bare, run_sft_bare
 from rlflow.engines.core.config import config_from_dict, load_recipe
-from rlflow.engines.session.sft import SFTSession
-from rlflow.engines.session.workers import prepare_data, prepare_model
 
 RECIPES = Path(__file__).resolve().parents[2] / "deployments"
 
@@ -30,16 +28,7 @@ def sft_teacher(workdir: Path, seed: int) -> Path:
            "cluster": {"use_ray": False},
            "sft": {"train_path": str(workdir / "data/sft.jsonl"), "batch_size": 64, "lr": 2e-3, "steps": 300,
                    "generate": {**raw["data"]["generate"], "num_train": 4096}}}
-    cfg = config_from_dict(raw)
-    prepare_data(cfg)
-    session = SFTSession.create(cfg, prepare_model(cfg, workdir / "teacher_base"))
-    try:
-        for step in range(300):
-            session.train(step)
-        session.save(workdir / "teacher", 299)
-    finally:
-        session.shutdown()
-    return workdir / "teacher" / "model"
+    return run_sft_bare(config_from_dict(raw), workdir / "teacher_base", workdir / "teacher")
 
 
 def distill(workdir: Path, teacher: Path, steps: int, seed: int) -> dict:

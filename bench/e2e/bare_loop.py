@@ -19,6 +19,7 @@ from pathlib import Path
 from rlflow.engines.core.config import RLConfig, load_recipe
 from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.schedule import RolloutSchedule
+from rlflow.engines.session.sft import SFTSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
 
 
@@ -80,6 +81,20 @@ def run_steps(session: RLSession, cfg: RLConfig, log=print, trace_dir: str | Non
         log(json.dumps({k: round(v, 4) for k, v in m.items() if not k.startswith("sync/")}))
     pool.shutdown()
     return history
+
+
+def run_sft_bare(cfg: RLConfig, base_dir: str | Path, out_dir: str | Path) -> Path:
+    """cfg.sft.steps SFT steps in this process (no Prefect, no Ray) on the model prepared in `base_dir`; the
+    checkpoint of the last step goes to `out_dir`. Returns its HF model folder (a teacher, or a base for RL)."""
+    prepare_data(cfg)
+    session = SFTSession.create(cfg, prepare_model(cfg, base_dir))
+    try:
+        for step in range(cfg.sft.steps):
+            session.train(step)
+        session.save(out_dir, cfg.sft.steps - 1)
+    finally:
+        session.shutdown()
+    return Path(out_dir) / "model"
 
 
 if __name__ == "__main__":
