@@ -900,8 +900,8 @@ def test_preflight_reports_models_the_mapping_cannot_take(recipe, hf_models, mco
     assert not [p for p in find_problems(ok) if p.startswith("model.path")]
 
 
-# padded micro-batches take the same exchange as packed ones (~40 s each on 2 cores): that case runs with -m slow
-# padded and packed with 2 and 1 micro-batches run with -m slow; the default suite's twin is 'empty' (2 and 0 + filler)
+# padded and packed with 2 and 1 micro-batches take the same exchange (~40-100 s each on 2 cores) and run with
+# -m slow; the default suite's twin is 'empty' (2 micro-batches against 0 + filler)
 @pytest.mark.parametrize("packing, split", [pytest.param(False, 4, marks=pytest.mark.slow),
                                             pytest.param(True, 4, marks=pytest.mark.slow), (True, 6)],
                          ids=["padded", "packed", "empty"])

@@ -200,8 +200,8 @@ def uninterrupted(tmp_path_factory, data_dir, prefect_api, ray_head):
 # one-step-off), to keep the default suite inside CI's budget; the other 19 run with -m slow. The default suite's
 # twins of the other targets: a killed rollout worker healed in-run, tests/test_rollout_fn.py's dead-worker tests;
 # a failed flow resumed, test_flow_retry_resumes_in_the_same_process below and tests/test_e2e.py's S3 retry
-SLOW_TRIALS = {*range(0, 7), 8, 9, *range(10, 20)}
-TRIALS = [pytest.param(i, marks=pytest.mark.slow) if i in SLOW_TRIALS else i for i in range(20)]
+DEFAULT_TRIALS = {7}
+TRIALS = [i if i in DEFAULT_TRIALS else pytest.param(i, marks=pytest.mark.slow) for i in range(20)]
 
 
 def _healed_at(stage: str, step: int, when: str, target: str, staleness: int) -> int | None:
