@@ -247,16 +247,20 @@ def _run(cfg, flow_fn=None, total: int | None = None, takeover: bool = False) ->
     lease from a process that holds it (engines/store/lease.py), through the environment a flow run reads it from."""
     prepare_flow_process()
     logging.getLogger("rlflow").setLevel(logging.INFO)
-    # deferred: Prefect, Ray, torch (seconds), after the defaults above; rich.progress ~50 ms, 1/6 of `--help`
+    # deferred: Prefect (seconds), after the defaults above; rich.progress ~50 ms, 1/6 of `--help`
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from rlflow.flows.temporary_server import guard_temporary_server, require_prefect_api, start_temporary_server_early
+
+    guard_temporary_server()  # without PREFECT_API_URL: the temporary Prefect server dies with this process
+    server_up = start_temporary_server_early()  # ... and starts while torch and the engines import
+    # deferred until the server is starting: Prefect, Ray, torch (seconds)
     from rlflow.engines.cluster.termination import bound_exit_on_sigterm
     from rlflow.engines.store.lease import TAKEOVER_ENV
     from rlflow.flows.post_train import post_train
-    from rlflow.flows.temporary_server import guard_temporary_server, require_prefect_api
     from rlflow.tasks.run_context import STEP_LISTENERS
 
-    guard_temporary_server()  # without PREFECT_API_URL: the temporary Prefect server dies with this process
+    server_up()
     require_prefect_api()  # with one: its server answers, or a ServiceError names it
     for handler in logging.getLogger().handlers:  # Prefect's console handler
         if not any(isinstance(f, _ServiceErrorsInOneLine) for f in handler.filters):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import subprocess
+import threading
+from collections.abc import Callable
 
 from rlflow.engines.cluster.process_group import start_guard
 from rlflow.engines.core.retry import ServiceError
@@ -31,6 +33,36 @@ def guard_temporary_server() -> None:
         return
     # Prefect looks its server up as SubprocessASGIServer() (port None): the instance under that key is the one
     SubprocessASGIServer._instances[None] = guarded()
+
+
+def start_temporary_server_early() -> Callable[[], None]:
+    """Start the (guarded) temporary server now, in a thread, when this process will need one (PREFECT_API_URL
+    unset), so its few seconds of start-up pass while the caller imports torch and the engines; returns the wait
+    for it, to call before the first flow runs (Prefect takes a started server as up, healthy or not). Call after
+    guard_temporary_server; a no-op wait otherwise."""
+    from prefect.server.api.server import SubprocessASGIServer  # slow to import: see above
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    server = SubprocessASGIServer._instances.get(None)
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value() or server is None or server.running:
+        return lambda: None
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            server.start()
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by the wait
+            failed.append(exc)
+
+    thread = threading.Thread(target=start, name="prefect-temporary-server", daemon=True)
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if failed:
+            raise failed[0]
+
+    return wait
 
 
 def require_prefect_api() -> None:

@@ -55,6 +55,14 @@ def train_config(**kw) -> TrainConfig:
     return TrainConfig(**({"threads": 1, "micro_batch_size": 3, "mini_batches": 2} | kw))
 
 
+def parallel_layouts_worker(rank: int, world: int, url: str, jobs: list[dict]) -> None:
+    """One rank running several layouts in turn (each job: parallel_worker's keyword arguments but rank, world and
+    url): the processes import megatron-core once, not once a layout; the backend re-forms megatron's parallel
+    groups over the same torch.distributed group for each."""
+    for job in jobs:
+        parallel_worker(rank, world, url=url, **job)
+
+
 def parallel_worker(rank: int, world: int, tp: int, pp: int, url: str, model_dir: str, hf_dirs: dict[str, str],
                     out: str, resume: str = "", ep: int = 1) -> None:
     """One rank of a 2-process layout: TP round trips of every family's HF weights (after loading into a

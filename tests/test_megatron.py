@@ -40,7 +40,7 @@ from rlflow.engines.train.megatron.weights import (
     to_megatron,
 )
 from rlflow.engines.train.torch_backend import TorchTrainBackend
-from tests.megatron_helpers import global_metrics, parallel_worker, tiny_hf_model, toy_batch, train_config
+from tests.megatron_helpers import global_metrics, parallel_layouts_worker, tiny_hf_model, toy_batch, train_config
 
 CASES = [("llama", False), ("qwen2", True), ("qwen3", False), ("mixtral", False), ("qwen3_moe", True)]
 
@@ -644,28 +644,28 @@ def test_compile_refuses_transformer_engine_layers(hf_models, mcore):
 
 @pytest.fixture(scope="module")
 def parallel_runs(hf_models, tmp_path_factory, mcore):
-    """Each 2-rank layout run once: (tp, pp) -> (results JSON, final weights)."""
+    """Each 2-rank layout run once, one after the other in one pair of processes: (tp, pp) -> (results JSON,
+    final weights)."""
     import torch.multiprocessing as mp
 
     from rlflow.engines.cluster.addresses import free_port
 
     dirs = {f: p for f, (p, _) in hf_models.items()}
-    out, tp2 = {}, ""
-    for tp, pp in [(2, 1), (1, 2), (1, 1)]:
-        target = str(tmp_path_factory.mktemp(f"tp{tp}pp{pp}") / "result.json")
-        resume = tp2 if pp == 2 else ""  # PP=2 resumes the TP=2 run's checkpoint
-        mp.spawn(parallel_worker, args=(2, tp, pp, f"tcp://127.0.0.1:{free_port()}", dirs["qwen2"], dirs, target,
-                                        resume), nprocs=2)
-        tp2 = tp2 or target + ".ckpt"
-        out[(tp, pp)] = json.loads(Path(target).read_text()), load_file(target + ".safetensors")
-        out["hf", tp, pp], out["ckpt", tp, pp] = Path(target + ".hf"), target + ".ckpt"
-    out["tp2_ckpt"], out["model"] = tp2, dirs["qwen2"]
+    targets = {layout: str(tmp_path_factory.mktemp(name) / "result.json")
+               for layout, name in [((2, 1), "tp2pp1"), ((1, 2), "tp1pp2"), ((1, 1), "tp1pp1"), ("ep2", "ep2")]}
+    tp2 = targets[2, 1] + ".ckpt"
+    jobs = [dict(tp=tp, pp=pp, model_dir=dirs["qwen2"], hf_dirs=dirs, out=targets[tp, pp],
+                 resume=tp2 if pp == 2 else "")  # PP=2 resumes the TP=2 run's checkpoint
+            for tp, pp in [(2, 1), (1, 2), (1, 1)]]
     # expert parallelism: each of the 2 ranks (data-parallel 2) holds 2 of the 4 experts of an MoE model
-    target = str(tmp_path_factory.mktemp("ep2") / "result.json")
-    mp.spawn(parallel_worker, args=(2, 1, 1, f"tcp://127.0.0.1:{free_port()}", dirs["qwen3_moe"], dirs, target, "",
-                                    2), nprocs=2)
-    out["ep2"] = json.loads(Path(target).read_text()), load_file(target + ".safetensors")
-    out["hf", "ep2"], out["ckpt", "ep2"] = Path(target + ".hf"), target + ".ckpt"
+    jobs.append(dict(tp=1, pp=1, model_dir=dirs["qwen3_moe"], hf_dirs=dirs, out=targets["ep2"], ep=2))
+    mp.spawn(parallel_layouts_worker, args=(2, f"tcp://127.0.0.1:{free_port()}", jobs), nprocs=2)
+    out = {}
+    for layout, target in targets.items():
+        out[layout] = json.loads(Path(target).read_text()), load_file(target + ".safetensors")
+        key = ("ep2",) if layout == "ep2" else layout
+        out["hf", *key], out["ckpt", *key] = Path(target + ".hf"), target + ".ckpt"
+    out["tp2_ckpt"], out["model"] = tp2, dirs["qwen2"]
     return out
 
 

@@ -98,11 +98,13 @@ class RayWorkerGroup(Generic[B]):
 
     def __init__(self, cls: type[B], num_workers: int, make_kwargs: Callable[[int], dict], num_cpus: float,
                  name: str, num_gpus: float = 0, placement: Placement | None = None, protocols: Sequence[type] = (),
-                 rendezvous: bool = False):
+                 rendezvous: bool = False, wait: bool = True):
         """`placement`: the slots to start in, owned by the caller (the run's plan; colocated groups share
         one); by default the group reserves its own on one node. `protocols`: what the session will call on
         these workers; a backend that lacks a method fails here, before any actor starts. `rendezvous`: the
-        workers form a torch.distributed group; each gets `dist_url`, an address on rank 0's node."""
+        workers form a torch.distributed group; each gets `dist_url`, an address on rank 0's node. `wait`: return
+        once every actor is constructed (raising its constructor's error); False returns as they start, and
+        `wait_ready` waits for several groups together, so their workers load their models at the same time."""
         check_implements(cls, protocols)
         self._owns_placement = placement is None
         if placement is None:
@@ -118,7 +120,12 @@ class RayWorkerGroup(Generic[B]):
 
         self._start, self._name, self._restarts = start, name, 0
         self.workers = [start(rank, f"{name}-{rank}") for rank in range(num_workers)]
-        get_all([w.__ray_ready__.remote() for w in self.workers])  # surface constructor errors here
+        if wait:
+            wait_ready([self])
+
+    def ready_refs(self) -> list[Any]:
+        """One ref per actor, done when its constructor has returned (raising its error if it failed)."""
+        return [w.__ray_ready__.remote() for w in self.workers]
 
     def node_ip(self, rank: int) -> str:
         """The address of the node worker `rank`'s bundle is on now (Ray moves a lost node's bundles)."""
@@ -186,6 +193,11 @@ def check_implements(cls: type, protocols: Sequence[type]) -> None:
         missing = missing_methods(cls, protocol)
         if missing:
             raise TypeError(f"{cls.__name__} does not implement {protocol.__name__}: missing {missing}")
+
+
+def wait_ready(groups: Sequence[RayWorkerGroup]) -> None:
+    """Wait until every actor of these groups is constructed; the first constructor error raises at once."""
+    get_all([ref for group in groups for ref in group.ready_refs()])
 
 
 def get_all(refs: list[Any]) -> list[Any]:

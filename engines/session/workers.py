@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import AutoConfig
 
 from rlflow.engines.cluster.addresses import LOOPBACK
-from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, init_ray
+from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, init_ray, wait_ready
 from rlflow.engines.cluster.placement import Placement, PlacementError, RoleDemand, driver_node_id, place
 from rlflow.engines.core.config import ModelRewardSource, RLConfig
 from rlflow.engines.core.protocols import (
@@ -313,7 +313,9 @@ def reaches_all_by_store(cfg: RLConfig) -> bool:
 def ray_workers(cfg: RLConfig, train_cls: type, make_train, make_rollout, make_critic, n_train: int,
                 n_rollout: int, make_teacher=None) -> Workers:
     """Plan every role on the cluster (a recipe it cannot hold fails here, before any actor starts), reserve
-    the placement groups, then start the actors in them."""
+    the placement groups, then start the actors in them: every group's at once (their processes import torch and
+    load their models side by side), waiting for them all at the end. Colocated, the trainer is up before the rollout
+    engine starts on its GPUs, which sizes its cache by the memory the trainer left free."""
     cpus, name = cfg.cluster.cpus_per_worker, cfg.name
     placements = place(role_demands(cfg, n_train, n_rollout, make_critic is not None, make_teacher is not None), name)
     spans = len({p.node(r).node_id for p in placements.values() for r in range(len(p))} | {driver_node_id()}) > 1
@@ -329,27 +331,31 @@ def ray_workers(cfg: RLConfig, train_cls: type, make_train, make_rollout, make_c
         train_protocols, rollout_protocols = group_protocols(cfg)
         if n_train:
             workers.train = RayWorkerGroup(train_cls, n_train, make_train, cpus, f"{name}-train", train_gpus,
-                                           placements["train"], train_protocols, rendezvous=True)
+                                           placements["train"], train_protocols, rendezvous=True,
+                                           wait=cfg.cluster.colocate)
         if n_rollout:
             rollout_placement = placements["train" if cfg.cluster.colocate else "rollout"]
             if cfg.rollout.backend == "sglang":  # its server starts with the worker: on its address, with the token
                 make_rollout = _with_server(
                     make_rollout, lambda r: rollout_placement.node(r).ip if spans else LOOPBACK, workers.control_token)
             workers.rollout = RayWorkerGroup(rollout_backend_class(cfg), n_rollout, make_rollout, cpus,
-                                             f"{name}-rollout", rollout_gpus, rollout_placement, rollout_protocols)
+                                             f"{name}-rollout", rollout_gpus, rollout_placement, rollout_protocols,
+                                             wait=False)
         if make_critic:
             workers.critic = RayWorkerGroup(TorchTrainBackend, cfg.critic.num_workers, make_critic, cpus,
                                             f"{name}-critic", 1.0 if cfg.train.device == "cuda" else 0.0,
-                                            placements["critic"], CRITIC, rendezvous=True)
+                                            placements["critic"], CRITIC, rendezvous=True, wait=False)
         if make_teacher:
             workers.teacher = RayWorkerGroup(TorchTrainBackend, cfg.distill.num_workers, make_teacher, cpus,
                                              f"{name}-teacher", teacher_gpus(cfg), placements["teacher"], TEACHER,
-                                             rendezvous=True)
+                                             rendezvous=True, wait=False)
         for i, src in reward_models(cfg):
             gpus = src.num_gpus if reward_model_device(cfg, src) == "cuda" else 0.0
             workers.reward[str(src.name)] = RayWorkerGroup(
                 SequenceClassifierReward, src.num_workers, reward_model_kwargs(cfg, src, i), cpus,
-                f"{name}-reward-{src.name}", gpus, placements[f"reward.sources[{i}]"], REWARD)
+                f"{name}-reward-{src.name}", gpus, placements[f"reward.sources[{i}]"], REWARD, wait=False)
+        groups = [workers.train, workers.rollout, workers.critic, workers.teacher, *workers.reward.values()]
+        wait_ready([g for g in groups if isinstance(g, RayWorkerGroup)])
     except BaseException:
         workers.shutdown()
         raise

@@ -47,13 +47,33 @@ def init_parallel(rank: int, world_size: int, dist_url: str | None, cfg: Megatro
     if (world_size // cfg.model_parallel) % cfg.expert_parallel:
         raise ValueError(f"megatron.expert_parallel {cfg.expert_parallel} does not divide the data-parallel size "
                          f"{world_size // cfg.model_parallel}")
+    _form_megatron_groups(cfg)
+    if device == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+# the process groups megatron's initialize_model_parallel made in this process, released before it makes the next
+_MEGATRON_GROUPS: list[dist.ProcessGroup] = []
+
+
+def _form_megatron_groups(cfg: MegatronConfig) -> None:
+    """Megatron's TP/PP/DP/EP groups over the default group, after releasing the ones an earlier backend of this
+    process formed. megatron's destroy_model_parallel only forgets its groups: each gloo group kept its three
+    threads, and a process that built backends one after another (the tests: 800 groups, a core's worth of idle
+    threads polling) slowed everything after. torch lists every group it made (c10d's private registry, which
+    has no public equivalent): megatron's are the ones new after its call."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    registry = dist.distributed_c10d._world.pg_map
+    for group in _MEGATRON_GROUPS:
+        if group in registry:  # destroying a group can take groups split from it along
+            dist.destroy_process_group(group)
+    _MEGATRON_GROUPS.clear()
+    before = set(registry)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel,
                                              pipeline_model_parallel_size=cfg.pipeline_parallel,
                                              expert_model_parallel_size=cfg.expert_parallel)
-    if device == "cuda":
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    _MEGATRON_GROUPS.extend(group for group in registry if group not in before)
 
 
 def use_transformer_engine(cfg: MegatronConfig, device: str) -> bool:
