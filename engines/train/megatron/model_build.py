@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import re
@@ -52,28 +53,39 @@ def init_parallel(rank: int, world_size: int, dist_url: str | None, cfg: Megatro
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-# the process groups megatron's initialize_model_parallel made in this process, released before it makes the next
+# the process groups megatron's initialize_model_parallel made in this process, and the layout they were formed for
+# (default group, world size, TP, PP, EP): a later backend of the same layout reuses them, another releases them
 _MEGATRON_GROUPS: list[dist.ProcessGroup] = []
+_FORMED_FOR: tuple | None = None
 
 
 def _form_megatron_groups(cfg: MegatronConfig) -> None:
-    """Megatron's TP/PP/DP/EP groups over the default group, after releasing the ones an earlier backend of this
-    process formed. megatron's destroy_model_parallel only forgets its groups: each gloo group kept its three
-    threads, and a process that built backends one after another (the tests: 800 groups, a core's worth of idle
-    threads polling) slowed everything after. torch lists every group it made (c10d's private registry, which
-    has no public equivalent): megatron's are the ones new after its call."""
+    """Megatron's TP/PP/DP/EP groups over the default group: the ones an earlier backend of this process formed
+    when the layout is the same, else new ones, after releasing the old. megatron's destroy_model_parallel only
+    forgets its groups, and a group's gloo threads (three each) live as long as any object refers to it: a process
+    that built backends one after another (the tests) held 1,400 idle threads polling a core's worth of CPU away
+    from everything after. torch lists every group it made (c10d's private registry, which has no public
+    equivalent): megatron's are the ones new after its call."""
+    global _FORMED_FOR
+    layout = (dist.group.WORLD, dist.get_world_size(), cfg.tensor_parallel, cfg.pipeline_parallel, cfg.expert_parallel)
+    if parallel_state.model_parallel_is_initialized() and _FORMED_FOR is not None and all(
+            a is b or a == b for a, b in zip(layout, _FORMED_FOR, strict=True)):
+        return
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     registry = dist.distributed_c10d._world.pg_map
     for group in _MEGATRON_GROUPS:
         if group in registry:  # destroying a group can take groups split from it along
             dist.destroy_process_group(group)
+    if _MEGATRON_GROUPS:
+        gc.collect()  # the old backends' models refer to their groups, often from reference cycles
     _MEGATRON_GROUPS.clear()
     before = set(registry)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel,
                                              pipeline_model_parallel_size=cfg.pipeline_parallel,
                                              expert_model_parallel_size=cfg.expert_parallel)
     _MEGATRON_GROUPS.extend(group for group in registry if group not in before)
+    _FORMED_FOR = layout
 
 
 def use_transformer_engine(cfg: MegatronConfig, device: str) -> bool:
