@@ -392,6 +392,33 @@ def assert_same_weights(ref: dict[str, torch.Tensor], got: dict[str, torch.Tenso
     assert diffs.mean() < 1e-6 and diffs.quantile(0.999) < 1e-5 and diffs.max() < 1e-3
 
 
+def test_backends_built_one_after_another_keep_one_set_of_process_groups(hf_models, mcore):
+    """Backends of one layout built one after another in a process share its megatron groups: no new gloo group,
+    no new thread (each gloo group has three; rebuilding them per backend left 2,400 polling threads in the test
+    process). Groups formed over a default group that is gone are replaced, and their threads end."""
+    import gc
+    import os
+
+    def groups() -> set[str]:  # by name (holding the group objects would keep their threads alive)
+        return set(dist.distributed_c10d._world.pg_names.values())
+
+    def threads() -> int:
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+    path = hf_models["qwen2"][0]
+    _backend(path).train_step(toy_batch())
+    formed, count = groups(), threads()
+    for _ in range(3):
+        _backend(path).train_step(toy_batch())
+    assert groups() == formed and threads() <= count
+    dist.destroy_process_group()  # torch.distributed brought down and up again: every group is new
+    _backend(path).train_step(toy_batch())
+    gc.collect()
+    # megatron's old 17 groups (51 threads) ended; torch itself keeps the destroyed default group's store and one
+    # gloo group referenced (4 threads, once per re-initialisation, not per backend)
+    assert len(groups()) == len(formed) and threads() <= count + 4
+
+
 def test_model_shards_bad_input_is_an_error(hf_models, mcore, tmp_path):
     """A shard folder without files, or a shard without its offsets, names the folder or file; weights_only on
     the saving layout loads the trained weights and leaves the LR clock at 0."""

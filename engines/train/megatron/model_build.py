@@ -6,6 +6,7 @@ import gc
 import importlib.util
 import json
 import re
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ def init_parallel(rank: int, world_size: int, dist_url: str | None, cfg: Megatro
 # the process groups megatron's initialize_model_parallel made in this process, and the layout they were formed for
 # (default group, world size, TP, PP, EP): a later backend of the same layout reuses them, another releases them
 _MEGATRON_GROUPS: list[dist.ProcessGroup] = []
-_FORMED_FOR: tuple | None = None
+_FORMED_FOR: tuple[weakref.ref, tuple[int, ...]] | None = None
 
 
 def _form_megatron_groups(cfg: MegatronConfig) -> None:
@@ -67,9 +68,10 @@ def _form_megatron_groups(cfg: MegatronConfig) -> None:
     from everything after. torch lists every group it made (c10d's private registry, which has no public
     equivalent): megatron's are the ones new after its call."""
     global _FORMED_FOR
-    layout = (dist.group.WORLD, dist.get_world_size(), cfg.tensor_parallel, cfg.pipeline_parallel, cfg.expert_parallel)
-    if parallel_state.model_parallel_is_initialized() and _FORMED_FOR is not None and all(
-            a is b or a == b for a, b in zip(layout, _FORMED_FOR, strict=True)):
+    # the default group by weak reference: a strong one would keep a destroyed default group's threads
+    layout = (dist.get_world_size(), cfg.tensor_parallel, cfg.pipeline_parallel, cfg.expert_parallel)
+    if (parallel_state.model_parallel_is_initialized() and _FORMED_FOR is not None
+            and _FORMED_FOR[0]() is dist.group.WORLD and _FORMED_FOR[1] == layout):
         return
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -85,7 +87,7 @@ def _form_megatron_groups(cfg: MegatronConfig) -> None:
                                              pipeline_model_parallel_size=cfg.pipeline_parallel,
                                              expert_model_parallel_size=cfg.expert_parallel)
     _MEGATRON_GROUPS.extend(group for group in registry if group not in before)
-    _FORMED_FOR = layout
+    _FORMED_FOR = (weakref.ref(dist.group.WORLD), layout)
 
 
 def use_transformer_engine(cfg: MegatronConfig, device: str) -> bool:
