@@ -16,8 +16,10 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # a loaded 2-core CI machine
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-if "PREFECT_HOME" not in os.environ:  # each pytest run its own Prefect database
-    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="rlflow-prefect-")
+# Each pytest process its own Prefect database. pytest-xdist's workers inherit the controller's environment, so a
+# home the controller made here is replaced in each worker; one the user set is kept.
+if "PREFECT_HOME" not in os.environ or os.environ.get("RLFLOW_TEST_PREFECT_HOME") == os.environ["PREFECT_HOME"]:
+    os.environ["PREFECT_HOME"] = os.environ["RLFLOW_TEST_PREFECT_HOME"] = tempfile.mkdtemp(prefix="rlflow-prefect-")
 
 from rlflow.engines.core.config import ModelConfig, config_from_dict  # noqa: E402
 from rlflow.engines.models.hf import build_tiny_model  # noqa: E402
@@ -83,6 +85,20 @@ def recipe(tmp_path):
         return config_from_dict(small_recipe(tmp_path, **sections))
 
     return make
+
+
+# The longest files first, so that pytest-xdist's workers (`-n 2 --dist loadfile`, the README's command) finish
+# together instead of one starting test_resume.py as the other runs out of files: longest-processing-time-first.
+# Seconds per file on the 2-core CI machine, run serially; the other files follow in their usual order.
+LONGEST_FILES = {
+    "test_resume.py": 336, "test_fsdp.py": 216, "test_e2e.py": 197, "test_serve.py": 170, "test_multinode.py": 105,
+    "test_weight_sync_bench.py": 102, "test_rollout_fn.py": 98, "test_rollout_sglang.py": 98, "test_megatron.py": 82,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {item.path.name: i for i, item in reversed(list(enumerate(items)))}  # each file's first position
+    items.sort(key=lambda item: (-LONGEST_FILES.get(item.path.name, 0), first[item.path.name]))
 
 
 # Threads the test process may hold after a test file. The suite runs in one process: threads a file leaves

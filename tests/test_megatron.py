@@ -415,8 +415,9 @@ def test_backends_built_one_after_another_keep_one_set_of_process_groups(hf_mode
     _backend(path).train_step(toy_batch())
     gc.collect()
     # megatron's old 17 groups (51 threads) ended; torch itself keeps the destroyed default group's store and one
-    # gloo group referenced (4 threads, once per re-initialisation, not per backend)
-    assert len(groups()) == len(formed) and threads() <= count + 4
+    # gloo group referenced (4 threads, once per re-initialisation, not per backend). Re-initialising also dropped
+    # what earlier tests in this process left in c10d's registry, so there may be fewer groups than before.
+    assert len(groups()) <= len(formed) and threads() <= count + 4
 
 
 def test_model_shards_bad_input_is_an_error(hf_models, mcore, tmp_path):
