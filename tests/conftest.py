@@ -102,9 +102,10 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (-LONGEST_FILES.get(item.path.name, 0), first[item.path.name]))
 
 
-# Threads the test process may hold after a test file. The suite runs in one process: threads a file leaves
-# behind stay for every later file. Megatron's backends once left 800 gloo groups (three threads each, 2,400
-# threads polling: a core's worth of CPU) and every file after test_megatron.py ran on what was left of 2 cores.
+# Threads a test process may hold after a test file. A process runs many files (all of them, or an xdist worker's
+# share): threads a file leaves behind stay for every later file. Megatron's backends once left 800 gloo groups
+# (three threads each, 2,400 threads polling: a core's worth of CPU) and every file after test_megatron.py ran on
+# what was left of 2 cores.
 THREAD_LIMIT = 400
 
 

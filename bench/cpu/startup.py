@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -77,6 +78,8 @@ def run_once(tree: Path, workdir: Path, name: str, timeout_s: float) -> dict:
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "rlflow.flows.cli", "run", str(path)], cwd=tree, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(timeout_s, proc.kill)  # a run that hangs silently is killed too
+    watchdog.start()
     seen: dict[str, float] = {}
     tail: list[str] = []
     assert proc.stdout is not None
@@ -85,9 +88,8 @@ def run_once(tree: Path, workdir: Path, name: str, timeout_s: float) -> dict:
         for mark, pattern in MARKS.items():
             if mark not in seen and pattern.search(line):
                 seen[mark] = round(time.monotonic() - start, 2)
-        if time.monotonic() - start > timeout_s:
-            proc.kill()
     rc = proc.wait()
+    watchdog.cancel()
     seen["exit"] = round(time.monotonic() - start, 2)
     if rc or len(seen) < len(MARKS) + 1:
         return {"error": f"rc {rc}, marks {sorted(seen)}", "log_tail": "".join(tail)[-3000:]}
