@@ -3,6 +3,7 @@ module the child can import, not in the test file)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import warnings
 from pathlib import Path
@@ -53,6 +54,38 @@ def toy_batch(n: int = 8, vocab: int = 18, seed: int = 0) -> TrainBatch:
 
 def train_config(**kw) -> TrainConfig:
     return TrainConfig(**({"threads": 1, "micro_batch_size": 3, "mini_batches": 2} | kw))
+
+
+def backends_in_turn_worker(rank: int, model_dir: str, out: str) -> None:
+    """Megatron backends built one after another in a fresh process, torch.distributed re-initialised between
+    them once; writes the c10d group names and the thread count at each point as JSON to `out`. A fresh process:
+    megatron's DDP keeps each model it wraps alive through its gradient hooks (a cycle through autograd's C++
+    nodes that Python's collector cannot see), so in a process that built other backends before, their groups
+    outlive any release."""
+    import os
+
+    import torch.distributed as dist
+
+    from rlflow.engines.core.config import AlgorithmConfig
+    from rlflow.engines.train.megatron.backend import MegatronTrainBackend
+
+    def state() -> dict:
+        return {"groups": sorted(dist.distributed_c10d._world.pg_names.values()),
+                "threads": len(os.listdir(f"/proc/{os.getpid()}/task"))}
+
+    def step() -> None:
+        MegatronTrainBackend(model_dir, train_config(), AlgorithmConfig(), None).train_step(toy_batch())
+
+    step()
+    seen = {"first": state()}
+    for _ in range(3):
+        step()
+    seen["fourth"] = state()
+    dist.destroy_process_group()  # torch.distributed brought down and up again: every group is new
+    step()
+    gc.collect()
+    seen["reinitialised"] = state()
+    Path(out).write_text(json.dumps(seen))
 
 
 def parallel_layouts_worker(rank: int, world: int, url: str, jobs: list[dict]) -> None:

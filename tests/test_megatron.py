@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from pydantic import ValidationError
 from safetensors.torch import load_file
 from transformers import (
@@ -40,7 +41,14 @@ from rlflow.engines.train.megatron.weights import (
     to_megatron,
 )
 from rlflow.engines.train.torch_backend import TorchTrainBackend
-from tests.megatron_helpers import global_metrics, parallel_layouts_worker, tiny_hf_model, toy_batch, train_config
+from tests.megatron_helpers import (
+    backends_in_turn_worker,
+    global_metrics,
+    parallel_layouts_worker,
+    tiny_hf_model,
+    toy_batch,
+    train_config,
+)
 
 CASES = [("llama", False), ("qwen2", True), ("qwen3", False), ("mixtral", False), ("qwen3_moe", True)]
 
@@ -392,32 +400,20 @@ def assert_same_weights(ref: dict[str, torch.Tensor], got: dict[str, torch.Tenso
     assert diffs.mean() < 1e-6 and diffs.quantile(0.999) < 1e-5 and diffs.max() < 1e-3
 
 
-def test_backends_built_one_after_another_keep_one_set_of_process_groups(hf_models, mcore):
+def test_backends_built_one_after_another_keep_one_set_of_process_groups(hf_models, tmp_path):
     """Backends of one layout built one after another in a process share its megatron groups: no new gloo group,
     no new thread (each gloo group has three; rebuilding them per backend left 2,400 polling threads in the test
-    process). Groups formed over a default group that is gone are replaced, and their threads end."""
-    import gc
-    import os
-
-    def groups() -> set[str]:  # by name (holding the group objects would keep their threads alive)
-        return set(dist.distributed_c10d._world.pg_names.values())
-
-    def threads() -> int:
-        return len(os.listdir(f"/proc/{os.getpid()}/task"))
-
-    path = hf_models["qwen2"][0]
-    _backend(path).train_step(toy_batch())
-    formed, count = groups(), threads()
-    for _ in range(3):
-        _backend(path).train_step(toy_batch())
-    assert groups() == formed and threads() <= count
-    dist.destroy_process_group()  # torch.distributed brought down and up again: every group is new
-    _backend(path).train_step(toy_batch())
-    gc.collect()
-    # megatron's old 17 groups (51 threads) ended; torch itself keeps the destroyed default group's store and one
-    # gloo group referenced (4 threads, once per re-initialisation, not per backend). Re-initialising also dropped
-    # what earlier tests in this process left in c10d's registry, so there may be fewer groups than before.
-    assert len(groups()) <= len(formed) and threads() <= count + 4
+    process). Groups formed over a default group that is gone are replaced, and their threads end. In a process
+    of its own (backends_in_turn_worker says why)."""
+    out = tmp_path / "groups.json"
+    mp.spawn(backends_in_turn_worker, args=(hf_models["qwen2"][0], str(out)), nprocs=1)
+    seen = json.loads(out.read_text())
+    first, fourth, again = seen["first"], seen["fourth"], seen["reinitialised"]
+    assert fourth["groups"] == first["groups"] and fourth["threads"] <= first["threads"]
+    # re-initialised: as many groups as before (the names restart), megatron's old 17 (51 threads) ended; torch
+    # keeps the destroyed default group's store and one gloo group referenced (4 threads, once per
+    # re-initialisation, not per backend)
+    assert len(again["groups"]) == len(first["groups"]) and again["threads"] <= first["threads"] + 4
 
 
 def test_model_shards_bad_input_is_an_error(hf_models, mcore, tmp_path):
@@ -674,7 +670,6 @@ def test_compile_refuses_transformer_engine_layers(hf_models, mcore):
 def parallel_runs(hf_models, tmp_path_factory, mcore):
     """Each 2-rank layout run once, one after the other in one pair of processes: (tp, pp) -> (results JSON,
     final weights)."""
-    import torch.multiprocessing as mp
 
     from rlflow.engines.cluster.addresses import free_port
 

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from safetensors import safe_open
@@ -80,6 +82,10 @@ def _form_megatron_groups(cfg: MegatronConfig) -> None:
         if group in registry:  # destroying a group can take groups split from it along
             dist.destroy_process_group(group)
     if _MEGATRON_GROUPS:
+        # megatron's rotary embeddings cache forward() per module in a class-wide lru_cache, which keeps up to 32
+        # old modules (each with its context-parallel group) and their tables alive after their model is gone
+        for rotary in (RotaryEmbedding, YarnRotaryEmbedding):
+            rotary.forward.cache_clear()
         gc.collect()  # the old backends' models refer to their groups, often from reference cycles
     _MEGATRON_GROUPS.clear()
     before = set(registry)
