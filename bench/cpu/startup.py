@@ -39,7 +39,8 @@ FOLDERS = ("engines", "tasks", "flows", "examples", "deployments")
 
 
 def recipe(workdir: Path, name: str) -> dict:
-    """The CPU suite's small sort recipe (tests/conftest.py small_recipe) over 5 steps, everything under workdir."""
+    """The CPU suite's small sort recipe (tests/conftest.py small_recipe) over 5 steps, everything under workdir.
+    A copy on purpose: the timed workload must stay the same when the tests' recipe changes."""
     return {
         "name": name,
         "model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
