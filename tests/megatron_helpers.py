@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from rlflow.engines.core.batch import TrainBatch, pack_samples, select, shard_for_workers
@@ -62,11 +64,6 @@ def backends_in_turn_worker(rank: int, model_dir: str, out: str) -> None:
     megatron's DDP keeps each model it wraps alive through its gradient hooks (a cycle through autograd's C++
     nodes that Python's collector cannot see), so in a process that built other backends before, their groups
     outlive any release."""
-    import os
-
-    import torch.distributed as dist
-
-    from rlflow.engines.core.config import AlgorithmConfig
     from rlflow.engines.train.megatron.backend import MegatronTrainBackend
 
     def state() -> dict:

@@ -670,7 +670,6 @@ def test_compile_refuses_transformer_engine_layers(hf_models, mcore):
 def parallel_runs(hf_models, tmp_path_factory, mcore):
     """Each 2-rank layout run once, one after the other in one pair of processes: (tp, pp) -> (results JSON,
     final weights)."""
-
     from rlflow.engines.cluster.addresses import free_port
 
     dirs = {f: p for f, (p, _) in hf_models.items()}
