@@ -28,7 +28,7 @@ import itertools
 import logging
 import threading
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -118,6 +118,21 @@ class Request:
         return self._uniforms.pop()
 
 
+@dataclass(frozen=True)
+class EngineCounters:
+    """What the engine has done and holds, read at once for /metrics (engines/rollout/metrics.py)."""
+
+    running: int  # requests admitted: prefilling or decoding
+    queued: int  # requests waiting for a row and pages (preempted ones included)
+    generated_tokens: int  # tokens sampled since the engine started
+    prompt_tokens: int  # prompt tokens of the requests admitted (once each: a re-prefill after preemption is not)
+    finished: dict[str, int]  # requests ended, by finish_reason type (stop, length, abort) or "error"
+    preemptions: int
+    kv_pages_used: int
+    kv_pages_total: int  # the pool's pages, page 0 (scratch) left out
+    max_running: int
+
+
 @dataclass(eq=False)
 class _Prefill:
     """Requests admitted together whose tokens are the same (a GRPO group; one request usually), prefilled
@@ -159,6 +174,10 @@ class ContinuousBatchEngine:
         self._runner: DecodeRunner | None = None
         self._admissions = 0
         self.preemptions = 0
+        # /metrics' counters: plain integers bumped once per step or per request, read when scraped
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.finished: Counter[str] = Counter()  # by finish_reason type, and "error" for a failed request
         self._overlap = lm.device.type == "cuda"  # decode runs while the host reads the sampled tokens
         self.compile = compile and self._overlap
         self._stop = False
@@ -227,10 +246,20 @@ class ContinuousBatchEngine:
 
     def stats(self) -> dict[str, int]:
         """The paged cache's counters: pages in use now and at most since the cache was made, preemptions."""
-        alloc = self._cache.allocator if self._cache is not None else None
+        cache = self._cache  # read once: a flush or a failed step may drop it meanwhile
+        alloc = cache.allocator if cache is not None else None
         return {"kv_pages": self.num_pages - 1, "kv_page_size": self.kv.page_size,
                 "kv_pages_used": alloc.num_used if alloc else 0, "kv_pages_peak": alloc.peak_used if alloc else 0,
                 "num_preemptions": self.preemptions}
+
+    def counters(self) -> EngineCounters:
+        """The engine's load and totals for a metrics scrape: cheap (no step is waited for), so a scrape never
+        slows generation down."""
+        with self._cond:
+            running, queued, finished = len(self._admitted()), len(self._waiting), dict(self.finished)
+        stats = self.stats()
+        return EngineCounters(running, queued, self.generated_tokens, self.prompt_tokens, finished,
+                              self.preemptions, stats["kv_pages_used"], stats["kv_pages"], self.max_running)
 
     def idle(self) -> bool:
         """No request runs or waits."""
@@ -290,6 +319,7 @@ class ContinuousBatchEngine:
                     for r in self._admitted():
                         if not r.future.done():
                             r.future.set_exception(exc)
+                            self.finished["error"] += 1
                     self._running.clear()
                     self._prefilling.clear()
                     self._cache = self._logits = self._runner = None  # page accounting restarts from empty
@@ -392,6 +422,7 @@ class ContinuousBatchEngine:
         """Append each row's token, call its callback, finish the rows that are done; returns the requests
         still running and their row indices."""
         still, keep = [], []
+        self.generated_tokens += len(tokens)  # only this thread writes it
         for i, (r, tok, lp) in enumerate(zip(running, tokens, logps, strict=True)):
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
@@ -433,6 +464,7 @@ class ContinuousBatchEngine:
                     self._waiting.popleft()
                     if error is not None:
                         r.future.set_exception(error)
+                        self.finished["error"] += 1
                     else:
                         self._finish(r, {"type": "length", "length": 0})
                     continue
@@ -461,6 +493,7 @@ class ContinuousBatchEngine:
                     if m.limit == 0:  # first admission (a preempted request keeps its settings)
                         self._prepare(m)
                         m.start_us = now_us()
+                        self.prompt_tokens += len(m.prompt)
                 self._prefilling.append(_Prefill(group, tokens, shared + partials[:1], partials[1:],
                                                  self._admissions))
 
@@ -600,6 +633,8 @@ class ContinuousBatchEngine:
 
     def _finish(self, r: Request, reason: dict) -> None:
         end = now_us()
+        with self._cond:  # aborts finish requests from other threads
+            self.finished[reason["type"]] += 1
         args = {"rid": r.rid, "finish": reason["type"], "prompt_tokens": len(r.prompt),
                 "completion_tokens": len(r.output_ids), "weight_version": r.weight_version,
                 "preemptions": r.preemptions}

@@ -5,7 +5,9 @@ with the fewest requests in flight through this router (ties: the lowest index),
 worker that cannot be reached is marked unhealthy and the request is retried on the next one;
 `/health` probes bring it back. Control routes (`/abort_request`, `/flush_cache`, weight, LoRA adapter and
 memory routes) go to every worker. sglang-router can front the embedded servers for generation too
-(docs/rollout.md), but it does not forward abort or weight routes; this router does.
+(docs/rollout.md), but it does not forward abort or weight routes; this router does. `GET /metrics` is the
+router's own view of its workers, `GET /metrics/targets` the addresses to scrape each worker's own /metrics at
+(engines/rollout/metrics.py).
 
 `start_router` picks the router of a run (`rollout.router`): sglang-router (engines/rollout/sglang_router.py) for the
 SGLang backend when it is installed, this one otherwise and for the embedded engine, whose batched /generate
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass
 
 import httpx
@@ -24,7 +27,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlflow.engines.core.config import RolloutConfig
 from rlflow.engines.rollout.http_api import BackgroundServer, auth_headers, require_token
+from rlflow.engines.rollout.metrics import RouterCollector, RouterCounters, add_metrics_route, add_targets_route
 from rlflow.engines.rollout.sglang_router import SGLangRouter, sglang_router_installed
+
+log = logging.getLogger(__name__)
 
 GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions")
 BROADCAST = ("/abort_request", "/flush_cache", "/update_weights_from_disk", "/update_weights_from_tensor",
@@ -37,7 +43,8 @@ class Worker:
     url: str
     in_flight: int = 0
     healthy: bool = True
-    served: int = 0
+    served: int = 0  # requests sent to it
+    failovers: int = 0  # requests it failed, sent again to another worker
 
 
 class NoWorker(RuntimeError):
@@ -51,6 +58,7 @@ def build_router_app(workers: list[Worker], token: str | None = None) -> FastAPI
     require_token(app, token)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10), headers=auth_headers(token))
     lock = asyncio.Lock()
+    counters = RouterCounters()
 
     async def pick(tried: set[str]) -> Worker:
         async with lock:  # choose and count in one step, so concurrent requests spread out
@@ -78,6 +86,7 @@ def build_router_app(workers: list[Worker], token: str | None = None) -> FastAPI
             except httpx.TransportError:
                 worker.in_flight -= 1
                 worker.healthy = False  # retried on another worker; /health probes bring it back
+                worker.failovers += 1
                 continue
             if stream:
                 async def relay(upstream=upstream, worker=worker):
@@ -94,6 +103,7 @@ def build_router_app(workers: list[Worker], token: str | None = None) -> FastAPI
                 content = await upstream.aread()
             except httpx.TransportError:  # the worker died mid-request: generate it again elsewhere
                 worker.healthy = False
+                worker.failovers += 1
                 continue
             finally:
                 await upstream.aclose()
@@ -106,6 +116,7 @@ def build_router_app(workers: list[Worker], token: str | None = None) -> FastAPI
             try:
                 return await forward(path, await request.body(), {"content-type": "application/json"})
             except NoWorker as exc:
+                counters.no_worker += 1
                 return JSONResponse({"error": {"message": str(exc), "code": 503}}, status_code=503)
 
         app.add_api_route(path, route, methods=["POST"])
@@ -145,6 +156,9 @@ def build_router_app(workers: list[Worker], token: str | None = None) -> FastAPI
         r = await client.get(workers[0].url + "/get_model_info")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
+    # its own view of the workers only: each worker is scraped itself, at the address /metrics/targets lists
+    add_metrics_route(app, RouterCollector(workers, counters))
+    add_targets_route(app, workers)
     return app
 
 
@@ -162,6 +176,7 @@ class RolloutRouter:
         self.workers = [Worker(u.rstrip("/")) for u in worker_urls]
         self._server = BackgroundServer(build_router_app(self.workers, token), "rollout router", host, port)
         self.url = self._server.url
+        log.info("rollout router on %s (Prometheus targets: %s/metrics/targets)", self.url, self.url)
 
     def replace(self, index: int, url: str) -> None:
         """A restarted worker's server takes worker `index`'s place (requests in flight to the old one were

@@ -3,7 +3,8 @@ engines/rollout/openai_api.py) for one TorchRolloutBackend, on an ephemeral port
 
 The engine runs in its own background loop; handlers submit requests and await their futures, so
 concurrent HTTP requests share decode steps (continuous batching). Field names and meanings are
-SGLang's; where the embedded server differs it is written in docs/rollout.md.
+SGLang's; where the embedded server differs it is written in docs/rollout.md. `GET /metrics` is rlflow's
+(Prometheus, engines/rollout/metrics.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from rlflow.engines.rollout.http_api import (
     weight_version_text,
 )
 from rlflow.engines.rollout.lora_routes import add_lora_routes, check_adapter
+from rlflow.engines.rollout.metrics import RolloutCollector, add_metrics_route
 from rlflow.engines.rollout.openai_api import add_openai_routes
 from rlflow.engines.rollout.weight_routes import add_weight_routes
 
@@ -184,6 +186,7 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
     add_openai_routes(app, backend, client)
     add_weight_routes(app, backend, client, weight_dirs)  # SGLang's weight routes (engines/rollout/weight_routes.py)
     add_lora_routes(app, backend, client, weight_dirs)  # SGLang's LoRA routes (engines/rollout/lora_routes.py)
+    add_metrics_route(app, RolloutCollector(backend))  # Prometheus, open and read-only (engines/rollout/metrics.py)
     return app
 
 

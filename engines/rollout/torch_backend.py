@@ -96,6 +96,8 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
                 flatten_(self.params)
         self.weight_version = 0
         self.last_update_s = 0.0  # seconds the last weight update took inside this worker
+        # weight updates (and LoRA adapter merges) landed, and their seconds in all: /metrics' sync summary
+        self.weight_updates, self.weight_update_seconds = 0, 0.0
         self._released = False  # colocated: the weights' memory was given back (release_memory_occupation)
         # per-request timeline (engines/core/trace.py): off unless the run traces; the driver drains it
         self.trace = TraceRecorder(f"rollout-{rank}", enabled=trace)
@@ -307,7 +309,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             t0 = time.perf_counter()
             self.resume_memory_occupation()
             self._merged.merge(self.params, adapter)
-            self.last_update_s = time.perf_counter() - t0
+            self._timed_update(t0)
             self.trace.instant("lora_load", tid=QUEUE_TID, args={"lora_name": lora_name})
 
     def unload_lora_adapter(self, lora_name: str) -> None:
@@ -364,9 +366,16 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
 
     def _weights_updated(self, version: int, start_s: float) -> int:
         self.weight_version = version
-        self.last_update_s = time.perf_counter() - start_s
+        self._timed_update(start_s)
         self.trace.instant("weight_update", tid=QUEUE_TID, args={"version": version})
         return version
+
+    def _timed_update(self, start_s: float) -> None:
+        """An update (a transport's bucket, a route's call, an adapter merge) ended: its seconds for
+        last_update_seconds and /metrics."""
+        self.last_update_s = time.perf_counter() - start_s
+        self.weight_updates += 1
+        self.weight_update_seconds += self.last_update_s
 
     def named_tensors(self, names: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
         """The weights generation uses now (all, or the named ones), HF-named, copied to the CPU: tests compare
