@@ -1,5 +1,5 @@
-"""Evaluation metrics by hand, the evaluate flow on a run-store checkpoint and on an HF directory, the
-registration gates, and registering a checkpoint's HF export in an MLflow registry (SQLite)."""
+"""Evaluation metrics by hand, the evaluate flow on a run-store checkpoint and on an HF directory, and registering a
+checkpoint's HF export in an MLflow registry (SQLite). The promotion gates: tests/test_promotion.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from rlflow.engines.core.config import (
     EvalSamplingConfig,
     EvaluationConfig,
     PipelineConfig,
+    PromoteConfig,
     RecipeError,
     RegisterConfig,
     RLConfig,
@@ -31,7 +32,6 @@ from rlflow.engines.session.evaluation import generate_and_reward, pass_at_k, sc
 from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data
 from rlflow.engines.store.run_store import RunStore, StorageError, locate_checkpoint
-from rlflow.flows.register import should_register
 from tests.conftest import small_recipe
 
 
@@ -65,19 +65,6 @@ def test_score_by_hand():
     assert m["pass_at_2"] == pytest.approx((0.5 + (1 - 1 / 6)) / 2)
     with pytest.raises(ValueError, match="groups of 4"):
         score([1, 0, 0], [1, 1, 1], n=4)
-
-
-@pytest.mark.parametrize(("value", "best", "threshold", "beat_best", "ok"), [
-    (0.6, None, 0.5, True, True),     # first version, above the bar
-    (0.4, None, 0.5, True, False),    # below the bar
-    (0.6, 0.7, None, True, False),    # does not beat the best
-    (0.7, 0.7, None, True, False),    # a tie does not beat it
-    (0.8, 0.7, 0.5, True, True),
-    (0.6, 0.7, 0.5, False, True),     # best not asked for
-    (0.1, 0.9, None, False, True),    # no gate at all
-])
-def test_should_register(value, best, threshold, beat_best, ok):
-    assert should_register(value, best, RegisterConfig(threshold=threshold, beat_best=beat_best))[0] is ok
 
 
 def test_resolve_config_from_recipe_or_tree(tmp_path):
@@ -329,11 +316,12 @@ def test_pipeline_names_its_stage_runs_after_the_run_and_step(tmp_path, tiny_mod
         started[deployment] = flow_run_name
         run_id = uuid.uuid4()
         if deployment == "post-train/post-train":
+            prepare_data(config_from_dict(small_recipe(tmp_path, name="exp7")))  # the data training writes
             fake_checkpoint(store, 4, tiny_model_dir)
         else:
             exp = client.get_experiment_by_name("rlflow") or client.get_experiment(client.create_experiment("rlflow"))
             run = client.create_run(exp.experiment_id, tags={"prefect.flow_run_id": str(run_id)})
-            client.log_metric(run.info.run_id, "eval/eval/accuracy", 0.5)
+            client.log_metric(run.info.run_id, "eval/data/accuracy", 0.5)  # data/eval.jsonl: the dataset "data"
         return SimpleNamespace(id=run_id, name=flow_run_name, state=Completed())
 
     monkeypatch.setattr(pipeline_flow, "run_deployment", run_deployment)
@@ -360,8 +348,8 @@ def test_bad_shard_settings_name_the_field(tmp_path):
     assert "eval.shard_runner: Input should be 'thread' or 'ray' (got 'dask')" in str(err.value)
 
 
-def test_register_logs_the_hf_export_and_gates_versions(tmp_path, tiny_model_dir):
-    from rlflow.flows.register import register_model
+def test_register_logs_the_hf_export_and_promotes_versions(tmp_path, tiny_model_dir):
+    from rlflow.flows.register import ChampionMeasurement, Measurement, register_model
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)
@@ -369,18 +357,21 @@ def test_register_logs_the_hf_export_and_gates_versions(tmp_path, tiny_model_dir
     storage = StorageConfig(uri=str(tmp_path / "runs"))
     store = RunStore(storage, "r")
     first, second = fake_checkpoint(store, 1, tiny_model_dir), fake_checkpoint(store, 2, tiny_model_dir)
-    cfg = RegisterConfig(model_name="m", threshold=0.2, beat_best=True)
+    registry, promote = RegisterConfig(model_name="m"), PromoteConfig(threshold=0.2)
 
-    out = register_model(first, "ev/accuracy", 0.5, eval_run, cfg, uri, storage)
-    assert out["registered"] and out["version"] == 1
-    assert register_model(first, "ev/accuracy", 0.5, eval_run, cfg, uri, storage)["reason"] == "already registered"
-    assert not register_model(second, "ev/accuracy", 0.4, eval_run, cfg, uri, storage)["registered"]  # not best
-    assert not register_model(second, "ev/accuracy", 0.1, eval_run, cfg.model_copy(update={"beat_best": False}),
-                              uri, storage)["registered"]  # below the threshold
-    assert register_model(second, "ev/accuracy", 0.6, eval_run, cfg, uri, storage)["version"] == 2
+    def measured(value: float) -> Measurement:
+        return Measurement(metric_key="ev/accuracy", value=value, eval_run_id=eval_run, eval_hash="h")
+
+    out = register_model(first, measured(0.5), None, registry, promote, uri, storage)
+    assert out["registered"] and (out["version"], out["promotion"], out["champion"]) == (1, "promoted", 1)
+    again = register_model(first, measured(0.5), None, registry, promote, uri, storage)
+    assert again["version"] == 1 and again["reason"].startswith("already registered")
+    champion = ChampionMeasurement(version=1, value=0.5, eval_run_id=eval_run, how="recorded")
+    out = register_model(second, measured(0.4), champion, registry, promote, uri, storage)
+    assert (out["version"], out["promotion"], out["champion"], out["challenger"]) == (2, "rejected", 1, 2)
 
     versions = {v.version: v for v in client.search_model_versions("name = 'm'")}
-    assert set(versions) == {1, 2} and versions[2].tags["rlflow.metric_value"] == "0.6"
+    assert set(versions) == {1, 2} and versions[2].tags["rlflow.metric_value"] == "0.4"
     # a version loads back through MLflow's own loaders (it has an MLmodel): a pipeline, and a pyfunc that generates
     import mlflow
 
@@ -388,7 +379,7 @@ def test_register_logs_the_hf_export_and_gates_versions(tmp_path, tiny_model_dir
     try:
         pipe = mlflow.transformers.load_model("models:/m/2")
         assert pipe.task == "text-generation" and pipe.model.num_parameters() > 0
-        out = mlflow.pyfunc.load_model("models:/m/1").predict(["S123="], params={"max_new_tokens": 3})
+        out = mlflow.pyfunc.load_model("models:/m@champion").predict(["S123="], params={"max_new_tokens": 3})
         assert len(out) == 1 and out[0].startswith("S123=") and 5 < len(out[0]) <= 8  # char tokenizer: <= 3 chars
         assert pipe.tokenizer.get_vocab() == load_tokenizer(tiny_model_dir).get_vocab()
     finally:

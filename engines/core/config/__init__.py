@@ -19,7 +19,7 @@ from rlflow.engines.core.config.evaluation import EvalConfig, EvalDatasetConfig,
 from rlflow.engines.core.config.megatron import MegatronConfig
 from rlflow.engines.core.config.model import ModelConfig
 from rlflow.engines.core.config.orchestration import OrchestrationConfig, StageTimeouts
-from rlflow.engines.core.config.pipeline import PipelineConfig, RegisterConfig
+from rlflow.engines.core.config.pipeline import PipelineConfig, PromoteConfig, RegisterConfig
 from rlflow.engines.core.config.recipe import (
     RecipeError,
     apply_overrides,
@@ -71,7 +71,7 @@ __all__ = [
     "TrainConfig", "LoraConfig", "LORA_TARGETS", "CriticConfig", "DistillConfig", "MegatronConfig",
     "ClusterConfig", "CheckpointConfig", "EvalConfig", "TrackingConfig", "StorageConfig", "WeightSyncConfig",
     "OrchestrationConfig", "StageTimeouts", "DebugConfig",
-    "EvalDatasetConfig", "EvalSamplingConfig", "RegisterConfig",
+    "EvalDatasetConfig", "EvalSamplingConfig", "RegisterConfig", "PromoteConfig",
     # recipes
     "RecipeError", "load_recipe", "read_recipe", "parse_override", "apply_overrides", "config_from_dict",
     "valid_sections", "resolve_config", "deep_merge", "public_tree",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import PurePosixPath
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -19,15 +19,28 @@ class EvalConfig(Section):
     temperature: float = Field(0.0, ge=0.0, description="0 means greedy decoding.")
 
 
+# file stems that name a split, not a dataset: such a file takes its folder's name (data/sort4/eval.jsonl: sort4)
+SPLIT_STEMS = frozenset({"eval", "test", "validation", "val", "dev", "heldout", "held_out", "train"})
+
+
 class EvalDatasetConfig(Section):
     path: str = Field(..., description="Held-out prompt file: .jsonl or .parquet.")
-    name: Name | None = Field(None, description="Name in metric keys (<name>/accuracy); empty: the file's stem.")
+    name: Name | None = Field(
+        None, description="Name in metric keys (eval/<name>/accuracy); empty: the file's stem, or its folder's name "
+        "when the stem only names a split (eval, test, validation, val, dev, heldout, train): data/sort4/eval.jsonl "
+        "is sort4.",
+    )
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     label_key: str = Field("label", description="Column holding what the reward checks against.")
 
     @property
     def key(self) -> str:
-        return self.name or Path(self.path).stem
+        """The dataset's name in metric keys: eval/<key>/accuracy."""
+        if self.name:
+            return self.name
+        path = PurePosixPath(self.path.split("://", 1)[-1])
+        folder = path.parent.name
+        return folder if path.stem.lower() in SPLIT_STEMS and folder not in ("", ".", "..") else path.stem
 
 
 class EvalSamplingConfig(Section):
@@ -77,7 +90,7 @@ class EvalSamplingConfig(Section):
             raise ValueError(f"pass_k: {bad} must be between 1 and samples_per_prompt ({self.samples_per_prompt})")
         names = [d.key for d in self.datasets]
         if len(set(names)) != len(names):
-            raise ValueError(f"datasets: names must be unique, got {names}")
+            raise ValueError(f"datasets: names must be unique, got {names}; give each a `name`")
         return self
 
 
