@@ -15,6 +15,7 @@
     rlflow data gsm8k --input gsm8k/main/train-00000-of-00001.parquet --out data/gsm8k/train.jsonl
     rlflow init [DIR]                                     prefect.yaml + the demo recipes, into DIR (default: .)
     rlflow serve [--prefect-port 4200] [--mlflow-port 5000] [--no-deploy]   from the project directory
+    rlflow lineage sort-tiny@champion [--tracking-uri http://127.0.0.1:5000]   a model version back to its base
 """
 
 from __future__ import annotations
@@ -232,12 +233,13 @@ def prepare_flow_process() -> None:
 
 
 class _ServiceErrorsInOneLine(logging.Filter):
-    """Prefect logs a failed flow run's exception with its traceback. A ServiceError names the service and where,
-    and `main` prints it: on the console its record keeps its one line, without the traceback (the Prefect run's
-    own log keeps it: Prefect's API handler sees the record before the console's)."""
+    """Prefect logs a failed flow run's exception with its traceback. A ServiceError names the service and where, a
+    RecipeError (e.g. a finished run started again) the field, and `main` prints it: on the console its record
+    keeps its one line, without the traceback (the Prefect run's own log keeps it: Prefect's API handler sees the
+    record before the console's)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], ServiceError):
+        if record.exc_info and isinstance(record.exc_info[1], (ServiceError, RecipeError)):
             record.exc_info = record.exc_text = None
         return True
 
@@ -356,9 +358,19 @@ def cmd_init(args) -> int:
 def cmd_serve(args) -> int:
     """Prefect server + MLflow server + a process worker (and the deployments of ./prefect.yaml), until Ctrl-C or
     SIGTERM."""
+    from rlflow.flows.pools import parse_limits
     from rlflow.flows.serve import serve  # deferred: httpx, and Prefect must not be imported before its defaults
 
-    return serve(args.prefect_port, args.mlflow_port, deploy=not args.no_deploy, project=Path.cwd())
+    return serve(args.prefect_port, args.mlflow_port, deploy=not args.no_deploy, project=Path.cwd(),
+                 pool_limits=parse_limits(args.pool_limit))
+
+
+def cmd_lineage(args) -> int:
+    """Print a registered version's lineage: each version back to the base model (flows/lineage.py)."""
+    from rlflow.flows.lineage import DEFAULT_TRACKING_URI, print_lineage  # deferred: MLflow (seconds)
+
+    return print_lineage(args.version, args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+                         or DEFAULT_TRACKING_URI)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -428,10 +440,24 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(fn=cmd_init)
     serve = sub.add_parser("serve", help="local Prefect server, MLflow server and worker (the UIs on a laptop), "
                            "for the project in the current directory")
-    serve.add_argument("--prefect-port", type=int, default=4200)
-    serve.add_argument("--mlflow-port", type=int, default=5000)
-    serve.add_argument("--no-deploy", action="store_true", help="do not run `prefect deploy --all`")
+    serve.add_argument("--prefect-port", type=int, default=4200,
+                       help="port of the Prefect server and UI (default: 4200)")
+    serve.add_argument("--mlflow-port", type=int, default=5000,
+                       help="port of the MLflow tracking server and UI, where the deployments' runs log "
+                       "(default: 5000)")
+    serve.add_argument("--no-deploy", action="store_true",
+                       help="start the services and the worker only; do not run `prefect deploy --all` on "
+                       "./prefect.yaml")
+    serve.add_argument("--pool-limit", action="append", default=[], metavar="POOL=N",
+                       help="at most N flow runs at once on work pool POOL; more wait queued (repeatable; default: "
+                       "prefect.yaml's definitions.pools)")
     serve.set_defaults(fn=cmd_serve)
+    lineage = sub.add_parser("lineage", help="a registered model version's chain back to its base model")
+    lineage.add_argument("version", metavar="NAME@VERSION", help="e.g. sort-tiny@3, or NAME@ALIAS: sort-tiny@champion")
+    lineage.add_argument("--tracking-uri", default=None,
+                         help="MLflow tracking URI of the registry (default: MLFLOW_TRACKING_URI, else "
+                         "sqlite:///mlflow.db)")
+    lineage.set_defaults(fn=cmd_lineage)
     return ap
 
 

@@ -1,6 +1,9 @@
 """The post-training flow: one flow run per training run, one task per stage per step.
 
+    (eval of the base model) then, per step:
     rollout -> reward -> (teacher) -> advantages -> train -> sync weights -> (eval) -> log metrics -> (checkpoint)
+
+An evaluation measures the policy after v updates and is logged at step v (0: the base model, before step 0).
 
 With rollout.max_staleness = k > 0 (asynchronous training) the rollout tasks of up to k later steps run beside
 the step that trains (engines/session/schedule.py): with k = 1 the sync waits for the one in flight (one-step-off),
@@ -31,7 +34,8 @@ def _due(every: int, step: int, last: int) -> bool:
 
 
 def evaluation_due(every: int, step: int, last: int) -> bool:
-    """eval.every: every `every` steps and at the last step; 0 disables evaluation, the last step's included."""
+    """eval.every: after every `every` steps' updates and after the last; 0 disables evaluation, the last step's
+    included. (With evaluation on, a fresh run also evaluates its base model before the first update.)"""
     return every > 0 and _due(every, step, last)
 
 
@@ -79,8 +83,11 @@ def post_train(
         submit=lambda step, after: s.rollout.submit(r, step, wait_for=[after] if after is not None else None),
         version=lambda: run.session.weight_version, chain=config.rollout.dynamic_sampling.enabled)
     checkpoints = CheckpointSchedule(config.checkpoint, last)
+    evals = debug.mode is None and bool(config.data.eval_path) and config.eval.every > 0
     try:
         run.artifacts = TrainingArtifacts(config.name, config.train.steps, run.start_step, run.tracker.url)
+        if evals and run.start_step == 0:  # the base model: the held-out curve starts before the first update
+            run.tracker.log_metrics(s.evaluate(r, 0), 0)
         for step in range(run.start_step, config.train.steps):
             t0 = time.perf_counter()
             # the step's samples; later steps' rollouts start as the staleness bound allows and run beside it
@@ -93,10 +100,11 @@ def post_train(
                 metrics |= s.train(r, step)
                 metrics |= rollouts.before_sync(step)  # k = 1: waits for the rollout in flight; k >= 2 syncs under it
                 metrics |= s.sync_weights(r, step)
-            if debug.mode is None and config.data.eval_path and evaluation_due(config.eval.every, step, last):
-                metrics |= s.evaluate(r, step)
+            held_out = s.evaluate(r, step + 1) if evals and evaluation_due(config.eval.every, step, last) else {}
             metrics["time/step"] = time.perf_counter() - t0
             run.tracker.log_metrics(metrics, step)
+            run.tracker.log_metrics(held_out, step + 1)  # eval/* at step v: the policy after v updates
+            metrics |= held_out
             if debug.trains and checkpoints.due(step):  # after logging: a committed step has its metrics
                 s.checkpoint(r, step)
                 checkpoints.saved()

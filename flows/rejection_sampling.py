@@ -25,7 +25,8 @@ from rlflow.tasks.run_context import RunContext, open_run
 @flow(name="rejection-sampling", log_prints=True)
 def rejection_sampling(config: RLConfig) -> dict[str, float]:
     """Run (or resume) `config.name`; returns the last round's metrics. SFT step numbers run over all rounds."""
-    run: RunContext = open_run(config, SFTSession.factory(rejection=True))
+    run: RunContext = open_run(config, SFTSession.factory(rejection=True),
+                               ("sft.rejection.rounds * steps_per_round", config.sft.total_steps(rejection=True)))
     s = stages.bind(config)
     rs, r = config.sft.rejection, run.name
     metrics: dict[str, float] = {}
@@ -41,10 +42,13 @@ def rejection_sampling(config: RLConfig) -> dict[str, float]:
                     run.tracker.log_metrics(metrics, step)
                     run.notify(step, metrics)
             metrics |= round_metrics | s.sync_weights(r, step)  # the next round samples from the trained weights
+            held_out = {}
             if config.data.eval_path and evaluation_due(config.eval.every, rnd, rs.rounds - 1):  # every N rounds
-                metrics |= s.evaluate(r, step)
+                held_out = s.evaluate(r, step + 1)  # the model after step + 1 updates, logged at that step
             metrics["time/round"] = time.perf_counter() - t0
             run.tracker.log_metrics(metrics, step)
+            run.tracker.log_metrics(held_out, step + 1)
+            metrics |= held_out
             s.checkpoint(r, step)
             run.notify(step, metrics)
         status = "FINISHED"

@@ -19,13 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import yaml
 
 from rlflow.engines.cluster.process_group import start_guard
-from rlflow.flows.project import require_prefect_file
+from rlflow.engines.core.config.tracking import TRACKING_URI_ENV
+from rlflow.flows.project import PREFECT_FILE, require_prefect_file
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout, in an editable install (tests, bench)
 WORK_POOL = "rlflow-process"  # the pool prefect.yaml's deployments use
 STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL: how long a service may take to stop
+HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of serve's workers (flows/auto_resume.py)
+AUTOMATION_S = 5.0  # how long a stopping serve keeps Prefect up for the automations to reschedule its stopped runs
 
 
 @dataclass
@@ -45,11 +49,14 @@ class Services:
         self.guards.append(start_guard(proc.pid, STOP_GRACE_S))
         return proc
 
-    def stop(self, timeout: float = STOP_GRACE_S) -> None:
-        """One at a time, newest first: the worker while the Prefect server still answers it (signalled together,
-        the worker retried the gone server until it was killed, 20 s later), then MLflow, then Prefect. (The
-        guards of a killed owner signal every group at once: the worker then takes its grace time.)"""
-        for proc, guard in zip(reversed(self.procs), reversed(self.guards), strict=True):
+    def stop(self, timeout: float = STOP_GRACE_S, newest: int | None = None) -> None:
+        """One at a time, newest first (`newest`: only that many): the workers while the Prefect server still
+        answers them (signalled together, a worker retried the gone server until it was killed, 20 s later), then
+        MLflow, then Prefect. (The guards of a killed owner signal every group at once: a worker then takes its
+        grace time.)"""
+        count = len(self.procs) if newest is None else min(newest, len(self.procs))
+        ending = list(zip(reversed(self.procs), reversed(self.guards), strict=True))[:count]
+        for proc, guard in ending:
             guard.kill()  # first: no guard may signal the group once it is gone (its id may be reused)
             guard.wait()
             guard.stdin.close()
@@ -63,8 +70,8 @@ class Services:
                 proc.wait()
             with contextlib.suppress(ProcessLookupError):  # a child left in the group (mlflow's job runner)
                 os.killpg(proc.pid, signal.SIGKILL)
-        self.procs.clear()
-        self.guards.clear()
+        del self.procs[len(self.procs) - count:]
+        del self.guards[len(self.guards) - count:]
 
 
 def wait_http(url: str, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
@@ -144,18 +151,11 @@ def start_mlflow_server(svc: Services, port: int, backend_uri: str, artifacts: P
 
 
 def ensure_work_pool(api_url: str, name: str = WORK_POOL) -> None:
-    """Create the process work pool the deployments name, if it is not there yet."""
-    # prefect reads its settings when imported: this module sets their defaults first (use_prefect_server_defaults)
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-    from prefect.workers.process import ProcessWorker
+    """Create the process work pool the deployments name, if it is not there yet (no concurrency limit)."""
+    # deferred, as every Prefect import here: the CLI imports this module to set Prefect's defaults before Prefect
+    from rlflow.flows.pools import PoolSpec, ensure_pools
 
-    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
-        template = ProcessWorker.get_default_base_job_template()
-        with contextlib.suppress(ObjectAlreadyExists):
-            client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
+    ensure_pools(api_url, [PoolSpec(name)])
 
 
 def deploy_all(api_url: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> str:
@@ -170,10 +170,12 @@ def deploy_all(api_url: str, cwd: Path = REPO, env: dict[str, str] | None = None
 
 def start_worker(svc: Services, api_url: str, checkout: Path = REPO, pool: str = WORK_POOL,
                  env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
-    """A process worker on `pool`; its flow runs execute in `checkout` (RLFLOW_HOME, see prefect.yaml)."""
+    """A process worker on `pool`; its flow runs execute in `checkout` (RLFLOW_HOME, see prefect.yaml) and send
+    heartbeats, which the auto-resume automation watches (flows/auto_resume.py)."""
     env = dict(env or os.environ)
     path = os.pathsep.join(filter(None, [str(checkout), env.get("PYTHONPATH")]))
     env |= {"PREFECT_API_URL": api_url, "RLFLOW_HOME": str(checkout), "PYTHONPATH": path}
+    env.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))  # what auto_resume.HEARTBEAT_LOST_S watches
     return svc.start([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"], env,
                      log, cwd=checkout)
 
@@ -182,36 +184,73 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def serve(prefect_port: int = 4200, mlflow_port: int = 5000, deploy: bool = True, project: Path | None = None) -> int:
+def post_train_deployments(prefect_file: Path) -> list[str]:
+    """The "flow/deployment" names of prefect.yaml's post-train deployments: those auto-resume watches."""
+    raw = yaml.safe_load(prefect_file.read_text()) or {}
+    return [f"post-train/{d['name']}" for d in raw.get("deployments") or []
+            if str(d.get("entrypoint", "")).endswith(":post_train")]
+
+
+def serve(prefect_port: int = 4200, mlflow_port: int = 5000, deploy: bool = True, project: Path | None = None,
+          pool_limits: dict[str, int] | None = None) -> int:
     """Start everything for the project directory `project` (default: the current one; its prefect.yaml, recipes,
     data, run store, MLflow database and logs), print where it is, and run until Ctrl-C, SIGTERM or SIGHUP, each of
     which stops every service started here (a signal handler turns SIGTERM and SIGHUP into Ctrl-C, so the
     `finally` below runs; Python's default for them would exit at once and leave the servers holding their
-    ports)."""
+    ports).
+
+    Its pools (flows/pools.py): one process worker each, with the concurrency limits of prefect.yaml or
+    `pool_limits`. Stopping serve stops the flow runs in progress on them: cancelled through Prefect (each closes its
+    engines and keeps what it committed), their process groups ended after a bounded wait, and each left Crashed,
+    which Retry and auto-resume take up. Runs an earlier, killed serve left "Running" are ended the same way at
+    start."""
+    # deferred: Prefect (see ensure_work_pool)
+    from rlflow.flows.auto_resume import ensure_auto_resume
+    from rlflow.flows.pools import end_orphans, ensure_pools, orphaned_runs, project_pools
+
     project = (project or Path.cwd()).resolve()
+    prefect_file = project / PREFECT_FILE
     if deploy:
         require_prefect_file(project)
+    pools = project_pools(prefect_file, pool_limits, default=WORK_POOL)
+    names = [p.name for p in pools]
     svc = Services()
     logs = project / ".rlflow-serve"
     logs.mkdir(exist_ok=True)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGHUP, _interrupt)
+    api = None
     try:
         mlflow, uri = launch_mlflow_server(svc, mlflow_port, f"sqlite:///{project / 'mlflow.db'}",
                                            project / "mlartifacts", log=logs / "mlflow-server.log")
         api = start_prefect_server(svc, prefect_port, log=logs / "prefect-server.log")
         print(f"Prefect UI      http://127.0.0.1:{prefect_port}   (API {api})", flush=True)
-        ensure_work_pool(api)
+        orphans = orphaned_runs(api, names)
+        if orphans:
+            print(f"ending {len(orphans)} run(s) an earlier serve left in progress: "
+                  + ", ".join(r.name for r in orphans), flush=True)
+            end_orphans(api, orphans)
+        ensure_pools(api, pools)
+        # the deployments' run forms and the worker's flow runs log to this MLflow server (artifacts served over
+        # HTTP, so a registered model loads from another machine): a recipe without tracking.uri takes it from here
+        tracked = os.environ | {TRACKING_URI_ENV: uri}
         if deploy:
-            deploy_all(api, project)
+            deploy_all(api, project, env=tracked)
+            resumed = post_train_deployments(prefect_file)
+            ensure_auto_resume(api, resumed)
             print(f"deployments     post-train/post-train, evaluate/evaluate, pipeline/pipeline (from "
-                  f"{project / 'prefect.yaml'})", flush=True)
+                  f"{prefect_file}); auto-resume after a crash: {', '.join(resumed) or 'none'}", flush=True)
         wait_http(f"{uri}/health", mlflow, "mlflow server")
         svc.mlflow_uri = uri
-        print(f"MLflow UI       {uri}   (use it in recipes: tracking.uri={uri})", flush=True)
-        start_worker(svc, api, project, log=logs / "worker.log")
-        print(f"worker          pool {WORK_POOL}, runs flows in {project}; logs in {logs}", flush=True)
+        print(f"MLflow UI       {uri}   (the deployments' runs log here; from a shell: "
+              f"export {TRACKING_URI_ENV}={uri})", flush=True)
+        for pool in pools:
+            start_worker(svc, api, project, pool.name, env=tracked, log=logs / f"worker-{pool.name}.log")
+            limit = "no limit" if pool.concurrency_limit is None else f"at most {pool.concurrency_limit} run(s) at once"
+            queues = ", ".join(f"{q} (priority {p})" for q, p in sorted(pool.queues.items(), key=lambda x: x[1]))
+            print(f"worker          pool {pool.name}: {limit}{'; queues ' + queues if queues else ''}", flush=True)
+        print(f"                flows run in {project}; logs in {logs}", flush=True)
         print(f"Ctrl-C stops all. In another shell: export PREFECT_API_URL={api}", flush=True)
         while all(p.poll() is None for p in svc.procs):
             time.sleep(1)
@@ -222,6 +261,32 @@ def serve(prefect_port: int = 4200, mlflow_port: int = 5000, deploy: bool = True
     finally:
         for sig in handlers:  # a second Ctrl-C must not cut the shutdown short
             signal.signal(sig, signal.SIG_IGN)
-        svc.stop()
+        stop_runs_then_services(svc, api, names)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def stop_runs_then_services(svc: Services, api: str | None, pools: list[str]) -> None:
+    """The runs first (paused pools, cancelled runs, bounded wait), then the workers, then what is left of the runs
+    (killed, marked Crashed), then MLflow and Prefect. A Prefect server that does not answer skips to the end."""
+    from rlflow.flows.pools import cancel_runs, end_runs, pause_pools  # deferred: Prefect (see ensure_work_pool)
+
+    stopped = []
+    workers = sum(1 for p in svc.procs if "worker" in p.args)
+    if api is not None and workers:
+        try:
+            pause_pools(api, pools, paused=True)
+            stopped = cancel_runs(api, pools)
+            if stopped:
+                print(f"stopped {len(stopped)} run(s): " + ", ".join(r.name for r in stopped), flush=True)
+        except Exception as exc:  # noqa: BLE001 - the services must stop whatever happened to the API
+            print(f"could not cancel the runs in progress: {type(exc).__name__}: {exc}", file=sys.stderr)
+    svc.stop(newest=workers)
+    if stopped:
+        try:
+            end_runs(api, stopped, "crashed: rlflow serve was stopped while it ran; Retry (or auto-resume, once serve "
+                     "runs again) resumes it from its last committed checkpoint")
+            time.sleep(AUTOMATION_S)  # the auto-resume automation's reschedule, before the server goes
+        except Exception as exc:  # noqa: BLE001
+            print(f"could not mark the stopped runs crashed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    svc.stop()

@@ -23,21 +23,27 @@ from rlflow.tasks.run_context import RunContext, open_run
 @flow(name="sft", log_prints=True)
 def sft(config: RLConfig) -> dict[str, float]:
     """Run (or resume) the SFT run `config.name` for sft.steps optimizer steps; returns the last step's metrics."""
-    run: RunContext = open_run(config, SFTSession.factory(rejection=False))
+    run: RunContext = open_run(config, SFTSession.factory(rejection=False), ("sft.steps", config.sft.steps))
     s = stages.bind(config)
     r, last = run.name, config.sft.steps - 1
     metrics: dict[str, float] = {}
     status = "FAILED"
     checkpoints = CheckpointSchedule(config.checkpoint, last)
+    evals = bool(config.data.eval_path) and config.eval.every > 0
     try:
+        if evals and run.start_step == 0:  # the base model, logged at step 0 (as post_train does)
+            run.tracker.log_metrics(s.evaluate(r, 0), 0)
         for step in range(run.start_step, config.sft.steps):
             t0 = time.perf_counter()
             metrics = s.train(r, step)
-            if config.data.eval_path and evaluation_due(config.eval.every, step, last):
+            held_out = {}
+            if evals and evaluation_due(config.eval.every, step, last):
                 metrics |= s.sync_weights(r, step)  # the rollout engine evaluates the weights just trained
-                metrics |= s.evaluate(r, step)
+                held_out = s.evaluate(r, step + 1)
             metrics["time/step"] = time.perf_counter() - t0
             run.tracker.log_metrics(metrics, step)
+            run.tracker.log_metrics(held_out, step + 1)  # eval/* at step v: the model after v updates
+            metrics |= held_out
             if checkpoints.due(step):
                 s.checkpoint(r, step)
                 checkpoints.saved()

@@ -34,7 +34,7 @@ class TrainingArtifacts:
 
     def __init__(self, run_name: str, total_steps: int, start_step: int, mlflow_url: str):
         self.run, self.total, self.mlflow_url = run_name, total_steps, mlflow_url
-        self.percent = 100.0 * start_step / total_steps
+        self.percent = min(100.0, 100.0 * start_step / total_steps)
         self.last_eval: dict[str, float] = {}
         self.progress_id = create_progress_artifact(
             progress=self.percent, key=artifact_key(run_name, "progress"),
@@ -44,7 +44,7 @@ class TrainingArtifacts:
     def step_done(self, step: int, metrics: dict[str, float]) -> None:
         if "eval/reward_mean" in metrics:
             self.last_eval = {k: v for k, v in metrics.items() if k.startswith("eval/")}
-        percent = 100.0 * (step + 1) / self.total
+        percent = min(100.0, 100.0 * (step + 1) / self.total)
         if percent >= 100.0 or percent - self.percent >= self.PROGRESS_STEP:
             self.percent = percent
             update_progress_artifact(self.progress_id, percent)

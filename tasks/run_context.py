@@ -16,12 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlflow.engines.core.config import RLConfig, public_tree
+from prefect.runtime import flow_run
+
+from rlflow.engines.core.config import RecipeError, RLConfig, public_tree
 from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.store.lease import RunLease
 from rlflow.engines.store.run_store import RunStore, worker_storage, workers_write_checkpoints
 from rlflow.tasks.artifacts import TrainingArtifacts
+from rlflow.tasks.attempts import automatic_resumes, close_earlier_attempts
 from rlflow.tasks.checkpoint_commit import PendingCommit
 from rlflow.tasks.run_logs import send_to_prefect, step_log, step_summary
 from rlflow.tasks.tracking import Tracker
@@ -172,6 +175,47 @@ class RunContext:
             raise error
 
 
+class RunAlreadyFinished(RecipeError):
+    """Starting a run whose committed steps already reach `train.steps`: nothing would train. A RecipeError, so
+    `rlflow run` prints it as one plain line naming the field."""
+
+
+def refuse_finished_run(cfg: RLConfig, next_step: int, status: str | None, steps: tuple[str, int]) -> None:
+    """A run name whose checkpoints already reach its step count (`steps`: the field that sets it and its value)
+    is refused, saying how to start a new run or extend this one, instead of "completing" with no step. The
+    exception: the last step was committed but the attempt died before it wrote its finished status (a retry then
+    only closes the run)."""
+    field, total = steps
+    if next_step < total or (next_step == total and status != "finished"):
+        return
+    raise RunAlreadyFinished(f"run {cfg.name!r} in {cfg.storage.uri}", [
+        f"{field}: {total}, but the run already {'finished' if status == 'finished' else 'committed'} step "
+        f"{next_step - 1}, the last of its {next_step} steps, so no step is left to train. To start a new run, give "
+        f"it another name (--set name={cfg.name}-2, or the run form's `name`); to train this one further, raise "
+        f"{field} above {next_step}" + ("" if " " in field else
+                                        f" (e.g. rlflow resume {cfg.name} --set {field}={2 * next_step})")])
+
+
+class AutoResumeExhausted(RuntimeError):
+    """The run crashed more often than checkpoint.auto_resume lets the automations resume it."""
+
+
+def refuse_exhausted_auto_resume(cfg: RLConfig) -> None:
+    """A flow run rescheduled by the auto-resume automations (flows/auto_resume.py) more than checkpoint.auto_resume
+    times fails here, before it starts anything: Failed, which no automation reschedules, so a run that crashes
+    every time stops; Retry in the UI still resumes it (a human retry is not counted)."""
+    if flow_run.id is None or flow_run.run_count <= 1:
+        return
+    resumes = automatic_resumes(flow_run.id)
+    if resumes > cfg.checkpoint.auto_resume:
+        raise AutoResumeExhausted(
+            f"run {cfg.name!r}: the auto-resume automation rescheduled this flow run {resumes} times after crashes, "
+            f"more than checkpoint.auto_resume ({cfg.checkpoint.auto_resume}) allows; look at why its attempts "
+            "crash (its logs), then Retry it from the UI or raise checkpoint.auto_resume")
+    if resumes:
+        log.info("run %s: auto-resume %d of %d after a crash", cfg.name, resumes, cfg.checkpoint.auto_resume)
+
+
 def shared_dir(cfg: RLConfig) -> str | None:
     """Where the run's working folder goes: cluster.shared_dir (made if missing), else the system's temp."""
     if cfg.cluster.shared_dir:
@@ -184,46 +228,52 @@ def stored_config(cfg: RLConfig) -> dict:
     return public_tree(cfg)
 
 
-def open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any] = RLSession.create) -> RunContext:
+def open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any] = RLSession.create,
+             steps: tuple[str, int] | None = None) -> RunContext:
     """Open (or resume) the run `cfg.name`. make_session starts the engines: an RLSession for post_train, an
-    SFTSession (engines/session/sft.py) for the SFT and rejection-sampling flows; both save and load the same way."""
+    SFTSession (engines/session/sft.py) for the SFT and rejection-sampling flows; both save and load the same way.
+    `steps`: the field that sets the run's step count and its value (default: train.steps); a run whose committed
+    steps already reach it is refused (RunAlreadyFinished)."""
     stop_logs = send_to_prefect()  # from here on, what the run logs shows in the Prefect UI too
     try:
-        return _open_run(cfg, make_session, stop_logs)
+        refuse_exhausted_auto_resume(cfg)
+        return _open_run(cfg, make_session, stop_logs, steps or ("train.steps", cfg.train.steps))
     except BaseException:
         stop_logs()
         raise
 
 
-def _open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_logs: Callable[[], None]
-              ) -> RunContext:
+def _open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_logs: Callable[[], None],
+              steps: tuple[str, int]) -> RunContext:
     store = RunStore(cfg.storage, cfg.name)  # a name whose folder would leave the store is refused here
     store.probe()  # a missing bucket or a dead endpoint stops the run now, before data and model are prepared
     store.claim()  # the RUN marker: a folder that is not this run's is refused, and never cleaned
     lease = RunLease(store)  # one writer per run: another live process holding it is named and refused
     lease.acquire()
     try:
-        return _open_leased(cfg, make_session, stop_logs, store, lease)
+        return _open_leased(cfg, make_session, stop_logs, store, lease, steps)
     except BaseException:
         lease.release()
         raise
 
 
 def _open_leased(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_logs: Callable[[], None],
-                 store: RunStore, lease: RunLease) -> RunContext:
+                 store: RunStore, lease: RunLease, steps: tuple[str, int]) -> RunContext:
     torn = store.clean_torn()
     if torn:
         log.warning("removed uncommitted leftovers of an interrupted attempt: %s", ", ".join(torn))
+    latest = store.latest_step()
+    meta = store.read_json("checkpoints", latest, "meta.json") if latest is not None else None
+    earlier = store.read_json("status.json") if store.exists("status.json") else {}
+    if meta is not None:
+        refuse_finished_run(cfg, meta["next_step"], earlier.get("status"), steps)
     workdir = Path(tempfile.mkdtemp(prefix=f"rlflow-{cfg.name}-", dir=shared_dir(cfg)))
     prepare_data(cfg)
     model_dir = workdir / "model"
     model_path = prepare_model(cfg, model_dir)
-    latest = store.latest_step()
-    meta = store.read_json("checkpoints", latest, "meta.json") if latest is not None else None
     if meta is None:
         store.write_json(stored_config(cfg), "config.json")
     # an earlier attempt's MLflow run continues, also when it died before its first checkpoint
-    earlier = store.read_json("status.json") if store.exists("status.json") else {}
     run_id = meta["mlflow_run_id"] if meta else earlier.get("mlflow_run_id")
     tracker = Tracker.for_training(cfg, run_id=run_id)
     if run_id is not None:  # steps after the checkpoint run again: what they logged before is not logged twice
@@ -239,4 +289,7 @@ def _open_leased(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], st
     if meta is not None:
         ctx.start_step = meta["next_step"]
         log.info("resuming run %s from committed step %d", cfg.name, latest)
+    if flow_run.id is not None:  # the lease is ours: what earlier attempts left running in Prefect is dead
+        close_earlier_attempts(flow_run.id, tracker.attempt_flow_runs() if run_id is not None else [])
+    tracker.record_attempt(ctx.start_step)
     return ctx

@@ -51,9 +51,10 @@ def send_to_prefect() -> Callable[[], None]:
 
 
 def step_summary(step: int, steps: int, metrics: dict[str, float]) -> str:
-    """One line per step, e.g. 'step 12/100: reward 0.412, accuracy 0.250, loss -0.013, step s 0.874'."""
+    """One line per step, e.g. 'step 11 (12 of 100): reward 0.412, accuracy 0.250, loss -0.013, step s 0.874'. The
+    step counts from 0, as the tasks (train-11) and checkpoints do; the count in brackets is how far the run is."""
     parts = [f"{label} {metrics[key]:.3f}" for key, label in SUMMARY if key in metrics]
-    return f"step {step + 1}/{steps}: " + ", ".join(parts)
+    return f"step {step} ({step + 1} of {steps}): " + ", ".join(parts)
 
 
 class _LinkToFlowRun(logging.Filter):

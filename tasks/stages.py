@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefect import State, Task, task
@@ -29,8 +30,9 @@ def _timed(stage: str, fn, *args) -> dict[str, float]:
     return metrics | {f"time/{stage}": time.perf_counter() - t0}
 
 
-def _stage(name: str):
-    """A Prefect task for one stage, with the fault-injection points of tasks/faults.py around it."""
+def _stage(name: str, in_step: Callable[[int], int] = lambda step: step):
+    """A Prefect task for one stage, with the fault-injection points of tasks/faults.py around it. `in_step`: the
+    training step whose timeline the stage's span belongs to (the evaluation of weight version v runs in step v - 1)."""
 
     field = name.replace("-", "_")  # its orchestration.stage_timeout_s field
 
@@ -41,7 +43,7 @@ def _stage(name: str):
             limit = getattr(ctx.cfg.orchestration.stage_timeout_s, field, 0)
 
             def work() -> dict[str, float]:
-                with ctx.session.stage_span(name, step):  # the stage's lane in the trace timeline
+                with ctx.session.stage_span(name, in_step(step)):  # the stage's lane in the trace timeline
                     maybe_inject(ctx, name, step, "before")
                     out = fn(ctx, step)
                     maybe_inject(ctx, name, step, "after")
@@ -101,14 +103,17 @@ def checkpoint(run: RunContext, step: int) -> dict[str, float]:
     return run.checkpoint(step)
 
 
-@_stage("evaluate")
+@_stage("evaluate", in_step=lambda version: max(version - 1, 0))
 def evaluate(run: RunContext, step: int) -> dict[str, float]:
+    """Held-out evaluation of the policy after `step` updates (weight version `step`): step 0 is the base model,
+    before the first update; step s + 1 runs after train step s's weight sync. The flow logs its metrics at
+    `step`, so the held-out curve's x is the number of updates. Beside it, the samples of the step just trained."""
     t0 = time.perf_counter()
     metrics, samples = run.session.evaluate(step)
     k = run.cfg.tracking.log_samples
-    train_rows = run.session.sample_rows(step, k)
+    train_rows = run.session.sample_rows(step - 1, k) if step > 0 else []
     run.tracker.log_table(samples[:k], f"samples/eval_step_{step:06d}.json")
-    run.tracker.log_table(train_rows, f"samples/train_step_{step:06d}.json")
+    run.tracker.log_table(train_rows, f"samples/train_step_{step - 1:06d}.json")
     if run.artifacts is not None:
         run.artifacts.samples(step, [{"kind": "rollout", **r} for r in train_rows] +
                               [{"kind": "eval", **r} for r in samples[:k]])

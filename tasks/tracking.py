@@ -32,6 +32,7 @@ log = logging.getLogger("rlflow")
 
 # MLflow 3 opens an experiment in its GenAI view unless this tag says it holds model development (training) runs
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+ATTEMPT_TAG = "rlflow.attempt."  # + n: one tag per attempt of a training run (Tracker.record_attempt)
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -51,6 +52,12 @@ def ensure_experiment(client: MlflowClient, name: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is None:
         return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+    served = str(client.tracking_uri).startswith(("http://", "https://"))
+    if served and exp.artifact_location.startswith(("/", "file:", "./", "mlruns")):
+        log.warning("MLflow experiment %r keeps its artifacts at %s, a path on the tracking server's disk that other "
+                    "machines cannot read (it was made by a run that wrote to the database directly, not through the "
+                    "server); use another tracking.experiment so new runs' artifacts are served over HTTP", name,
+                    exp.artifact_location)
     if EXPERIMENT_KIND_TAG not in exp.tags:
         client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return exp.experiment_id
@@ -127,6 +134,25 @@ class Tracker:
         keys = self.client.get_run(self.run_id).data.metrics
         self.recorded = {(m.key, m.step) for key in keys for m in self.client.get_metric_history(self.run_id, key)
                          if m.step > step}
+
+    def attempt_flow_runs(self) -> list[str]:
+        """The Prefect flow runs of the attempts recorded so far (record_attempt), oldest first."""
+        tags = self.client.get_run(self.run_id).data.tags
+        attempts = sorted((int(k.removeprefix(ATTEMPT_TAG)), v) for k, v in tags.items()
+                          if k.startswith(ATTEMPT_TAG) and k.removeprefix(ATTEMPT_TAG).isdigit())
+        return [fr for _, v in attempts if (fr := json.loads(v).get("flow_run_id"))]
+
+    def record_attempt(self, start_step: int) -> int:
+        """Tag this attempt of the run (`rlflow.attempt.<n>`: its Prefect flow run, the flow run's own attempt
+        count, the step it starts at) beside the earlier ones, which stay: the `prefect.flow_run_id` tag says only
+        the latest. Returns n, also in the `rlflow.attempts` tag."""
+        tags = self.client.get_run(self.run_id).data.tags
+        n = 1 + sum(k.startswith(ATTEMPT_TAG) for k in tags)
+        value = {"flow_run_id": flow_run.id, "flow_run_count": flow_run.run_count if flow_run.id else None,
+                 "start_step": start_step, "started_ms": get_current_time_millis()}
+        self.client.log_batch(self.run_id, tags=[mlflow.entities.RunTag(f"{ATTEMPT_TAG}{n}", json.dumps(value)),
+                                                 mlflow.entities.RunTag("rlflow.attempts", str(n))])
+        return n
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Write one step's metrics, each (key, step) once per run (the client's log_batch: mlflow.log_metrics

@@ -92,7 +92,7 @@ def recipe(tmp_path):
 # test_resume.py as the other runs out of files: longest-processing-time-first. Seconds per file on the 2-core CI
 # machine, run serially; the other files follow in their usual order.
 LONGEST_FILES = {
-    "test_resume.py": 336, "test_fsdp.py": 216, "test_e2e.py": 197, "test_serve.py": 170, "test_multinode.py": 105,
+    "test_serve.py": 400, "test_resume.py": 336, "test_fsdp.py": 216, "test_e2e.py": 197, "test_multinode.py": 105,
     "test_weight_sync_bench.py": 102, "test_rollout_fn.py": 98, "test_rollout_sglang.py": 98, "test_megatron.py": 82,
 }
 

@@ -48,11 +48,26 @@ def test_overrides_set_nested_fields_with_types(tmp_path):
     assert cfg.tracking.uri == "http://127.0.0.1:5000" and cfg.storage.uri == "s3://b/runs"
 
 
-def test_unknown_key_names_the_field(tmp_path):
-    raw = small_recipe(tmp_path, train={"stpes": 3})
+def test_unknown_key_names_the_field_and_the_closest_known_key(tmp_path):
+    raw = small_recipe(tmp_path, train={"stpes": 3, "zzzz": 1}, trian={}, rollout={"max_new_token": 2})
     with pytest.raises(RecipeError) as e:
         load_recipe(write(tmp_path, raw))
-    assert e.value.problems == ["train.stpes: unknown key"]
+    assert sorted(e.value.problems) == ["rollout.max_new_token: unknown key; did you mean 'max_new_tokens'?",
+                                        "train.stpes: unknown key; did you mean 'steps'?",
+                                        "train.zzzz: unknown key",  # nothing close: no guess
+                                        "trian: unknown key; did you mean 'train'?"]
+
+
+def test_tracking_uri_defaults_to_mlflow_tracking_uri(tmp_path, monkeypatch):
+    """A recipe without tracking.uri logs where RLFLOW_TRACKING_URI points (what `rlflow serve` gives its worker
+    and deployments), else to sqlite:///mlflow.db; a recipe's own value wins."""
+    raw = small_recipe(tmp_path)
+    raw.pop("tracking", None)
+    monkeypatch.setenv("RLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert load_recipe(write(tmp_path, raw)).tracking.uri == "http://127.0.0.1:5999"
+    assert load_recipe(write(tmp_path, raw | {"tracking": {"uri": "sqlite:///x.db"}})).tracking.uri == "sqlite:///x.db"
+    monkeypatch.delenv("RLFLOW_TRACKING_URI")
+    assert load_recipe(write(tmp_path, raw)).tracking.uri == "sqlite:///mlflow.db"
 
 
 def test_wrong_type_names_the_field_and_value(tmp_path):

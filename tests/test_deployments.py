@@ -35,6 +35,9 @@ FLOW_CONFIGS = {"rlflow.flows.post_train:post_train": RLConfig, "rlflow.flows.ev
                 "rlflow.flows.pipeline:pipeline": PipelineConfig}
 
 
+POOLS = ("rlflow-process", "rlflow-control")  # prefect.yaml's: training and evaluation, and the pipeline
+
+
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
     """A Prefect server (SQLite in a temporary PREFECT_HOME) with the deployments of prefect.yaml."""
@@ -42,7 +45,8 @@ def deployed(tmp_path_factory):
     svc = Services()
     try:
         api = start_prefect_server(svc, free_port(), home=tmp / "prefect", log=tmp / "prefect.log")
-        ensure_work_pool(api)
+        for pool in POOLS:
+            ensure_work_pool(api, pool)
         deploy_all(api)
         yield {"api": api, "tmp": tmp, "services": svc}
     finally:
@@ -57,7 +61,8 @@ def stack(deployed):
                                      log=tmp / "mlflow.log")
     env = os.environ | {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_HOME": str(tmp / "prefect"),
                         "PREFECT_LOGGING_LEVEL": "INFO"}
-    start_worker(svc, deployed["api"], REPO, env=env, log=tmp / "worker.log")
+    for pool in POOLS:
+        start_worker(svc, deployed["api"], REPO, pool, env=env, log=tmp / f"worker-{pool}.log")
     return deployed | {"mlflow": mlflow_uri}
 
 
@@ -97,7 +102,8 @@ def test_deployments_and_their_parameter_schema(deployed):
     assert ev["EvaluationConfig"]["properties"]["checkpoint"]["type"] == "string"
     assert ev["EvalSamplingConfig"]["properties"]["samples_per_prompt"]["type"] == "integer"
     pipe = schemas["pipeline/pipeline"]["definitions"]
-    assert pipe["RegisterConfig"]["properties"]["threshold"]["anyOf"][0]["type"] == "number"
+    assert pipe["PromoteConfig"]["properties"]["threshold"]["anyOf"][0]["type"] == "number"
+    assert pipe["PromoteConfig"]["properties"]["min_delta"]["minimum"] == 0
     assert pipe["PipelineConfig"]["properties"]["train_recipe"]["type"] == "string"
 
 
@@ -154,7 +160,8 @@ def tiny_pipeline(tmp: Path, mlflow_uri: str) -> dict:
             f"storage.uri={tmp}/runs", f"tracking.uri={mlflow_uri}", "cluster.use_ray=false",
         ],
         "eval": {"samples_per_prompt": 4, "pass_k": [1, 4], "max_prompts": 8, "threads": 1},
-        "registry": {"model_name": "e2e-model", "metric": "accuracy", "threshold": 0.0, "beat_best": True},
+        "registry": {"model_name": "e2e-model"},
+        "promote": {"metric": "accuracy", "threshold": 0.0, "min_delta": 0.0},
     }
 
 
@@ -182,7 +189,8 @@ def test_pipeline_deployment_trains_evaluates_registers(stack, tmp_path):
         run = wait_final(client, run.id, timeout=300)
         runs = client.read_flow_runs(sort=FlowRunSort.ID_DESC, limit=50)
         states = {client.read_flow(r.flow_id).name: r.state.type.value for r in runs}
-        assert run.state.is_completed(), (run.state, states, (stack["tmp"] / "worker.log").read_text()[-3000:])
+        log = (stack["tmp"] / "worker-rlflow-process.log").read_text()[-3000:]
+        assert run.state.is_completed(), (run.state, states, log)
         assert states == {"pipeline": "COMPLETED", "post-train": "COMPLETED", "evaluate": "COMPLETED",
                           "register": "COMPLETED"}, states
         assert {r.name for r in runs} >= {"e2e-train", "e2e-eval-step1", "e2e-register-step1"}  # named in the UI
@@ -197,7 +205,9 @@ def test_pipeline_deployment_trains_evaluates_registers(stack, tmp_path):
         metrics = artifacts("e2e-eval-metrics")
         assert metrics and metrics[0].type == "table" and "pass_at_4" in str(metrics[0].data)
         report = artifacts("e2e-eval-report")
-        assert report and report[0].type == "markdown" and "| eval |" in report[0].data
+        assert report and report[0].type == "markdown" and "| data |" in report[0].data  # data/eval.jsonl: "data"
+        promotion = artifacts("e2e-promotion")
+        assert promotion and promotion[0].type == "markdown" and "e2e-model@1: promoted" in promotion[0].data
         assert artifacts("e2e-progress")[0].type == "progress" and artifacts("e2e-progress")[0].data == 100.0
         assert artifacts("e2e-checkpoint")[0].type == "markdown" and "step 1" in artifacts("e2e-checkpoint")[0].data
         assert artifacts("e2e-samples")[0].type == "table"
@@ -206,10 +216,16 @@ def test_pipeline_deployment_trains_evaluates_registers(stack, tmp_path):
     versions = ml.search_model_versions("name = 'e2e-model'")
     assert len(versions) == 1
     v = versions[0]
-    # the evaluate flow logs eval/<dataset>/<metric>; the recipe's one eval file is the dataset "eval"
-    assert v.tags["rlflow.metric"] == "eval/eval/accuracy" and v.tags["rlflow.checkpoint"].endswith("e2e/checkpoints/1")
+    # the evaluate flow logs eval/<dataset>/<metric>; the recipe's one eval file, <tmp>/data/eval.jsonl, is "data"
+    assert v.tags["rlflow.metric"] == "eval/data/accuracy" and v.tags["rlflow.checkpoint"].endswith("e2e/checkpoints/1")
+    # the first version, above the threshold: champion and challenger, with its lineage and the export check
+    aliases = {k: int(x) for k, x in ml.get_registered_model("e2e-model").aliases.items()}
+    assert aliases == {"champion": 1, "challenger": 1}
+    assert v.tags["rlflow.promotion"] == "promoted" and v.tags["rlflow.export_check"].startswith("passed")
+    assert v.tags["rlflow.parent_model"].startswith("builtin:llama-32x1") and v.tags["rlflow.step"] == "1"
+    assert len(v.tags["rlflow.lineage.data.train"]) == 64 and len(v.tags["rlflow.eval_hash"]) == 64
     eval_run = ml.get_run(v.run_id)
-    assert {f"eval/eval/{k}" for k in ("accuracy", "reward_mean", "pass_at_1", "pass_at_4", "response_len_mean")} <= \
+    assert {f"eval/data/{k}" for k in ("accuracy", "reward_mean", "pass_at_1", "pass_at_4", "response_len_mean")} <= \
         set(eval_run.data.metrics)
     training = ml.get_run(eval_run.data.tags["rlflow.training_run_id"])
     assert training.info.run_name == "e2e" and eval_run.data.tags["mlflow.parentRunId"] == training.info.run_id

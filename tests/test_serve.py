@@ -4,7 +4,8 @@ started from it uses the recipe plus the one field changed; SIGTERM on `rlflow s
 and so do their guards when it is SIGKILLed (that test starts a `rlflow serve --no-deploy` of its own).
 
 One `rlflow serve` serves the module (a Prefect server, an MLflow server, a deploy and a worker take most of a
-minute to start on a loaded 2-core machine); the SIGTERM test stops it, so it comes last.
+minute to start on a loaded 2-core machine); the SIGTERM test stops it, so it comes last. Its pool takes one
+run at a time (the init's prefect.yaml), so the module's runs queue behind each other.
 """
 
 from __future__ import annotations
@@ -194,10 +195,14 @@ def served(tmp_path_factory):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_init_project_deploys_with_each_recipe_as_the_default_config(served):
+def test_init_project_deploys_with_each_recipe_as_the_default_config(served, monkeypatch):
     """`prefect deploy` (run by serve) accepts the init's prefect.yaml from a directory that is not the checkout,
-    and each deployment's default `config` is its recipe, the run form's prefill."""
+    and each deployment's default `config` is its recipe, the run form's prefill, tracked in serve's MLflow where
+    the recipe names no tracking.uri. The pipeline's deployment is on the pool without a limit, so it never waits
+    behind the runs it starts; the automations of auto-resume watch the post-train deployment."""
     from prefect.client.orchestration import SyncPrefectClient
+
+    monkeypatch.setenv("RLFLOW_TRACKING_URI", f"http://127.0.0.1:{served['ports'][1]}")
 
     with SyncPrefectClient(served["api"]) as client:
         for name, (recipe, model) in RECIPES.items():
@@ -205,6 +210,13 @@ def test_init_project_deploys_with_each_recipe_as_the_default_config(served):
             assert d.parameters["recipe"] == recipe and not d.enforce_parameter_schema
             assert d.parameters["config"] == public_tree(load_recipe(served["project"] / recipe, model=model)), name
             assert d.entrypoint.startswith("rlflow.flows.")
+            assert d.work_pool_name == ("rlflow-control" if name.startswith("pipeline") else "rlflow-process")
+        assert client.read_work_pool("rlflow-process").concurrency_limit == 1
+        assert client.read_work_pool("rlflow-control").concurrency_limit is None
+        assert {q.name: q.priority for q in client.read_work_queues("rlflow-process")} == {"urgent": 1, "default": 10}
+        names = {a.name for a in client.read_automations()}
+        assert {f"rlflow auto-resume post-train/post-train: {kind}" for kind in ("process killed", "crashed",
+                                                                                   "heartbeat lost")} <= names
 
 
 def form_field(scope, *labels: str):
@@ -277,19 +289,123 @@ def test_run_form_opens_with_the_recipe_and_runs_it_with_one_change(served):
     assert (project / "runs/form-run/checkpoints/0/COMMITTED").is_file()  # one step, the last one, checkpointed
 
 
-def test_sigterm_stops_every_service_serve_started(served):
-    """SIGTERM (then an impatient Ctrl-C during the shutdown) on `rlflow serve`: it exits 0 having stopped the
-    Prefect server, the MLflow server (and its uvicorn and job runner) and the worker; their ports are closed.
-    Before, SIGTERM killed serve alone and its services kept their ports."""
-    proc = served["proc"]
+TINY_RUN = {"model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1},
+            "data": {"eval_path": None, "generate": {"task": "sort", "num_digits": 4, "num_train": 200}},
+            "rollout": {"prompts_per_step": 4, "samples_per_prompt": 2},
+            "train": {"steps": 6, "mini_batches": 1, "epochs": 1, "threads": 1},
+            "checkpoint": {"every": 2}, "cluster": {"use_ray": False}}
+
+
+def start_run(api: str, name: str, **changes) -> str:
+    """A post-train run of the served deployment (the tiny recipe with TINY_RUN over it), not waited for."""
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    config = TINY_RUN | {"name": name} | changes
+    with temporary_settings({PREFECT_API_URL: api}):
+        return str(run_deployment("post-train/post-train", parameters={"config": config}, timeout=0).id)
+
+
+def mlflow_metrics(uri: str, run_name: str) -> dict:
+    """{key: {step: value}} of the MLflow run `run_name`, timings and rates left out (they differ between any two
+    runs; tests/test_resume.py leaves out the same)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    [run] = client.search_runs([client.get_experiment_by_name("rlflow").experiment_id],
+                               f"attributes.run_name = '{run_name}'")
+    return {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+            for key in run.data.metrics if not key.startswith("time/") and "_per_s" not in key}
+
+
+def test_a_full_pool_queues_a_run_and_a_killed_run_resumes_on_its_own(served):
+    """The init's pool `rlflow-process` takes one run at a time (prefect.yaml's definitions.pools): of two runs
+    submitted together, the second waits Scheduled until the first ends. Its flow process is then SIGKILLed (a
+    preempted machine) after its first checkpoint: the auto-resume automation reschedules the same flow run, which
+    resumes from the checkpoint with no one in the loop and ends with the uninterrupted first run's metrics, in its
+    own MLflow run, which lists both attempts; no task run of the killed attempt is left Running (tests/
+    test_operations.py checks that the attempt marks a stuck one Crashed)."""
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    project, mlflow_uri = served["project"], f"http://127.0.0.1:{served['ports'][1]}"
+    first, second = start_run(served["api"], "queued-a"), start_run(served["api"], "queued-b")
+    waited = killed = False
+    with SyncPrefectClient(served["api"]) as client:
+        deadline = time.monotonic() + 420
+        while time.monotonic() < deadline:
+            a, b = client.read_flow_run(first), client.read_flow_run(second)
+            if a.state.is_running():
+                assert b.state.type.value == "SCHEDULED", b.state  # queued behind the run that holds the slot
+                waited = True
+            if not killed and b.state.is_running() and (project / "runs/queued-b/checkpoints/1/COMMITTED").is_file():
+                assert a.state.is_completed()
+                os.killpg(os.getpgid(int(b.infrastructure_pid)), signal.SIGKILL)
+                killed = True
+            if killed and b.state.is_final() and not b.state.is_crashed():
+                break
+            time.sleep(0.5)
+        b = client.read_flow_run(second)
+        log = (project / ".rlflow-serve/worker-rlflow-process.log").read_text()[-3000:]
+        assert waited and killed and b.state.is_completed(), (b.state, log)
+        assert b.run_count == 2
+        history = [(st.name, st.message) for st in client.read_flow_run_states(second)]
+        assert ("AwaitingRetry", "rlflow auto-resume: rescheduled after a crash") in history, history
+        # nothing left Running: the killed attempt's task is Crashed (or Completed, when the kill came just after
+        # it, its last state events still on their way to the server)
+        settle = time.monotonic() + 60
+        while True:
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [second]}))
+            states = {t.state.type.value for t in tasks}
+            if states <= {"COMPLETED", "CRASHED"} or time.monotonic() > settle:
+                break
+            time.sleep(1)
+        assert states <= {"COMPLETED", "CRASHED"}, [(t.name, t.state.name) for t in tasks]
+    assert mlflow_metrics(mlflow_uri, "queued-b") == mlflow_metrics(mlflow_uri, "queued-a")
+    client = MlflowClient(mlflow_uri)
+    [run] = client.search_runs([client.get_experiment_by_name("rlflow").experiment_id],
+                               "attributes.run_name = 'queued-b'")
+    assert run.data.tags["rlflow.attempts"] == "2"
+    assert json.loads(run.data.tags["rlflow.attempt.2"])["start_step"] == 2  # resumed after checkpoint 1
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # served over HTTP, readable from elsewhere
+
+
+def test_sigterm_stops_the_runs_and_every_service_serve_started(served):
+    """SIGTERM (then an impatient Ctrl-C during the shutdown) on `rlflow serve` with a run in progress: the run is
+    cancelled through Prefect (what the UI's Cancel does) and ends its engines and process, keeping its committed
+    checkpoints, and is left Crashed for Retry or auto-resume; serve exits 0 having stopped the Prefect server, the
+    MLflow server (and its uvicorn and job runner) and the workers; their ports are closed. Before, SIGTERM killed
+    serve alone and its services kept their ports, and a run went on training with no server."""
+    import sqlite3
+
+    from prefect.client.orchestration import SyncPrefectClient
+
+    project, proc = served["project"], served["proc"]
+    run_id = start_run(served["api"], "stopped-by-serve", train=TINY_RUN["train"] | {"steps": 100000})
+    with SyncPrefectClient(served["api"]) as client:
+        deadline = time.monotonic() + 240
+        while not (project / "runs/stopped-by-serve/checkpoints/1/COMMITTED").is_file():
+            assert time.monotonic() < deadline, client.read_flow_run(run_id).state
+            time.sleep(0.5)
+        flow_pid = int(client.read_flow_run(run_id).infrastructure_pid)
     tree = descendants(proc.pid)
     assert len(tree) >= 3 and all(port_open(p) for p in served["ports"])
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)  # must not cut the shutdown short
-    assert proc.wait(60) == 0, served["log"].read_text()[-3000:]
+    assert proc.wait(120) == 0, served["log"].read_text()[-3000:]
     print(f"rlflow serve stopped {len(tree)} processes in {time.monotonic() - t0:.1f} s")
-    left = wait_gone(tree, served["ports"], timeout=5)
+    left = wait_gone(tree | {flow_pid}, served["ports"], timeout=5)
     assert not left, f"still running after rlflow serve exited: {left}"
     assert not [p for p in served["ports"] if port_open(p)], "a service port is still open"
+    assert "stopped 1 run(s)" in served["log"].read_text()
+    store = project / "runs/stopped-by-serve"
+    assert json.loads((store / "status.json").read_text())["status"] == "failed"  # closed by the run itself
+    assert any((store / "checkpoints").glob("*/COMMITTED"))
+    with sqlite3.connect(project / ".prefect/prefect.db") as db:  # the server is gone: its database says
+        states = [name for (name,) in db.execute(
+            "SELECT name FROM flow_run_state WHERE flow_run_id = ? ORDER BY timestamp", (run_id,))]
+    assert "Cancelling" in states and states.index("Crashed") > states.index("Cancelling"), states
+    assert states[-1] in ("Crashed", "AwaitingRetry"), states  # for Retry, or auto-resume once serve runs again

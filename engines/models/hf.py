@@ -7,6 +7,7 @@ the same path. The demo's model is built from the recipe (no hub access) with a 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -146,6 +147,16 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool = Fal
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def decode_responses(tokenizer, responses: Sequence[Sequence[int]], stopped: Sequence[bool]) -> list[str]:
+    """The text of each response as the reward judges it: what a user of the model gets. Special tokens stay
+    visible, so a `<unk>` or `<bos>` where the answer should end is no answer (stripped, it scored as the answer
+    while the model never learned to stop); only the stop token that ended a finished response is left out."""
+    special = set(tokenizer.all_special_ids)
+    trimmed = [list(ids[:-1]) if done and len(ids) and int(ids[-1]) in special else list(ids)
+               for ids, done in zip(responses, stopped, strict=True)]
+    return tokenizer.batch_decode(trimmed, skip_special_tokens=False)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -25,7 +25,7 @@ import math
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -135,7 +135,9 @@ async def single_turn(prompt: PromptSample, router_url: str, sampling_params: di
         generate(router_url, prompt.prompt_ids, sampling_params | {"sampling_seed": prompt.seed + j})
         for j in range(prompt.n)
     ))
-    return [sample_from_item(item) for item in items]
+    # the reward decodes the tokens itself (models.hf.decode_responses): the server's text drops special tokens, so
+    # a response ending in `<unk>` instead of EOS would read, and score, as the answer
+    return [replace(sample_from_item(item), response=None) for item in items]
 
 
 def outstanding_rids(tag: str) -> list[str]:

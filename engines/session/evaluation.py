@@ -17,7 +17,7 @@ from rlflow.engines.core.config import EvalDatasetConfig, EvalSamplingConfig
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.data.prompts import load_prompts
 from rlflow.engines.data.rewards import RewardFn, compute_rewards
-from rlflow.engines.models.hf import encode_prompt, prompt_input
+from rlflow.engines.models.hf import decode_responses, encode_prompt, prompt_input
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend, split_packed
 
 CORRECT = 1.0  # a sample is correct when its reward reaches this (the built-in rewards give 1.0 for a match)
@@ -79,7 +79,7 @@ def generate_and_reward(engine: TorchRolloutBackend, reward_fn: RewardFn, reward
     prompt_ids = [ids for r in rows for ids in [encode_prompt(tok, prompt_input(r), bool(cfg.chat_template))] * n]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
     gen = engine.generate_packed(prompt_ids, params, seed=cfg.seed, first_index=first_prompt * n)
-    responses = tok.batch_decode(split_packed(gen, "output_ids"), skip_special_tokens=True)
+    responses = decode_responses(tok, split_packed(gen, "output_ids"), gen["stopped"])  # as the training reward
     prompts = [r["prompt"] for r in rows for _ in range(n)]
     labels = [r["label"] for r in rows for _ in range(n)]
     metas = [r.get("meta", {}) for r in rows for _ in range(n)]

@@ -22,6 +22,9 @@ class CheckpointConfig(Section):
         "0: no time interval.",
     )
     keep_last: int = Field(2, gt=0, description="Committed checkpoints kept; the newest is never deleted.")
+    auto_resume: int = Field(3, ge=0, description="How many times a deployed run that crashes (its process killed, "
+                             "its machine lost, `rlflow serve` stopped) is rescheduled by Prefect's automations and "
+                             "resumed from its last committed checkpoint; 0: never (docs/operations.md).")
     async_save: bool = Field(
         False, description="Write checkpoints in the background (train.backend torch, not with train.lora): the "
         "checkpoint stage returns once every rank has copied its state to host memory (one more copy of each "

@@ -3,6 +3,8 @@ merge of recipe, config and overrides; and the credential-free tree that is stor
 
 from __future__ import annotations
 
+import difflib
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,13 +24,40 @@ class RecipeError(ValueError):
         super().__init__(f"{source}: {len(problems)} problem(s)\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def _format_errors(err: ValidationError) -> list[str]:
+def _model_at(model: type[BaseModel] | None, loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model that holds the field at `loc` (list indices skipped), where the path names one."""
+    for part in loc:
+        if model is None:
+            return None
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        models = [t for t in (field.annotation, *typing.get_args(field.annotation))
+                  if isinstance(t, type) and issubclass(t, BaseModel)]
+        models += [t for a in typing.get_args(field.annotation) for t in typing.get_args(a)
+                   if isinstance(t, type) and issubclass(t, BaseModel)]  # list[Section] / Section | None
+        model = models[0] if len(models) == 1 else None
+    return model
+
+
+def unknown_key_message(model: type[BaseModel] | None, loc: tuple) -> str:
+    """'unknown key', with the closest known key at that place ("did you mean 'steps'?") when there is one."""
+    parent = _model_at(model, loc[:-1])
+    if parent is None or not loc:
+        return "unknown key"
+    close = difflib.get_close_matches(str(loc[-1]), list(parent.model_fields), n=1, cutoff=0.6)
+    return f"unknown key; did you mean '{close[0]}'?" if close else "unknown key"
+
+
+def _format_errors(err: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
     out = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "<recipe>"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = unknown_key_message(model, tuple(e["loc"]))
         elif e["type"] == "missing":
             msg = "required field is missing"
         elif "input" in e and e["type"] not in ("value_error",):
@@ -109,7 +138,7 @@ def config_from_dict(raw: dict, source: str = "<config>", model: type[M] | None 
     try:
         return (model or RLConfig).model_validate(raw)
     except ValidationError as e:
-        raise RecipeError(source, _format_errors(e)) from None
+        raise RecipeError(source, _format_errors(e, model or RLConfig)) from None
 
 
 def resolve_config(model: type[M], config: M | dict | None, recipe: str | None, overrides: list[str] | None) -> M:

@@ -33,7 +33,7 @@ def collect(s: RunEngines, step: int) -> tuple[list[PromptSample], list[list[Sam
 
     async def score(prompt: PromptSample, samples: list[Sample]) -> list[float]:
         texts = await asyncio.to_thread(response_texts, s, [x.response_ids for x in samples],
-                                        [x.response for x in samples])
+                                        [x.response for x in samples], [x.finish_reason == "stop" for x in samples])
         for x, text in zip(samples, texts, strict=True):
             x.response = text
         given = np.array([np.nan if x.reward is None else x.reward for x in samples])

@@ -25,7 +25,7 @@ def run(s: RunEngines, step: int) -> tuple[dict[str, float], list[dict]]:
     prompts = prompt_samples(s, rows, 1, 2**62 + step_seed(s, step))  # seeds apart from training's
     groups = s.runner.run(prompts, sampling(s, s.cfg.eval.temperature))
     b = RolloutBatch.from_samples(prompts, [g[:1] for g in groups])
-    responses = response_texts(s, b.split("output_ids"), b.text)
+    responses = response_texts(s, b.split("output_ids"), b.text, b.stopped)
     rewards = fill_rewards(s, b.prompt, responses, b.label, b.fn_reward, [r.get("meta", {}) for r in rows],
                            record=False)
     samples = [

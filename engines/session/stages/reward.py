@@ -4,9 +4,12 @@ evaluation score through the same two helpers."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
+from rlflow.engines.models.hf import decode_responses
 from rlflow.engines.session.run_engines import RunEngines
 from rlflow.engines.session.stages.healing import replace_dead_reward_workers
 from rlflow.engines.session.step_state import StepState
@@ -15,7 +18,7 @@ from rlflow.engines.session.step_state import StepState
 def run(s: RunEngines, st: StepState) -> dict[str, float]:
     healed = replace_dead_reward_workers(s)
     b = st.batch
-    responses = response_texts(s, b.split("output_ids"), b.text)
+    responses = response_texts(s, b.split("output_ids"), b.text, b.stopped)
     metas = [st.rows[g].get("meta", {}) for g in b.group]  # the rows' other columns, for the reward
     st.batch = b.with_rewards(responses, fill_rewards(s, b.prompt, responses, b.label, b.fn_reward, metas))
     all_rewards = torch.tensor(st.batch.reward, dtype=torch.float32)
@@ -30,13 +33,14 @@ def run(s: RunEngines, st: StepState) -> dict[str, float]:
     return metrics | s.rewards.take_metrics() | healed
 
 
-def response_texts(s: RunEngines, output_ids: list, texts: list[str | None]) -> list[str]:
-    """The text the reward sees: what the rollout function gave, else the decoded response tokens."""
+def response_texts(s: RunEngines, output_ids: list, texts: list[str | None], stopped: Sequence[bool]) -> list[str]:
+    """The text the reward sees: what the rollout function gave, else the response tokens decoded as a user of
+    the model gets them (models.hf.decode_responses: special tokens visible but the final stop token)."""
     todo = [i for i, t in enumerate(texts) if t is None]
     if not todo:
         return list(texts)
     with s.tokenizer_lock:
-        decoded = s.tokenizer.batch_decode([output_ids[i] for i in todo], skip_special_tokens=True)
+        decoded = decode_responses(s.tokenizer, [output_ids[i] for i in todo], [bool(stopped[i]) for i in todo])
     out = list(texts)
     for i, text in zip(todo, decoded, strict=True):
         out[i] = text
