@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate, WorkQueueUpdate
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
 from prefect.client.schemas.filters import (
     FlowRunFilter,
     FlowRunFilterState,
@@ -32,7 +32,7 @@ from prefect.client.schemas.filters import (
     WorkPoolFilter,
     WorkPoolFilterName,
 )
-from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelling, Crashed
@@ -111,13 +111,15 @@ def ensure_pools(api_url: str, pools: list[PoolSpec]) -> None:
             for queue, priority in pool.queues.items():
                 try:
                     q = client.read_work_queue_by_name(queue, work_pool_name=pool.name)
-                    client.update_work_queue(q.id, **WorkQueueUpdate(priority=priority).model_dump(exclude_unset=True))
+                    client.update_work_queue(q.id, priority=priority)
                 except ObjectNotFound:
                     client.create_work_queue(name=queue, work_pool_name=pool.name, priority=priority)
 
 
 @dataclass
 class StoppedRun:
+    """A flow run that serve stops (or found left running), and its process."""
+
     id: str
     name: str
     pid: int | None  # its flow process on this machine (Prefect's infrastructure_pid)
@@ -136,14 +138,14 @@ def _alive(pid: int | None) -> bool:
     return fields[0] != "Z" and (b"prefect.engine" in cmdline or b"_workspace_supervisor" in cmdline)
 
 
-def _runs(client, pools: list[str], states: list) -> list:
-
+def _runs(client: SyncPrefectClient, pools: list[str], states: list[StateType]) -> list[FlowRun]:
+    """The flow runs of `pools` in one of `states`."""
     return client.read_flow_runs(
         work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=pools)),
         flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=states))))
 
 
-def _pid(run) -> int | None:
+def _pid(run: FlowRun) -> int | None:
     text = str(run.infrastructure_pid or "").rsplit(":", 1)[-1]  # a pid ("hostname:pid" in older Prefect)
     return int(text) if text.isdigit() else None
 

@@ -73,12 +73,13 @@ def client_for(api: str):
 
 
 def test_deployments_and_their_parameter_schema(deployed):
-    """prefect.yaml deployed: each on the process pool, with the checkout pull step, a default recipe, and the
-    config tree (types, defaults, descriptions) as its parameter schema."""
+    """prefect.yaml deployed: training and evaluation on the process pool, the pipeline on the control pool (it
+    waits for the runs it starts), each with the checkout pull step, a default recipe, and the config tree (types,
+    defaults, descriptions) as its parameter schema."""
     with client_for(deployed["api"]) as client:
         deployments = {name: client.read_deployment_by_name(name) for name in DEPLOYMENTS}
-    for d in deployments.values():
-        assert d.work_pool_name == "rlflow-process"
+    for name, d in deployments.items():
+        assert d.work_pool_name == ("rlflow-control" if name.startswith("pipeline/") else "rlflow-process"), name
         assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory":
                                  {"directory": "{{ $RLFLOW_HOME }}"}}]
         assert (REPO / d.parameters["recipe"]).is_file()
