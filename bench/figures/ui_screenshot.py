@@ -19,7 +19,8 @@ from pathlib import Path
 from prefect.client.orchestration import SyncPrefectClient
 
 from rlflow.engines.cluster.addresses import free_port
-from rlflow.flows.serve import REPO, Services, deploy_all, ensure_work_pool, start_prefect_server
+from rlflow.flows.pools import ensure_pools, project_pools
+from rlflow.flows.serve import REPO, Services, deploy_all, start_prefect_server
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -49,7 +50,7 @@ def main() -> None:
         try:
             port = free_port()
             api = start_prefect_server(svc, port, home=Path(home))
-            ensure_work_pool(api)
+            ensure_pools(api, project_pools(REPO / "prefect.yaml"))  # every pool the deployments name
             deploy_all(api)
             with SyncPrefectClient(api) as client:
                 deployment = client.read_deployment_by_name(args.deployment)
