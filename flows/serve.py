@@ -26,7 +26,7 @@ from rlflow.engines.core.config.tracking import TRACKING_URI_ENV
 from rlflow.flows.project import PREFECT_FILE, require_prefect_file
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout, in an editable install (tests, bench)
-WORK_POOL = "rlflow-process"  # the pool prefect.yaml's deployments use
+WORK_POOL = "rlflow-process"  # the training pool of the shipped prefect.yaml; serve's only pool without one
 STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL: how long a service may take to stop
 HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of serve's workers (flows/auto_resume.py)
 AUTOMATION_S = 5.0  # how long a stopping serve keeps Prefect up for the automations to reschedule its stopped runs
