@@ -138,6 +138,13 @@ def _alive(pid: int | None) -> bool:
     return fields[0] != "Z" and (b"prefect.engine" in cmdline or b"_workspace_supervisor" in cmdline)
 
 
+def _wait_ended(runs: list[StoppedRun], grace_s: float) -> None:
+    """Wait up to `grace_s` for the flow processes of `runs` to end."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(r.pid) for r in runs):
+        time.sleep(0.5)
+
+
 def _runs(client: SyncPrefectClient, pools: list[str], states: list[StateType]) -> list[FlowRun]:
     """The flow runs of `pools` in one of `states`."""
     return client.read_flow_runs(
@@ -159,9 +166,7 @@ def cancel_runs(api_url: str, pools: list[str], grace_s: float = STOP_GRACE_S) -
         stopped = [StoppedRun(str(r.id), r.name, _pid(r)) for r in runs]
         for r in runs:
             client.set_flow_run_state(r.id, Cancelling(message="rlflow serve is stopping"), force=True)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_alive(r.pid) for r in stopped):
-            time.sleep(0.5)
+        _wait_ended(stopped, grace_s)
     return stopped
 
 
@@ -203,8 +208,6 @@ def end_orphans(api_url: str, orphans: list[StoppedRun], grace_s: float = STOP_G
         if _alive(r.pid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(os.getpgid(r.pid), signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(r.pid) for r in orphans):
-        time.sleep(0.5)
+    _wait_ended(orphans, grace_s)
     end_runs(api_url, orphans, "crashed: left in progress by an earlier rlflow serve that was stopped or killed; "
              "Retry resumes it from its last committed checkpoint")

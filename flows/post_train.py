@@ -102,9 +102,7 @@ def post_train(
                 metrics |= s.sync_weights(r, step)
             held_out = s.evaluate(r, step + 1) if evals and evaluation_due(config.eval.every, step, last) else {}
             metrics["time/step"] = time.perf_counter() - t0
-            run.tracker.log_metrics(metrics, step)
-            run.tracker.log_metrics(held_out, step + 1)  # eval/* at step v: the policy after v updates
-            metrics |= held_out
+            metrics = run.log_step(step, metrics, held_out)
             if debug.trains and checkpoints.due(step):  # after logging: a committed step has its metrics
                 s.checkpoint(r, step)
                 checkpoints.saved()

@@ -10,13 +10,12 @@ recorded metric came from another evaluation is evaluated again with this one be
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 
 from rlflow.engines.core.config import EvaluationConfig, PromoteConfig, public_tree
 from rlflow.flows.lineage import file_sha256, rlflow_version
+from rlflow.tasks.tracking import recipe_hash
 
 PROMOTED, REJECTED = "promoted", "rejected"
 # settings that do not change what an evaluation measures: where shards run and how much of it is logged
@@ -98,8 +97,9 @@ def evaluation_settings(evaluation: EvaluationConfig) -> dict:
 
 
 def evaluation_hash(settings: dict) -> str:
-    """sha256 of the settings as canonical JSON: two metrics with the same hash were measured alike."""
-    return hashlib.sha256(json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    """sha256 of the settings as canonical JSON (the recipe hash's function): two metrics with the same hash were
+    measured alike."""
+    return recipe_hash(settings)
 
 
 def remeasured_tag(eval_hash: str) -> str:

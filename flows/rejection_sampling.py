@@ -46,9 +46,7 @@ def rejection_sampling(config: RLConfig) -> dict[str, float]:
             if config.data.eval_path and evaluation_due(config.eval.every, rnd, rs.rounds - 1):  # every N rounds
                 held_out = s.evaluate(r, step + 1)  # the model after step + 1 updates, logged at that step
             metrics["time/round"] = time.perf_counter() - t0
-            run.tracker.log_metrics(metrics, step)
-            run.tracker.log_metrics(held_out, step + 1)
-            metrics |= held_out
+            metrics = run.log_step(step, metrics, held_out)
             s.checkpoint(r, step)
             run.notify(step, metrics)
         status = "FINISHED"

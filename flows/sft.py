@@ -41,9 +41,7 @@ def sft(config: RLConfig) -> dict[str, float]:
                 metrics |= s.sync_weights(r, step)  # the rollout engine evaluates the weights just trained
                 held_out = s.evaluate(r, step + 1)
             metrics["time/step"] = time.perf_counter() - t0
-            run.tracker.log_metrics(metrics, step)
-            run.tracker.log_metrics(held_out, step + 1)  # eval/* at step v: the model after v updates
-            metrics |= held_out
+            metrics = run.log_step(step, metrics, held_out)
             if checkpoints.due(step):
                 s.checkpoint(r, step)
                 checkpoints.saved()

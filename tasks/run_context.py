@@ -68,6 +68,13 @@ class RunContext:
         for listener in STEP_LISTENERS:
             listener(step, metrics)
 
+    def log_step(self, step: int, metrics: dict[str, float], held_out: dict[str, float]) -> dict[str, float]:
+        """Log a step's metrics at `step` and its held-out evaluation, if any (the policy after step + 1 updates),
+        at step + 1: eval/* at step v is always the policy after v updates. Returns both, for the listeners."""
+        self.tracker.log_metrics(metrics, step)
+        self.tracker.log_metrics(held_out, step + 1)
+        return metrics | held_out
+
     def checkpoint(self, step: int) -> dict[str, float]:
         """Save every worker's state, commit it to the store (marker last), prune old ones.
 
@@ -289,7 +296,7 @@ def _open_leased(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], st
     if meta is not None:
         ctx.start_step = meta["next_step"]
         log.info("resuming run %s from committed step %d", cfg.name, latest)
+    earlier = tracker.record_attempt(ctx.start_step)
     if flow_run.id is not None:  # the lease is ours: what earlier attempts left running in Prefect is dead
-        close_earlier_attempts(flow_run.id, tracker.attempt_flow_runs() if run_id is not None else [])
-    tracker.record_attempt(ctx.start_step)
+        close_earlier_attempts(flow_run.id, earlier)
     return ctx

@@ -135,24 +135,19 @@ class Tracker:
         self.recorded = {(m.key, m.step) for key in keys for m in self.client.get_metric_history(self.run_id, key)
                          if m.step > step}
 
-    def attempt_flow_runs(self) -> list[str]:
-        """The Prefect flow runs of the attempts recorded so far (record_attempt), oldest first."""
-        tags = self.client.get_run(self.run_id).data.tags
-        attempts = sorted((int(k.removeprefix(ATTEMPT_TAG)), v) for k, v in tags.items()
-                          if k.startswith(ATTEMPT_TAG) and k.removeprefix(ATTEMPT_TAG).isdigit())
-        return [fr for _, v in attempts if (fr := json.loads(v).get("flow_run_id"))]
-
-    def record_attempt(self, start_step: int) -> int:
+    def record_attempt(self, start_step: int) -> list[str]:
         """Tag this attempt of the run (`rlflow.attempt.<n>`: its Prefect flow run, the flow run's own attempt
         count, the step it starts at) beside the earlier ones, which stay: the `prefect.flow_run_id` tag says only
-        the latest. Returns n, also in the `rlflow.attempts` tag."""
+        the latest; `rlflow.attempts` says n. Returns the earlier attempts' Prefect flow runs, oldest first."""
         tags = self.client.get_run(self.run_id).data.tags
-        n = 1 + sum(k.startswith(ATTEMPT_TAG) for k in tags)
+        earlier = sorted((int(k.removeprefix(ATTEMPT_TAG)), json.loads(v)) for k, v in tags.items()
+                         if k.startswith(ATTEMPT_TAG) and k.removeprefix(ATTEMPT_TAG).isdigit())
+        n = len(earlier) + 1
         value = {"flow_run_id": flow_run.id, "flow_run_count": flow_run.run_count if flow_run.id else None,
                  "start_step": start_step, "started_ms": get_current_time_millis()}
         self.client.log_batch(self.run_id, tags=[mlflow.entities.RunTag(f"{ATTEMPT_TAG}{n}", json.dumps(value)),
                                                  mlflow.entities.RunTag("rlflow.attempts", str(n))])
-        return n
+        return [fr for _, attempt in earlier if (fr := attempt.get("flow_run_id"))]
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Write one step's metrics, each (key, step) once per run (the client's log_batch: mlflow.log_metrics

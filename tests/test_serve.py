@@ -289,15 +289,12 @@ def test_run_form_opens_with_the_recipe_and_runs_it_with_one_change(served):
     assert (project / "runs/form-run/checkpoints/0/COMMITTED").is_file()  # one step, the last one, checkpointed
 
 
-TINY_RUN = {"model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1},
-            "data": {"eval_path": None, "generate": {"task": "sort", "num_digits": 4, "num_train": 200}},
-            "rollout": {"prompts_per_step": 4, "samples_per_prompt": 2},
-            "train": {"steps": 6, "mini_batches": 1, "epochs": 1, "threads": 1},
-            "checkpoint": {"every": 2}, "cluster": {"use_ray": False}}
+TINY_RUN = {"train": {"steps": 6}, "checkpoint": {"every": 2}}  # over the served recipe (tiny_train_recipe)
 
 
 def start_run(api: str, name: str, **changes) -> str:
-    """A post-train run of the served deployment (the tiny recipe with TINY_RUN over it), not waited for."""
+    """A post-train run of the served deployment (its tiny recipe, TINY_RUN and `changes` deep-merged over it, as
+    the flow merges a deployment's `config`), not waited for."""
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -382,7 +379,7 @@ def test_sigterm_stops_the_runs_and_every_service_serve_started(served):
     from prefect.client.orchestration import SyncPrefectClient
 
     project, proc = served["project"], served["proc"]
-    run_id = start_run(served["api"], "stopped-by-serve", train=TINY_RUN["train"] | {"steps": 100000})
+    run_id = start_run(served["api"], "stopped-by-serve", train={"steps": 100000})
     with SyncPrefectClient(served["api"]) as client:
         deadline = time.monotonic() + 240
         while not (project / "runs/stopped-by-serve/checkpoints/1/COMMITTED").is_file():
