@@ -45,6 +45,7 @@ from rlflow.flows.promotion import decide, evaluation_hash, evaluation_settings
 from rlflow.flows.register import ChampionMeasurement, Measurement, register_model
 from rlflow.flows.serve import Services, launch_mlflow_server, wait_http
 from rlflow.tasks.tracking import git_commit, recipe_hash
+from tests.browser import CHROMIUM, browser_page, screenshot
 from tests.conftest import small_recipe
 
 # ---- the gate -------------------------------------------------------------------------------------------------
@@ -355,3 +356,24 @@ def test_candidates_become_champion_only_when_they_beat_it(mlflow_server, tmp_pa
                        ("nope@1", "no registered model 'nope'"), ("m", "expected NAME@VERSION or NAME@ALIAS")):
         assert main(["lineage", ref, "--tracking-uri", uri]) == 2
         assert error in capsys.readouterr().err, ref
+
+    if CHROMIUM:
+        registry_ui_shows_the_promotion(uri, "m", champion=3, rejected=2)
+
+
+def registry_ui_shows_the_promotion(uri: str, name: str, champion: int, rejected: int) -> None:
+    """The MLflow UI, in Chromium, as a user checks a promotion: the model's page shows the aliases on the champion,
+    and the rejected version's page says why it was not promoted."""
+    from playwright.sync_api import expect
+
+    with browser_page(width=1600) as page:
+        page.goto(f"{uri}/#/models/{name}", timeout=60_000)
+        row = page.get_by_role("row").filter(has=page.get_by_role("link", name=f"Version {champion}", exact=True))
+        expect(row).to_contain_text("@ champion", timeout=60_000)
+        expect(row).to_contain_text("@ challenger")
+        screenshot(page, "ui-registry-champion.png")
+        page.goto(f"{uri}/#/models/{name}/versions/{rejected}", timeout=60_000)
+        reason = page.get_by_role("row").filter(has_text="rlflow.promotion_reason")
+        expect(reason).to_contain_text(f"worse than champion {name}@1", timeout=60_000)
+        expect(page.get_by_role("row").filter(has_text="rejected").first).to_be_visible()
+        screenshot(page, "ui-registry-rejected.png")

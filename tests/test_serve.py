@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +26,7 @@ import yaml
 
 from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.core.config import EvaluationConfig, PipelineConfig, RLConfig, load_recipe, public_tree
+from tests.browser import CHROMIUM, browser_page, need_chromium, screenshot
 from tests.test_deployments import wait_final
 
 RECIPES = {
@@ -229,47 +230,48 @@ def form_field(scope, *labels: str):
     return scope
 
 
-def drive_run_form(ui: str, deployment_id: str, chromium: str, created: Callable[[], bool]) -> None:
+def drive_run_form(ui: str, deployment_id: str, created: Callable[[], bool]) -> None:
     """Open the deployment's Custom run form, check it shows the recipe, set train.steps 2 -> 1 and submit, until
-    `created()` says the flow run exists. Under a full CI's load a Submit click was once in three runs followed by
-    nothing (no navigation, no request, no message in 90 s); a second click goes only where no run exists yet, so
-    the form's run is never made twice."""
-    from playwright.sync_api import expect, sync_playwright
+    `created()` says the flow run exists. Under a full CI's load a Submit click was at times followed by no run
+    (the page showed nothing 150 s later): while no run exists and the form is idle again (its request failed or
+    never went), Submit is clicked again, so the form's run is never made twice; what the page said and the
+    server answered is in the failure."""
+    from playwright.sync_api import expect
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1200})
-            page.goto(f"{ui}/deployments/deployment/{deployment_id}/run", timeout=60_000)
-            steps = form_field(page, "Train", "Steps").locator("input")
-            expect(steps).to_have_value("2", timeout=60_000)  # the recipe's, not RLConfig's default (100)
-            expect(form_field(page, "Name").locator("textarea, input").first).to_have_value("form-run")
-            expect(form_field(page, "Model", "Hidden Size").locator("input")).to_have_value("32")
-            expect(form_field(page, "Rollout", "Prompts Per Step").locator("input")).to_have_value("4")
-            steps.fill("1")
-            expect(steps).to_have_value("1")
-            submit = page.get_by_role("button", name="Submit")
-            expect(submit).to_be_enabled(timeout=60_000)
-            submit.click()
-            clicked, deadline = time.monotonic(), time.monotonic() + 150
-            while not created():
-                if time.monotonic() > deadline:  # say what the page showed instead (a validation message, a toast)
-                    alerts = page.locator("[role=alert], .p-toast, .p-message, .schema-form-property__errors")
-                    raise AssertionError(f"the form did not submit; the page shows {alerts.all_inner_texts()}")
-                if clicked and time.monotonic() - clicked > 45 and page.url.endswith("/run") and submit.is_enabled():
-                    submit.click()  # the first click went nowhere (see above); once more, then only wait
-                    clicked = 0.0
-                page.wait_for_timeout(500)
-        finally:
-            browser.close()
+    seen: list[str] = []  # console errors, create_flow_run answers, toasts: what the failure reports
+    with browser_page(height=1200) as page:
+        page.on("console", lambda m: m.type == "error" and seen.append(f"console: {m.text[:300]}"))
+        page.on("requestfailed", lambda r: seen.append(f"failed: {r.method} {r.url} {r.failure}"))
+        page.on("response", lambda r: "create_flow_run" in r.url and seen.append(f"{r.status} {r.url}"))
+        page.goto(f"{ui}/deployments/deployment/{deployment_id}/run", timeout=60_000)
+        steps = form_field(page, "Train", "Steps").locator("input")
+        expect(steps).to_have_value("2", timeout=60_000)  # the recipe's, not RLConfig's default (100)
+        expect(form_field(page, "Name").locator("textarea, input").first).to_have_value("form-run")
+        expect(form_field(page, "Model", "Hidden Size").locator("input")).to_have_value("32")
+        expect(form_field(page, "Rollout", "Prompts Per Step").locator("input")).to_have_value("4")
+        screenshot(page, "prefect-run-form.png")
+        steps.fill("1")
+        expect(steps).to_have_value("1")
+        submit = page.get_by_role("button", name="Submit")
+        expect(submit).to_be_enabled(timeout=60_000)
+        submit.click()
+        clicked, deadline = time.monotonic(), time.monotonic() + 240
+        toasts = page.locator("[role=alert], .p-toast, .p-message, .schema-form-property__errors")
+        while not created():
+            seen.extend(t for t in toasts.all_inner_texts() if t and t not in seen)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the form did not submit; the page and the server said {seen}")
+            if time.monotonic() - clicked > 30 and page.url.endswith("/run") and submit.is_enabled():
+                seen.append(f"Submit clicked again at {time.monotonic() - clicked:.0f} s")
+                submit.click()  # the last click made no run and the form is idle: once more
+                clicked = time.monotonic()
+            page.wait_for_timeout(500)
 
 
 def test_run_form_opens_with_the_recipe_and_runs_it_with_one_change(served):
     """Chromium on the post-train deployment's Custom run: the form shows the recipe's values; train.steps 2 -> 1 is
     submitted; the run's stored config is the recipe with that one change."""
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        pytest.skip("no chromium binary: apt-get install -y chromium (.ci/run installs it when it runs as root)")
+    need_chromium()
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.filters import DeploymentFilter
 
@@ -277,7 +279,7 @@ def test_run_form_opens_with_the_recipe_and_runs_it_with_one_change(served):
     with SyncPrefectClient(served["api"]) as client:
         deployment = client.read_deployment_by_name("post-train/post-train")
         by_deployment = DeploymentFilter(id={"any_": [deployment.id]})
-        drive_run_form(served["ui"], str(deployment.id), chromium,
+        drive_run_form(served["ui"], str(deployment.id),
                        created=lambda: bool(client.read_flow_runs(deployment_filter=by_deployment)))
         runs = client.read_flow_runs(deployment_filter=by_deployment)
         assert len(runs) == 1, runs  # the form's
@@ -315,13 +317,56 @@ def mlflow_metrics(uri: str, run_name: str) -> dict:
             for key in run.data.metrics if not key.startswith("time/") and "_per_s" not in key}
 
 
+def flow_run_state_badge(page):
+    return page.locator(".page-heading-flow-run__meta .state-badge")
+
+
+def ui_shows_the_run_queued(ui: str, queued: str) -> None:
+    """The Prefect UI while the pool's one slot is taken: the queued run's page shows it waiting, Scheduled (Late
+    once its start time has passed), and the pool's page lists it under the run that holds the slot."""
+    from playwright.sync_api import expect
+
+    with browser_page() as page:
+        page.goto(f"{ui}/runs/flow-run/{queued}", timeout=60_000)
+        expect(flow_run_state_badge(page)).to_have_text(re.compile("Scheduled|Late"), timeout=30_000)
+        screenshot(page, "ui-queued-run.png")
+        page.goto(f"{ui}/work-pools/work-pool/rlflow-process", timeout=60_000)
+        expect(page.locator(f".state-list-item a[href='/runs/flow-run/{queued}']")).to_be_visible(timeout=30_000)
+        screenshot(page, "ui-pool-one-slot.png")
+
+
+def ui_shows_the_auto_resumed_attempt(ui: str, run_id: str, name: str, from_step: int) -> None:
+    """The Prefect UI on a run the automation resumed: Completed, the automation named in its heading, Run Count 2
+    (Details), and its Logs tab has both attempts' lines, the second saying it is auto-resume 1 and which committed
+    step it resumed from."""
+    from playwright.sync_api import expect
+
+    with browser_page(height=1100) as page:
+        page.goto(f"{ui}/runs/flow-run/{run_id}", timeout=60_000)
+        expect(flow_run_state_badge(page)).to_have_text("Completed", timeout=30_000)
+        expect(page.get_by_text("rlflow auto-resume post-train/post-train: process killed")).to_be_visible()
+        resumed = page.locator(".log-row__content", has_text=f"resuming run {name} from committed step {from_step}")
+        page.mouse.move(700, 600)
+        deadline = time.monotonic() + 60
+        while not resumed.count() and time.monotonic() < deadline:  # the log list renders what is scrolled to
+            page.mouse.wheel(0, 400)
+            page.wait_for_timeout(300)
+        resumed.scroll_into_view_if_needed(timeout=30_000)
+        expect(page.locator(".log-row__content", has_text=f"run {name}: auto-resume 1 of ")).to_be_visible()
+        screenshot(page, "ui-auto-resumed-run.png")
+        page.get_by_text("Details", exact=True).click()
+        expect(page.locator(".p-key-value", has_text="Run Count")).to_contain_text("2", timeout=30_000)
+
+
 def test_a_full_pool_queues_a_run_and_a_killed_run_resumes_on_its_own(served):
     """The init's pool `rlflow-process` takes one run at a time (prefect.yaml's definitions.pools): of two runs
     submitted together, the second waits Scheduled until the first ends. Its flow process is then SIGKILLed (a
     preempted machine) after its first checkpoint: the auto-resume automation reschedules the same flow run, which
     resumes from the checkpoint with no one in the loop and ends with the uninterrupted first run's metrics, in its
     own MLflow run, which lists both attempts; no task run of the killed attempt is left Running (tests/
-    test_operations.py checks that the attempt marks a stuck one Crashed)."""
+    test_operations.py checks that the attempt marks a stuck one Crashed). In Chromium, the Prefect UI shows the
+    queued run waiting while the first holds the slot, and the resumed run Completed with Run Count 2 and the
+    auto-resume in its logs (where no chromium binary is installed those two checks are left out)."""
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.filters import FlowRunFilter
@@ -335,6 +380,9 @@ def test_a_full_pool_queues_a_run_and_a_killed_run_resumes_on_its_own(served):
             a, b = client.read_flow_run(first), client.read_flow_run(second)
             if a.state.is_running():
                 assert b.state.type.value == "SCHEDULED", b.state  # queued behind the run that holds the slot
+                if not waited and CHROMIUM:
+                    ui_shows_the_run_queued(served["ui"], second)
+                    assert client.read_flow_run(second).state.type.value == "SCHEDULED"  # so it showed it queued
                 waited = True
             if not killed and b.state.is_running() and (project / "runs/queued-b/checkpoints/1/COMMITTED").is_file():
                 assert a.state.is_completed()
@@ -359,6 +407,8 @@ def test_a_full_pool_queues_a_run_and_a_killed_run_resumes_on_its_own(served):
                 break
             time.sleep(1)
         assert states <= {"COMPLETED", "CRASHED"}, [(t.name, t.state.name) for t in tasks]
+    if CHROMIUM:
+        ui_shows_the_auto_resumed_attempt(served["ui"], second, "queued-b", from_step=1)
     assert mlflow_metrics(mlflow_uri, "queued-b") == mlflow_metrics(mlflow_uri, "queued-a")
     client = MlflowClient(mlflow_uri)
     [run] = client.search_runs([client.get_experiment_by_name("rlflow").experiment_id],
