@@ -418,6 +418,41 @@ def test_a_full_pool_queues_a_run_and_a_killed_run_resumes_on_its_own(served):
     assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # served over HTTP, readable from elsewhere
 
 
+def test_cancel_in_the_ui_ends_the_run_and_keeps_its_checkpoints(served):
+    """The run page's Cancel, confirmed, in Chromium, on a run in progress: Prefect sets it Cancelling and its
+    worker signals the flow's process group; the run closes its engines, writes its status as failed and releases
+    its lease, keeping its committed checkpoints; it ends Cancelled, stays Cancelled (no auto-resume automation
+    takes a cancel for a crash), and no process of it is left."""
+    need_chromium()
+    from playwright.sync_api import expect
+    from prefect.client.orchestration import SyncPrefectClient
+
+    project = served["project"]
+    store = project / "runs/cancelled-in-ui"
+    run_id = start_run(served["api"], "cancelled-in-ui", train={"steps": 100000})
+    with SyncPrefectClient(served["api"]) as client:
+        deadline = time.monotonic() + 240
+        while not (store / "checkpoints/1/COMMITTED").is_file():
+            assert time.monotonic() < deadline, client.read_flow_run(run_id).state
+            time.sleep(0.5)
+        flow_pid = int(client.read_flow_run(run_id).infrastructure_pid)
+        tree = {flow_pid} | descendants(flow_pid)
+        with browser_page() as page:
+            page.goto(f"{served['ui']}/runs/flow-run/{run_id}", timeout=60_000)
+            expect(flow_run_state_badge(page)).to_have_text("Running", timeout=30_000)
+            page.get_by_role("button", name="Cancel", exact=True).click()
+            page.get_by_role("button", name="Confirm").click()
+            expect(flow_run_state_badge(page)).to_have_text("Cancelled", timeout=120_000)
+        left = wait_gone(tree, (), timeout=60)
+        assert not left, f"still running after the run was cancelled: {left}"
+        time.sleep(5)  # what an automation would do to it, it has done by now (the kill test: 4-50 s, see its docs)
+        states = [st.name for st in client.read_flow_run_states(run_id)]
+        assert client.read_flow_run(run_id).state.is_cancelled() and "AwaitingRetry" not in states, states
+    assert json.loads((store / "status.json").read_text())["status"] == "failed"  # closed by the run itself
+    assert any((store / "checkpoints").glob("*/COMMITTED"))  # the latest ones (retention prunes the oldest)
+    assert json.loads((store / "LEASE").read_text()).get("released"), "the run's lease is still held"
+
+
 def test_sigterm_stops_the_runs_and_every_service_serve_started(served):
     """SIGTERM (then an impatient Ctrl-C during the shutdown) on `rlflow serve` with a run in progress: the run is
     cancelled through Prefect (what the UI's Cancel does) and ends its engines and process, keeping its committed
