@@ -18,6 +18,7 @@ serves every run of a deployment whatever its recipe says.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from uuid import UUID
 
@@ -29,15 +30,37 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from rlflow.tasks.attempts import AUTO_RESUME_MESSAGE
 
-HEARTBEAT_LOST_S = 150  # no heartbeat for this long: the run's machine is gone (5 of serve's 30 s beats missed)
+LOST_ENV = "RLFLOW_HEARTBEAT_LOST_S"
+DEFAULT_LOST_S = 150  # no heartbeat for this long: the run's machine is gone (5 of serve's 30 s beats missed)
+BEATS_PER_LOST = 5
+MIN_BEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY's least value
+
+
+def heartbeat_lost_s() -> int:
+    """RLFLOW_HEARTBEAT_LOST_S (default 150, at least 60): how long a running flow run may send no heartbeat before
+    the automation marks it crashed. Read where serve deploys; serve's workers beat BEATS_PER_LOST times in it, or
+    every 30 s, Prefect's least period, so at least twice."""
+    text = os.environ.get(LOST_ENV, "").strip()
+    if not text:
+        return DEFAULT_LOST_S
+    if not text.isdigit() or int(text) < 2 * MIN_BEAT_S:
+        raise ValueError(f"{LOST_ENV}={text!r}: expected a whole number of seconds, at least {2 * MIN_BEAT_S} (two "
+                         f"of the flow heartbeats, which Prefect sends every {MIN_BEAT_S} s at the most)")
+    return int(text)
+
+
+def heartbeat_s() -> int:
+    """The flow heartbeat period (PREFECT_FLOWS_HEARTBEAT_FREQUENCY) of serve's workers."""
+    return max(MIN_BEAT_S, heartbeat_lost_s() // BEATS_PER_LOST)
 
 
 def automation_names(deployment: str) -> list[str]:
     return [f"rlflow auto-resume {deployment}: {kind}" for kind in ("process killed", "crashed", "heartbeat lost")]
 
 
-def automations(deployment: str, deployment_id: UUID) -> list[AutomationCore]:
-    """The three automations of one deployment (see the module's docstring)."""
+def automations(deployment: str, deployment_id: UUID, lost_s: int | None = None) -> list[AutomationCore]:
+    """The three automations of one deployment (see the module's docstring); lost_s: heartbeat_lost_s()."""
+    lost_s = heartbeat_lost_s() if lost_s is None else lost_s
     of_deployment = {"prefect.resource.role": "deployment",
                      "prefect.resource.id": f"prefect.deployment.{deployment_id}"}
     reschedule = [ChangeFlowRunState(state=StateType.SCHEDULED, name="AwaitingRetry", message=AUTO_RESUME_MESSAGE)]
@@ -67,9 +90,9 @@ def automations(deployment: str, deployment_id: UUID) -> list[AutomationCore]:
                                    "prefect.flow-run.Crashed", "prefect.flow-run.Cancelling"},
                            match={"prefect.resource.id": "prefect.flow-run.*"}, match_related=of_deployment,
                            for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
-                           within=timedelta(seconds=HEARTBEAT_LOST_S)),
+                           within=timedelta(seconds=lost_s)),
                        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=(
-                           f"crashed: no heartbeat for {HEARTBEAT_LOST_S} s (its machine or process is gone)"))]),
+                           f"crashed: no heartbeat for {lost_s} s (its machine or process is gone)"))]),
     ]
 
 

@@ -20,12 +20,13 @@ import time
 from collections.abc import Callable
 
 from prefect import flow
+from prefect.states import Completed
 
 from rlflow.engines.core.config import CheckpointConfig, RLConfig, resolve_config
 from rlflow.engines.session.schedule import RolloutSchedule
 from rlflow.tasks import stages
 from rlflow.tasks.artifacts import TrainingArtifacts
-from rlflow.tasks.run_context import RunContext, open_run
+from rlflow.tasks.run_context import NothingToResume, RunContext, open_run
 
 
 def _due(every: int, step: int, last: int) -> bool:
@@ -71,7 +72,10 @@ def post_train(
         overrides: KEY.PATH=VALUE changes applied last (e.g. train.steps=20).
     """
     config = resolve_config(RLConfig, config, recipe, overrides)
-    run: RunContext = open_run(config)
+    try:
+        run: RunContext = open_run(config)
+    except NothingToResume as done:  # an automatic resume of a finished run: it stays as it finished
+        return Completed(message=str(done))
     s = stages.bind(config)  # the stage tasks, with the recipe's retry settings
     r = run.name  # tasks take (run name, step): Prefect records two plain values per task run
     last = config.train.steps - 1

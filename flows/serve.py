@@ -28,7 +28,6 @@ from rlflow.flows.project import PREFECT_FILE, require_prefect_file
 REPO = Path(__file__).resolve().parent.parent  # the checkout, in an editable install (tests, bench)
 WORK_POOL = "rlflow-process"  # the training pool of the shipped prefect.yaml; serve's only pool without one
 STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL: how long a service may take to stop
-HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of serve's workers (flows/auto_resume.py)
 AUTOMATION_S = 5.0  # how long a stopping serve keeps Prefect up for the automations to reschedule its stopped runs
 
 
@@ -175,7 +174,9 @@ def start_worker(svc: Services, api_url: str, checkout: Path = REPO, pool: str =
     env = dict(env or os.environ)
     path = os.pathsep.join(filter(None, [str(checkout), env.get("PYTHONPATH")]))
     env |= {"PREFECT_API_URL": api_url, "RLFLOW_HOME": str(checkout), "PYTHONPATH": path}
-    env.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))  # what auto_resume.HEARTBEAT_LOST_S watches
+    from rlflow.flows.auto_resume import heartbeat_s  # deferred: Prefect (see ensure_work_pool)
+
+    env.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(heartbeat_s()))  # what the heartbeat automation watches
     return svc.start([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"], env,
                      log, cwd=checkout)
 

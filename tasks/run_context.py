@@ -187,14 +187,24 @@ class RunAlreadyFinished(RecipeError):
     `rlflow run` prints it as one plain line naming the field."""
 
 
-def refuse_finished_run(cfg: RLConfig, next_step: int, status: str | None, steps: tuple[str, int]) -> None:
+class NothingToResume(Exception):
+    """An automatic resume of a run that has finished: the flow ends Completed without starting anything."""
+
+
+def refuse_finished_run(cfg: RLConfig, next_step: int, status: str | None, steps: tuple[str, int],
+                        automatic: bool = False) -> None:
     """A run name whose checkpoints already reach its step count (`steps`: the field that sets it and its value)
     is refused, saying how to start a new run or extend this one, instead of "completing" with no step. The
     exception: the last step was committed but the attempt died before it wrote its finished status (a retry then
-    only closes the run)."""
+    only closes the run). An automatic resume of a finished run (the automation acting on a late report of an
+    earlier attempt's death, e.g. a hung process killed after another attempt finished the run) is NothingToResume,
+    so the run stays finished rather than Failed."""
     field, total = steps
     if next_step < total or (next_step == total and status != "finished"):
         return
+    if automatic:
+        raise NothingToResume(f"run {cfg.name!r} already finished its {next_step} steps: nothing to resume (an "
+                              "auto-resume automation rescheduled it after an earlier attempt's late crash report)")
     raise RunAlreadyFinished(f"run {cfg.name!r} in {cfg.storage.uri}", [
         f"{field}: {total}, but the run already {'finished' if status == 'finished' else 'committed'} step "
         f"{next_step - 1}, the last of its {next_step} steps, so no step is left to train. To start a new run, give "
@@ -207,12 +217,13 @@ class AutoResumeExhausted(RuntimeError):
     """The run crashed more often than checkpoint.auto_resume lets the automations resume it."""
 
 
-def refuse_exhausted_auto_resume(cfg: RLConfig) -> None:
+def refuse_exhausted_auto_resume(cfg: RLConfig) -> int:
     """A flow run rescheduled by the auto-resume automations (flows/auto_resume.py) more than checkpoint.auto_resume
     times fails here, before it starts anything: Failed, which no automation reschedules, so a run that crashes
-    every time stops; Retry in the UI still resumes it (a human retry is not counted)."""
+    every time stops; Retry in the UI still resumes it (a human retry is not counted). Returns how many automatic
+    resumes this attempt is (0: not one)."""
     if flow_run.id is None or flow_run.run_count <= 1:
-        return
+        return 0
     resumes = automatic_resumes(flow_run.id)
     if resumes > cfg.checkpoint.auto_resume:
         raise AutoResumeExhausted(
@@ -221,6 +232,7 @@ def refuse_exhausted_auto_resume(cfg: RLConfig) -> None:
             "crash (its logs), then Retry it from the UI or raise checkpoint.auto_resume")
     if resumes:
         log.info("run %s: auto-resume %d of %d after a crash", cfg.name, resumes, cfg.checkpoint.auto_resume)
+    return resumes
 
 
 def shared_dir(cfg: RLConfig) -> str | None:
@@ -243,29 +255,29 @@ def open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any] = RLSes
     steps already reach it is refused (RunAlreadyFinished)."""
     stop_logs = send_to_prefect()  # from here on, what the run logs shows in the Prefect UI too
     try:
-        refuse_exhausted_auto_resume(cfg)
-        return _open_run(cfg, make_session, stop_logs, steps or ("train.steps", cfg.train.steps))
+        automatic = refuse_exhausted_auto_resume(cfg) > 0
+        return _open_run(cfg, make_session, stop_logs, steps or ("train.steps", cfg.train.steps), automatic)
     except BaseException:
         stop_logs()
         raise
 
 
 def _open_run(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_logs: Callable[[], None],
-              steps: tuple[str, int]) -> RunContext:
+              steps: tuple[str, int], automatic: bool = False) -> RunContext:
     store = RunStore(cfg.storage, cfg.name)  # a name whose folder would leave the store is refused here
     store.probe()  # a missing bucket or a dead endpoint stops the run now, before data and model are prepared
     store.claim()  # the RUN marker: a folder that is not this run's is refused, and never cleaned
-    lease = RunLease(store)  # one writer per run: another live process holding it is named and refused
-    lease.acquire()
+    lease = RunLease(store)  # one writer per run: another live process holding it is named and refused ...
+    lease.acquire(wait_for_stale=automatic)  # ... after its lease went stale, for an automatic resume
     try:
-        return _open_leased(cfg, make_session, stop_logs, store, lease, steps)
+        return _open_leased(cfg, make_session, stop_logs, store, lease, steps, automatic)
     except BaseException:
         lease.release()
         raise
 
 
 def _open_leased(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], stop_logs: Callable[[], None],
-                 store: RunStore, lease: RunLease, steps: tuple[str, int]) -> RunContext:
+                 store: RunStore, lease: RunLease, steps: tuple[str, int], automatic: bool) -> RunContext:
     torn = store.clean_torn()
     if torn:
         log.warning("removed uncommitted leftovers of an interrupted attempt: %s", ", ".join(torn))
@@ -273,7 +285,7 @@ def _open_leased(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], st
     meta = store.read_json("checkpoints", latest, "meta.json") if latest is not None else None
     earlier = store.read_json("status.json") if store.exists("status.json") else {}
     if meta is not None:
-        refuse_finished_run(cfg, meta["next_step"], earlier.get("status"), steps)
+        refuse_finished_run(cfg, meta["next_step"], earlier.get("status"), steps, automatic)
     workdir = Path(tempfile.mkdtemp(prefix=f"rlflow-{cfg.name}-", dir=shared_dir(cfg)))
     prepare_data(cfg)
     model_dir = workdir / "model"

@@ -3,6 +3,7 @@ a finished run started again, the reward's view of a response, the per-step log 
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,10 +13,11 @@ from prefect.client.schemas.objects import StateType
 
 from rlflow.engines.core.config import RecipeError
 from rlflow.engines.models.hf import build_char_tokenizer, decode_responses
+from rlflow.flows.auto_resume import automations, heartbeat_lost_s, heartbeat_s
 from rlflow.flows.pools import PoolSpec, parse_limits, project_pools
 from rlflow.flows.project import ProjectError
 from rlflow.tasks.attempts import AUTO_RESUME_MESSAGE, automatic_attempts
-from rlflow.tasks.run_context import RunAlreadyFinished, refuse_finished_run
+from rlflow.tasks.run_context import NothingToResume, RunAlreadyFinished, refuse_finished_run
 from rlflow.tasks.run_logs import step_summary
 from tests.conftest import small_recipe
 
@@ -82,6 +84,11 @@ def test_a_finished_run_started_again_says_how_to_go_on(tmp_path):
     [problem] = e.value.problems
     assert problem.startswith("train.steps: 3, but the run already finished step 99")
     assert "--set name=done-2" in problem and "--set train.steps=200" in problem
+    # rescheduled by the auto-resume automation after it finished (a late crash report of a hung attempt that was
+    # killed after another attempt finished the run): nothing to resume, the flow ends Completed, not Failed
+    with pytest.raises(NothingToResume, match="'done' already finished its 100 steps: nothing to resume"):
+        refuse_finished_run(cfg, 100, "finished", ("train.steps", 3), automatic=True)
+    refuse_finished_run(cfg, 2, "running", ("train.steps", 3), automatic=True)  # steps left: resumes
 
 
 def test_the_reward_sees_special_tokens_but_the_final_stop_token():
@@ -126,3 +133,20 @@ def test_a_new_attempt_marks_what_earlier_attempts_left_running_crashed():
         assert client.read_task_run(done.id).state.is_completed()
         assert client.read_flow_run(earlier.id).state.is_crashed()
         assert client.read_flow_run(current.id).state.is_running()  # the attempt itself goes on
+
+
+def test_the_heartbeat_automation_waits_for_two_beats_at_least(monkeypatch):
+    """RLFLOW_HEARTBEAT_LOST_S sets when a silent run is called lost; serve's workers beat five times in it, but never
+    more often than Prefect allows (every 30 s), so a value under two beats is refused, naming the variable."""
+    monkeypatch.delenv("RLFLOW_HEARTBEAT_LOST_S", raising=False)
+    assert (heartbeat_lost_s(), heartbeat_s()) == (150, 30)
+    for value, beat in (("75", 30), ("300", 60)):
+        monkeypatch.setenv("RLFLOW_HEARTBEAT_LOST_S", value)
+        assert (heartbeat_lost_s(), heartbeat_s()) == (int(value), beat)
+    lost = automations("post-train/post-train", uuid.uuid4())[2]
+    assert lost.trigger.within.total_seconds() == 300 and "no heartbeat for 300 s" in lost.actions[0].message
+    for bad in ("20", "1.5m", "-1"):
+        monkeypatch.setenv("RLFLOW_HEARTBEAT_LOST_S", bad)
+        with pytest.raises(ValueError, match=f"RLFLOW_HEARTBEAT_LOST_S={bad!r}: expected a whole number of seconds, "
+                                             "at least 60"):
+            heartbeat_lost_s()

@@ -114,6 +114,42 @@ def test_a_lease_without_heartbeats_is_stale_and_a_fresh_one_of_another_host_hol
         RunLease(store, timeout_s=60).acquire()
 
 
+def test_an_automatic_resume_waits_for_a_lost_machines_lease_to_go_stale(storage, caplog):
+    """Prefect calls a run crashed 150 s after its machine's heartbeats stop; that machine's lease (another host:
+    its process cannot be checked) holds for 300 s. The auto-resumed attempt waits for it to go stale instead of
+    failing at once; a holder that keeps renewing past that is a live writer, and is refused after the wait."""
+    store = _store(storage)
+    store.write_json(_lease_of("lost-host", 1, heartbeat_age_s=8, timeout_s=10), "LEASE")
+    with pytest.raises(LeaseHeld):
+        RunLease(store, timeout_s=60).acquire()  # not an automatic resume: refused at once
+    lease = RunLease(store, timeout_s=60)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="rlflow.store"):
+        lease.acquire(wait_for_stale=True)
+    waited = time.monotonic() - t0
+    lease.release()
+    assert 1 < waited < 20, waited  # ~2 s to its staleness, plus the 2 s margin
+    assert re.search(r"waiting up to \d+ s for the lease of host lost-host, pid 1", caplog.text), caplog.text
+    assert "took over the lease of host lost-host, pid 1" in caplog.text
+
+    def renew():  # a holder on another host that is alive after all: its heartbeats go on
+        while not done.wait(0.5):
+            store.write_json(_lease_of("busy-host", 1, heartbeat_age_s=0, timeout_s=3), "LEASE")
+
+    done = threading.Event()
+    store.write_json(_lease_of("busy-host", 1, heartbeat_age_s=0, timeout_s=3), "LEASE")
+    beats = threading.Thread(target=renew)
+    beats.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LeaseHeld, match="host busy-host"):
+            RunLease(store, timeout_s=60).acquire(wait_for_stale=True)
+        assert 3 < time.monotonic() - t0 < 30
+    finally:
+        done.set()
+        beats.join()
+
+
 def test_a_released_lease_and_a_leftover_of_this_process_are_free(storage, caplog):
     """A run that ended released its lease: the next one takes it without a word. A lease of this very process
     that it no longer holds (an attempt whose open failed before a flow retry) is stale; one it holds is not."""

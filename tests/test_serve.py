@@ -112,13 +112,15 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def start_serve(project: Path, prefect_port: int, mlflow_port: int, *flags: str) -> subprocess.Popen:
-    """`rlflow serve` in `project` (its output in serve.log there), once it says every service is up."""
+def start_serve(project: Path, prefect_port: int, mlflow_port: int, *flags: str,
+                env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`rlflow serve` in `project` (its output in serve.log there), once it says every service is up; `env`: more
+    environment for it."""
     env = os.environ | {
         "PREFECT_HOME": str(project / ".prefect"),
         "PREFECT_WORKER_QUERY_SECONDS": "1",
         "PYTHONUNBUFFERED": "1",
-    }
+    } | (env or {})
     env.pop("PREFECT_API_URL", None)
     log = project / "serve.log"
     script = Path(sys.executable).with_name("rlflow")
@@ -169,6 +171,11 @@ def test_sigkill_on_serve_leaves_no_service_behind(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+# A lost machine is declared after 75 s without a flow heartbeat (not 150; serve's workers beat every 30 s, Prefect's
+# least), and a run's lease goes stale after 120 s without its heartbeat (not 300): the heartbeat test's times.
+SERVED_ENV = {"RLFLOW_HEARTBEAT_LOST_S": "75", "RLFLOW_LEASE_TIMEOUT_S": "120"}
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """`rlflow init` + `rlflow serve` in a fresh project directory, the way a user starts them."""
@@ -177,7 +184,7 @@ def served(tmp_path_factory):
     prefect_port, mlflow_port = free_port(), free_port()
     mlflow_uri = f"http://127.0.0.1:{mlflow_port}"
     tiny_train_recipe(project, mlflow_uri)
-    proc = start_serve(project, prefect_port, mlflow_port)
+    proc = start_serve(project, prefect_port, mlflow_port, env=SERVED_ENV)
     log = project / "serve.log"
     tree = descendants(proc.pid)
     yield {
@@ -416,6 +423,56 @@ def test_a_full_pool_queues_a_run_and_a_killed_run_resumes_on_its_own(served):
     assert run.data.tags["rlflow.attempts"] == "2"
     assert json.loads(run.data.tags["rlflow.attempt.2"])["start_step"] == 2  # resumed after checkpoint 1
     assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # served over HTTP, readable from elsewhere
+
+
+@pytest.mark.slow  # about four minutes: 75 s to call the machine lost, then the wait for its lease
+def test_a_run_whose_heartbeats_stop_is_resumed_once_its_lease_goes_stale(served):
+    """A lost machine, as Prefect sees one: the flow's processes SIGSTOPped after its first checkpoint send no
+    heartbeat and report nothing. The heartbeat automation marks the run Crashed (75 s here, SERVED_ENV), the crashed
+    automation reschedules it, and the new attempt waits for the stopped process's lease to go stale (120 s), takes
+    the run over and finishes it. The stopped process is killed then: its worker's late report of that exit
+    reschedules the finished run once more, which ends Completed, with nothing to resume, instead of Failed."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    from rlflow.tasks.attempts import AUTO_RESUME_MESSAGE
+
+    project = served["project"]
+    store = project / "runs/heartbeat-lost"
+    run_id = start_run(served["api"], "heartbeat-lost")
+    with SyncPrefectClient(served["api"]) as client:
+        deadline = time.monotonic() + 240
+        while not (store / "checkpoints/1/COMMITTED").is_file():
+            assert time.monotonic() < deadline, client.read_flow_run(run_id).state
+            time.sleep(0.5)
+        group = os.getpgid(int(client.read_flow_run(run_id).infrastructure_pid))
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 420
+            while not client.read_flow_run(run_id).state.is_completed():
+                assert time.monotonic() < deadline, client.read_flow_run(run_id).state
+                time.sleep(1)
+            history = [(st.name, st.message) for st in client.read_flow_run_states(run_id)]
+            assert ("Crashed", "crashed: no heartbeat for 75 s (its machine or process is gone)") in history, history
+            assert ("AwaitingRetry", AUTO_RESUME_MESSAGE) in history, history
+            assert json.loads((store / "status.json").read_text())["status"] == "finished"
+            assert (store / "checkpoints/5/COMMITTED").is_file()
+            log = (project / ".rlflow-serve/worker-rlflow-process.log").read_text()
+            assert "waiting up to" in log, log[-3000:]  # for the stopped process's lease
+        finally:
+            os.killpg(group, signal.SIGKILL)
+        resumes = len([h for h in history if h[0] == "AwaitingRetry"])
+        deadline = time.monotonic() + 120  # the worker reports the kill; the automation reschedules; it completes
+        while True:
+            states = sorted(client.read_flow_run_states(run_id), key=lambda st: st.timestamp)
+            again = [st for st in states if st.name == "AwaitingRetry"][resumes:]
+            if again and states[-1].is_final() or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        run = client.read_flow_run(run_id)
+        assert run.state.is_completed(), [(st.name, st.message) for st in states]
+        if again:  # rescheduled by the late report: the attempt said there was nothing to resume
+            assert "nothing to resume" in (run.state.message or ""), run.state
+    assert json.loads((store / "status.json").read_text())["status"] == "finished"
 
 
 def test_cancel_in_the_ui_ends_the_run_and_keeps_its_checkpoints(served):

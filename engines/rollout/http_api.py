@@ -235,7 +235,11 @@ class BackgroundServer:
         sock.bind((host, port))
         self.host, self.port = host, sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30))
+        # log_config=None: uvicorn's own dictConfig would reconfigure this whole process's logging, closing every
+        # handler (Prefect's API log handler included) under logging's lock; that deadlocked a flow run whose
+        # heartbeat thread asked for a logger meanwhile
+        self._server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off",
+                                                     timeout_keep_alive=30))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name=name)
         self._thread.start()
         deadline = time.monotonic() + 30

@@ -35,6 +35,7 @@ TIMEOUT_ENV = "RLFLOW_LEASE_TIMEOUT_S"
 TAKEOVER_ENV = "RLFLOW_TAKEOVER"
 DEFAULT_TIMEOUT_S = 300.0
 HEARTBEATS_PER_TIMEOUT = 5  # a holder renews five times within its timeout: one slow write does not lose the lease
+STALE_MARGIN_S = 2.0  # a waiting taker looks again this long after a lease's expected staleness
 HOST = socket.gethostname()
 
 _live: set[str] = set()  # the ids of the leases this process holds now
@@ -149,8 +150,34 @@ class RunLease:
     def held(self) -> bool:
         return self.id in _live and self.lost is None
 
-    def acquire(self) -> None:
-        """Take the run's lease, or raise LeaseHeld naming the live holder; then start the heartbeat."""
+    def acquire(self, wait_for_stale: bool = False) -> None:
+        """Take the run's lease, or raise LeaseHeld naming the live holder; then start the heartbeat.
+
+        wait_for_stale: a live-looking holder is waited for, until its lease would go stale (its last heartbeat plus
+        its timeout, and a margin), before LeaseHeld. An automatic resume needs that: Prefect declares a lost machine's
+        run crashed after its flow heartbeats stop (150 s), before the lease of that machine's process, which cannot
+        be checked from here, goes stale (300 s); without the wait the resumed attempt would fail at once."""
+        if not wait_for_stale:
+            return self._acquire()
+        deadline = None
+        while True:
+            try:
+                return self._acquire()
+            except LeaseHeld as held:
+                current = self.store.read_json(LEASE) if self.store.exists(LEASE) else None
+                if not well_formed(current):
+                    raise
+                stale_at = current["heartbeat"] + current["timeout_s"] + STALE_MARGIN_S
+                if deadline is None:
+                    deadline = stale_at
+                    log.warning("run %r: waiting up to %.0f s for the lease of %s to go stale (its holder may be on "
+                                "a machine that is gone)", self.store.run, max(0.0, stale_at - time.time()),
+                                describe(current, time.time()))
+                if time.time() > deadline:  # it kept renewing past the first deadline: a live writer
+                    raise held
+                time.sleep(max(0.5, min(5.0, stale_at - time.time())))
+
+    def _acquire(self) -> None:
         started = process_start(os.getpid())
         taken: list[str] = []
 
