@@ -313,6 +313,15 @@ def start_run(api: str, name: str, **changes) -> str:
         return str(run_deployment("post-train/post-train", parameters={"config": config}, timeout=0).id)
 
 
+def wait_committed(client, run_id: str, store: Path, step: int = 1, timeout: float = 240) -> int:
+    """Wait for the run's checkpoint `step` to be committed in `store`; the pid of its flow process."""
+    deadline = time.monotonic() + timeout
+    while not (store / f"checkpoints/{step}/COMMITTED").is_file():
+        assert time.monotonic() < deadline, client.read_flow_run(run_id).state
+        time.sleep(0.5)
+    return int(client.read_flow_run(run_id).infrastructure_pid)
+
+
 def mlflow_metrics(uri: str, run_name: str) -> dict:
     """{key: {step: value}} of the MLflow run `run_name`, timings and rates left out (they differ between any two
     runs; tests/test_resume.py leaves out the same)."""
@@ -444,11 +453,7 @@ def test_a_run_whose_heartbeats_stop_is_resumed_once_its_lease_goes_stale(served
     store = project / "runs/heartbeat-lost"
     run_id = start_run(served["api"], "heartbeat-lost")
     with SyncPrefectClient(served["api"]) as client:
-        deadline = time.monotonic() + 240
-        while not (store / "checkpoints/1/COMMITTED").is_file():
-            assert time.monotonic() < deadline, client.read_flow_run(run_id).state
-            time.sleep(0.5)
-        group = os.getpgid(int(client.read_flow_run(run_id).infrastructure_pid))
+        group = os.getpgid(wait_committed(client, run_id, store))
         os.killpg(group, signal.SIGSTOP)
         try:
             deadline = time.monotonic() + 420
@@ -492,11 +497,7 @@ def test_cancel_in_the_ui_ends_the_run_and_keeps_its_checkpoints(served):
     store = project / "runs/cancelled-in-ui"
     run_id = start_run(served["api"], "cancelled-in-ui", train={"steps": 100000})
     with SyncPrefectClient(served["api"]) as client:
-        deadline = time.monotonic() + 240
-        while not (store / "checkpoints/1/COMMITTED").is_file():
-            assert time.monotonic() < deadline, client.read_flow_run(run_id).state
-            time.sleep(0.5)
-        flow_pid = int(client.read_flow_run(run_id).infrastructure_pid)
+        flow_pid = wait_committed(client, run_id, store)
         tree = {flow_pid} | descendants(flow_pid)
         with browser_page() as page:
             page.goto(f"{served['ui']}/runs/flow-run/{run_id}", timeout=60_000)
@@ -527,11 +528,7 @@ def test_sigterm_stops_the_runs_and_every_service_serve_started(served):
     project, proc = served["project"], served["proc"]
     run_id = start_run(served["api"], "stopped-by-serve", train={"steps": 100000})
     with SyncPrefectClient(served["api"]) as client:
-        deadline = time.monotonic() + 240
-        while not (project / "runs/stopped-by-serve/checkpoints/1/COMMITTED").is_file():
-            assert time.monotonic() < deadline, client.read_flow_run(run_id).state
-            time.sleep(0.5)
-        flow_pid = int(client.read_flow_run(run_id).infrastructure_pid)
+        flow_pid = wait_committed(client, run_id, project / "runs/stopped-by-serve")
     tree = descendants(proc.pid)
     assert len(tree) >= 3 and all(port_open(p) for p in served["ports"])
     t0 = time.monotonic()
