@@ -76,6 +76,9 @@ def test_the_route_order_groups_pairs_by_expert_without_a_host_sync():
         x, w = torch.randn(6, d_in), torch.randn(4, d_in, d_out)
         out = grouped_mm(x, w, offsets)
         assert torch.allclose(out, torch.cat([x[:2] @ w[0], x[2:3] @ w[1], x[3:] @ w[2]]), atol=1e-6)
+    x = torch.randn(6 * 4 + 1)[1:].view(6, 4)  # 4 bytes past an aligned address (a view into a flat buffer)
+    assert torch.allclose(grouped_mm(x, w := torch.randn(4, 4, 8), offsets),
+                          torch.cat([x[:2] @ w[0], x[2:3] @ w[1], x[3:] @ w[2]]), atol=1e-6)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
