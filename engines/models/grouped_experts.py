@@ -5,8 +5,9 @@ SequentialMLP) loops over the experts in Python: a small GEMM per expert, and a 
 tokens. Here the (token, slot) pairs are sorted by expert on the device, so each expert's rows are contiguous,
 and two grouped matmuls compute every expert at once: gate/up, then down. `torch.nn.functional.grouped_mm`
 (torch >= 2.10: a CUDA kernel for bf16 on SM80+, and a CPU kernel) takes the cumulative row counts per expert as
-its offsets; they are computed and kept on the device, so the forward never waits for the host. The routing
-weights scale each row, and index_add sums the rows back into token order.
+its offsets; they are computed and kept on the device, so the forward never waits for the host. The rows go back
+to token order and each token's k rows are summed with their routing weights in one batched matmul: no atomics,
+so the forward gives the same result every time (the engine's and the trainer's log-probs must agree).
 
 Why torch's grouped matmul and not a Triton kernel of our own: it is the kernel torchtitan's MoE uses (CUTLASS on
 Hopper), it has a backward, and the sort/scatter around it are plain torch ops that compile. Where it does not
@@ -70,8 +71,12 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     x = hidden[rows]
     gate, up = grouped_mm(x, gate_up_proj.transpose(1, 2), offsets).chunk(2, dim=-1)
     y = grouped_mm(act(gate) * up, down_proj.transpose(1, 2), offsets)
-    y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
-    return torch.zeros_like(hidden).index_add_(0, rows, y.to(hidden.dtype))
+    # back to (token, slot) order, each row written once, then each token's k rows weighted and summed in one
+    # batched GEMM (fp32 accumulation): the same sum on every call. An index_add of the sorted rows into the
+    # tokens (atomics on CUDA) summed a token's k rows in bf16 in whatever order they landed, so two identical
+    # forwards differed (4e-2 in a tiny model's logits on an H200).
+    rows_in_order = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, -1)
+    return torch.bmm(top_k_weights.to(y.dtype).unsqueeze(1), rows_in_order).squeeze(1).to(hidden.dtype)
 
 
 def _grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
