@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
 from bench import harness
 from rlflow.engines.core.config import KVCacheConfig
@@ -56,13 +56,24 @@ SHAPES = {
                num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
     "smoke": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2),
+    # Qwen3-30B-A3B's layer (128 experts of width 768, top-8, hidden 2048, 32 q / 4 kv heads of 128) in 12 of
+    # its 48 layers: 16 GB of weights (61 GB whole), which a 64 GB disk holds; per-layer figures carry over
+    "30B-A3B-12L": dict(arch="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, num_hidden_layers=12,
+                        num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False),
+    "smoke-moe": dict(arch="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
+                      moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
 
 
 def build_model(size: str, out: Path, device: str) -> Path:
-    """Random Qwen2 of `size` in bf16 (HF directory) with the char tokenizer beside it."""
-    cfg = Qwen2Config(**{"tie_word_embeddings": True, "rope_theta": 1e6, "max_position_embeddings": MAX_POSITIONS,
-                         **SHAPES[size]})
+    """Random Qwen2 (or, with arch qwen3_moe, Qwen3-MoE) of `size` in bf16 (HF directory) with the char tokenizer
+    beside it."""
+    shape = dict(SHAPES[size])
+    config_class = Qwen3MoeConfig if shape.pop("arch", "qwen2") == "qwen3_moe" else Qwen2Config
+    cfg = config_class(**{"tie_word_embeddings": True, "rope_theta": 1e6, "max_position_embeddings": MAX_POSITIONS,
+                          **shape})
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -91,6 +102,11 @@ def decode_limit(model: torch.nn.Module, batch: int, prompt_len: int, new_tokens
     sequence's own tokens: what the paged cache holds and its attention reads)."""
     cfg = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: counted once
+    experts = getattr(cfg, "num_experts", None)
+    if experts:  # MoE: a step reads only the experts its batch's tokens go to (uniform routing, expected count)
+        expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+        touched = 1 - (1 - cfg.num_experts_per_tok / experts) ** batch
+        weight_bytes -= expert_bytes * (1 - touched)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     element = next(model.parameters()).element_size()
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * element  # k and v
@@ -327,7 +343,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.size = "smoke"
-    smoke = args.size == "smoke"
+    smoke = args.size.startswith("smoke")
     args.sweep_batches = args.sweep_batches or ([2, 4] if smoke else [64, 256, 512])
     args.sweep_new_tokens = args.sweep_new_tokens or ([8, 32] if smoke else [1024, 8192])
     args.group_new_tokens = args.group_new_tokens or (64 if smoke else 1024)
