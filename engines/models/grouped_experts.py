@@ -75,7 +75,7 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     # batched GEMM (fp32 accumulation): the same sum on every call. An index_add of the sorted rows into the
     # tokens (atomics on CUDA) summed a token's k rows in bf16 in whatever order they landed, so two identical
     # forwards differed (4e-2 in a tiny model's logits on an H200).
-    rows_in_order = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, -1)
+    rows_in_order = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, y.shape[-1])
     return torch.bmm(top_k_weights.to(y.dtype).unsqueeze(1), rows_in_order).squeeze(1).to(hidden.dtype)
 
 
