@@ -19,9 +19,12 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
+import httpx
 import yaml
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
@@ -33,7 +36,7 @@ from prefect.client.schemas.filters import (
     WorkPoolFilterName,
 )
 from prefect.client.schemas.objects import FlowRun, StateType
-from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound, PrefectHTTPStatusError
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelling, Crashed
 from prefect.workers.process import ProcessWorker
@@ -41,6 +44,8 @@ from prefect.workers.process import ProcessWorker
 from rlflow.flows.project import ProjectError
 
 STOP_GRACE_S = 60.0  # how long a stopping serve waits for its runs to end (Prefect's own cancel grace is 30 s)
+T = TypeVar("T")
+BUSY_S = 60.0  # how long a stopping serve keeps asking a server that answers 5xx (its SQLite locked, under load)
 
 
 @dataclass
@@ -145,11 +150,27 @@ def _wait_ended(runs: list[StoppedRun], grace_s: float) -> None:
         time.sleep(0.5)
 
 
+def _patient(call: Callable[[], T], within_s: float = BUSY_S) -> T:
+    """`call()`, asked again while the server answers 5xx or does not answer, for up to `within_s`. A Prefect server
+    on SQLite under load answers 503 ("database is locked") for seconds at a time, after the client's own retries:
+    a stopping serve that gave up there left its runs Running (a CI run saw it)."""
+    deadline, delay = time.monotonic() + within_s, 0.5
+    while True:
+        try:
+            return call()
+        except (PrefectHTTPStatusError, httpx.TransportError) as exc:
+            status = exc.response.status_code if isinstance(exc, PrefectHTTPStatusError) else 503
+            if status < 500 or time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(2 * delay, 5.0)
+
+
 def _runs(client: SyncPrefectClient, pools: list[str], states: list[StateType]) -> list[FlowRun]:
     """The flow runs of `pools` in one of `states`."""
-    return client.read_flow_runs(
+    return _patient(lambda: client.read_flow_runs(
         work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=pools)),
-        flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=states))))
+        flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=states)))))
 
 
 def _pid(run: FlowRun) -> int | None:
@@ -165,7 +186,8 @@ def cancel_runs(api_url: str, pools: list[str], grace_s: float = STOP_GRACE_S) -
         runs = _runs(client, pools, [StateType.RUNNING, StateType.PENDING])
         stopped = [StoppedRun(str(r.id), r.name, _pid(r)) for r in runs]
         for r in runs:
-            client.set_flow_run_state(r.id, Cancelling(message="rlflow serve is stopping"), force=True)
+            _patient(lambda r=r: client.set_flow_run_state(r.id, Cancelling(message="rlflow serve is stopping"),
+                                                           force=True))
         _wait_ended(stopped, grace_s)
     return stopped
 
@@ -180,9 +202,9 @@ def end_runs(api_url: str, stopped: list[StoppedRun], why: str) -> None:
                 os.killpg(os.getpgid(r.pid), signal.SIGKILL)
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         for r in stopped:
-            state = client.read_flow_run(r.id).state
+            state = _patient(lambda r=r: client.read_flow_run(r.id)).state
             if state is None or state.type not in (StateType.SCHEDULED, StateType.CRASHED, StateType.COMPLETED):
-                client.set_flow_run_state(r.id, Crashed(message=why), force=True)
+                _patient(lambda r=r: client.set_flow_run_state(r.id, Crashed(message=why), force=True))
 
 
 def pause_pools(api_url: str, pools: list[str], paused: bool) -> None:
@@ -190,7 +212,7 @@ def pause_pools(api_url: str, pools: list[str], paused: bool) -> None:
     and an automation reschedules is not started again before the worker stops; `ensure_pools` resumes them."""
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         for name in pools:
-            client.update_work_pool(name, WorkPoolUpdate(is_paused=paused))
+            _patient(lambda name=name: client.update_work_pool(name, WorkPoolUpdate(is_paused=paused)))
 
 
 def orphaned_runs(api_url: str, pools: list[str]) -> list[StoppedRun]:

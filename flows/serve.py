@@ -275,8 +275,11 @@ def stop_runs_then_services(svc: Services, api: str | None, pools: list[str]) ->
     stopped = []
     workers = sum(1 for p in svc.procs if "worker" in p.args)
     if api is not None and workers:
-        try:
+        try:  # no run starts now; a pool left running only risks a start that the workers' stop then ends
             pause_pools(api, pools, paused=True)
+        except Exception as exc:  # noqa: BLE001 - the runs must still be stopped
+            print(f"could not pause the pools: {type(exc).__name__}: {exc}", file=sys.stderr)
+        try:
             stopped = cancel_runs(api, pools)
             if stopped:
                 print(f"stopped {len(stopped)} run(s): " + ", ".join(r.name for r in stopped), flush=True)

@@ -7,14 +7,16 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import yaml
 from prefect.client.schemas.objects import StateType
+from prefect.exceptions import PrefectHTTPStatusError
 
 from rlflow.engines.core.config import RecipeError
 from rlflow.engines.models.hf import build_char_tokenizer, decode_responses
 from rlflow.flows.auto_resume import automations, heartbeat_lost_s, heartbeat_s
-from rlflow.flows.pools import PoolSpec, parse_limits, project_pools
+from rlflow.flows.pools import PoolSpec, _patient, parse_limits, project_pools
 from rlflow.flows.project import ProjectError
 from rlflow.tasks.attempts import AUTO_RESUME_MESSAGE, automatic_attempts
 from rlflow.tasks.run_context import NothingToResume, RunAlreadyFinished, refuse_finished_run
@@ -150,3 +152,30 @@ def test_the_heartbeat_automation_waits_for_two_beats_at_least(monkeypatch):
         with pytest.raises(ValueError, match=f"RLFLOW_HEARTBEAT_LOST_S={bad!r}: expected a whole number of seconds, "
                                              "at least 60"):
             heartbeat_lost_s()
+
+
+def test_a_stopping_serve_asks_a_busy_prefect_server_again():
+    """A Prefect server on SQLite under load answers 503 for seconds ("database is locked"): the calls a stopping
+    serve makes (pause, list, cancel, mark crashed) are asked again for up to a bound; a 4xx is an answer."""
+    def failing(status: int, times: int):
+        calls = []
+
+        def call():
+            calls.append(1)
+            if len(calls) <= times:
+                request = httpx.Request("PATCH", "http://prefect/api/work_pools/p")
+                raise PrefectHTTPStatusError.from_httpx_error(httpx.HTTPStatusError(
+                    "busy", request=request, response=httpx.Response(status, request=request)))
+            return "done"
+        return call, calls
+
+    call, calls = failing(503, 2)
+    assert _patient(call, within_s=10) == "done" and len(calls) == 3
+    call, calls = failing(404, 1)
+    with pytest.raises(PrefectHTTPStatusError):
+        _patient(call, within_s=10)
+    assert len(calls) == 1
+    call, calls = failing(503, 100)
+    with pytest.raises(PrefectHTTPStatusError):
+        _patient(call, within_s=1.2)
+    assert 2 <= len(calls) <= 4
