@@ -132,9 +132,9 @@ def test_an_automatic_resume_waits_for_a_lost_machines_lease_to_go_stale(storage
     assert re.search(r"waiting up to \d+ s for the lease of host lost-host, pid 1", caplog.text), caplog.text
     assert "took over the lease of host lost-host, pid 1" in caplog.text
 
-    def renew():  # a holder on another host that is alive after all: its heartbeats go on
+    def renew():  # a holder on another host that is alive after all: its heartbeats go on, as RunLease writes them
         while not done.wait(0.5):
-            store.write_json(_lease_of("busy-host", 1, heartbeat_age_s=0, timeout_s=3), "LEASE")
+            store.update_json(lambda held: _lease_of("busy-host", 1, heartbeat_age_s=0, timeout_s=3), "LEASE")
 
     done = threading.Event()
     store.write_json(_lease_of("busy-host", 1, heartbeat_age_s=0, timeout_s=3), "LEASE")
