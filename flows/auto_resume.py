@@ -58,9 +58,9 @@ def automation_names(deployment: str) -> list[str]:
     return [f"rlflow auto-resume {deployment}: {kind}" for kind in ("process killed", "crashed", "heartbeat lost")]
 
 
-def automations(deployment: str, deployment_id: UUID, lost_s: int | None = None) -> list[AutomationCore]:
-    """The three automations of one deployment (see the module's docstring); lost_s: heartbeat_lost_s()."""
-    lost_s = heartbeat_lost_s() if lost_s is None else lost_s
+def automations(deployment: str, deployment_id: UUID) -> list[AutomationCore]:
+    """The three automations of one deployment (see the module's docstring)."""
+    lost_s = heartbeat_lost_s()
     of_deployment = {"prefect.resource.role": "deployment",
                      "prefect.resource.id": f"prefect.deployment.{deployment_id}"}
     reschedule = [ChangeFlowRunState(state=StateType.SCHEDULED, name="AwaitingRetry", message=AUTO_RESUME_MESSAGE)]

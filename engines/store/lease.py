@@ -164,7 +164,7 @@ class RunLease:
             try:
                 return self._acquire()
             except LeaseHeld as held:
-                current = self.store.update_json(lambda held: None, LEASE)  # a read under the writers' lock
+                current = self.store.update_json(lambda _: None, LEASE)  # a read under the writers' lock
                 if not well_formed(current):
                     raise
                 stale_at = current["heartbeat"] + current["timeout_s"] + STALE_MARGIN_S
