@@ -178,17 +178,34 @@ def _pid(run: FlowRun) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def _signal_run(run: StoppedRun, sig: signal.Signals) -> None:
+    """`sig` to a live flow process's group (the process worker starts each flow in a session of its own), or to the
+    process alone where it leads no group: a worker's group must never be signalled."""
+    if not _alive(run.pid):
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(run.pid) == run.pid:
+            os.killpg(run.pid, sig)
+        else:
+            os.kill(run.pid, sig)
+
+
 def cancel_runs(api_url: str, pools: list[str], grace_s: float = STOP_GRACE_S) -> list[StoppedRun]:
-    """Cancel every flow run in progress on `pools` through Prefect (the worker that started it sends the cancel to
-    the flow, then SIGTERM to its process group: the run closes its engines and keeps what it committed), and wait
-    up to `grace_s` for their processes to end. Returns them, for `end_runs` once the workers are stopped."""
+    """Cancel every flow run in progress on `pools`: marked Cancelling in Prefect (the UI shows why), and SIGTERM to
+    its process group at once (the run closes its engines and keeps what it committed); then wait up to `grace_s`
+    for their processes to end. Returns them, for `end_runs` once the workers are stopped.
+
+    The SIGTERM is sent here rather than left to the worker: the worker only sees the cancel at its next poll and
+    first imports the flow module for its cancellation hooks, which took over a minute on a loaded CI machine."""
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         runs = _runs(client, pools, [StateType.RUNNING, StateType.PENDING])
         stopped = [StoppedRun(str(r.id), r.name, _pid(r)) for r in runs]
         for r in runs:
             _patient(lambda r=r: client.set_flow_run_state(r.id, Cancelling(message="rlflow serve is stopping"),
                                                            force=True))
-        _wait_ended(stopped, grace_s)
+    for r in stopped:
+        _signal_run(r, signal.SIGTERM)
+    _wait_ended(stopped, grace_s)
     return stopped
 
 
@@ -197,9 +214,7 @@ def end_runs(api_url: str, stopped: list[StoppedRun], why: str) -> None:
     `why`, a state the UI offers Retry on and the auto-resume automation reschedules (flows/auto_resume.py). A run
     that automation already rescheduled stays scheduled: it resumes when a worker serves its pool again."""
     for r in stopped:
-        if _alive(r.pid):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(os.getpgid(r.pid), signal.SIGKILL)
+        _signal_run(r, signal.SIGKILL)
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         for r in stopped:
             state = _patient(lambda r=r: client.read_flow_run(r.id)).state
@@ -227,9 +242,7 @@ def end_orphans(api_url: str, orphans: list[StoppedRun], grace_s: float = STOP_G
     """End what a previous serve left: SIGTERM a still-running flow process's group (its run closes its engines),
     SIGKILL it after `grace_s`, and mark every such run CRASHED, so Retry and auto-resume can take it."""
     for r in orphans:
-        if _alive(r.pid):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(os.getpgid(r.pid), signal.SIGTERM)
+        _signal_run(r, signal.SIGTERM)
     _wait_ended(orphans, grace_s)
     end_runs(api_url, orphans, "crashed: left in progress by an earlier rlflow serve that was stopped or killed; "
              "Retry resumes it from its last committed checkpoint")

@@ -272,7 +272,7 @@ def stop_runs_then_services(svc: Services, api: str | None, pools: list[str]) ->
     (killed, marked Crashed), then MLflow and Prefect. A Prefect server that does not answer skips to the end."""
     from rlflow.flows.pools import cancel_runs, end_runs, pause_pools  # deferred: Prefect (see ensure_work_pool)
 
-    stopped = []
+    stopped, t0 = [], time.monotonic()
     workers = sum(1 for p in svc.procs if "worker" in p.args)
     if api is not None and workers:
         try:  # no run starts now; a pool left running only risks a start that the workers' stop then ends
@@ -282,7 +282,8 @@ def stop_runs_then_services(svc: Services, api: str | None, pools: list[str]) ->
         try:
             stopped = cancel_runs(api, pools)
             if stopped:
-                print(f"stopped {len(stopped)} run(s): " + ", ".join(r.name for r in stopped), flush=True)
+                print(f"stopped {len(stopped)} run(s) in {time.monotonic() - t0:.1f} s: "
+                      + ", ".join(r.name for r in stopped), flush=True)
         except Exception as exc:  # noqa: BLE001 - the services must stop whatever happened to the API
             print(f"could not cancel the runs in progress: {type(exc).__name__}: {exc}", file=sys.stderr)
     svc.stop(newest=workers)
@@ -293,4 +294,6 @@ def stop_runs_then_services(svc: Services, api: str | None, pools: list[str]) ->
             time.sleep(AUTOMATION_S)  # the auto-resume automation's reschedule, before the server goes
         except Exception as exc:  # noqa: BLE001
             print(f"could not mark the stopped runs crashed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    print(f"workers stopped, runs ended after {time.monotonic() - t0:.1f} s; stopping MLflow and Prefect", flush=True)
     svc.stop()
+    print(f"all services stopped after {time.monotonic() - t0:.1f} s", flush=True)

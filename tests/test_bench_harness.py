@@ -5,6 +5,8 @@ figure; a report is rewritten whole where its folder does not exist yet."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from bench import harness
@@ -51,3 +53,18 @@ def test_timing_calls_after_the_warm_up_and_device_tables():
     assert harness.by_device(harness.PEAK_BF16_TFLOPS, "NVIDIA H100 80GB HBM3") == 989.4
     assert harness.by_device(harness.HBM_GB_PER_S, "NVIDIA H200") == 4800.0
     assert harness.by_device(harness.PEAK_BF16_TFLOPS, "cpu") is None
+
+
+def test_moe_benches_run_their_smoke_shapes(tmp_path):
+    """bench/rollout/moe_decode.py and bench/train/routing_replay.py on their CPU smoke shapes: the decode check
+    holds (graphs on and off agree, records are whole) and the mismatch report has its three rows."""
+    decode, replay = tmp_path / "decode.json", tmp_path / "replay.json"
+    for module, out in (("bench.rollout.moe_decode", decode), ("bench.train.routing_replay", replay)):
+        subprocess.run([sys.executable, "-m", module, "--smoke", "--out", str(out)], check=True, timeout=600,
+                       capture_output=True, cwd=REPO)
+    check = json.loads(decode.read_text())["check"]
+    assert check["same_tokens"] and check["same_routing_records"] and check["record_vs_full_forward_agreement"] == 1
+    points = json.loads(decode.read_text())["points"]
+    assert [p["batch"] for p in points] == [2, 4] and all(p["graphs"]["tokens_per_s"] > 0 for p in points)
+    report = json.loads(replay.read_text())
+    assert {"moe_live", "moe_r3", "dense"} <= set(report) and 0 <= report["routing_flips"] < 1

@@ -263,8 +263,8 @@ def test_own_forward_matches_hf(tmp_path, arch, fused):
     if fused:
         flatten_({n: params[n] for n in fusable_order(list(params))})
     lm = DecoderLM(hf)
-    dense = [i for i in range(2) if f"model.layers.{i}.mlp.gate_proj.weight" in params]  # MoE: HF's block runs
-    assert lm.graph_safe == (len(dense) == 2)
+    dense = [i for i in range(2) if f"model.layers.{i}.mlp.gate_proj.weight" in params]
+    assert lm.graph_safe  # MoE layers too: their experts run on torch's grouped kernel (fp32 on CPU, bf16 on CUDA)
     assert lm.fused_groups == (hf.config.num_hidden_layers + len(dense) if fused else 0)
     if fused:  # the buffer moves: the fused views follow it
         flatten_({n: params[n] for n in fusable_order(list(params))})

@@ -51,7 +51,12 @@ ROLLOUT_SCHEMA = pa.schema([
     ("baseline", pa.bool_()),  # ReMax: the group's greedy sample, rewarded as its baseline, never trained on
     ("response", pa.string()),  # the text the reward saw
     ("reward", pa.float64()),
+    # routing replay r3: the experts of each token fed to the rollout model, [tokens, routing_width] flat (the
+    # width, MoE layers x k, in the schema metadata); null: not recorded
+    ("routed_experts", pa.list_(pa.int16())),
 ])
+ROUTED_EXPERTS = "routed_experts"  # the TrainBatch column: [N, L, MoE layers x k] int16, -1 where not recorded
+ROUTING_WIDTH = "routing_width"  # RolloutBatch.metadata: ids a token's record holds
 _TOKEN_FIELDS = ("output_ids", "output_logprobs", "loss_mask")  # flat over all samples, cut by `lengths`
 
 
@@ -103,23 +108,31 @@ class RolloutBatch:
     metadata: dict[str, str] = field(default_factory=dict)  # persisted in the table's schema metadata
     # int64 [N]: the last weights (a partial rollout continues across updates); None: the first's
     last_weight_version: np.ndarray | None = None
+    # routing replay r3: per sample, int16 [tokens, metadata routing_width] (tokens: those fed to the rollout model,
+    # prompt first; at most prompt + response), or None where not recorded; None: nothing recorded
+    routed_experts: list[np.ndarray | None] | None = None
 
     def __post_init__(self) -> None:
         if self.last_weight_version is None:
             self.last_weight_version = self.weight_version.copy()
 
     @classmethod
-    def from_samples(cls, prompts: Sequence[PromptLike], groups: Sequence[Sequence[SampleLike]]) -> RolloutBatch:
-        """What the rollout functions returned, one group of samples per prompt (group g belongs to prompts[g])."""
+    def from_samples(cls, prompts: Sequence[PromptLike], groups: Sequence[Sequence[SampleLike]],
+                     routing_width: int | None = None) -> RolloutBatch:
+        """What the rollout functions returned, one group of samples per prompt (group g belongs to prompts[g]).
+        `routing_width`: ids per token in the samples' routed_experts (MoE layers x k), kept when any has one."""
         pairs = [(g, p, s) for g, (p, samples) in enumerate(zip(prompts, groups, strict=True)) for s in samples]
         samples = [s for _, _, s in pairs]
         lengths = np.array([len(s.response_ids) for s in samples], dtype=np.int64)
         total = int(lengths.sum())
+        prompt_ids = [list(s.prompt_ids if s.prompt_ids is not None else p.prompt_ids) for _, p, s in pairs]
+        routed = _routing_records([getattr(s, "routed_experts", None) for s in samples], prompt_ids, lengths,
+                                  routing_width)
         return cls(
             prompt=[p.prompt for _, p, _ in pairs],
             label=[p.label for _, p, _ in pairs],
             group=np.array([g for g, _, _ in pairs], dtype=np.int64),
-            prompt_ids=[list(s.prompt_ids if s.prompt_ids is not None else p.prompt_ids) for _, p, s in pairs],
+            prompt_ids=prompt_ids,
             output_ids=np.fromiter((t for s in samples for t in s.response_ids), dtype=np.int64, count=total),
             output_logprobs=np.fromiter((x for s in samples for x in (s.logprobs or [0.0] * len(s.response_ids))),
                                         dtype=np.float32, count=total),
@@ -135,6 +148,8 @@ class RolloutBatch:
             last_weight_version=np.array([_last_version(s) for s in samples], dtype=np.int64),
             carried=np.array([bool(s.metadata.get("carried")) for s in samples], dtype=bool),
             baseline=np.array([bool(s.metadata.get("remax_baseline")) for s in samples], dtype=bool),
+            routed_experts=routed,
+            metadata={ROUTING_WIDTH: str(routing_width)} if routed is not None else {},
         )
 
     # ---- views -------------------------------------------------------------------------------------------
@@ -192,6 +207,7 @@ class RolloutBatch:
             response=None if self.response is None else [self.response[i] for i in pick],
             reward=None if self.reward is None else self.reward[idx],
             metadata=dict(self.metadata),
+            routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in pick],
         )
 
     # ---- stages ------------------------------------------------------------------------------------------
@@ -203,9 +219,18 @@ class RolloutBatch:
         return replace(self, response=list(response), reward=np.asarray(reward, dtype=np.float64))
 
     def to_train_batch(self, pad_id: int, advantages: torch.Tensor) -> TrainBatch:
-        """The samples packed for the train workers (the one place a RolloutBatch becomes a TrainBatch)."""
-        return pack_samples(self.prompt_ids, self.split("output_ids"), self.split("output_logprobs"), advantages,
-                            pad_id, self.split("loss_mask"))
+        """The samples packed for the train workers (the one place a RolloutBatch becomes a TrainBatch); with
+        recorded routing, its ROUTED_EXPERTS column too."""
+        batch = pack_samples(self.prompt_ids, self.split("output_ids"), self.split("output_logprobs"), advantages,
+                             pad_id, self.split("loss_mask"))
+        if self.routed_experts is not None:
+            n, width = batch["input_ids"].shape
+            routed = torch.full((n, width, int(self.metadata[ROUTING_WIDTH])), -1, dtype=torch.int16)
+            for i, rec in enumerate(self.routed_experts):
+                if rec is not None:
+                    routed[i, :len(rec)] = torch.tensor(rec)  # (an Arrow-backed record is read-only)
+            batch[ROUTED_EXPERTS] = routed
+        return batch
 
     def metrics(self) -> dict[str, float]:
         n_tokens = int(self.lengths.sum())
@@ -244,6 +269,8 @@ class RolloutBatch:
             "baseline": self.baseline,
             "response": pa.array(self.response if scored else [None] * len(self), type=pa.string()),
             "reward": pa.array(self.reward if scored else [None] * len(self), type=pa.float64()),
+            "routed_experts": pa.array([None if r is None else r.reshape(-1) for r in (
+                self.routed_experts or [None] * len(self))], type=pa.list_(pa.int16())),
         }, schema=ROLLOUT_SCHEMA.with_metadata(meta or None))
 
     @classmethod
@@ -285,7 +312,42 @@ class RolloutBatch:
             response=column("response", None) if scored else None,
             reward=np.array(reward, dtype=np.float64) if scored else None,
             metadata=meta,
+            routed_experts=_routing_column(table, meta),
         )
+
+
+def _routing_records(records: list[np.ndarray | None], prompt_ids: list[list[int]], lengths: np.ndarray,
+                     width: int | None) -> list[np.ndarray | None] | None:
+    """The samples' flat routed_experts as [tokens, width] int16, each checked to cover at most the sample's
+    tokens; None when no sample has one."""
+    if all(r is None for r in records):
+        return None
+    if not width:
+        raise ValueError("routed_experts: samples carry expert routing, but the model's routing width (MoE layers x "
+                         "experts per token) is not known: is the model a mixture of experts?")
+    out: list[np.ndarray | None] = []
+    for i, (rec, prompt, n) in enumerate(zip(records, prompt_ids, lengths.tolist(), strict=True)):
+        if rec is None:
+            out.append(None)
+            continue
+        rec = np.asarray(rec, dtype=np.int16).reshape(-1)
+        if rec.size % width or rec.size // width > len(prompt) + n:
+            raise ValueError(f"routed_experts of sample {i}: {rec.size} expert ids are not whole tokens of {width} "
+                             f"(MoE layers x k) for at most its {len(prompt) + n} prompt and response tokens")
+        out.append(rec.reshape(-1, width))
+    return out
+
+
+def _routing_column(table: pa.Table, meta: dict[str, str]) -> list[np.ndarray | None] | None:
+    if ROUTED_EXPERTS not in table.column_names or ROUTING_WIDTH not in meta:
+        return None
+    width = int(meta[ROUTING_WIDTH])
+    arr = table.column(ROUTED_EXPERTS).combine_chunks()  # flat numpy slices, not Python lists: records are large
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.values.to_numpy(zero_copy_only=False).astype(np.int16, copy=False)
+    missing = arr.is_null().to_numpy(zero_copy_only=False)
+    return [None if missing[i] else values[offsets[i]:offsets[i + 1]].reshape(-1, width)
+            for i in range(len(arr))]
 
 
 def _last_version(s: SampleLike) -> int:

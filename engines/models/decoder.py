@@ -8,8 +8,10 @@ released/resumed `.data`) are seen here with no extra step (a graph is captured 
 Where the weights lie in one flat buffer in `fusable_order` (the rollout worker's on GPU), q/k/v and gate/up
 run as one GEMM each over views of that memory: at decode batch sizes the projections are small GEMMs whose
 launch and tail costs add up, and a fused view costs nothing to keep current.
-An MoE layer's block runs as HF's own module (router, top-k, experts), and a model with MoE layers decodes
-without CUDA graphs (`graph_safe`).
+An MoE layer routes through engines/models/routing.py's `select_experts` and computes its experts with the grouped
+matmuls of engines/models/grouped_experts.py (the trainer's functions): with bf16 weights on CUDA nothing waits for
+the host, so a MoE decode step is captured as a CUDA graph like a dense one (`graph_safe`). With `record_routing`
+each token's experts are written, on the device, to a [rows, positions, layers, k] store (routing replay, R3).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from rlflow.engines.models.flat_weights import fused_linear
+from rlflow.engines.models.grouped_experts import experts_forward, kernel_applies
 from rlflow.engines.models.kv_pages import PagedKVCache
 from rlflow.engines.models.paged_attention import (
     decode_attention,
@@ -27,6 +30,13 @@ from rlflow.engines.models.paged_attention import (
     sdpa_backends,
     store_kv,
     uses_fast_kernel,
+)
+from rlflow.engines.models.routing import (
+    ROUTING_DTYPE,
+    moe_routers,
+    router_normalizes,
+    routing_shape,
+    select_experts,
 )
 from rlflow.engines.models.transfer import to_device
 
@@ -84,6 +94,22 @@ class DecoderLM:
         self._gate_up: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * layers
         self._fused_at: tuple[int, ...] | None = None
         self.use_fused(True)
+        # routing replay: per MoE layer, its index in a record; the store the engine reads records from (or None)
+        self._moe_index = {id(r): n for n, r in enumerate(moe_routers(hf_model))}
+        self.routing: torch.Tensor | None = None
+
+    @property
+    def routing_shape(self) -> tuple[int, int] | None:
+        """(MoE layers, experts per token), None for a dense model."""
+        return routing_shape(self.model)
+
+    def record_routing(self, rows: int, max_len: int) -> None:
+        """Record every token's experts from now on into `self.routing` [rows, max_len + 1, layers, k] (int16, -1
+        where nothing was recorded; the last column is where idle decode rows write)."""
+        layers, k = self.routing_shape or (0, 0)
+        if not layers:
+            raise ValueError("routing replay: the model has no MoE layers to record")
+        self.routing = torch.full((rows, max_len + 1, layers, k), -1, dtype=ROUTING_DTYPE, device=self.device)
 
     @property
     def device(self) -> torch.device:
@@ -122,10 +148,13 @@ class DecoderLM:
 
     @property
     def graph_safe(self) -> bool:
-        """Whether a decode step is captured as a CUDA graph: not with MoE layers. HF's experts run on the tokens
-        routed to them, and whether its implementations (an eager loop over the experts hit, or grouped_mm)
-        capture and replay correctly has not been checked on a GPU here."""
-        return not any(_is_moe_block(layer.mlp) for layer in self.model.model.layers)
+        """Whether a decode step can be captured as a CUDA graph: every MoE layer's experts must run on torch's
+        grouped kernel (bf16 on CUDA, aligned rows), whose per-expert offsets stay on the device; the reference
+        loop over the experts reads them on the host."""
+        probe = torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        return all(kernel_applies(probe, e.gate_up_proj.transpose(1, 2)) and kernel_applies(
+            probe, e.down_proj.transpose(1, 2)) for e in (layer.mlp.experts for layer in self.model.model.layers
+                                                           if _is_moe_block(layer.mlp)))
 
     @property
     def fused_groups(self) -> int:
@@ -152,8 +181,22 @@ class DecoderLM:
             self._gate_up[i] = fused_linear([mlp.gate_proj, mlp.up_proj]) if self._fuse and dense else None
         return at
 
-    def _layer(self, i: int, x: torch.Tensor, cos, sin, attend) -> torch.Tensor:
-        """Decoder layer i on x [B, T, hidden]; `attend(q, k, v)` stores k/v and returns attention."""
+    def _moe(self, mlp: torch.nn.Module, h: torch.Tensor, route) -> torch.Tensor:
+        """An MoE block on h [B, T, hidden]: the router's top-k (select_experts), the grouped experts; `route(n,
+        ids [B*T, k])` receives the choice of MoE layer n."""
+        flat = h.reshape(-1, h.shape[-1])
+        router, experts = mlp.gate, mlp.experts
+        logits = F.linear(flat, router.weight)
+        weights, ids = select_experts(logits, router.top_k, router_normalizes(router))
+        if route is not None:
+            route(self._moe_index[id(router)], ids)
+        out = experts_forward(flat, ids, weights.to(logits.dtype), experts.gate_up_proj, experts.down_proj,
+                              experts.act_fn)
+        return out.view(h.shape)
+
+    def _layer(self, i: int, x: torch.Tensor, cos, sin, attend, route=None) -> torch.Tensor:
+        """Decoder layer i on x [B, T, hidden]; `attend(q, k, v)` stores k/v and returns attention; `route` sees
+        an MoE layer's expert choice (`_moe`)."""
         layer = self.model.model.layers[i]
         attn, mlp = layer.self_attn, layer.mlp
         bsz, t, _ = x.shape
@@ -175,7 +218,7 @@ class DecoderLM:
         x = x + attn.o_proj(o.transpose(1, 2).reshape(bsz, t, self.num_heads * self.head_dim))
         h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
         if _is_moe_block(mlp):
-            return x + mlp(h)
+            return x + self._moe(mlp, h, route)
         if (gate_up := self._gate_up[i]) is not None:
             gate, up = F.linear(h, *gate_up).chunk(2, dim=-1)
         else:
@@ -187,19 +230,22 @@ class DecoderLM:
         return self.model.lm_head(rms_norm(x, self.model.model.norm.weight, self.eps)).float()
 
     @torch.no_grad()
-    def prefill(self, cache: PagedKVCache, pieces: list[list[int]], starts: list[int], pages: list[list[int]]
-                ) -> torch.Tensor:
+    def prefill(self, cache: PagedKVCache, pieces: list[list[int]], starts: list[int], pages: list[list[int]],
+                owners: list[list[int]] | None = None) -> torch.Tensor:
         """Run `pieces[i]`, the tokens at positions starts[i].. of sequence i, store their keys/values in its
         `pages[i]` (which cover them), and return the next-token logits after each piece [len(pieces), V].
+        While routing is recorded, piece i's experts go to the store's rows `owners[i]` (the rows of the requests
+        that share the piece), at its positions.
 
         Pieces that start a sequence run as one right-padded batch with a plain causal mask (padding sits
         after every real token, so no real query sees it, and only real tokens are stored). A piece that
         continues a sequence (chunked prefill, or a preempted request's recompute in parts) attends to the
         sequence's cached pages plus itself, causally; it runs alone."""
         self.fuse_projections()
+        owners = owners or [[] for _ in pieces]
         if any(starts):
-            return torch.cat([self._prefill_continued(cache, t, s, p) for t, s, p in
-                              zip(pieces, starts, pages, strict=True)])
+            return torch.cat([self._prefill_continued(cache, t, s, p, o) for t, s, p, o in
+                              zip(pieces, starts, pages, owners, strict=True)])
         lengths = [len(p) for p in pieces]
         width = max(lengths)
         ids = to_device([p + [0] * (width - len(p)) for p in pieces], torch.long, self.device)
@@ -214,6 +260,7 @@ class DecoderLM:
         index = to_device([rows, cols, dest_pages, dest_offsets, [n - 1 for n in lengths] + [0] * (len(rows) - len(
             lengths))], torch.long, self.device)
         group = self.num_heads // self.num_kv_heads
+        route = self._route_prefill(lengths, [0] * len(pieces), owners, width)
         x = self.model.model.embed_tokens(ids)
         for i in range(len(self.model.model.layers)):
             def attend(q, k, v, i=i):
@@ -222,11 +269,29 @@ class DecoderLM:
                 with sdpa_backends(q.device, flash=True):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-            x = self._layer(i, x, cos, sin, attend)
+            x = self._layer(i, x, cos, sin, attend, route)
         return self._logits(x[torch.arange(len(pieces), device=self.device), index[4, :len(pieces)]])
 
-    def _prefill_continued(self, cache: PagedKVCache, tokens: list[int], start: int, pages: list[int]
-                           ) -> torch.Tensor:
+    def _route_prefill(self, lengths: list[int], starts: list[int], rows: list[list[int]], width: int):
+        """The `route` of a prefill of pieces right-padded to `width`: piece b's first lengths[b] tokens' experts
+        go to each of its rows of the store, at positions starts[b]... None when nothing is recorded."""
+        if self.routing is None or not any(rows):
+            return None
+        src, dst_row, dst_col = [], [], []
+        for b, (n, start, members) in enumerate(zip(lengths, starts, rows, strict=True)):
+            for r in members:
+                src += range(b * width, b * width + n)
+                dst_row += [r] * n
+                dst_col += range(start, start + n)
+        index = to_device([src, dst_row, dst_col], torch.long, self.device)
+
+        def route(n: int, ids: torch.Tensor) -> None:
+            self.routing[index[1], index[2], n] = ids[index[0]].to(ROUTING_DTYPE)
+
+        return route
+
+    def _prefill_continued(self, cache: PagedKVCache, tokens: list[int], start: int, pages: list[int],
+                           rows: list[int]) -> torch.Tensor:
         """One piece at positions start.. of a sequence whose first `start` tokens are cached: store its keys
         and values, then attend over the sequence's pages with an offset causal mask. Returns logits [1, V]."""
         n, stop = len(tokens), start + len(tokens)
@@ -237,6 +302,7 @@ class DecoderLM:
         visible = torch.arange(stop, device=self.device)[None] <= positions[:, None]  # [n, stop]
         cos, sin = self._cos_sin(positions)
         group = self.num_heads // self.num_kv_heads
+        route = self._route_prefill([n], [start], [rows], n)
         x = self.model.model.embed_tokens(to_device([tokens], torch.long, self.device))
         for i in range(len(self.model.model.layers)):
             def attend(q, k, v, i=i):
@@ -246,7 +312,7 @@ class DecoderLM:
                 with sdpa_backends(q.device, flash=False):
                     return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
 
-            x = self._layer(i, x, cos, sin, attend)
+            x = self._layer(i, x, cos, sin, attend, route)
         return self._logits(x[:, n - 1])
 
     @torch.no_grad()
@@ -264,13 +330,21 @@ class DecoderLM:
         attention = self.decode_attention
         cos, sin = self._cos_sin(positions[:, None])
         cos, sin = cos[:, None], sin[:, None]
+        route = None
+        if self.routing is not None:  # idle rows (position 0: a real decode is never at 0) write the spare column
+            row_index = torch.arange(rows, device=positions.device)
+            column = torch.where(positions > 0, positions, self.routing.shape[1] - 1)
+
+            def route(n: int, ids: torch.Tensor) -> None:
+                self.routing[row_index, column, n] = ids.to(ROUTING_DTYPE)
+
         x = self.model.model.embed_tokens(tokens[:, None])
         for i in range(len(self.model.model.layers)):
             def attend(q, k, v, i=i):
                 store_kv(cache.k[i], cache.v[i], table, positions, k[:, :, 0], v[:, :, 0])
                 return attention(q[:, :, 0], cache.k[i], cache.v[i], table, lengths, scale)[:, :, None]
 
-            x = self._layer(i, x, cos, sin, attend)
+            x = self._layer(i, x, cos, sin, attend, route)
         h = rms_norm(x[:, -1], self.model.model.norm.weight, self.eps)
         head = self.model.lm_head
         torch.matmul(h, head.weight.t(), out=out[:rows])

@@ -38,7 +38,7 @@ def route_order(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return order, torch.cumsum(counts, 0).to(torch.int32)
 
 
-def _kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+def kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """torch's kernel takes rows of 16-byte multiples at 16-byte aligned addresses (weights inside a flat buffer,
     engines/models/flat_weights.py, may sit anywhere); on CUDA in bf16, on CPU in fp32."""
     if GROUPED_MM is None or x.dtype != w.dtype:
@@ -52,7 +52,7 @@ def _kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows [offsets[e-1], offsets[e]) of x [N, d_in] times w[e] [d_in, d_out], for every expert e: [N, d_out]."""
-    if _kernel_applies(x, w):
+    if kernel_applies(x, w):
         return GROUPED_MM(x, w, offs=offsets)
     ends = offsets.tolist()  # the reference path: a host sync, a GEMM per expert
     starts = [0, *ends[:-1]]

@@ -25,6 +25,7 @@ from transformers.utils import logging as hf_logging
 
 from rlflow.engines.core.config import ModelConfig
 from rlflow.engines.models.grouped_experts import use_grouped_experts
+from rlflow.engines.models.routing import use_routing_replay
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
@@ -78,9 +79,11 @@ def build_tiny_model(cfg: ModelConfig, out_dir: str | Path, seed: int) -> Path:
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
     """Load a causal LM from a local HF directory. SDPA attention is used where transformers offers it, and MoE
-    experts run as grouped matmuls (engines/models/grouped_experts.py), the same in the trainer and the engine."""
+    experts run as grouped matmuls (engines/models/grouped_experts.py), the same in the trainer and the engine,
+    behind routers that can record and replay their choice (engines/models/routing.py)."""
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
     use_grouped_experts(model)
+    use_routing_replay(model)
     return model.to(device)
 
 

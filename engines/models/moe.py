@@ -42,3 +42,20 @@ def checkpoint_named(tensors: dict[str, torch.Tensor], model_type: str) -> dict[
         else:  # the router, or a dense layer's MLP between MoE ones
             out[f"{layer}.{block}.{rest}"] = t
     return out
+
+
+def moe_layers(config) -> list[int]:
+    """The decoder layers of an HF config that are MoE blocks (Qwen3-MoE may keep some dense: mlp_only_layers,
+    decoder_sparse_step); [] for a dense model."""
+    if config.model_type == "mixtral":
+        return list(range(config.num_hidden_layers))
+    if config.model_type == "qwen3_moe" and config.num_experts > 0:
+        step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or [])
+        return [i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
+    return []
+
+
+def routing_width(config) -> int | None:
+    """Ids a token's routing record holds: MoE layers x experts per token (None for a dense model)."""
+    layers = moe_layers(config)
+    return len(layers) * config.num_experts_per_tok if layers else None

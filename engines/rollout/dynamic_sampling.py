@@ -17,6 +17,7 @@ import math
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 
+from rlflow.engines.models.routing import routing_from_text, routing_to_text
 from rlflow.engines.rollout.functions import (
     REQUEST_GROUP,
     REQUEST_TAG,
@@ -47,11 +48,17 @@ class Carry:
     def to_json(self) -> dict:
         prompt = asdict(replace(self.prompt, tokenizer=None))
         prompt.pop("tokenizer")
-        return {"prompt": prompt, "samples": [asdict(s) for s in self.samples]}
+        samples = [asdict(replace(s, routed_experts=None)) | {
+            "routed_experts": None if s.routed_experts is None else routing_to_text(s.routed_experts)}
+            for s in self.samples]
+        return {"prompt": prompt, "samples": samples}
 
     @classmethod
     def from_json(cls, d: dict, tokenizer) -> Carry:
-        return cls(PromptSample(**d["prompt"], tokenizer=tokenizer), [Sample(**s) for s in d["samples"]])
+        samples = [Sample(**(s | {"routed_experts": None if s.get("routed_experts") is None
+                                  else routing_from_text(s["routed_experts"], "carried sample routed_experts")}))
+                   for s in d["samples"]]
+        return cls(PromptSample(**d["prompt"], tokenizer=tokenizer), samples)
 
 
 @dataclass
@@ -176,13 +183,15 @@ async def continue_sample(router_url: str, prompt: PromptSample, s: Sample, samp
     if left <= 0:
         return replace(s, finish_reason="length")
     params = sampling_params | {"max_new_tokens": left, "sampling_seed": prompt.seed + prompt.n + j}
-    rest = sample_from_item(await generate(router_url, prompt.prompt_ids + s.response_ids, params))
+    rest = sample_from_item(await generate(router_url, prompt.prompt_ids + s.response_ids, params,
+                                           return_routed_experts=prompt.record_routing))
+    # the continuation's prefill recorded the experts of every token before it: its record covers the sample
     return replace(
         s, response_ids=s.response_ids + rest.response_ids, logprobs=(s.logprobs or []) + (rest.logprobs or []),
         response=None, finish_reason=rest.finish_reason,
         weight_version=min((v for v in (s.weight_version, rest.weight_version) if v is not None), default=None),
         last_weight_version=max((v for v in (s.last_weight_version, s.weight_version, rest.last_weight_version)
                                  if v is not None), default=None),
-        metadata=s.metadata | {"partial": True},
+        metadata=s.metadata | {"partial": True}, routed_experts=rest.routed_experts,
     )
 

@@ -65,6 +65,9 @@ class Generation:
     rid: str = ""
     meta: dict = field(default_factory=dict)
     last_weight_version: int | None = None  # the weights its last token's logits came from (None: the first's)
+    # routing replay (engine record_routing): the experts of every token fed to the model, prompt and output
+    # but the last output token, [len(prompt) + len(output) - 1, MoE layers, k] int16 (SGLang's layout)
+    routed_experts: np.ndarray | None = None
 
 
 def request_generator(seed: int, index: int) -> torch.Generator:
@@ -98,6 +101,7 @@ class Request:
     pages: list[int] = field(default_factory=list)  # KV pages holding its tokens, in order
     admitted: int = -1  # admission order (the newest running request is the one preempted)
     preemptions: int = 0
+    routed: np.ndarray | None = None  # the experts recorded before a preemption (its re-prefill recomputes them)
     _uniforms: list[float] = field(default_factory=list)
 
     @property
@@ -150,10 +154,16 @@ class _Prefill:
 class ContinuousBatchEngine:
     def __init__(self, lm: DecoderLM, tokenizer, max_running: int, max_len: int | None, trace: TraceRecorder,
                  weight_version: Callable[[], int], weights_ready: Callable[[], bool],
-                 kv: KVCacheConfig | None = None, max_prefill_tokens: int = 16384, compile: bool = False):
+                 kv: KVCacheConfig | None = None, max_prefill_tokens: int = 16384, compile: bool = False,
+                 record_routing: bool = False, cuda_graphs: bool = True):
         """`max_len`: longest prompt + response (None: the model's positions); the page pool may cap it.
         `max_prefill_tokens`: padded tokens per prefill forward. `compile`: on CUDA, the decode step is compiled
-        with torch.compile before it is captured (DecodeRunner)."""
+        with torch.compile before it is captured (DecodeRunner). `record_routing`: an MoE model's expert choice
+        of every token is recorded and returned with each Generation (routing replay, R3). `cuda_graphs`: capture
+        decode steps on CUDA where the model allows (off: every step launched eagerly, what a benchmark compares)."""
+        if record_routing and lm.routing_shape is None:
+            raise ValueError("rollout record_routing: the model has no MoE layers (routing replay needs an MoE model)")
+        self.record_routing = record_routing
         self.lm, self.tokenizer, self.trace = lm, tokenizer, trace
         self.kv = kv or KVCacheConfig()
         self.max_prefill_tokens = max_prefill_tokens
@@ -180,6 +190,7 @@ class ContinuousBatchEngine:
         self.finished: Counter[str] = Counter()  # by finish_reason type, and "error" for a failed request
         self._overlap = lm.device.type == "cuda"  # decode runs while the host reads the sampled tokens
         self.compile = compile and self._overlap
+        self.cuda_graphs = cuda_graphs
         self._stop = False
         self._paused = False
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
@@ -444,7 +455,10 @@ class ContinuousBatchEngine:
             self._cache = self.lm.new_cache(self.max_running, self.max_len, self.num_pages, self.kv.page_size)
             self._logits = torch.empty(self.max_running, self.lm.vocab_size, dtype=self.lm.dtype,
                                        device=self.lm.device)
-            graphs = self._overlap and self.lm.graph_safe  # MoE layers: neither CUDA graphs nor a compiled step
+            if self.record_routing:
+                self.lm.record_routing(self.max_running, self.max_len)
+            # MoE experts off the grouped kernel: no CUDA graphs
+            graphs = self._overlap and self.cuda_graphs and self.lm.graph_safe
             self._runner = DecodeRunner(self.lm, self._cache, self._logits, graphs=graphs,
                                         compile=self.compile and graphs)
             self._free = list(range(self.max_running))
@@ -510,12 +524,14 @@ class ContinuousBatchEngine:
             if work.done == 0 and n == len(work.tokens):
                 whole.append(work)
                 continue
-            logits = self.lm.prefill(self._cache, [work.tokens[work.done:work.done + n]], [work.done], [work.pages])
+            logits = self.lm.prefill(self._cache, [work.tokens[work.done:work.done + n]], [work.done], [work.pages],
+                                     [[r.slot for r in work.requests]])
             work.done += n
             if work.done == len(work.tokens):
                 done.append((work, logits[0]))
         for chunk in _prefill_chunks(whole, self.max_prefill_tokens):
-            logits = self.lm.prefill(self._cache, [w.tokens for w in chunk], [0] * len(chunk), [w.pages for w in chunk])
+            logits = self.lm.prefill(self._cache, [w.tokens for w in chunk], [0] * len(chunk), [w.pages for w in chunk],
+                                     [[r.slot for r in w.requests] for w in chunk])
             for w, row in zip(chunk, logits, strict=True):
                 w.done = len(w.tokens)
                 done.append((w, row))
@@ -626,7 +642,12 @@ class ContinuousBatchEngine:
         self._cache.clear_row(row)
 
     def _release(self, r: Request) -> None:
-        """A running request leaves: its row and its holds on its pages go back."""
+        """A running request leaves: its row and its holds on its pages go back (and the experts recorded in the
+        row, to the request: every token it holds has been fed to the model by now)."""
+        if self.lm.routing is not None:
+            kept = 0 if r.routed is None else len(r.routed)
+            fresh = self.lm.routing[r.slot, kept:len(r.tokens)].to("cpu", copy=True).numpy()  # the row is reused
+            r.routed = fresh if r.routed is None else np.concatenate([r.routed, fresh])
         self._free_row(r.slot)
         self._cache.allocator.release(r.pages)
         r.pages = []
@@ -644,10 +665,11 @@ class ContinuousBatchEngine:
         if r.start_us:
             self.trace.complete("request", r.start_us, end, tid=slot_lane(r.slot) if r.slot >= 0 else QUEUE_TID,
                                 args=args)
+        routed = None if r.routed is None else r.routed[:len(r.tokens) - 1]  # the last token was never fed
         r.future.set_result(Generation(list(r.prompt), r.output_ids, r.output_logprobs, reason,
                                        r.weight_version, r.rid,
                                        {"queued_us": r.queued_us, "start_us": r.start_us, "end_us": end},
-                                       r.last_weight_version if r.output_ids else r.weight_version))
+                                       r.last_weight_version if r.output_ids else r.weight_version, routed))
 
 
 def _prefill_chunks(works: list[_Prefill], budget: int) -> list[list[_Prefill]]:

@@ -29,8 +29,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from rlflow.engines.data.rewards import load_callable
+from rlflow.engines.models.routing import routing_from_text
 from rlflow.engines.rollout.http_api import DEFAULT_WEIGHT_VERSION, auth_headers, parse_weight_version
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -55,6 +57,9 @@ class PromptSample:
     seed: int  # sampling seed of the group's first sample; sample j uses seed + j (reproducible runs)
     row: dict = field(default_factory=dict)  # the data row the prompt came from (extra keys included)
     tokenizer: Any = field(default=None, repr=False)  # the policy's tokenizer (to tokenize tool outputs)
+    # routing replay r3: ask the engine for each token's experts (generate's return_routed_experts) and keep them
+    # in Sample.routed_experts
+    record_routing: bool = False
 
 
 @dataclass
@@ -73,6 +78,9 @@ class Sample:
     last_weight_version: int | None = None  # the newest weights that generated a token of it (None: weight_version)
     prompt_ids: list[int] | None = None  # None: the PromptSample's
     metadata: dict = field(default_factory=dict)
+    # routing replay r3: the experts of every token fed to the model (prompt and response but the last token), in
+    # SGLang's layout [tokens, MoE layers, k] flattened, int16; rows past the end route live in the trainer
+    routed_experts: np.ndarray | None = None
 
 
 RolloutFn = Callable[[PromptSample, str, dict], Awaitable[list[Sample]]]
@@ -110,10 +118,12 @@ def check_group(samples: Any, prompt: PromptSample, name: str) -> list[Sample]:
 
 # ---- talking to the router ------------------------------------------------------------------------------
 async def generate(router_url: str, input_ids: Sequence[int], sampling_params: dict, *,
-                   return_logprob: bool = True) -> dict:
+                   return_logprob: bool = True, return_routed_experts: bool = False) -> dict:
     """One SGLang /generate item for `input_ids`: {"text", "output_ids", "meta_info"}. Calls pending on the
-    same event loop are sent together as batched requests (SGLang's list form of input_ids)."""
-    return await _batcher(router_url).submit(list(input_ids), dict(sampling_params), return_logprob)
+    same event loop are sent together as batched requests (SGLang's list form of input_ids).
+    `return_routed_experts`: meta_info.routed_experts holds each token's experts (routing replay r3)."""
+    return await _batcher(router_url).submit(list(input_ids), dict(sampling_params), return_logprob,
+                                             return_routed_experts)
 
 
 def sample_from_item(item: dict) -> Sample:
@@ -121,18 +131,21 @@ def sample_from_item(item: dict) -> Sample:
     meta = item["meta_info"]
     logprobs = [(-math.inf if lp is None else lp) for lp, _tok, _ in meta.get("output_token_logprobs") or []]
     last = parse_weight_version(meta.get("weight_version"), "meta_info.weight_version")  # the version it finished with
+    routed = meta.get("routed_experts")
     return Sample(
         response_ids=list(item["output_ids"]), logprobs=logprobs if "output_token_logprobs" in meta else None,
         response=item.get("text"), finish_reason=(meta.get("finish_reason") or {}).get("type", "stop"),
         weight_version=parse_weight_version(meta.get("first_weight_version", last), "meta_info.first_weight_version"),
         last_weight_version=last,  # first_weight_version is the embedded server's; SGLang gives none
+        routed_experts=None if routed is None else routing_from_text(routed),
     )
 
 
 async def single_turn(prompt: PromptSample, router_url: str, sampling_params: dict) -> list[Sample]:
     """The default rollout: n independent completions of the prompt, each with its own sampling seed."""
     items = await asyncio.gather(*(
-        generate(router_url, prompt.prompt_ids, sampling_params | {"sampling_seed": prompt.seed + j})
+        generate(router_url, prompt.prompt_ids, sampling_params | {"sampling_seed": prompt.seed + j},
+                 return_routed_experts=prompt.record_routing)
         for j in range(prompt.n)
     ))
     # the reward decodes the tokens itself (models.hf.decode_responses): the server's text drops special tokens, so
@@ -180,12 +193,13 @@ class _Batcher:
 
     def __init__(self, url: str, parts: int, batched: bool = True):
         self.url, self.parts, self.batched = url, parts, batched
-        self.pending: list[tuple[list[int], dict, bool, str, str | None, asyncio.Future]] = []
+        self.pending: list[tuple[list[int], dict, bool, str, str | None, bool, asyncio.Future]] = []
         self.session: aiohttp.ClientSession | None = None
         prefix = uuid.uuid4().hex[:8]  # request ids unique across batchers and runs sharing a server
         self._rids = (f"{prefix}-{i}" for i in itertools.count())
 
-    async def submit(self, input_ids: list[int], params: dict, return_logprob: bool) -> dict:
+    async def submit(self, input_ids: list[int], params: dict, return_logprob: bool, routed: bool = False
+                     ) -> dict:
         tag = REQUEST_TAG.get()
         if tag in _ABORTED:
             return _aborted_item(input_ids)
@@ -195,7 +209,7 @@ class _Batcher:
         fut = asyncio.get_running_loop().create_future()
         if not self.pending:
             asyncio.get_running_loop().call_soon(self._flush)
-        self.pending.append((input_ids, params, return_logprob, rid, REQUEST_GROUP.get(), fut))
+        self.pending.append((input_ids, params, return_logprob, rid, REQUEST_GROUP.get(), routed, fut))
         try:
             return await fut
         finally:
@@ -225,6 +239,8 @@ class _Batcher:
             body = {"input_ids": ids, "sampling_params": params, "return_logprob": logprob, "rid": rid}
             if adapter is not None:
                 body["lora_path"] = adapter
+        if any(it[5] for it in items):  # a request-wide flag, sent only when asked (a plain SGLang server has it too)
+            body["return_routed_experts"] = True
         try:
             if self.session is None or self.session.closed:
                 self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),

@@ -14,10 +14,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlflow.engines.core.sampling import SamplingParams
+from rlflow.engines.models.routing import routing_to_text
 from rlflow.engines.rollout.http_api import (
     MEMORY_TAGS,
     BackgroundServer,
@@ -39,7 +41,8 @@ from rlflow.engines.rollout.openai_api import add_openai_routes
 from rlflow.engines.rollout.weight_routes import add_weight_routes
 
 # /generate fields the embedded server reads; others it accepts only at their no-op default
-GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream", "lora_path"}
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream", "lora_path",
+                   "return_routed_experts"}
 # (sglang-router 0.3.2 fills in model, background, no_logs, return_bytes, return_entropy, ... on every request)
 GENERATE_NO_OP = {"logprob_start_len": -1, "top_logprobs_num": 0, "return_text_in_logprobs": False,
                   "log_metrics": True, "return_hidden_states": False, "image_data": None,
@@ -79,6 +82,10 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
         return_logprob = body.get("return_logprob") or False
         if isinstance(return_logprob, list) and len(return_logprob) != len(prompts):
             raise BadRequest(f"return_logprob: {len(return_logprob)} flags for {len(prompts)} prompts")
+        routed = bool(body.get("return_routed_experts"))
+        if routed and not backend.engine.record_routing:
+            raise BadRequest("return_routed_experts: this server does not record expert routing (the rollout workers "
+                             "record it when algorithm.routing_replay is r3, on an MoE model)")
         requests, logprob_of = [], []
         for i, (prompt, raw, rid) in enumerate(zip(prompts, per_item, rids, strict=True)):
             params, seed = sampling_params(raw, "sampling_params" + (f"[{i}]" if isinstance(raw_params, list) else ""))
@@ -91,7 +98,8 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
             return StreamingResponse(_generate_stream(client, requests, logprob_of, t0), media_type="text/event-stream")
         gens = await client.run(requests)
         out = [_generate_item(client, g.prompt_ids, g.output_ids, g.output_logprobs, g.finish_reason, g.rid,
-                              _versions(g), logprob_of[i], time.perf_counter() - t0) for i, g in enumerate(gens)]
+                              _versions(g), logprob_of[i], time.perf_counter() - t0,
+                              g.routed_experts if routed else None) for i, g in enumerate(gens)]
         return fast_json(out if batched or len(out) > 1 else out[0])
 
     @app.post("/abort_request")
@@ -216,9 +224,11 @@ def _versions(g) -> tuple[int, int]:
 
 
 def _generate_item(client: EngineClient, prompt_ids, output_ids, output_logprobs, finish_reason, rid,
-                   versions: tuple[int, int], with_logprobs: bool, latency: float) -> dict:
+                   versions: tuple[int, int], with_logprobs: bool, latency: float,
+                   routed_experts: np.ndarray | None = None) -> dict:
     """SGLang's item. `weight_version` is the version it finished with, as SGLang's is; `first_weight_version`
-    (rlflow's) the version it started with."""
+    (rlflow's) the version it started with; `routed_experts` as SGLang's (base64 int32, [tokens - 1, layers,
+    k] flat)."""
     meta = {"id": rid, "finish_reason": finish_reason, "prompt_tokens": len(prompt_ids),
             "completion_tokens": len(output_ids), "cached_tokens": 0,
             "weight_version": weight_version_text(versions[1]),
@@ -226,6 +236,8 @@ def _generate_item(client: EngineClient, prompt_ids, output_ids, output_logprobs
     if with_logprobs:
         meta["output_token_logprobs"] = [[finite(lp), tok, None] for lp, tok in zip(output_logprobs, output_ids,
                                                                                      strict=True)]
+    if routed_experts is not None:
+        meta["routed_experts"] = routing_to_text(routed_experts)
     return {"text": client.output_text(output_ids, finish_reason), "output_ids": list(output_ids), "meta_info": meta}
 
 

@@ -62,7 +62,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None,
         batch_size: int = 512, context_len: int | None = None, trace: bool = False, rank: int = 0,
         weight_dirs: Sequence[str] = (), kv_cache: KVCacheConfig | None = None, compile: bool = False,
-        lora: Any = None,
+        lora: Any = None, record_routing: bool = False, cuda_graphs: bool = True,
     ):
         """`weight_dirs`: folders its server's /update_weights_from_disk may read besides `model_path` (the run's
         weight-sync and checkpoint folders, engines/sync/disk.py:weight_dirs). `context_len`: longest prompt +
@@ -70,7 +70,9 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         torch.compile the decode step on CUDA (rollout.compile). `lora`: the run's LoRA settings (`rank`,
         `target_modules`; SGLang's --enable-lora --max-lora-rank --lora-target-modules): the engine then loads
         adapters no larger than that, and keeps its weights in host memory while they are released (only adapters
-        move in a LoRA run's syncs, so nothing else would bring the base back)."""
+        move in a LoRA run's syncs, so nothing else would bring the base back). `record_routing`: record an MoE
+        model's expert choice of every token, for /generate's return_routed_experts (routing replay, R3).
+        `cuda_graphs`: off, decode steps run eagerly (SGLang's --disable-cuda-graph)."""
         if threads:
             torch.set_num_threads(threads)
         self.model_path, self.device, self.batch_size = model_path, device, batch_size
@@ -106,6 +108,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             DecoderLM(self.model), self.tokenizer, max_running=batch_size, max_len=context_len, trace=self.trace,
             weight_version=lambda: self.weight_version,
             weights_ready=lambda: not self._released and self._awaiting_write is None, kv=kv_cache, compile=compile,
+            record_routing=record_routing, cuda_graphs=cuda_graphs,
         )
         self.server = None  # rlflow.engines.rollout.server.RolloutServer once start_server() ran
         self._own_client = None  # httpx.Client for the routes this worker drives on its own server

@@ -23,6 +23,7 @@ from rlflow.engines.core.config import (
 from rlflow.engines.data.prompts import DataError, load_pairs, load_prompts
 from rlflow.engines.data.rewards import RewardError, load_callable, load_reward_fn
 from rlflow.engines.models.hf import rollout_context
+from rlflow.engines.models.moe import is_moe
 from rlflow.engines.reward.judge import read_api_key
 from rlflow.engines.rollout.functions import load_rollout_fn
 from rlflow.engines.session.workers import check_teacher_vocabulary
@@ -137,6 +138,18 @@ def _context_problems(cfg: RLConfig) -> list[str]:
     return []
 
 
+def _routing_replay_problems(cfg: RLConfig) -> list[str]:
+    """Routing replay needs a mixture of experts: a dense model has no routing to record."""
+    replay = cfg.algorithm.routing_replay
+    if replay == "off" or not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
+        return []  # a model built from the recipe is dense (checked by the workers); a missing one is reported above
+    config = AutoConfig.from_pretrained(cfg.model.path)
+    if not is_moe(config.model_type):
+        return [f"algorithm.routing_replay {replay}: model.path {cfg.model.path} is a dense {config.model_type} "
+                "model; routing replay applies to mixtures of experts (qwen3_moe, mixtral). Set it to off"]
+    return []
+
+
 def _megatron_or_none(cfg: RLConfig) -> list[str]:
     return _megatron_problems(cfg) if cfg.train.backend == "megatron" else []
 
@@ -152,6 +165,7 @@ CHECKS: list[tuple[frozenset[str], Callable[[RLConfig], list[str]]]] = [
     (frozenset({"rollout"}), _rollout_fn_problems),
     (frozenset({"model", "rollout"}), _context_problems),
     (frozenset({"train", "model", "megatron"}), _megatron_or_none),
+    (frozenset({"algorithm", "model"}), _routing_replay_problems),
     (frozenset({"debug", "storage"}), _replay_problems),
 ]
 

@@ -12,6 +12,8 @@ import logging
 import threading
 from typing import Self
 
+from transformers import AutoConfig
+
 from rlflow.engines.cluster.addresses import LOOPBACK, node_ip
 from rlflow.engines.core.config import LoraConfig, RLConfig
 from rlflow.engines.core.protocols import (
@@ -23,6 +25,7 @@ from rlflow.engines.core.protocols import (
 )
 from rlflow.engines.data.prompts import load_prompts
 from rlflow.engines.models.hf import load_tokenizer, rollout_context
+from rlflow.engines.models.moe import routing_width
 from rlflow.engines.reward.sources import RewardSources
 from rlflow.engines.rollout.functions import RolloutRunner, load_rollout_fn
 from rlflow.engines.rollout.router import start_router
@@ -64,6 +67,9 @@ class RunEngines:
         )
         # tokens a rollout sequence holds: a longer prompt is refused here, naming its data row
         self.context_len, self.context_source = rollout_context(cfg.model, cfg.rollout.backend)
+        # routing replay r3: ids per token in a rollout's expert record (MoE layers x k)
+        self.routing_width = routing_width(AutoConfig.from_pretrained(model_path)) if (
+            cfg.algorithm.routing_replay == "r3") else None
         self.weight_version = 0  # of the trainer's weights: the number of syncs so far
         self.kl_coef = cfg.algorithm.kl_coef  # KL-in-reward coefficient of the next step (adaptive: it moves)
         self.dp_ranks: list[int] | None = None  # each train worker's data-parallel rank (asked at the first step)

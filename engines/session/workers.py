@@ -225,7 +225,8 @@ def rollout_kwargs(cfg: RLConfig, model_path: str):
         return dict(model_path=model_path, device=cfg.rollout_device, dtype=DTYPES[cfg.rollout.precision],
                     threads=cfg.train.threads, batch_size=cfg.rollout.batch_size,
                     trace=cfg.debug.trace_every > 0, rank=rank, weight_dirs=dirs, kv_cache=cfg.rollout.kv_cache,
-                    compile=cfg.rollout.compile, lora=cfg.train.lora)
+                    compile=cfg.rollout.compile, lora=cfg.train.lora,
+                    record_routing=cfg.algorithm.routing_replay == "r3")
 
     return make
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import (
+    ROUTED_EXPERTS,
     TEACHER_LOGPROBS,
     TEACHER_TOPK_IDS,
     TEACHER_TOPK_LOGPROBS,
@@ -47,6 +48,7 @@ from rlflow.engines.core.protocols import CriticBackend, TeacherBackend, TrainBa
 from rlflow.engines.models.hf import DTYPES, load_model, load_value_model
 from rlflow.engines.models.moe import checkpoint_named
 from rlflow.engines.models.packed import PackedLM, PackedRows
+from rlflow.engines.models.routing import recording, routing_shape, set_replay
 from rlflow.engines.models.transfer import tensor_to_device
 from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.adapter import AdapterSender
@@ -132,6 +134,10 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         self.model_path = model_path
         base_dtype = DTYPES[train.precision] if frozen or self.lora else torch.float32
         self.model = load(model_path, dtype=base_dtype, device="cpu")
+        self.routing_shape = routing_shape(self.model)  # (MoE layers, k): what a routing record replays
+        if algorithm.routing_replay != "off" and role == "policy" and self.routing_shape is None:
+            raise ValueError(f"algorithm.routing_replay {algorithm.routing_replay}: the model at {model_path} has no "
+                             "MoE layers; routing replay applies to mixtures of experts")
         apply_kernels(self.model, train.kernels)
         if frozen:
             self.model.eval().requires_grad_(False)
@@ -182,8 +188,48 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         """Per-token logprobs [rows, width] (aligned with input_ids: column t is log p(x_t | x_<t), column 0
         is 0) and, if asked, entropy; for a critic, its values in the logprobs' place."""
         packed = PackedRows.from_padded(mb["input_ids"], mb["attention_mask"]).to(self.device)
+        self._route(lm, mb, packed)
         out, entropy = self._run(lm, packed, self.temperature if temperature is None else temperature, with_entropy)
         return packed.unpack(out), None if entropy is None else packed.unpack(entropy)
+
+    def _route(self, lm: PackedLM, mb: TrainBatch, packed: PackedRows) -> None:
+        """The micro-batch's recorded expert routing (ROUTED_EXPERTS, routing replay) replayed in the next forward
+        of `lm`, or live routing where it has none. It stays set through the backward: activation checkpointing
+        recomputes the forward there."""
+        if self.routing_shape is None:
+            if ROUTED_EXPERTS in mb:
+                raise ValueError("routing replay: the batch carries expert routing, but this model has no MoE layers")
+            return
+        record = mb.get(ROUTED_EXPERTS)
+        if record is None:
+            set_replay(lm.model, None)
+            return
+        layers, k = self.routing_shape
+        if record.shape[-1] != layers * k:
+            raise ValueError(f"routing replay: the batch's records hold {record.shape[-1]} expert ids a token; this "
+                             f"model routes {layers} MoE layers x {k} experts = {layers * k}")
+        ids = record[packed.rows.to(record.device), packed.cols.to(record.device)]
+        set_replay(lm.model, tensor_to_device(ids, self.device).view(-1, layers, k))
+
+    @torch.no_grad()
+    def record_routing(self, batch: TrainBatch) -> torch.Tensor:
+        """The policy's own expert choice for every token of the batch, as a ROUTED_EXPERTS column [N, L,
+        layers x k] (routing replay r2: recorded before the update, replayed in its training forwards)."""
+        if self.routing_shape is None:
+            raise ValueError("record_routing: this model has no MoE layers")
+        self._resident("record_routing")
+        self.lm.eval()
+        width = self.routing_shape[0] * self.routing_shape[1]
+
+        def record(micro: TrainBatch) -> torch.Tensor:
+            packed = PackedRows.from_padded(micro["input_ids"], micro["attention_mask"]).to(self.device)
+            set_replay(self.lm.model, None)
+            with recording(self.lm.model) as recorded:
+                self._run(self.lm, packed, self.temperature)
+            return packed.unpack(recorded[0].view(-1, width))
+
+        return self._per_token({k: v for k, v in batch.items() if k != ROUTED_EXPERTS}, record, (width,),
+                               dtype=torch.int16)
 
     def _run(self, lm: PackedLM, *args, **kwargs):
         """Every forward of a PackedLM goes through here: with LoRA, under the adapters' compute context
@@ -195,6 +241,7 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         """The policy's logprobs and entropy [rows, width] as _forward gives them, and its logprobs [rows, width,
         k] of the teacher's top-k ids at each position (TEACHER_TOPK_IDS), all with their gradient."""
         packed = PackedRows.from_padded(mb["input_ids"], mb["attention_mask"]).to(self.device)
+        self._route(self.lm, mb, packed)
         ids = mb[TEACHER_TOPK_IDS][packed.rows, packed.cols].to(self.device)
         out, entropy, topk = self._run(self.lm, packed, self.temperature, True, other_ids=ids)
         return packed.unpack(out), packed.unpack(entropy), packed.unpack(topk)
@@ -278,6 +325,8 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         self._resident("train_step", optimizer=True)
         if self.has_reference and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
+        if self.role == "policy" and self.algo.routing_replay == "r2" and ROUTED_EXPERTS not in batch:
+            batch = {**batch, ROUTED_EXPERTS: self.record_routing(batch)}  # the pre-update policy's choice
         if self.role == "policy" and self.algo.corrects_rollout and "rollout_logprobs" not in batch:
             batch = with_train_logprobs(batch, self.forward_logprobs(batch))
         t0 = time.perf_counter()

@@ -158,6 +158,14 @@ class AlgorithmConfig(Section):
     )
     reject_low: float = Field(0.5, gt=0.0, description="rejection: smallest p_rollout / p_train kept (at most 1).")
     reject_high: float = Field(2.0, gt=0.0, description="rejection: largest p_rollout / p_train kept (at least 1).")
+    routing_replay: Literal["off", "r2", "r3"] = Field(
+        "off",
+        description="MoE models: force the trainer's expert choice to a recorded one (only the choice: the routing "
+        "weights stay the live router's, so the router still learns). r3: the rollout engine records every token's "
+        "experts and the trainer replays them in all its forwards (old logprobs and training), removing routing "
+        "flips from the train/rollout mismatch. r2: the trainer records its own routing in a forward before the "
+        "update and replays it in the step's training forwards (one extra forward a step). docs/algorithms.md.",
+    )
     tis_cap: float = Field(2.0, gt=0.0, description="TIS: upper bound of the importance weight.")
     icepop_low: float = Field(0.5, gt=0.0, description="IcePop: smallest p_train / p_rollout kept.")
     icepop_high: float = Field(5.0, gt=0.0, description="IcePop: largest p_train / p_rollout kept.")

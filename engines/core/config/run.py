@@ -108,6 +108,7 @@ class RLConfig(Section):
                 f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must not exceed "
                 f"rollout.max_new_tokens ({self.rollout.max_new_tokens})"
             )
+        self._check_routing_replay()
         self._check_placement()
         self._check_debug()
         self._check_sft()
@@ -119,6 +120,23 @@ class RLConfig(Section):
         if self.model.hidden_size % self.model.num_heads or self.model.num_heads % self.model.num_kv_heads:
             raise ValueError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
         return self
+
+    def _check_routing_replay(self) -> None:
+        replay = self.algorithm.routing_replay
+        if replay == "off":
+            return
+        if self.train.backend == "megatron" and (self.megatron.tensor_parallel > 1 or
+                                                 self.megatron.pipeline_parallel > 1):
+            raise ValueError(f"algorithm.routing_replay {replay} with train.backend megatron: needs "
+                             "megatron.tensor_parallel 1 (sequence parallelism splits a micro-batch's tokens over "
+                             "the TP ranks) and megatron.pipeline_parallel 1 (the schedule interleaves micro-batches, "
+                             "whose records the routers hold one at a time); expert_parallel is fine")
+        if replay == "r3" and self.rollout.backend != "torch":
+            raise ValueError(
+                "algorithm.routing_replay r3: the rollout engine must record each token's experts, and the "
+                f"{self.rollout.backend} backend is not wired for it: SGLang 0.5.10.post1 records them "
+                "(--enable-return-routed-experts), but the sglang-router in front of it drops the request's "
+                "return_routed_experts (sgl-project/sglang#20696); use rollout.backend torch, or routing_replay r2")
 
     def _check_critic(self, batch: int) -> None:
         if self.algorithm.advantage == "gae" and self.critic.enabled is False:

@@ -14,7 +14,8 @@ def prompt_samples(s: RunEngines, rows: list[dict], n: int, seed: int) -> list[P
     """One PromptSample per row, asking for n samples; sample j of prompt i draws seed + i * n + j. A prompt that
     leaves no room for a response in the rollout context is refused, naming its data row."""
     samples = [PromptSample(index=i, prompt=r["prompt"], label=r["label"], prompt_ids=encode(s, prompt_input(r)),
-                            n=n, seed=seed + i * n, row=r, tokenizer=s.fn_tokenizer)
+                            n=n, seed=seed + i * n, row=r, tokenizer=s.fn_tokenizer,
+                            record_routing=s.cfg.algorithm.routing_replay == "r3")
                for i, r in enumerate(rows)]
     for p in samples:
         if len(p.prompt_ids) >= s.context_len:

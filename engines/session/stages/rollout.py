@@ -35,9 +35,9 @@ def run(s: RunEngines, step: int) -> dict[str, float]:
         groups = s.runner.run(prompts, sampling(s, s.cfg.rollout.temperature))
         if s.cfg.algorithm.advantage == "remax":
             groups = _with_greedy_baselines(s, rows, groups, step)
-    batch = RolloutBatch.from_samples(prompts, groups)
+    batch = RolloutBatch.from_samples(prompts, groups, s.routing_width)
     if s.cfg.rollout.dynamic_sampling.enabled:  # its prompts do not follow from the cursor: store both
-        batch.metadata = s.prompts.batch_metadata(step)
+        batch.metadata |= s.prompts.batch_metadata(step)
     open_step(s, StepState(step, rows, batch))
     metrics |= batch.metrics() | s.gpu.take_metrics()
     return metrics | {"rollout/tokens_per_s": metrics["rollout/tokens"] / (time.perf_counter() - t0)}

@@ -34,7 +34,7 @@ from megatron.core.transformer.module import Float16Module
 from transformers import AutoConfig
 
 from rlflow.engines.core import algorithms
-from rlflow.engines.core.batch import TEACHER_LOGPROBS, TrainBatch, batch_size, select
+from rlflow.engines.core.batch import ROUTED_EXPERTS, TEACHER_LOGPROBS, TrainBatch, batch_size, select
 from rlflow.engines.core.config import AlgorithmConfig, DistillConfig, MegatronConfig, StorageConfig, TrainConfig
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.models.hf import DTYPES
@@ -60,6 +60,7 @@ from rlflow.engines.train.megatron.model_build import (
     use_transformer_engine,
 )
 from rlflow.engines.train.megatron.optimizer_shards import load_optimizer, save_optimizer
+from rlflow.engines.train.megatron.routing import MegatronRouting
 from rlflow.engines.train.megatron.shards import load_shards, save_shards
 from rlflow.engines.train.megatron.weights import check_moe_tensor_parallel
 from rlflow.engines.train.offload import HostParking, memory_moved
@@ -122,12 +123,19 @@ class MegatronTrainBackend(TrainBackend, StoreSender, DistributedSender):
         if train.compile and self.use_te:
             raise ValueError("train.compile compiles the local layer spec's decoder layers; Transformer Engine's "
                              "are fused kernels already (megatron.transformer_engine: false to compile instead)")
+        replay = algorithm.routing_replay != "off"
+        if replay and not self.spec.num_experts:
+            raise ValueError(f"algorithm.routing_replay {algorithm.routing_replay}: the model at {self.model_path} "
+                             "has no MoE layers; routing replay applies to mixtures of experts")
         self.tf_config = transformer_config(self.spec, self.mcfg, self.dtype, self.device, self.use_te,
-                                            compiled=train.compile)
+                                            compiled=train.compile, routing_replay=replay)
         check_moe_tensor_parallel(self.spec, self.mcfg.tensor_parallel, self.use_te, self.tf_config.sequence_parallel)
         self.pp = self.mcfg.pipeline_parallel
         self.tp = self.mcfg.tensor_parallel
         self.core = self._load_core()
+        # the policy's routers: what they replay (ROUTED_EXPERTS) or record (r2); the reference model routes live
+        self.routing = MegatronRouting(self.core, self.spec.moe_top_k) if replay else None
+        self._recording = False
         ddp_config = DistributedDataParallelConfig(**({
             "grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
             "use_distributed_optimizer": self.mcfg.use_distributed_optimizer} | self.mcfg.ddp))
@@ -196,10 +204,13 @@ class MegatronTrainBackend(TrainBackend, StoreSender, DistributedSender):
         """Logits [B, L, V/tp] on the last stage, hidden states on earlier ones. Packed: one stream [1, T] in
         megatron's THD layout (positions restart per sample, attention stays within each); padded: right-padded
         rows under a causal mask."""
+        pad = -len(micro.packed.input_ids) % self._multiple() if micro.packed is not None else 0
+        if self.routing is not None and model is self.model:
+            self.routing.before_forward(micro, pad, record=self._recording)
         if micro.packed is not None:
             p = micro.packed
             ids, pos, cu, cu_host = p.input_ids, p.position_ids, p.cu_seqlens, micro.cu_seqlens_host
-            pad = -len(ids) % self._multiple()  # sequence parallelism splits the stream: a dummy sample fills it
+            # sequence parallelism splits the stream: a dummy sample fills it (`pad` tokens)
             if pad:
                 ids, pos = F.pad(ids, (0, pad)), F.pad(pos, (0, pad))
                 cu, cu_host = torch.cat([cu, cu[-1:] + pad]), torch.cat([cu_host, cu_host[-1:] + pad])
@@ -281,6 +292,29 @@ class MegatronTrainBackend(TrainBackend, StoreSender, DistributedSender):
         out = gather_rows(parts, batch_size(batch), width, self._dev())  # zeros off the last pipeline stage
         return self._to_last_stage_value(out).cpu()
 
+    @_on_device
+    @torch.no_grad()
+    def record_routing(self, batch: TrainBatch) -> torch.Tensor:
+        """The policy's own expert choice for every token of the batch, as a ROUTED_EXPERTS column [N, L,
+        layers x k] (routing replay r2: recorded before the update, replayed in its training forwards)."""
+        if self.routing is None:
+            raise ValueError("record_routing: needs algorithm.routing_replay r2 or r3 on an MoE model")
+        self._resident("record_routing")
+        self.model.eval()
+        n, width = batch["input_ids"].shape
+        out = torch.zeros(n, width, self.routing.width, dtype=torch.int16)
+        self._recording = True
+        try:
+            for m in self._on_dev(self._micro({k: v for k, v in batch.items() if k != ROUTED_EXPERTS})):
+                self._run(self.model, m)
+                if m.rows:
+                    rows = self.routing.recorded(m).cpu()
+                    w = min(rows.shape[1], width)
+                    out[torch.tensor(m.rows)[:, None], torch.arange(w)] = rows[:, :w]
+        finally:
+            self._recording = False
+        return out
+
     def _pipeline(self, model: torch.nn.Module, micro: list[Micro], forward_only: bool) -> list:
         """megatron's pipeline schedule over `micro` (stages exchange shapes: variable_seq_lengths); returns what
         the loss function reported, per micro-batch, on the last stage ([] elsewhere)."""
@@ -347,6 +381,8 @@ class MegatronTrainBackend(TrainBackend, StoreSender, DistributedSender):
         t0 = time.perf_counter()
         if self.ref_model is not None and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
+        if self.algo.routing_replay == "r2" and ROUTED_EXPERTS not in batch:
+            batch = {**batch, ROUTED_EXPERTS: self.record_routing(batch)}  # the pre-update policy's choice
         if self.algo.corrects_rollout and "rollout_logprobs" not in batch:
             batch = with_train_logprobs(batch, self.forward_logprobs(batch))
         self.model.train()

@@ -103,9 +103,10 @@ def use_transformer_engine(cfg: MegatronConfig, device: str) -> bool:
 
 
 def transformer_config(spec: ModelSpec, cfg: MegatronConfig, dtype: torch.dtype, device: str,
-                       use_te: bool = False, compiled: bool = False) -> TransformerConfig:
+                       use_te: bool = False, compiled: bool = False, routing_replay: bool = False) -> TransformerConfig:
     """The derived TransformerConfig, then the recipe's megatron.transformer keys on top (except RESERVED).
-    `compiled`: the decoder layers will go through torch.compile (compile_decoder_layers)."""
+    `compiled`: the decoder layers will go through torch.compile (compile_decoder_layers). `routing_replay`: the
+    MoE routers can record and replay their choice (engines/train/megatron/routing.py)."""
     clash = sorted(set(cfg.transformer) & set(RESERVED))
     if clash:
         raise ValueError(f"megatron.transformer: {', '.join(clash)} are set by the backend, not the recipe")
@@ -129,6 +130,8 @@ def transformer_config(spec: ModelSpec, cfg: MegatronConfig, dtype: torch.dtype,
         "perform_initialization": True,
         "use_cpu_initialization": device == "cpu",
     }
+    if routing_replay:
+        kwargs["moe_enable_routing_replay"] = True
     if cfg.torch_fused_kernels and not use_te:
         fused_kernels.install()
         # the local spec's linears: weight-gradient GEMMs add into main_grad. Not under torch.compile: dynamo
