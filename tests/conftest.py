@@ -166,3 +166,17 @@ def storage(request, tmp_path):
         return StorageConfig(uri=str(tmp_path / "store"))
     root, endpoint = request.getfixturevalue("s3_bucket")
     return StorageConfig(uri=root, endpoint_url=endpoint)
+
+
+@pytest.fixture(scope="module")
+def mcore():
+    """megatron-core with a 1-rank gloo group; torch.distributed is taken down after the module that uses it."""
+    pytest.importorskip("megatron.core")
+    yield
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

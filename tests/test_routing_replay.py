@@ -240,20 +240,6 @@ def test_generation_keeps_its_routing_through_a_preemption(moe_dir):
 
 
 # ---- the Megatron backend (megatron-core's RouterReplay, engines/train/megatron/routing.py) -----------------
-@pytest.fixture(scope="module")
-def mcore():
-    """megatron-core with a 1-rank gloo group, taken down after this module's Megatron tests."""
-    pytest.importorskip("megatron.core")
-    yield
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 def test_megatron_replays_the_engine_routing_and_records_its_own(moe_dir, mcore, packing):
     """fp32: megatron's own routing of the engine's tokens is the engine's record (packed THD and padded

@@ -27,6 +27,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from rlflow.engines.models.packed import causal_varlen_attention
+from rlflow.engines.train.megatron.grouped_experts import GroupedSequentialMLP
 
 
 class SDPAttention(MegatronModule):
@@ -81,10 +82,12 @@ class SDPAttention(MegatronModule):
 def local_layer_spec(qk_norm: bool, attention: str, num_experts: int = 0) -> ModuleSpec:
     """The local (no Transformer Engine) layer spec, with the fused SDPA core attention unless `attention` is
     "unfused" (megatron's own DotProductAttention: the reference the fused one is tested against). With experts,
-    the MLP is megatron's MoE layer with one module per expert (grouped GEMM needs Transformer Engine or the
-    grouped_gemm package)."""
+    the MLP is megatron's MoE layer with one module per expert, computed as two grouped matmuls
+    (GroupedSequentialMLP: megatron's own grouped GEMM needs Transformer Engine or the grouped_gemm package)."""
     spec = get_gpt_layer_local_spec(num_experts=num_experts or None, moe_grouped_gemm=False,
                                     qk_layernorm=qk_norm, normalization="RMSNorm")
+    if num_experts:
+        spec.submodules.mlp.submodules.experts.module = GroupedSequentialMLP
     if attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     elif attention != "unfused":
