@@ -226,13 +226,17 @@ def test_the_engine_refuses_return_routed_experts_when_it_does_not_record(moe_di
 
 def test_generation_keeps_its_routing_through_a_preemption(moe_dir):
     """A request preempted mid-generation keeps the experts recorded before (its re-prefill recomputes them) and
-    returns a full record."""
+    returns a full record; the record store goes with the KV cache when it is released, and comes back with it."""
     engine = TorchRolloutBackend(moe_dir, threads=1, batch_size=4, record_routing=True,
                                  kv_cache=KVCacheConfig(tokens=64, page_size=8))
+    params = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True)
     try:
-        gens = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True), seed=1)
+        gens = engine.generate(PROMPTS, params, seed=1)
+        assert engine.engine.drop_cache() and engine.engine.lm.routing is None  # released with the KV cache
+        again = engine.generate(PROMPTS, params, seed=1)
     finally:
         engine.close()
+    assert all(np.array_equal(a.routed_experts, b.routed_experts) for a, b in zip(gens, again, strict=True))
     assert engine.engine.preemptions > 0
     for g in gens:
         assert g.routed_experts.shape == (len(g.prompt_ids) + len(g.output_ids) - 1, LAYERS, TOP_K)

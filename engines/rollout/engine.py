@@ -278,14 +278,16 @@ class ContinuousBatchEngine:
             return not (self._running or self._prefilling or self._waiting)
 
     def drop_cache(self) -> bool:
-        """Free the KV cache (flush, or release memory); refused while requests run or wait (a queued request
-        would be admitted into a released engine: SGLang, too, releases only an idle server)."""
+        """Free the KV cache and the expert record store (flush, or release memory); refused while requests run or
+        wait (a queued request would be admitted into a released engine: SGLang, too, releases only an idle
+        server)."""
         with self.lock:
             if not self.idle():
                 return False
             if self._cache is not None and self._overlap:
                 torch.cuda.synchronize()  # the last decode may still be writing the cache
             self._cache = self._logits = self._runner = None
+            self.lm.routing = None  # the expert record store (record_routing), reallocated with the cache
             return True
 
     def pause(self) -> None:

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _coalescing_manager
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -81,17 +82,21 @@ def init_process_group(device: str, rank: int, world_size: int, dist_url: str | 
 
 
 def shard(lm: PackedLM, param_dtype: torch.dtype | None, cpu_offload: bool = False,
-          reshard_after_forward: bool = True) -> PackedLM:
+          reshard_after_forward: bool = True, mesh: DeviceMesh | None = None,
+          ignored_params: set[torch.nn.Parameter] | None = None) -> PackedLM:
     """Shard `lm` in place: each decoder layer is an FSDP unit, the root takes embeddings, norm and head.
 
     param_dtype: the dtype the layers compute in (bf16: fp32 shards, bf16 gathered copies); None: the
     parameters' own dtype. Gradients are reduced in fp32. reshard_after_forward False keeps each layer's
-    gathered weights from its forward to its backward (FSDP2 keeps the root's anyway)."""
+    gathered weights from its forward to its backward (FSDP2 keeps the root's anyway). `mesh`: the ranks' mesh
+    (default: FSDP2's own over every rank); `ignored_params`: parameters sharded otherwise (expert parallelism's
+    expert shards, engines/train/expert_parallel.py), which FSDP2 leaves alone."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=_cap_pinned_rounding()) if cpu_offload else OffloadPolicy()
     for layer in lm.body.layers:
-        fully_shard(layer, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard_after_forward)
-    fully_shard(lm, mp_policy=policy, offload_policy=offload)
+        fully_shard(layer, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard_after_forward,
+                    mesh=mesh, ignored_params=ignored_params)
+    fully_shard(lm, mp_policy=policy, offload_policy=offload, mesh=mesh, ignored_params=ignored_params)
     for module in lm.modules():
         if isinstance(module, FSDPModule):  # the setters act on one unit, not its children
             module.set_gradient_divide_factor(1.0)  # a sum: the losses carry the global normalisation

@@ -32,6 +32,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import (
@@ -59,6 +60,7 @@ from rlflow.engines.sync.gpu import GpuLinkProbe, all_gather_bandwidth, device_c
 from rlflow.engines.sync.nccl import NcclChannel, NcclSender
 from rlflow.engines.sync.store import StoreSender, put_bucket
 from rlflow.engines.train import fsdp, lora
+from rlflow.engines.train.expert_parallel import check_expert_parallel, shard_experts
 from rlflow.engines.train.kernels import apply_kernels
 from rlflow.engines.train.microbatch import packed_micro_batches
 from rlflow.engines.train.offload import HostParking, memory_moved
@@ -139,6 +141,11 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
             raise ValueError(f"algorithm.routing_replay {algorithm.routing_replay}: the model at {model_path} has no "
                              "MoE layers; routing replay applies to mixtures of experts")
         apply_kernels(self.model, train.kernels)
+        # train.expert_parallel: the policy's experts split over every rank (engines/train/expert_parallel.py)
+        ep = train.expert_parallel if role == "policy" else 1
+        check_expert_parallel(self.model, ep, world_size, model_path)
+        mesh = init_device_mesh(train.device, (world_size,)) if ep > 1 else None
+        expert_shards = shard_experts(self.model, mesh) if ep > 1 else None
         if frozen:
             self.model.eval().requires_grad_(False)
         if self.lora is not None:  # every rank draws the same A: FSDP2 keeps each rank's slice of its own copy
@@ -153,7 +160,8 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
                          else nullcontext)
         self.lm = fsdp.shard(
             PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing and not frozen,
-                     train.compile, train.fused_head), compute, train.cpu_offload, train.reshard_after_forward)
+                     train.compile, train.fused_head), compute, train.cpu_offload, train.reshard_after_forward,
+            mesh, expert_shards)
         self.ref_model = self.ref_lm = None
         # the KL penalty's reference: a frozen copy of the starting policy (with LoRA, the base: adapters off)
         self.has_reference = algorithm.kl_coef > 0 and role == "policy"

@@ -109,6 +109,7 @@ class RLConfig(Section):
                 f"rollout.max_new_tokens ({self.rollout.max_new_tokens})"
             )
         self._check_routing_replay()
+        self._check_expert_parallel()
         self._check_placement()
         self._check_debug()
         self._check_sft()
@@ -120,6 +121,23 @@ class RLConfig(Section):
         if self.model.hidden_size % self.model.num_heads or self.model.num_heads % self.model.num_kv_heads:
             raise ValueError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
         return self
+
+    def _check_expert_parallel(self) -> None:
+        ep = self.train.expert_parallel
+        if ep == 1:
+            return
+        if self.train.backend != "torch":
+            raise ValueError(f"train.expert_parallel {ep}: the torch backend's; the megatron backend splits experts "
+                             "with megatron.expert_parallel")
+        if ep != self.train.num_workers:
+            raise ValueError(f"train.expert_parallel {ep}: must be 1 or train.num_workers ({self.train.num_workers}): "
+                             "every train rank holds its share of the experts (groups smaller than the world are not "
+                             "supported)")
+        clash = [k for k, on in (("train.lora", self.train.lora is not None), ("train.cpu_offload",
+                 self.train.cpu_offload)) if on]
+        if clash:
+            raise ValueError(f"train.expert_parallel {ep} with {', '.join(clash)}: not supported together (the "
+                             "expert shards live outside FSDP2, which adapters and CPU offload go through)")
 
     def _check_routing_replay(self) -> None:
         replay = self.algorithm.routing_replay

@@ -89,6 +89,10 @@ class TrainConfig(Section):
         True, description="torch backend: FSDP2 frees each layer's gathered weights after its forward and gathers "
         "them again for its backward (memory of one layer at a time). false keeps them until the backward: no "
         "second all-gather per micro-batch, the gathered bf16 weights of every layer in memory at once.")
+    expert_parallel: int = Field(
+        1, ge=1, description="torch backend, MoE models: split every MoE layer's experts over this many train "
+        "ranks, an all-to-all taking each token to its experts' rank (FSDP2 shards the other weights as before). "
+        "1 or train.num_workers; it must divide the number of experts. Megatron: megatron.expert_parallel.")
     cpu_offload: bool = Field(
         False, description="torch backend: FSDP2 CPU offload: parameters, gradients and optimizer state live on "
         "the host (the optimizer steps there) and each layer is copied to the GPU when it runs; trains models "
