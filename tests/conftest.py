@@ -180,3 +180,18 @@ def mcore():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE: 2 layers of 4 experts (top 2), vocabulary 96, weights as its checkpoint names them."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    out = tmp_path_factory.mktemp("tiny-moe")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        max_position_embeddings=64)).save_pretrained(out)
+    return str(out)

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.core.batch import shard_for_workers
@@ -18,17 +17,6 @@ from rlflow.engines.train.torch_backend import TorchTrainBackend
 from tests.megatron_helpers import toy_batch
 
 EXPERTS = 4
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("ep-moe")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(Qwen3MoeConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=16,
-        max_position_embeddings=64)).save_pretrained(out)
-    return str(out)
 
 
 def ep_worker(rank: int, world: int, url: str, model_dir: str, out: str) -> None:
@@ -59,10 +47,10 @@ def ep_worker(rank: int, world: int, url: str, model_dir: str, out: str) -> None
         save_file({n: t.contiguous() for n, t in weights.items()}, f"{out}/resumed.safetensors")
 
 
-def test_ep2_scores_and_steps_as_ep1_and_its_checkpoint_resumes_at_ep1(moe_dir, tmp_path):
+def test_ep2_scores_and_steps_as_ep1_and_its_checkpoint_resumes_at_ep1(tiny_moe_dir, tmp_path):
     """fp32: EP=2's log-probs, loss, gradient norm and updated weights (gathered whole, as weight sync sends them)
     equal EP=1's within 1e-5, and a checkpoint of the EP=2 run loads at EP=1 with its weights bit for bit."""
-    mp.spawn(ep_worker, args=(2, f"tcp://127.0.0.1:{free_port()}", moe_dir, str(tmp_path)), nprocs=2)
+    mp.spawn(ep_worker, args=(2, f"tcp://127.0.0.1:{free_port()}", tiny_moe_dir, str(tmp_path)), nprocs=2)
     for rank in range(2):
         one, two = (torch.load(tmp_path / f"ep{ep}.rank{rank}.pt") for ep in (1, 2))
         assert (one["logprobs"] - two["logprobs"]).abs().max() < 1e-5
@@ -70,7 +58,7 @@ def test_ep2_scores_and_steps_as_ep1_and_its_checkpoint_resumes_at_ep1(moe_dir, 
         assert two["experts_held"] == EXPERTS // 2  # each rank computed half of the experts for both ranks
     one, two = load_file(tmp_path / "ep1.safetensors"), load_file(tmp_path / "ep2.safetensors")
     assert one.keys() == two.keys() and any(".experts." in n for n in one)
-    start = load_file(Path(moe_dir) / "model.safetensors")
+    start = load_file(Path(tiny_moe_dir) / "model.safetensors")
     moved = [n for n in one if ".experts." in n and not torch.equal(one[n], start[n])]
     assert moved, "the step moved no expert weight"
     for name in one:
@@ -79,7 +67,7 @@ def test_ep2_scores_and_steps_as_ep1_and_its_checkpoint_resumes_at_ep1(moe_dir, 
     assert all(torch.equal(resumed[n], two[n]) for n in two)
 
 
-def test_expert_parallel_sizes_that_cannot_work_are_named_errors(moe_dir, tmp_path):
+def test_expert_parallel_sizes_that_cannot_work_are_named_errors(tiny_moe_dir, tmp_path):
     from transformers import Qwen3Config
 
     from tests.test_routing_replay import COMMON, _save
@@ -92,7 +80,7 @@ def test_expert_parallel_sizes_that_cannot_work_are_named_errors(moe_dir, tmp_pa
     with pytest.raises(ValueError, match="with train.cpu_offload"):
         RLConfig.model_validate(data | {"train": {"expert_parallel": 2, "num_workers": 2, "cpu_offload": True}})
     with pytest.raises(ValueError, match="train.expert_parallel 3 does not divide the model's 4 experts"):
-        TorchTrainBackend(moe_dir, TrainConfig(threads=1, expert_parallel=3), AlgorithmConfig())
+        TorchTrainBackend(tiny_moe_dir, TrainConfig(threads=1, expert_parallel=3), AlgorithmConfig())
     dense = _save(tmp_path / "dense", Qwen3Config(**COMMON))
     with pytest.raises(ValueError, match="has no experts"):
         TorchTrainBackend(dense, TrainConfig(threads=1, expert_parallel=2), AlgorithmConfig())

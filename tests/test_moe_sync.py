@@ -4,10 +4,8 @@ parameters, while weight syncs name each expert as checkpoints do (engines/model
 from __future__ import annotations
 
 import httpx
-import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 import rlflow.engines.train.torch_backend as torch_backend
 from rlflow.engines.core.config import AlgorithmConfig, TrainConfig
@@ -18,28 +16,16 @@ from rlflow.engines.sync.base import plan_buckets
 from tests.megatron_helpers import toy_batch
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> str:
-    """A tiny Qwen3-MoE: 2 layers of 4 experts (top 2), weights as its checkpoint names them."""
-    out = tmp_path_factory.mktemp("moe")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(Qwen3MoeConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        max_position_embeddings=64)).save_pretrained(out)
-    return str(out)
-
-
-def test_a_bucketed_sync_gathers_each_stacked_parameter_once_and_sends_owned_tensors(moe_dir, monkeypatch):
+def test_a_bucketed_sync_gathers_each_stacked_parameter_once_and_sends_owned_tensors(tiny_moe_dir, monkeypatch):
     """Buckets cut across a stacked parameter's experts: it is still gathered once per sync (kept between
     calls), every expert arrives as its own tensor (a view would carry the whole stack when pickled), and after
     a step the next sync gathers the new weights."""
-    trainer = torch_backend.TorchTrainBackend(moe_dir, TrainConfig(threads=1, mini_batches=1), AlgorithmConfig())
+    trainer = torch_backend.TorchTrainBackend(tiny_moe_dir, TrainConfig(threads=1, mini_batches=1), AlgorithmConfig())
     gathered: list[str] = []
     real_gather = torch_backend.fsdp.gather
     monkeypatch.setattr(torch_backend.fsdp, "gather",
                         lambda params, names, *a, **k: gathered.extend(names) or real_gather(params, names, *a, **k))
-    checkpoint = load_file(f"{moe_dir}/model.safetensors")
+    checkpoint = load_file(f"{tiny_moe_dir}/model.safetensors")
     buckets = list(plan_buckets(trainer.weight_layout(), 4096))
     bucket_of = {n: i for i, b in enumerate(buckets) for n in b}
     assert bucket_of["model.layers.0.mlp.experts.0.gate_proj.weight"] != \
@@ -57,10 +43,10 @@ def test_a_bucketed_sync_gathers_each_stacked_parameter_once_and_sends_owned_ten
                            sent["model.layers.0.mlp.experts.1.up_proj.weight"])
 
 
-def test_the_embedded_server_takes_experts_by_their_checkpoint_names(moe_dir):
+def test_the_embedded_server_takes_experts_by_their_checkpoint_names(tiny_moe_dir):
     """/update_weights_from_tensor with per-expert names (what the Megatron backend and the torch backend send)
     writes the engine's stacked expert tensors; a name that is neither is refused, naming it."""
-    engine = TorchRolloutBackend(moe_dir, threads=1, batch_size=4)
+    engine = TorchRolloutBackend(tiny_moe_dir, threads=1, batch_size=4)
     try:
         engine.start_server()
         name = "model.layers.1.mlp.experts.2.down_proj.weight"
