@@ -40,12 +40,18 @@ def route_order(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tens
 
 def kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """torch's kernel takes rows of 16-byte multiples at 16-byte aligned addresses (weights inside a flat buffer,
-    engines/models/flat_weights.py, may sit anywhere); on CUDA in bf16, on CPU in fp32."""
+    engines/models/flat_weights.py, may sit anywhere); on CUDA in bf16, on CPU in fp32. Under torch.compile the
+    addresses are not read (dynamo cannot trace `data_ptr`, and fell back to eager for the whole decode step): a
+    compiled caller runs only where an eager check passed (the engine's `graph_safe`), and a flat buffer keeps its
+    offsets when it moves. The CPU kernel has no rule for compile's fake tensors: compiled, CPU takes the loop."""
     if GROUPED_MM is None or x.dtype != w.dtype:
         return False
     if not all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[-1])):
         return False
-    if x.data_ptr() % 16 or w.data_ptr() % 16:
+    if torch.compiler.is_compiling():
+        if not x.is_cuda:
+            return False
+    elif x.data_ptr() % 16 or w.data_ptr() % 16:
         return False
     return x.dtype in CUDA_DTYPES if x.is_cuda else x.dtype == torch.float32
 
