@@ -84,3 +84,19 @@ def test_expert_parallel_sizes_that_cannot_work_are_named_errors(tiny_moe_dir, t
     dense = _save(tmp_path / "dense", Qwen3Config(**COMMON))
     with pytest.raises(ValueError, match="has no experts"):
         TorchTrainBackend(dense, TrainConfig(threads=1, expert_parallel=2), AlgorithmConfig())
+
+
+def test_preflight_checks_expert_parallel_against_the_models_experts(recipe, tiny_moe_dir, tmp_path):
+    """Before any worker starts: an EP that does not divide the experts, or a dense model, is a problem naming
+    train.expert_parallel and the model."""
+    from rlflow.engines.session.preflight import find_problems
+    from rlflow.engines.session.workers import prepare_model
+
+    problems = find_problems(recipe(model={"path": tiny_moe_dir}, train={"expert_parallel": 3, "num_workers": 3},
+                                    rollout={"prompts_per_step": 3, "samples_per_prompt": 2}, sft={"batch_size": 3}))
+    assert any("train.expert_parallel 3 does not divide the 4 experts" in p for p in problems), problems
+    assert not [p for p in find_problems(recipe(model={"path": tiny_moe_dir},
+                                                train={"expert_parallel": 2, "num_workers": 2})) if "expert" in p]
+    dense = prepare_model(recipe(), tmp_path)
+    problems = find_problems(recipe(model={"path": dense}, train={"expert_parallel": 2, "num_workers": 2}))
+    assert any("train.expert_parallel 2: model.path" in p and "dense" in p for p in problems), problems

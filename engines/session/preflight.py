@@ -150,6 +150,21 @@ def _routing_replay_problems(cfg: RLConfig) -> list[str]:
     return []
 
 
+def _expert_parallel_problems(cfg: RLConfig) -> list[str]:
+    """train.expert_parallel against the model's experts, before any worker loads it."""
+    ep = cfg.train.expert_parallel
+    if ep == 1 or not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
+        return []
+    config = AutoConfig.from_pretrained(cfg.model.path)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not experts:
+        return [f"train.expert_parallel {ep}: model.path {cfg.model.path} is a dense {config.model_type} model "
+                "(no experts to split); set it to 1"]
+    if experts % ep:
+        return [f"train.expert_parallel {ep} does not divide the {experts} experts of model.path {cfg.model.path}"]
+    return []
+
+
 def _megatron_or_none(cfg: RLConfig) -> list[str]:
     return _megatron_problems(cfg) if cfg.train.backend == "megatron" else []
 
@@ -166,6 +181,7 @@ CHECKS: list[tuple[frozenset[str], Callable[[RLConfig], list[str]]]] = [
     (frozenset({"model", "rollout"}), _context_problems),
     (frozenset({"train", "model", "megatron"}), _megatron_or_none),
     (frozenset({"algorithm", "model"}), _routing_replay_problems),
+    (frozenset({"train", "model"}), _expert_parallel_problems),
     (frozenset({"debug", "storage"}), _replay_problems),
 ]
 
