@@ -93,10 +93,12 @@ def shard(lm: PackedLM, param_dtype: torch.dtype | None, cpu_offload: bool = Fal
     expert shards, engines/train/expert_parallel.py), which FSDP2 leaves alone."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=_cap_pinned_rounding()) if cpu_offload else OffloadPolicy()
+    # only when given: without expert parallelism the calls are what they were (ignored_params is torch >= 2.7's)
+    given = {k: v for k, v in (("mesh", mesh), ("ignored_params", ignored_params)) if v is not None}
     for layer in lm.body.layers:
         fully_shard(layer, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard_after_forward,
-                    mesh=mesh, ignored_params=ignored_params)
-    fully_shard(lm, mp_policy=policy, offload_policy=offload, mesh=mesh, ignored_params=ignored_params)
+                    **given)
+    fully_shard(lm, mp_policy=policy, offload_policy=offload, **given)
     for module in lm.modules():
         if isinstance(module, FSDPModule):  # the setters act on one unit, not its children
             module.set_gradient_divide_factor(1.0)  # a sum: the losses carry the global normalisation
