@@ -211,6 +211,27 @@ def test_wire_format_and_bad_input_is_named(moe_dir, dense_dir):
         _batch(moe_dir, samples)
 
 
+def test_a_streamed_generation_carries_its_record_in_the_last_event(moe_dir):
+    """stream: true with return_routed_experts: the final event's meta_info has the record the unstreamed answer
+    has (same seed); the events before it have none."""
+    import json
+
+    engine = TorchRolloutBackend(moe_dir, threads=1, batch_size=2, record_routing=True)
+    body = {"input_ids": PROMPTS[0], "return_routed_experts": True,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 3}}
+    try:
+        engine.start_server()
+        with httpx.Client(base_url=engine.server_url(), timeout=60) as http:
+            whole = http.post("/generate", json=body).json()
+            events = [json.loads(line[len("data: "):]) for line in http.post(
+                "/generate", json=body | {"stream": True}).text.splitlines()
+                if line.startswith("data: {")]
+    finally:
+        engine.close()
+    assert all("routed_experts" not in e["meta_info"] for e in events[:-1])
+    assert events[-1]["meta_info"]["routed_experts"] == whole["meta_info"]["routed_experts"]
+
+
 def test_the_engine_refuses_return_routed_experts_when_it_does_not_record(moe_dir):
     engine = TorchRolloutBackend(moe_dir, threads=1, batch_size=2)
     try:

@@ -95,7 +95,8 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
             logprob_of += [bool(flag)] * len(new)
         t0 = time.perf_counter()
         if body.get("stream"):
-            return StreamingResponse(_generate_stream(client, requests, logprob_of, t0), media_type="text/event-stream")
+            return StreamingResponse(_generate_stream(client, requests, logprob_of, t0, routed),
+                                     media_type="text/event-stream")
         gens = await client.run(requests)
         out = [_generate_item(client, g.prompt_ids, g.output_ids, g.output_logprobs, g.finish_reason, g.rid,
                               _versions(g), logprob_of[i], time.perf_counter() - t0,
@@ -241,16 +242,18 @@ def _generate_item(client: EngineClient, prompt_ids, output_ids, output_logprobs
     return {"text": client.output_text(output_ids, finish_reason), "output_ids": list(output_ids), "meta_info": meta}
 
 
-async def _generate_stream(client: EngineClient, requests, logprob_of: list[bool], t0: float):
+async def _generate_stream(client: EngineClient, requests, logprob_of: list[bool], t0: float, routed: bool = False):
     """SGLang's stream: one `data:` event per new token with the cumulative text, output ids and meta_info
-    (finish_reason null until the last), an `index` per batch item, then `data: [DONE]`."""
+    (finish_reason null until the last; `routed`: the last one carries the routed experts), an `index` per batch
+    item, then `data: [DONE]`."""
     try:
         async for ev in client.stream(requests):
             r = requests[ev.index]
             finish = ev.final.finish_reason if ev.final is not None else None
             versions = _versions(ev.final if ev.final is not None else r)
             item = _generate_item(client, r.prompt, ev.output_ids, ev.output_logprobs, finish, r.rid, versions,
-                                  logprob_of[ev.index], time.perf_counter() - t0)
+                                  logprob_of[ev.index], time.perf_counter() - t0,
+                                  ev.final.routed_experts if routed and ev.final is not None else None)
             yield sse(item | {"index": ev.index})
     except BadRequest as exc:
         yield sse({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}})
