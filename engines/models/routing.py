@@ -96,6 +96,15 @@ def routing_shape(model: torch.nn.Module) -> tuple[int, int] | None:
     return (len(routers), int(routers[0].top_k)) if routers else None
 
 
+def per_layer(record: torch.Tensor, layers: int, k: int) -> torch.Tensor:
+    """Records of tokens [tokens, layers x k] (ROUTED_EXPERTS' trailing layout) as [tokens, layers, k]; records of
+    another model's width are refused, naming both."""
+    if record.shape[-1] != layers * k:
+        raise ValueError(f"routing replay: the batch's records hold {record.shape[-1]} expert ids a token; this "
+                         f"model routes {layers} MoE layers x {k} experts = {layers * k}")
+    return record.view(-1, layers, k)
+
+
 def set_replay(model: torch.nn.Module, ids: torch.Tensor | None) -> None:
     """Replay `ids` [T, layers, k] in the model's next forwards (and their recomputation under activation
     checkpointing, in the backward), or route live again (None)."""

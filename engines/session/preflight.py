@@ -9,7 +9,7 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from rlflow.engines.core.config import (
     FnRewardSource,
@@ -138,12 +138,20 @@ def _context_problems(cfg: RLConfig) -> list[str]:
     return []
 
 
+def _model_config(cfg: RLConfig) -> PretrainedConfig | None:
+    """model.path's HF config; None for a model built from the recipe (dense: the workers check it) or a missing
+    one (reported by _model_problems)."""
+    if not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
+        return None
+    return AutoConfig.from_pretrained(cfg.model.path)
+
+
 def _routing_replay_problems(cfg: RLConfig) -> list[str]:
     """Routing replay needs a mixture of experts: a dense model has no routing to record."""
     replay = cfg.algorithm.routing_replay
-    if replay == "off" or not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
-        return []  # a model built from the recipe is dense (checked by the workers); a missing one is reported above
-    config = AutoConfig.from_pretrained(cfg.model.path)
+    config = _model_config(cfg) if replay != "off" else None
+    if config is None:
+        return []
     if not is_moe(config.model_type):
         return [f"algorithm.routing_replay {replay}: model.path {cfg.model.path} is a dense {config.model_type} "
                 "model; routing replay applies to mixtures of experts (qwen3_moe, mixtral). Set it to off"]
@@ -153,9 +161,9 @@ def _routing_replay_problems(cfg: RLConfig) -> list[str]:
 def _expert_parallel_problems(cfg: RLConfig) -> list[str]:
     """train.expert_parallel against the model's experts, before any worker loads it."""
     ep = cfg.train.expert_parallel
-    if ep == 1 or not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
+    config = _model_config(cfg) if ep > 1 else None
+    if config is None:
         return []
-    config = AutoConfig.from_pretrained(cfg.model.path)
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     if not experts:
         return [f"train.expert_parallel {ep}: model.path {cfg.model.path} is a dense {config.model_type} model "

@@ -49,7 +49,7 @@ from rlflow.engines.core.protocols import CriticBackend, TeacherBackend, TrainBa
 from rlflow.engines.models.hf import DTYPES, load_model, load_value_model
 from rlflow.engines.models.moe import checkpoint_named
 from rlflow.engines.models.packed import PackedLM, PackedRows
-from rlflow.engines.models.routing import recording, routing_shape, set_replay
+from rlflow.engines.models.routing import per_layer, recording, routing_shape, set_replay
 from rlflow.engines.models.transfer import tensor_to_device
 from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.adapter import AdapterSender
@@ -212,12 +212,8 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         if record is None:
             set_replay(lm.model, None)
             return
-        layers, k = self.routing_shape
-        if record.shape[-1] != layers * k:
-            raise ValueError(f"routing replay: the batch's records hold {record.shape[-1]} expert ids a token; this "
-                             f"model routes {layers} MoE layers x {k} experts = {layers * k}")
         ids = record[packed.rows.to(record.device), packed.cols.to(record.device)]
-        set_replay(lm.model, tensor_to_device(ids, self.device).view(-1, layers, k))
+        set_replay(lm.model, per_layer(tensor_to_device(ids, self.device), *self.routing_shape))
 
     @torch.no_grad()
     def record_routing(self, batch: TrainBatch) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from rlflow.engines.core.batch import ROUTED_EXPERTS
-from rlflow.engines.models.routing import ROUTING_DTYPE
+from rlflow.engines.models.routing import ROUTING_DTYPE, per_layer
 from rlflow.engines.train.megatron.microbatch import Micro
 
 
@@ -69,10 +69,7 @@ class MegatronRouting:
         if ids is None or not micro.rows:
             self._action(None)
             return
-        if ids.shape[-1] != self.width:
-            raise ValueError(f"routing replay: the batch's records hold {ids.shape[-1]} expert ids a token; this "
-                             f"model routes {len(self.replays)} MoE layers x {self.top_k} = {self.width}")
-        tokens = to_megatron_order(micro, ids, pad).view(-1, len(self.replays), self.top_k)
+        tokens = per_layer(to_megatron_order(micro, ids, pad), len(self.replays), self.top_k)
         for n, r in enumerate(self.replays):
             r.set_target_indices(tokens[:, n])
         self._action(RouterReplayAction.REPLAY_FORWARD)
