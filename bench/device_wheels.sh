@@ -29,7 +29,7 @@ installed() {  # the version installed in the project's environment (for what co
     "$py" -c "import importlib.metadata as m; print(m.version('$1'))"
 }
 for p in pydantic annotated-types typing-inspection fastapi starlette uvicorn h11 opentelemetry-api zipp orjson \
-         liger-kernel peft; do
+         liger-kernel peft zstandard xxhash; do
     fetch "$p==$(pin $p)"
 done
 fetch "pydantic-core==$(installed pydantic-core)"

@@ -1,7 +1,8 @@
 """The post-training flow: one flow run per training run, one task per stage per step.
 
     (eval of the base model) then, per step:
-    rollout -> reward -> (teacher) -> advantages -> train -> sync weights -> (eval) -> log metrics -> (checkpoint)
+    rollout -> reward -> (teacher) -> advantages -> train -> sync weights -> (eval) -> log metrics -> health
+    -> (checkpoint)
 
 An evaluation measures the policy after v updates and is logged at step v (0: the base model, before step 0).
 
@@ -26,6 +27,7 @@ from rlflow.engines.core.config import CheckpointConfig, RLConfig, resolve_confi
 from rlflow.engines.session.schedule import RolloutSchedule
 from rlflow.tasks import stages
 from rlflow.tasks.artifacts import TrainingArtifacts
+from rlflow.tasks.health import check_step
 from rlflow.tasks.run_context import NothingToResume, RunContext, open_run
 
 
@@ -107,6 +109,7 @@ def post_train(
             held_out = s.evaluate(r, step + 1) if evals and evaluation_due(config.eval.every, step, last) else {}
             metrics["time/step"] = time.perf_counter() - t0
             metrics = run.log_step(step, metrics, held_out)
+            check_step(run, step, metrics)  # run health: warns, or fails the run before its checkpoint
             if debug.trains and checkpoints.due(step):  # after logging: a committed step has its metrics
                 s.checkpoint(r, step)
                 checkpoints.saved()

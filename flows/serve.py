@@ -275,6 +275,7 @@ def stop_runs_then_services(svc: Services, api: str | None, pools: list[str]) ->
     stopped, t0 = [], time.monotonic()
     workers = sum(1 for p in svc.procs if "worker" in p.args)
     if api is not None and workers:
+        print("stopping: pausing the pools, cancelling the runs in progress", flush=True)
         try:  # no run starts now; a pool left running only risks a start that the workers' stop then ends
             pause_pools(api, pools, paused=True)
         except Exception as exc:  # noqa: BLE001 - the runs must still be stopped

@@ -2,7 +2,8 @@
 
 - a progress artifact, moved in 5 % steps (at most ~20 API calls a run, never one per sample);
 - a markdown summary at each checkpoint: step, reward, last eval, where the checkpoint is, the MLflow run;
-- a table of sample rollouts at each eval.
+- a table of sample rollouts at each eval;
+- a table of the run-health checks that fired (tasks/health.py), when one fires.
 Keys are per run name, so the artifact page of a run keeps the history of each.
 """
 
@@ -65,6 +66,12 @@ class TrainingArtifacts:
         lines += [f"| checkpoint | `{uri}` |", f"| MLflow | {self.mlflow_url} |"]
         create_markdown_artifact("\n".join(lines), key=artifact_key(self.run, "checkpoint"),
                                  description=f"{self.run}: checkpoint summary at step {step}")
+
+    def health(self, step: int, rows: list[dict]) -> None:
+        """The run-health findings of this attempt so far (tasks/health.py), one row each."""
+        if rows:
+            create_table_artifact(rows, key=artifact_key(self.run, "health"),
+                                  description=f"{self.run}: run-health checks that fired, as of step {step}")
 
     def samples(self, step: int, rows: list[dict]) -> None:
         if rows:

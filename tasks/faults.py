@@ -6,7 +6,9 @@ stage is a task name (rollout, reward, teacher, advantages, train, sync-weights,
 `before` or `after` that task's work, or `during@<seconds>`: that long after the work started, from a timer, while
 the workers compute (a GPU lost mid-step). target is `flow` (this process), `train`, `rollout` or `critic` (rank 0
 of that actor group; `train@1`: rank 1, a rank whose peers are then left in a collective), or `raise`: an
-exception in the flow's first attempt only, so a Prefect flow retry (orchestration.flow_retries) gets past it.
+exception in the flow's first attempt only, so a Prefect flow retry (orchestration.flow_retries) gets past it, or
+`nan`: after the advantages stage only, the step's advantages become NaN (a numerical blow-up for the run-health
+checks to catch: the loss and gradient norm of the train step come out NaN).
 Unset (the normal case), it costs one dict lookup per task.
 """
 
@@ -42,6 +44,11 @@ def maybe_inject(run, stage: str, step: int, when: str) -> None:
         timer.start()
         return
     if (f_stage, int(f_step), f_when) != (stage, step, when):
+        return
+    if target == "nan":
+        if (stage, when) != ("advantages", "after"):
+            raise ValueError(f"{ENV}={spec}: `nan` poisons the advantages: give advantages:<step>:after:nan")
+        run.session.steps.get(step).advantages.fill_(float("nan"))
         return
     if target == "flow":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -12,13 +12,14 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefect.runtime import flow_run
 
 from rlflow.engines.core.config import RecipeError, RLConfig, public_tree
+from rlflow.engines.core.health import Finding, HealthMonitor
 from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.workers import prepare_data, prepare_model
 from rlflow.engines.store.lease import RunLease
@@ -61,6 +62,8 @@ class RunContext:
     artifacts: TrainingArtifacts | None = None  # Prefect artifacts, when running as a flow
     stop_logs: Callable[[], None] = lambda: None  # ends the rlflow logger's link to the Prefect run's logs
     pending: PendingCommit | None = None  # a checkpoint written in the background, not yet committed
+    health: HealthMonitor | None = None  # the run-health checks (tasks/health.py); their windows go into checkpoints
+    health_findings: dict[str, Finding] = field(default_factory=dict)  # the latest finding of each check that fired
 
     def notify(self, step: int, metrics: dict) -> None:
         """A step is done: its summary line to the Prefect run's logs, then the listeners."""
@@ -86,6 +89,8 @@ class RunContext:
         t0 = time.perf_counter()
         self.tracker.flush()
         meta = {"step": step, "next_step": step + 1, "mlflow_run_id": self.tracker.run_id}
+        if self.health is not None:  # the health windows as of this step: a resume goes on counting from here
+            meta["health"] = self.health.state()
         background = self.cfg.checkpoint.async_save
         if background:  # a failed attempt of this stage may have left writers running: none may write below
             self.session.drain_saves()
@@ -308,6 +313,8 @@ def _open_leased(cfg: RLConfig, make_session: Callable[[RLConfig, str], Any], st
     if meta is not None:
         ctx.start_step = meta["next_step"]
         log.info("resuming run %s from committed step %d", cfg.name, latest)
+    ctx.health = HealthMonitor(cfg.health, ctx.start_step, cfg.rollout.samples_per_prompt,
+                               meta.get("health") if meta is not None else None)
     earlier = tracker.record_attempt(ctx.start_step)
     if flow_run.id is not None:  # the lease is ours: what earlier attempts left running in Prefect is dead
         close_earlier_attempts(flow_run.id, earlier)

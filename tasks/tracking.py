@@ -158,6 +158,11 @@ class Tracker:
         if batch:
             self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
 
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Set (or overwrite) run tags, e.g. the health checks that fired (tasks/health.py)."""
+        if tags:
+            self.client.log_batch(self.run_id, tags=[mlflow.entities.RunTag(k, v[:5000]) for k, v in tags.items()])
+
     def log_table(self, rows: list[dict], artifact_file: str) -> None:
         if rows:
             cols = {k: [r[k] for r in rows] for k in rows[0]}

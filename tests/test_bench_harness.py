@@ -68,3 +68,29 @@ def test_moe_benches_run_their_smoke_shapes(tmp_path):
     assert [p["batch"] for p in points] == [2, 4] and all(p["graphs"]["tokens_per_s"] > 0 for p in points)
     report = json.loads(replay.read_text())
     assert {"moe_live", "moe_r3", "dense"} <= set(report) and 0 <= report["routing_flips"] < 1
+
+
+def test_fp8_decode_bench_runs_its_smoke_shape(tmp_path):
+    """bench/rollout/fp8_decode.py on the CPU (bf16 only: the engine refuses fp8 there): timings and the mismatch
+    report against the trainer's forward, which for bf16 on bf16 weights is small but measured, not assumed."""
+    out = tmp_path / "fp8.json"
+    subprocess.run([sys.executable, "-m", "bench.rollout.fp8_decode", "--smoke", "--out", str(out)], check=True,
+                   timeout=600, capture_output=True, cwd=REPO)
+    point = json.loads(out.read_text())["sizes"]["smoke"]
+    assert point["bf16"]["2"]["tokens_per_s"] > 0 and point["bf16"]["4"]["tokens_per_s"] > 0
+    report = point["mismatch_vs_bf16_trainer"]["bf16"]
+    assert report["tokens"] == 16 and 0 <= report["mean"] <= report["max"] < 0.1
+
+
+def test_delta_sync_bench_runs_its_smoke_shape(tmp_path):
+    """bench/sync/delta.py on the CPU: every transport delivers every version bit for bit, the first delta version
+    is a snapshot and the later ones are deltas smaller than the full transports' bytes."""
+    out = tmp_path / "delta.json"
+    subprocess.run([sys.executable, "-m", "bench.sync.delta", "--smoke", "--out", str(out)], check=True,
+                   timeout=600, capture_output=True, cwd=REPO)
+    size = json.loads(out.read_text())["sizes"]["smoke"]
+    assert "error" not in size, size.get("tail")
+    assert [v["delta"]["snapshot"] for v in size["versions"]] == [True, False, False]
+    summary = size["summary"]
+    assert all(summary[t]["all_exact"] for t in ("delta", "store", "disk"))
+    assert 0 < summary["delta"]["median_bytes"] < summary["store"]["median_bytes"] == summary["disk"]["median_bytes"]

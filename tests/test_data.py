@@ -42,7 +42,23 @@ def test_make_examples_deterministic_and_correct(task: str) -> None:
 
 def test_unknown_task() -> None:
     with pytest.raises(ValueError, match="unknown built-in task"):
-        make_examples("mul", 4, 1, 0)
+        make_examples("div", 4, 1, 0)
+
+
+def test_mul_task_and_its_tool_transcripts_for_sft(tmp_path: Path) -> None:
+    """mul: two numbers of exactly num_digits digits; its SFT pairs are the two model turns of the python tool's
+    transcript (engines/env/python_tool.py), each with the conversation before it as its prompt."""
+    for ex in make_examples("mul", 2, 200, 0):
+        a, b = ex["prompt"].removesuffix("=").split("*")
+        assert len(a) == len(b) == 2 and ex["label"] == str(int(a) * int(b))
+    cfg = BuiltinTaskConfig(task="mul", num_digits=2, num_train=50, num_eval=10, seed=3)
+    write_task_files(cfg, str(tmp_path / "t.jsonl"), None, sft_path=str(tmp_path / "sft.jsonl"))
+    train = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    pairs = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    assert len(pairs) == 2 * len(train)
+    for row, call, answer in zip(train, pairs[::2], pairs[1::2], strict=True):
+        assert call == {"prompt": row["prompt"], "response": row["prompt"]}
+        assert answer == {"prompt": row["prompt"] * 2 + row["label"] + "R", "response": row["label"]}
 
 
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])

@@ -244,3 +244,22 @@ def test_megatron_gpus_flops_per_token_is_train_scales_count_of_one_full_row(tmp
     causal = flops_per_step(cfg, torch.tensor([seq])) / seq
     assert train_flops_per_token(str(tmp_path), seq) == causal
     assert train_flops_per_token(str(tmp_path), seq, causal=False) == causal + 6 * 2 * 12 * seq
+
+
+def test_train_context_parallel_smoke_splits_one_sample_over_two_ranks(tmp_path):
+    """bench/train/context_parallel.py on CPU: one 97-token sample (an odd length, padded to split) on one rank and
+    as CP=2 over two; the same loss either way, one micro-batch, MFU None (no peak for a CPU)."""
+    from bench.train import context_parallel as train_cp
+
+    out = tmp_path / "cp.json"
+    report = train_cp.main(["--smoke", "--deadline", "1800", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    one, two = report["runs"]["97x1"], report["runs"]["97x2"]
+    for r in (one, two):
+        assert r["error"] is None, r["error"]
+        assert r["tokens_per_s_per_gpu"] > 0 and r["mfu"] is None
+        assert all(x["micro_batches"] == 1 for x in r["ranks"])
+    assert two["context_parallel"] == 2 and two["tokens_per_rank"] == 49
+    assert two["loss"] == pytest.approx(one["loss"], abs=1e-5)
+    with pytest.raises(SystemExit):
+        train_cp.main(["--smoke", "--runs", "97by2", "--out", str(out)])

@@ -343,8 +343,8 @@ def test_distributed_weight_update_over_gloo(worker, model_dir):
             destroy_weights_update_group(group)
 
 
-# ---- SGLang's weight transports through a session: disk, and the distributed pair ---------------------------
-TRANSPORTS = ["disk", "distributed"]
+# ---- SGLang's weight transports through a session: disk, the distributed pair, and delta (the worker's mirror) ------
+TRANSPORTS = ["disk", "distributed", "delta"]
 
 
 @contextmanager

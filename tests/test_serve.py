@@ -555,9 +555,9 @@ def test_sigterm_stops_the_runs_and_every_service_serve_started(served):
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)  # must not cut the shutdown short
     try:
-        code = proc.wait(120)
+        code = proc.wait(240)  # a run's own SIGTERM handling may take its 60 s grace on a loaded machine
     except subprocess.TimeoutExpired:
-        pytest.fail("rlflow serve did not exit within 120 s of SIGTERM; it printed:\n"
+        pytest.fail("rlflow serve did not exit within 240 s of SIGTERM; it printed:\n"
                     + served["log"].read_text()[-4000:])
     assert code == 0, served["log"].read_text()[-3000:]
     print(f"rlflow serve stopped {len(tree)} processes in {time.monotonic() - t0:.1f} s")

@@ -1,6 +1,7 @@
 """Built-in verifiable tasks (sort, reverse, add), small enough for a tiny character-level model on CPU.
 
-Prompts use only the characters "0123456789+=SR", the whole vocabulary of the built-in tokenizer.
+Prompts use only the characters "0123456789+=SR", the whole vocabulary of the built-in tokenizer; mul's prompts also
+"*" (model.extra_chars: "*"), and it is solved with a python tool (engines/env/python_tool.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pyarrow.parquet as pq
 
 from rlflow.engines.core.config import BuiltinTaskConfig
 
-TASKS = ("sort", "reverse", "add")
+TASKS = ("sort", "reverse", "add", "mul")
 
 
 def _digits(rng: random.Random, n: int) -> str:
@@ -34,6 +35,10 @@ def _example(task: str, num_digits: int, rng: random.Random) -> dict:
     if task == "add":
         a, b = rng.randrange(10**num_digits), rng.randrange(10**num_digits)
         return {"prompt": f"{a}+{b}=", "label": str(a + b)}
+    if task == "mul":  # numbers of exactly num_digits digits
+        low = 10 ** (num_digits - 1) if num_digits > 1 else 0
+        a, b = rng.randrange(low, 10**num_digits), rng.randrange(low, 10**num_digits)
+        return {"prompt": f"{a}*{b}=", "label": str(a * b)}
     raise ValueError(f"unknown built-in task {task!r}; expected one of {', '.join(TASKS)}")
 
 
@@ -48,6 +53,8 @@ def _stream(task: str, num_digits: int, rng: random.Random) -> Iterator[dict]:
 
 def num_distinct_prompts(task: str, num_digits: int) -> int:
     """Size of the prompt space, so split sizes that cannot be disjoint are refused rather than looping."""
+    if task == "mul":
+        return (10**num_digits - (10 ** (num_digits - 1) if num_digits > 1 else 0)) ** 2
     return 10 ** (2 * num_digits) if task == "add" else 10**num_digits
 
 
@@ -109,7 +116,7 @@ def write_task_files(
 ) -> None:
     """Write disjoint train and held-out eval splits; train is the same whether or not eval_path is given.
 
-    sft_path gets the train split as SFT pairs: each prompt with its correct answer as "response"."""
+    sft_path gets the train split as SFT pairs: each prompt with its correct answer as "response" (sft_pairs)."""
     paths = [Path(p).resolve() for p in (train_path, eval_path, sft_path) if p is not None]
     if len(set(paths)) < len(paths):
         raise ValueError(f"data: the train, eval and SFT files must differ: {train_path}, {eval_path}, {sft_path}")
@@ -119,4 +126,15 @@ def write_task_files(
     if train_path is not None:
         write_rows_atomic(train, train_path)
     if sft_path is not None:
-        write_rows_atomic([{"prompt": r["prompt"], "response": r["label"]} for r in train], sft_path)
+        write_rows_atomic([pair for r in train for pair in sft_pairs(cfg.task, r)], sft_path)
+
+
+def sft_pairs(task: str, row: dict) -> list[dict]:
+    """The demonstrations SFT trains on: the prompt and its answer; for mul, each model turn of the tool transcript
+    of engines/env/python_tool.py with the conversation before it as its prompt ("37*12=" -> "37*12=", the tool
+    call; "37*12=37*12=444R" -> "444"), so the tool's output is context, never a target, as in RL's loss mask.
+    (The EOS SFT adds after a tool call is never sampled: "=" stops the turn.)"""
+    prompt, label = row["prompt"], row["label"]
+    if task == "mul":
+        return [{"prompt": prompt, "response": prompt}, {"prompt": f"{prompt}{prompt}{label}R", "response": label}]
+    return [{"prompt": prompt, "response": label}]

@@ -12,6 +12,8 @@ An MoE layer routes through engines/models/routing.py's `select_experts` and com
 matmuls of engines/models/grouped_experts.py (the trainer's functions): with bf16 weights on CUDA nothing waits for
 the host, so a MoE decode step is captured as a CUDA graph like a dense one (`graph_safe`). With `record_routing`
 each token's experts are written, on the device, to a [rows, positions, layers, k] store (routing replay, R3).
+With `quantize_fp8` the dense projections run from e4m3 weights through engines/models/fp8.py (rollout.precision
+fp8); the bf16 copies are freed.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from rlflow.engines.models import invariant
 from rlflow.engines.models.flat_weights import fused_linear
+from rlflow.engines.models.fp8 import Fp8Projections
 from rlflow.engines.models.grouped_experts import experts_forward, kernel_applies
 from rlflow.engines.models.kv_pages import PagedKVCache
 from rlflow.engines.models.paged_attention import (
@@ -93,10 +97,30 @@ class DecoderLM:
         self._qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * layers
         self._gate_up: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * layers
         self._fused_at: tuple[int, ...] | None = None
+        self.fp8: Fp8Projections | None = None  # rollout.precision fp8: the quantized projections
+        self.exact = False  # rollout.true_on_policy: every op through engines/models/invariant.py (`true_on_policy`)
+        self._act = F.silu
         self.use_fused(True)
         # routing replay: per MoE layer, its index in a record; the store the engine reads records from (or None)
         self._moe_index = {id(r): n for n, r in enumerate(moe_routers(hf_model))}
         self.routing: torch.Tensor | None = None
+
+    def true_on_policy(self) -> None:
+        """rollout.true_on_policy: from now on every op is engines/models/invariant.py's, as in the trainer's forward
+        in that mode (projections one by one: a fused q/k/v GEMM gives other bits than q alone; attention one query
+        against its own prefix), so a token's logits do not depend on its batch-mates, its row or its position."""
+        if self.fp8 is not None:
+            raise ValueError("rollout.true_on_policy with rollout.precision fp8: the trainer computes in bf16/fp32")
+        invariant.make_invariant(self.model)
+        self.exact, self._act = True, invariant.silu
+        self.use_fused(False)
+
+    def quantize_fp8(self) -> Fp8Projections:
+        """Hold every dense projection (q/k/v, o, gate/up, down) in e4m3 from now on, quantized from the current
+        weights, whose bf16 tensors are freed; weight updates then write into `self.fp8` (`Fp8Projections.write`)."""
+        self.fp8 = Fp8Projections(self.model)
+        self.unfuse()
+        return self.fp8
 
     @property
     def routing_shape(self) -> tuple[int, int] | None:
@@ -174,11 +198,12 @@ class DecoderLM:
         if at == self._fused_at:
             return at
         self._fused_at = at
+        fuse = self._fuse and self.fp8 is None  # fp8: the quantized stores are fused already
         for i, layer in enumerate(self.model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            self._qkv[i] = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj]) if self._fuse else None
+            self._qkv[i] = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj]) if fuse else None
             dense = not _is_moe_block(mlp)
-            self._gate_up[i] = fused_linear([mlp.gate_proj, mlp.up_proj]) if self._fuse and dense else None
+            self._gate_up[i] = fused_linear([mlp.gate_proj, mlp.up_proj]) if fuse and dense else None
         return at
 
     def _moe(self, mlp: torch.nn.Module, h: torch.Tensor, route) -> torch.Tensor:
@@ -199,10 +224,13 @@ class DecoderLM:
         an MoE layer's expert choice (`_moe`)."""
         layer = self.model.model.layers[i]
         attn, mlp = layer.self_attn, layer.mlp
+        fp8 = self.fp8.layers[i] if self.fp8 is not None else {}
         bsz, t, _ = x.shape
         h = rms_norm(x, layer.input_layernorm.weight, self.eps)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if (qkv := self._qkv[i]) is not None:
+        if "qkv" in fp8:
+            q, k, v = fp8["qkv"](h).split([q_size, kv_size, kv_size], dim=-1)
+        elif (qkv := self._qkv[i]) is not None:
             q, k, v = F.linear(h, *qkv).split([q_size, kv_size, kv_size], dim=-1)
         else:
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
@@ -215,15 +243,17 @@ class DecoderLM:
         q = rotate(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
         k = rotate(k.transpose(1, 2), cos, sin)
         o = attend(q, k, v.transpose(1, 2))
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(bsz, t, self.num_heads * self.head_dim))
+        x = x + fp8.get("o", attn.o_proj)(o.transpose(1, 2).reshape(bsz, t, self.num_heads * self.head_dim))
         h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
         if _is_moe_block(mlp):
             return x + self._moe(mlp, h, route)
-        if (gate_up := self._gate_up[i]) is not None:
+        if "gate_up" in fp8:
+            gate, up = fp8["gate_up"](h).chunk(2, dim=-1)
+        elif (gate_up := self._gate_up[i]) is not None:
             gate, up = F.linear(h, *gate_up).chunk(2, dim=-1)
         else:
             gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-        return x + mlp.down_proj(F.silu(gate) * up)
+        return x + fp8.get("down", mlp.down_proj)(self._act(gate) * up)
 
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -261,10 +291,16 @@ class DecoderLM:
             lengths))], torch.long, self.device)
         group = self.num_heads // self.num_kv_heads
         route = self._route_prefill(lengths, [0] * len(pieces), owners, width)
+        scale = self.head_dim**-0.5
         x = self.model.model.embed_tokens(ids)
         for i in range(len(self.model.model.layers)):
             def attend(q, k, v, i=i):
                 cache.write(i, index[2], index[3], k[index[0], :, index[1]], v[index[0], :, index[1]])
+                if self.exact:  # each real query against its own prefix; padding queries give 0
+                    out = torch.zeros_like(q)
+                    for b, n in enumerate(lengths):
+                        out[b, :, :n] = invariant.causal_attention(q[b, :, :n], k[b, :, :n], v[b, :, :n], scale)
+                    return out
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
                 with sdpa_backends(q.device, flash=True):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -307,6 +343,9 @@ class DecoderLM:
         for i in range(len(self.model.model.layers)):
             def attend(q, k, v, i=i):
                 cache.write(i, where[0], where[1], k[0].transpose(0, 1), v[0].transpose(0, 1))
+                if self.exact:
+                    keys, values = gather_pages(cache.k[i], table)[0], gather_pages(cache.v[i], table)[0]
+                    return invariant.causal_attention(q[0], keys, values, self.head_dim**-0.5, start)[None]
                 keys = gather_pages(cache.k[i], table)[:, :, :stop].repeat_interleave(group, dim=1)
                 values = gather_pages(cache.v[i], table)[:, :, :stop].repeat_interleave(group, dim=1)
                 with sdpa_backends(q.device, flash=False):
@@ -342,14 +381,29 @@ class DecoderLM:
         for i in range(len(self.model.model.layers)):
             def attend(q, k, v, i=i):
                 store_kv(cache.k[i], cache.v[i], table, positions, k[:, :, 0], v[:, :, 0])
+                if self.exact:  # each row against exactly its own prefix (reads the lengths on the host)
+                    return self._exact_decode_attention(q[:, :, 0], cache.k[i], cache.v[i], table, lengths,
+                                                        scale)[:, :, None]
                 return attention(q[:, :, 0], cache.k[i], cache.v[i], table, lengths, scale)[:, :, None]
 
             x = self._layer(i, x, cos, sin, attend, route)
         h = rms_norm(x[:, -1], self.model.model.norm.weight, self.eps)
         head = self.model.lm_head
+        if self.exact:
+            out[:rows] = invariant.linear(h, head.weight, head.bias)
+            return
         torch.matmul(h, head.weight.t(), out=out[:rows])
         if head.bias is not None:
             out[:rows] += head.bias
+
+    @staticmethod
+    def _exact_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                                lengths: torch.Tensor, scale: float) -> torch.Tensor:
+        """True on-policy decode attention: row b's query [H, D] against the first lengths[b] keys of its pages
+        (invariant.attention_one, what the trainer runs for the same position)."""
+        keys, values = gather_pages(k_pool, table), gather_pages(v_pool, table)
+        return torch.stack([invariant.attention_one(q[b], keys[b, :, :n], values[b, :, :n], scale)
+                            for b, n in enumerate(lengths.tolist())])
 
     @property
     def vocab_size(self) -> int:
@@ -357,7 +411,8 @@ class DecoderLM:
 
     def weight_pointers(self) -> tuple[int, ...]:
         """Where every weight lives: a CUDA graph holds these addresses, so it is stale once one moves."""
-        return tuple(p.data_ptr() for p in self._params)
+        held = tuple(p.data_ptr() for p in self._params)
+        return held if self.fp8 is None else held + self.fp8.pointers()
 
 
 class DecodeRunner:

@@ -37,6 +37,8 @@ CHARS = "0123456789+=SR"
 CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# rollout.precision: fp8 computes, and receives weight syncs, in bf16 (its projections are stored in e4m3)
+ROLLOUT_DTYPES = {**DTYPES, "fp8": torch.bfloat16}
 
 
 def build_char_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
@@ -55,7 +57,7 @@ def build_char_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
 def build_tiny_model(cfg: ModelConfig, out_dir: str | Path, seed: int) -> Path:
     """Create a randomly initialised Llama/Qwen2 model and the char tokenizer in `out_dir` (HF format)."""
     out_dir = Path(out_dir)
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_char_tokenizer(CHARS + "".join(c for c in dict.fromkeys(cfg.extra_chars) if c not in CHARS))
     config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[cfg.arch]
     hf_config = config_cls(
         vocab_size=len(tokenizer),

@@ -24,10 +24,13 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from rlflow.engines.core.sampling import scaled_logits
+from rlflow.engines.models import invariant
 from rlflow.engines.models.head_math import compiled, head_logits_grad, head_logprobs
 from rlflow.engines.models.transfer import tensor_to_device
+from rlflow.engines.models.ulysses import ContextSplit, exchange_heads, exchange_tokens, split_stream
 
 ATTENTION = "rlflow_packed"
+ATTENTION_EXACT = "rlflow_packed_exact"  # rollout.true_on_policy: each query against its prefix (invariant.py)
 
 try:  # torch >= 2.9 on CUDA: flash attention over cumulative sequence lengths, no padding, no mask
     from torch.nn.attention.varlen import varlen_attn
@@ -48,6 +51,7 @@ class PackedRows:
     rows: torch.Tensor  # [T] row of each token in the padded batch
     cols: torch.Tensor  # [T] its column
     shape: tuple[int, int]
+    split: ContextSplit | None = None  # context parallelism: the stream is split over a CP group (ulysses.py)
 
     @classmethod
     def from_padded(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows:
@@ -69,6 +73,13 @@ class PackedRows:
         move = {k: tensor_to_device(v, device) if torch.is_tensor(v) else v for k, v in self.__dict__.items()}
         return PackedRows(**move)
 
+    def split_over(self, group) -> PackedRows:
+        """The same micro-batch with its stream split over a context-parallel group (padded to a multiple of its
+        size; rows/cols still address the real tokens only)."""
+        ids, pos, cu, max_len, split = split_stream(self.input_ids, self.position_ids, self.cu_seqlens,
+                                                    self.max_len, group)
+        return PackedRows(ids, pos, cu, max_len, self.rows, self.cols, self.shape, split)
+
 
 def _packed_attention(module, query, key, value, attention_mask, scaling=None, packed: PackedRows | None = None,
                       **_kwargs):
@@ -77,6 +88,10 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, p
     if packed is None:
         raise RuntimeError(f"attn_implementation {ATTENTION!r} needs the packed layout (call it through PackedLM)")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, heads, D]
+    if packed.split is not None:  # context parallel: this rank's heads over the whole stream, then back
+        q, k, v = exchange_heads(q, k, v, packed.split)
+        out = causal_varlen_attention(q, k, v, packed.cu_seqlens, packed.max_len, scaling)
+        return exchange_tokens(out, packed.split).unsqueeze(0), None
     out = causal_varlen_attention(q, k, v, packed.cu_seqlens, packed.max_len, scaling, packed.rows, packed.cols)
     return out.unsqueeze(0), None
 
@@ -132,8 +147,24 @@ def _varlen(q, k, v, cu_seqlens, max_len, scale):
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
 
 
+def _exact_packed_attention(module, query, key, value, attention_mask, scaling=None,
+                            packed: PackedRows | None = None, **_kwargs):
+    """rollout.true_on_policy's attention call: every token of every packed sample attends to its own prefix
+    through invariant.attention_one, the op the rollout engine's prefill and decode run for the same position."""
+    if packed is None:
+        raise RuntimeError(f"attn_implementation {ATTENTION_EXACT!r} needs the packed layout (call it through "
+                           "PackedLM)")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    bounds = packed.cu_seqlens.tolist()
+    out = [invariant.causal_attention(query[0, :, a:b], key[0, :, a:b], value[0, :, a:b], scale)
+           for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return torch.cat(out, dim=1).transpose(0, 1).unsqueeze(0), None
+
+
 AttentionInterface.register(ATTENTION, _packed_attention)
 AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)  # samples are split by cu_seqlens
+AttentionInterface.register(ATTENTION_EXACT, _exact_packed_attention)
+AttentionMaskInterface.register(ATTENTION_EXACT, lambda *args, **kwargs: None)
 
 
 class PackedLM(torch.nn.Module):
@@ -145,10 +176,15 @@ class PackedLM(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, chunk_tokens: int = 4096, checkpoint_layers: bool = False,
-                 compile_layers: bool = False, fused_head: bool = False):
+                 compile_layers: bool = False, fused_head: bool = False, true_on_policy: bool = False):
+        """`true_on_policy` (rollout.true_on_policy): the model's ops become engines/models/invariant.py's, as the
+        rollout engine's in that mode, so its log-probs equal the engine's bit for bit (unfused head math)."""
         super().__init__()
-        self.model, self.chunk_tokens, self.fused_head = model, chunk_tokens, fused_head
-        model.config._attn_implementation = ATTENTION
+        self.model, self.chunk_tokens, self.fused_head = model, chunk_tokens, fused_head and not true_on_policy
+        self.exact = true_on_policy
+        if true_on_policy:
+            invariant.make_invariant(model)
+        model.config._attn_implementation = ATTENTION_EXACT if true_on_policy else ATTENTION
         self.body = model.model
         self.critic = hasattr(model, "score")
         if not self.critic and model.lm_head.bias is not None:
@@ -171,23 +207,34 @@ class PackedLM(torch.nn.Module):
         # use_cache=False: transformers otherwise builds a KV cache on every forward, training included (a copy of
         # each layer's keys and values, and per-layer cache state that made torch.compile recompile per layer
         # until its limit, then run the remaining layers eagerly)
-        hidden = self.body(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None],
+        split = packed.split  # context parallelism: this rank runs its slice of the stream (ulysses.py)
+        if split is not None and self.exact:
+            raise ValueError("context parallelism with rollout.true_on_policy: the exact attention is not split")
+        if split is not None and (top_k or other_ids is not None):
+            raise ValueError("context parallelism: the top-k and other-ids log-probs of on-policy distillation are "
+                             "not split over a CP group (train.context_parallel 1 for distill.loss forward_kl/jsd)")
+        ids, positions = packed.input_ids, packed.position_ids
+        if split is not None:
+            ids, positions = split.local(ids), split.local(positions)
+        hidden = self.body(input_ids=ids[None], position_ids=positions[None],
                            packed=packed, use_cache=False).last_hidden_state[0]
         if top_k:
             return self._top_k(packed, hidden, temperature, top_k)
         first = _first_tokens(packed)
         if self.critic:  # the head's output at t - 1 has seen x_<t
             values = self.model.score(hidden)[:, 0].float()
-            return _shift_right(values, first), None
+            return _aligned(values, first, split), None
         targets = torch.roll(packed.input_ids, -1)  # token t+1, read from hidden t (wrapped ends are masked)
+        if split is not None:  # labels shifted on the whole stream, then cut: a slice's last token keeps its label
+            targets = split.local(targets)
         if other_ids is not None:  # ids of token t+1's position, read from hidden t as well
             targets = torch.cat([targets[:, None], torch.roll(other_ids, -1, dims=0)], dim=1)
         hidden, weight = self._head_inputs(hidden)
         logprobs, entropy = ChunkedHeadLogprobs.apply(hidden, weight, targets, temperature, self.chunk_tokens,
-                                                      with_entropy, self.fused_head)
-        entropy = _shift_right(entropy, first) if with_entropy else None
+                                                      with_entropy, self.fused_head, self.exact)
+        entropy = _aligned(entropy, first, split) if with_entropy else None
         if other_ids is None:
-            return _shift_right(logprobs, first), entropy
+            return _aligned(logprobs, first, split), entropy
         return _shift_right(logprobs[:, 0], first), entropy, _shift_right(logprobs[:, 1:], first)
 
     @torch.no_grad()
@@ -226,13 +273,14 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy, fused=False):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy, fused=False, exact=False):
+        """`exact`: the chunk logits through invariant.linear (rollout.true_on_policy: the engine's LM head)."""
         ctx.set_materialize_grads(False)
         columns = targets if targets.dim() == 2 else targets[:, None]
-        logprobs, lse, entropy = _chunked_stats(lambda a, b: hidden[a:b] @ weight.T, columns, temperature, chunk,
-                                                with_entropy, fused, hidden)
+        logprobs, lse, entropy = _chunked_stats(lambda a, b: _head_matmul(hidden[a:b], weight, exact), columns,
+                                                temperature, chunk, with_entropy, fused, hidden)
         ctx.save_for_backward(hidden, weight, columns, lse, entropy)
-        ctx.temperature, ctx.chunk, ctx.fused = temperature, chunk, fused
+        ctx.temperature, ctx.chunk, ctx.fused, ctx.exact = temperature, chunk, fused, exact
         return logprobs.reshape(targets.shape), entropy
 
     @staticmethod
@@ -248,13 +296,14 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         grad_logits = _head_fn(head_logits_grad, ctx.fused, hidden)
         for a in range(0, hidden.shape[0], ctx.chunk):
             b = min(a + ctx.chunk, hidden.shape[0])
-            dz = grad_logits(hidden[a:b] @ weight.T, columns[a:b], lse[a:b], entropy[a:b], grad_logprobs[a:b],
+            dz = grad_logits(_head_matmul(hidden[a:b], weight, ctx.exact), columns[a:b], lse[a:b], entropy[a:b],
+                             grad_logprobs[a:b],
                              None if grad_entropy is None else grad_entropy[a:b], ctx.temperature)
             grad_hidden[a:b] = dz @ weight
             if grad_weight is not None:
                 grad_weight += (dz.T @ hidden[a:b]).float()
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 class ChunkedLogitsLogprobs(torch.autograd.Function):
@@ -302,6 +351,11 @@ def _chunked_stats(chunk_logits, columns: torch.Tensor, temperature: float, chun
     return logprobs, lse, entropy
 
 
+def _head_matmul(hidden: torch.Tensor, weight: torch.Tensor, exact: bool) -> torch.Tensor:
+    """A chunk's logits: one GEMM, or (exact) each token's row on its own (invariant.linear)."""
+    return invariant.linear(hidden, weight) if exact else hidden @ weight.T
+
+
 def _head_fn(fn, fused: bool, hidden: torch.Tensor):
     """head_math's `fn`, compiled where it runs fused (CUDA), else as written."""
     return compiled(fn) if fused and hidden.is_cuda else fn
@@ -316,6 +370,14 @@ def _first_tokens(packed: PackedRows) -> torch.Tensor:
     first = torch.zeros_like(packed.input_ids, dtype=torch.bool)
     first[packed.cu_seqlens[:-1].long()] = True
     return first
+
+
+def _aligned(x: torch.Tensor, first: torch.Tensor, split: ContextSplit | None) -> torch.Tensor:
+    """Per-hidden-state results aligned with the tokens (_shift_right); split over a CP group, this rank's
+    slice is first gathered with the others' and the stream's padding dropped."""
+    if split is None:
+        return _shift_right(x, first)
+    return _shift_right(split.gather(x)[:split.tokens], first[:split.tokens])
 
 
 def _shift_right(x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ from rlflow.engines.core.config import KVCacheConfig
 from rlflow.engines.core.sampling import SamplingParams, sample_rows, scaled_logits
 from rlflow.engines.core.trace import TraceRecorder, now_us
 from rlflow.engines.models.decoder import DecoderLM, DecodeRunner
+from rlflow.engines.models.head_math import head_logprobs
 from rlflow.engines.models.kv_pages import PagedKVCache
 from rlflow.engines.models.transfer import to_device
 from rlflow.engines.models.triton_kernels import triton_kernel
@@ -189,8 +190,9 @@ class ContinuousBatchEngine:
         self.prompt_tokens = 0
         self.finished: Counter[str] = Counter()  # by finish_reason type, and "error" for a failed request
         self._overlap = lm.device.type == "cuda"  # decode runs while the host reads the sampled tokens
-        self.compile = compile and self._overlap
-        self.cuda_graphs = cuda_graphs
+        # true on-policy decode reads each row's length on the host: no compiled or captured step
+        self.compile = compile and self._overlap and not lm.exact
+        self.cuda_graphs = cuda_graphs and not lm.exact
         self._stop = False
         self._paused = False
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
@@ -414,6 +416,8 @@ class ContinuousBatchEngine:
             tokens[rows] = sample_rows(logits[rows], t, top_p, top_k, min_p, uniforms[rows])
             logp = torch.log_softmax(scaled_logits(logits[rows], t), dim=-1)
             logp_tokens[rows] = logp.gather(-1, tokens[rows, None])[:, 0]
+        if self.lm.exact:  # rollout.true_on_policy: the trainer's log-softmax (head_math), bit for bit
+            logp_tokens = head_logprobs(logits, tokens[:, None], temperature, False)[0][:, 0]
         return tokens, logp_tokens
 
     @staticmethod

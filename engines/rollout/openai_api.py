@@ -2,6 +2,9 @@
 `/v1/chat/completions` (also streamed), usable by the official `openai` client. SGLang's extra sampling
 fields (top_k, min_p, stop_token_ids, ignore_eos) may come in the body (the client's `extra_body`).
 A LoRA adapter is chosen as SGLang chooses it, by `"model": "<base>:<adapter name>"` (engines/rollout/lora_routes.py).
+Token in, token out for agent harnesses (docs/agents.md): `"return_token_ids": true` adds each choice's
+`prompt_token_ids` and `token_ids` (the engine's ids, never re-encoded text), as SGLang's OpenAI server does, and
+/v1/completions takes `prompt` as token ids (a list of ints, or a list of such lists).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from rlflow.engines.rollout.http_api import BadRequest, EngineClient, finite, re
 from rlflow.engines.rollout.lora_routes import check_adapter
 
 COMMON = {"model", "n", "temperature", "top_p", "stop", "seed", "stream", "user", "max_tokens", "top_k", "min_p",
-          "stop_token_ids", "ignore_eos", "rid", "stream_options"}
+          "stop_token_ids", "ignore_eos", "rid", "stream_options", "return_token_ids"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 NO_OP = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "echo": False, "top_logprobs": 0, "tools": None,
@@ -45,6 +48,20 @@ def _check(body: dict, known: set[str], route: str) -> None:
             raise BadRequest(f"{route}: unknown field {key!r}")
         if value is not None and value != NO_OP[key]:
             raise BadRequest(f"{route}: field {key!r} is not supported by the embedded server")
+
+
+def _token_ids(body: dict, route: str) -> bool:
+    """The request's return_token_ids (a bool)."""
+    want = body.get("return_token_ids")
+    if want is not None and not isinstance(want, bool):
+        raise BadRequest(f"{route}: return_token_ids: expected true or false")
+    return bool(want)
+
+
+def _with_ids(choice: dict, g, want: bool) -> dict:
+    if want:
+        choice |= {"prompt_token_ids": list(g.prompt_ids), "token_ids": list(g.output_ids)}
+    return choice
 
 
 def _usage(gens) -> dict:
@@ -81,9 +98,10 @@ def add_openai_routes(app: FastAPI, backend, client: EngineClient) -> None:
         params, seed = _params(body, body.get("max_tokens") if body.get("max_tokens") is not None else 16)
         requests = [r for p in prompts for r in client.requests([p], params, seed)]
         with_logprobs = body.get("logprobs") is not None and body.get("logprobs") is not False
+        want_ids = _token_ids(body, "/v1/completions")
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.get("stream"):
-            return StreamingResponse(_stream(client, requests, cid, created, model_name, chat=False),
+            return StreamingResponse(_stream(client, requests, cid, created, model_name, chat=False, ids=want_ids),
                                      media_type="text/event-stream")
         gens = await client.run(requests)
         choices = []
@@ -96,7 +114,7 @@ def add_openai_routes(app: FastAPI, backend, client: EngineClient) -> None:
                 offsets = [sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
                 choice["logprobs"] = {"tokens": tokens, "token_logprobs": [finite(x) for x in g.output_logprobs],
                                       "top_logprobs": None, "text_offset": offsets}
-            choices.append(choice)
+            choices.append(_with_ids(choice, g, want_ids))
         return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": choices, "usage": _usage(gens)}
 
@@ -111,12 +129,13 @@ def add_openai_routes(app: FastAPI, backend, client: EngineClient) -> None:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
                 raise BadRequest(f"messages[{i}]: expected {{'role': str, 'content': str}}")
+        want_ids = _token_ids(body, "/v1/chat/completions")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         params, seed = _params(body, max_tokens)
         requests = client.requests([client.chat_prompt(messages)], params, seed)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.get("stream"):
-            return StreamingResponse(_stream(client, requests, cid, created, model_name, chat=True),
+            return StreamingResponse(_stream(client, requests, cid, created, model_name, chat=True, ids=want_ids),
                                      media_type="text/event-stream")
         gens = await client.run(requests)
         choices = []
@@ -126,10 +145,10 @@ def add_openai_routes(app: FastAPI, backend, client: EngineClient) -> None:
                 logprobs = {"content": [{"token": client.decode([t]), "logprob": finite(x), "bytes": None,
                                          "top_logprobs": []} for t, x in zip(g.output_ids, g.output_logprobs,
                                                                              strict=True)]}
-            choices.append({"index": i, "message": {"role": "assistant",
-                                                     "content": client.output_text(g.output_ids, g.finish_reason)},
-                            "finish_reason": FINISH[g.finish_reason["type"]],
-                            "matched_stop": g.finish_reason.get("matched"), "logprobs": logprobs})
+            choices.append(_with_ids({"index": i, "message": {
+                "role": "assistant", "content": client.output_text(g.output_ids, g.finish_reason)},
+                "finish_reason": FINISH[g.finish_reason["type"]], "matched_stop": g.finish_reason.get("matched"),
+                "logprobs": logprobs}, g, want_ids))
         return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": choices, "usage": _usage(gens)}
 
@@ -147,9 +166,11 @@ def _completion_prompts(client: EngineClient, prompt: Any) -> list[list[int]]:
     raise BadRequest("prompt: expected a string, a list of strings, a list of token ids or a list of such lists")
 
 
-async def _stream(client: EngineClient, requests, cid: str, created: int, model: str, chat: bool):
-    """OpenAI's streamed chunks: text deltas per choice, the finish_reason on the choice's last chunk."""
+async def _stream(client: EngineClient, requests, cid: str, created: int, model: str, chat: bool, ids: bool = False):
+    """OpenAI's streamed chunks: text deltas per choice, the finish_reason on the choice's last chunk. `ids`
+    (return_token_ids): each chunk's new `token_ids` too, and the choice's first chunk its `prompt_token_ids`."""
     sent = [""] * len(requests)
+    sent_ids = [-1] * len(requests)  # token ids sent per choice; -1: none yet (the prompt's ids not sent either)
     obj = "chat.completion.chunk" if chat else "text_completion"
     try:
         async for ev in client.stream(requests):
@@ -164,6 +185,11 @@ async def _stream(client: EngineClient, requests, cid: str, created: int, model:
                           "finish_reason": reason}
             else:
                 choice = {"index": ev.index, "text": delta, "logprobs": None, "finish_reason": reason}
+            if ids:
+                if sent_ids[ev.index] < 0:
+                    choice["prompt_token_ids"], sent_ids[ev.index] = list(requests[ev.index].prompt), 0
+                choice["token_ids"] = list(ev.output_ids[sent_ids[ev.index]:])
+                sent_ids[ev.index] = max(sent_ids[ev.index], len(ev.output_ids))
             yield sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]})
     except BadRequest as exc:
         yield sse({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}})

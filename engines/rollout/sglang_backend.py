@@ -60,8 +60,16 @@ from rlflow.engines.rollout.http_api import MEMORY_TAGS, auth_headers, parse_wei
 from rlflow.engines.rollout.lora import LoraLimits
 from rlflow.engines.rollout.torch_backend import pack_generations
 from rlflow.engines.rollout.weight_routes import WEIGHT_DIRS_ENV
+from rlflow.engines.store.run_store import RunStore
+from rlflow.engines.sync.delta_format import DeltaFollower
 from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
-from rlflow.engines.sync.endpoints import AdapterReceiver, DiskReceiver, DistributedReceiver, StoreReceiver
+from rlflow.engines.sync.endpoints import (
+    AdapterReceiver,
+    DeltaReceiver,
+    DiskReceiver,
+    DistributedReceiver,
+    StoreReceiver,
+)
 from rlflow.engines.sync.store import get_bucket
 
 STOP_GRACE_S = 10.0  # SIGTERM first; SIGKILL what is left of the process group after this
@@ -147,7 +155,8 @@ def generation_from_item(prompt: list[int], item: dict) -> Generation:
     )
 
 
-class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, DistributedReceiver, AdapterReceiver):
+class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, DistributedReceiver, AdapterReceiver,
+                           DeltaReceiver):
     def __init__(
         self,
         model_path: str,
@@ -179,6 +188,7 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         )
         self._dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"rlflow-sglang-{rank}-"))
         self._dir.mkdir(parents=True, exist_ok=True)
+        self._delta = DeltaFollower()  # the delta transport's host mirror of the last version applied
         self.weight_dirs = [*weight_dirs, str(self._dir)]  # update_weights writes its folders under _dir
         self.log_path = self._dir / "server.log"
         self.proc: subprocess.Popen | None = None
@@ -439,6 +449,14 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
     def update_weights_from_store(self, storage: StorageConfig, run: str, version: int, index: int) -> int:
         """Bucket `index` of weight version `version` from the run store (the `store` transport)."""
         return self.update_weights(get_bucket(storage, run, version, index), version)
+
+    def update_weights_from_delta(self, storage: StorageConfig, run: str, version: int) -> dict:
+        """The `delta` transport: this worker (the Ray actor, beside the server) rebuilds `version` on its host
+        mirror from the run store and hands the whole model to the server as `update_weights` does."""
+        result = self._delta.follow(RunStore(storage, run), version)
+        if result.applied:
+            self.update_weights(self._delta.tensors(), version)
+        return result.as_dict()
 
     def init_weights_update_group(
         self,

@@ -7,6 +7,10 @@ drawn from), so the trainer can use them as behaviour-policy logprobs.
 
 LoRA (`lora`, SGLang's adapter routes): the engine serves one adapter at a time, merged into its weights
 (engines/rollout/lora.py says how and why); base weight updates are refused while one is merged.
+
+FP8 (`fp8`, rollout.precision fp8): the dense projections live in e4m3 outside the flat buffer
+(engines/models/fp8.py); updates by name quantize them as they arrive, and so does cuda_ipc from one train rank.
+The transports that write bf16 straight into the flat buffer (nccl, a sharded trainer's cuda_ipc) are refused.
 """
 
 from __future__ import annotations
@@ -36,10 +40,13 @@ from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Gene
 from rlflow.engines.rollout.http_api import auth_headers
 from rlflow.engines.rollout.lora import LoraLimits, MergedAdapter, host_copy, read_adapter
 from rlflow.engines.rollout.server import RolloutServer
+from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.cuda_ipc import SharedWeights, copy_plan, open_ipc_handles, share_flat
+from rlflow.engines.sync.delta_format import DeltaFollower
 from rlflow.engines.sync.distributed import GROUP_NAME, init_request, update_request
 from rlflow.engines.sync.endpoints import (
     AdapterReceiver,
+    DeltaReceiver,
     DiskReceiver,
     DistributedReceiver,
     GpuLinkProbe,
@@ -55,14 +62,15 @@ __all__ = ["Generation", "TorchRolloutBackend", "pack_generations", "concat_pack
 
 
 class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiver, NcclReceiver,
-                          DistributedReceiver, GpuLinkProbe, AdapterReceiver):
+                          DistributedReceiver, GpuLinkProbe, AdapterReceiver, DeltaReceiver):
     """The embedded engine as a rollout worker: continuous batching behind SGLang's HTTP API."""
 
     def __init__(
         self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None,
         batch_size: int = 512, context_len: int | None = None, trace: bool = False, rank: int = 0,
         weight_dirs: Sequence[str] = (), kv_cache: KVCacheConfig | None = None, compile: bool = False,
-        lora: Any = None, record_routing: bool = False, cuda_graphs: bool = True,
+        lora: Any = None, record_routing: bool = False, cuda_graphs: bool = True, fp8: bool = False,
+        true_on_policy: bool = False,
     ):
         """`weight_dirs`: folders its server's /update_weights_from_disk may read besides `model_path` (the run's
         weight-sync and checkpoint folders, engines/sync/disk.py:weight_dirs). `context_len`: longest prompt +
@@ -72,7 +80,12 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         adapters no larger than that, and keeps its weights in host memory while they are released (only adapters
         move in a LoRA run's syncs, so nothing else would bring the base back). `record_routing`: record an MoE
         model's expert choice of every token, for /generate's return_routed_experts (routing replay, R3).
-        `cuda_graphs`: off, decode steps run eagerly (SGLang's --disable-cuda-graph)."""
+        `cuda_graphs`: off, decode steps run eagerly (SGLang's --disable-cuda-graph). `fp8`: the dense
+        projections in e4m3 (rollout.precision fp8; CUDA, bf16 `dtype`). `true_on_policy`: every op batch-invariant
+        and the trainer's (DecoderLM.true_on_policy; rollout.true_on_policy), no CUDA graphs."""
+        if fp8 and (device != "cuda" or dtype != torch.bfloat16):
+            raise ValueError(f"rollout.precision fp8: needs rollout.device cuda and bf16 compute (got {device}, "
+                             f"{dtype}); e4m3 GEMMs run on Hopper-class GPUs")
         if threads:
             torch.set_num_threads(threads)
         self.model_path, self.device, self.batch_size = model_path, device, batch_size
@@ -80,10 +93,16 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         self.lora = LoraLimits.of(lora)
         self._merged = MergedAdapter()  # the adapter merged into the weights and the base it was merged into
         self._host_weights: dict[str, torch.Tensor] | None = None  # LoRA runs: weights kept while released
+        self._delta = DeltaFollower()  # the delta transport's host mirror of the last version applied
         self.model = load_model(model_path, dtype=dtype, device=device).eval()
         self.tokenizer = load_tokenizer(model_path)
+        lm = DecoderLM(self.model)
+        if true_on_policy:
+            lm.true_on_policy()
+        self.fp8 = lm.quantize_fp8() if fp8 else None  # before the flat buffer, which then holds the rest
+        quantized = self.fp8.names if self.fp8 is not None else set()
         params = dict(self.model.named_parameters())
-        self.params = {n: params[n] for n in fusable_order(list(params))}
+        self.params = {n: params[n] for n in fusable_order(list(params)) if n not in quantized}
         self._shapes = {n: p.shape for n, p in self.params.items()}  # kept: released weights are empty tensors
         self._targets: tuple[tuple[int, ...], dict[str, torch.Tensor]] | None = None  # weight_targets' cache
         # cuda_ipc with a sharded trainer: which allocation of the weights it is writing (share_weights; None: no
@@ -105,7 +124,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         self.trace = TraceRecorder(f"rollout-{rank}", enabled=trace)
         self.trace.name_thread(QUEUE_TID, "queue, weight updates, preemptions")  # then a lane per page-table row
         self.engine = ContinuousBatchEngine(
-            DecoderLM(self.model), self.tokenizer, max_running=batch_size, max_len=context_len, trace=self.trace,
+            lm, self.tokenizer, max_running=batch_size, max_len=context_len, trace=self.trace,
             weight_version=lambda: self.weight_version,
             weights_ready=lambda: not self._released and self._awaiting_write is None, kv=kv_cache, compile=compile,
             record_routing=record_routing, cuda_graphs=cuda_graphs,
@@ -147,9 +166,12 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             self.resume_memory_occupation()
             targets = self.weight_targets()
             for name, tensor in named_tensors:
-                if name not in targets:
+                if self.fp8 is not None and name in self.fp8.names:
+                    self.fp8.write(name, tensor)  # quantized on receipt
+                elif name not in targets:
                     raise KeyError(f"update_weights: unknown parameter {name!r}")
-                targets[name].copy_(tensor.to(targets[name].dtype))
+                else:
+                    targets[name].copy_(tensor.to(targets[name].dtype))
             return self._weights_updated(self.weight_version if version is None else version, t0)
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
@@ -161,9 +183,22 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             self._targets = at, self.params | checkpoint_named(self.params, self.model.config.model_type)
         return self._targets[1]
 
+    def weight_names(self) -> set[str]:
+        """Every name a weight update may use (`weight_targets`, and with fp8 the quantized projections)."""
+        names = set(self.weight_targets())
+        return names | self.fp8.names if self.fp8 is not None else names
+
     def update_weights_from_store(self, storage: StorageConfig, run: str, version: int, index: int) -> int:
         """Load bucket `index` of weight version `version` from the run store (the `store` transport)."""
         return self.update_weights(get_bucket(storage, run, version, index), version)
+
+    def update_weights_from_delta(self, storage: StorageConfig, run: str, version: int) -> dict:
+        """Rebuild `version` on this worker's host mirror from the run store and load it whole (the `delta`
+        transport; generation goes on while the store is read)."""
+        result = self._delta.follow(RunStore(storage, run), version)
+        if result.applied:
+            self.update_weights(self._delta.tensors(), version)
+        return result.as_dict()
 
     def update_weights_from_disk(self, path: str, version: int) -> int:
         """Load every *.safetensors file of the local folder `path` (the `disk` transport; SGLang's
@@ -174,8 +209,9 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         return self.update_weights((kv for f in files for kv in load_file(f).items()), version)
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights a sync delivers to this worker (in its own dtype)."""
-        return sum(p.numel() * p.element_size() for p in self.params.values())
+        """Bytes of the weights a sync delivers to this worker (in its own dtype: fp8 projections as stored)."""
+        held = sum(p.numel() * p.element_size() for p in self.params.values())
+        return held + (self.fp8.nbytes() if self.fp8 is not None else 0)
 
     # GPU transports (rlflow.engines.sync.gpu) and colocation
     def attach_ipc(self, handles: list[tuple[str, tuple]]) -> None:
@@ -189,16 +225,36 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             t0 = time.perf_counter()
             self.resume_memory_occupation()
             if self._ipc_copy is None:  # planned again after the weights were re-allocated
-                self._ipc_copy = copy_plan(self.params, self._ipc_sources)
+                self._ipc_copy = self._ipc_plan()
             self._ipc_copy()
             torch.cuda.synchronize()  # the trainer may step again as soon as this returns
             return self._weights_updated(version, t0)
+
+    def _ipc_plan(self):
+        """The copy from the mapped trainer weights; with fp8 the projections are quantized from them instead."""
+        if self.fp8 is None:
+            return copy_plan(self.params, self._ipc_sources)
+        quantized = [(n, t) for n, t in self._ipc_sources if n in self.fp8.names]
+        copy = copy_plan(self.params, [(n, t) for n, t in self._ipc_sources if n not in self.fp8.names])
+
+        def run() -> None:
+            copy()
+            for name, t in quantized:
+                self.fp8.write(name, t)
+
+        return run
+
+    def _refuse_fp8(self, what: str) -> None:
+        if self.fp8 is not None:
+            raise RuntimeError(f"{what}: writes bf16 into the weights' memory, and rollout.precision fp8 quantizes "
+                               "weights on receipt (use a transport that sends them by name)")
 
     def share_weights(self) -> SharedWeights:
         """cuda_ipc with a sharded colocated trainer: the weights (allocated again if released: contents undefined
         until written) as a handle its GPU's train rank writes them through. Generation is refused until
         `weights_written`; refused itself while requests run. On the CPU (tests) the weights move once into a
         shared-memory file."""
+        self._refuse_fp8("share_weights")
         with self._between_steps():
             self._refuse_under_adapter("share_weights")
             if not self.engine.idle():  # they would decode from weights being overwritten
@@ -239,6 +295,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         self._nccl = NcclChannel(host, port, rank, world_size, sync_device(self.device))
 
     def update_weights_from_nccl(self, buckets: list[list[str]], version: int) -> int:
+        self._refuse_fp8("update_weights_from_nccl")
         with self._between_steps():
             self._refuse_under_adapter("update_weights_from_nccl")
             t0 = time.perf_counter()
@@ -258,6 +315,8 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
                 self._host_weights = {n: host_copy(p) for n, p in self.params.items() if n not in self._merged.base}
             for p in self.params.values():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if self.fp8 is not None:
+                self.fp8.release()
             self.engine.lm.unfuse()  # views of the old weights there and in the targets would keep their memory
             self._targets = None
             self._released = True
@@ -283,6 +342,8 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
             else:
                 for n, p in self.params.items():
                     p.data = torch.empty(self._shapes[n], dtype=p.dtype, device=p.device)
+            if self.fp8 is not None:
+                self.fp8.allocate()
             self._released = False
             if self._host_weights is not None:
                 with torch.no_grad():
@@ -365,7 +426,8 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
 
     @torch.no_grad()
     def weights_digest(self) -> float:
-        return float(sum(p.double().sum() for p in self.params.values()))
+        held = sum(p.double().sum() for p in self.params.values())
+        return float(held + (self.fp8.digest() if self.fp8 is not None else 0.0))
 
     def _weights_updated(self, version: int, start_s: float) -> int:
         self.weight_version = version
@@ -384,10 +446,11 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         """The weights generation uses now (all, or the named ones), HF-named, copied to the CPU: tests compare
         them across transports, and the weight-sync benchmark a few of them with the trainer's."""
         targets = self.weight_targets()
-        unknown = [n for n in names or () if n not in targets]
+        unknown = [n for n in names or () if n not in self.weight_names()]
         if unknown:
             raise KeyError(f"named_tensors: unknown parameter(s) {unknown[:3]}")
-        return [(n, targets[n].detach().cpu().clone()) for n in (names or self.params)]
+        return [(n, self.fp8.read(n, self.model.dtype).cpu() if n not in targets else targets[n].detach().cpu().clone())
+                for n in (names or [*self.params, *sorted(self.fp8.names if self.fp8 is not None else ())])]
 
     # ---- generation ----------------------------------------------------------------------------------
     def requests(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,

@@ -118,7 +118,7 @@ async def update(backend, client: EngineClient, body: dict, named: dict) -> JSON
         return JSONResponse({"success": False, "message": refusal}, status_code=400)
     if body.get("abort_all_requests"):
         client.engine.abort(abort_all=True)
-    unknown = sorted(set(named) - set(backend.weight_targets()))
+    unknown = sorted(set(named) - backend.weight_names())
     if unknown:
         return JSONResponse({"success": False, "message": f"unknown parameter names: {unknown[:5]}"}, status_code=400)
     await asyncio.to_thread(backend.update_weights, named.items(), version)

@@ -22,6 +22,7 @@ from rlflow.engines.core.config import (
 )
 from rlflow.engines.data.prompts import DataError, load_pairs, load_prompts
 from rlflow.engines.data.rewards import RewardError, load_callable, load_reward_fn
+from rlflow.engines.env.host import load_env_class
 from rlflow.engines.models.hf import rollout_context
 from rlflow.engines.models.moe import is_moe
 from rlflow.engines.reward.judge import read_api_key
@@ -108,11 +109,17 @@ def _reward_problems(cfg: RLConfig) -> list[str]:
 
 
 def _rollout_fn_problems(cfg: RLConfig) -> list[str]:
+    problems = []
     try:
         load_rollout_fn(cfg.rollout.fn)
     except (ValueError, TypeError) as e:
-        return [str(e)]
-    return []
+        problems.append(str(e))
+    if cfg.rollout.env is not None:
+        try:
+            load_env_class(cfg.rollout.env.cls)
+        except (ValueError, TypeError) as e:
+            problems.append(str(e))
+    return problems
 
 
 def _replay_problems(cfg: RLConfig) -> list[str]:
@@ -173,6 +180,19 @@ def _expert_parallel_problems(cfg: RLConfig) -> list[str]:
     return []
 
 
+def _context_parallel_problems(cfg: RLConfig) -> list[str]:
+    """train.context_parallel against the model's attention heads (Ulysses splits them), before any worker loads it."""
+    cp = cfg.train.context_parallel
+    if cp == 1:
+        return []
+    config = _model_config(cfg)
+    heads = config.num_attention_heads if config is not None else None if cfg.model.path else cfg.model.num_heads
+    if heads and heads % cp:
+        return [f"train.context_parallel {cp} does not divide the {heads} attention heads of model.path "
+                f"{cfg.model.path} (each context-parallel rank attends with 1/{cp} of the heads)"]
+    return []
+
+
 def _megatron_or_none(cfg: RLConfig) -> list[str]:
     return _megatron_problems(cfg) if cfg.train.backend == "megatron" else []
 
@@ -190,6 +210,7 @@ CHECKS: list[tuple[frozenset[str], Callable[[RLConfig], list[str]]]] = [
     (frozenset({"train", "model", "megatron"}), _megatron_or_none),
     (frozenset({"algorithm", "model"}), _routing_replay_problems),
     (frozenset({"train", "model"}), _expert_parallel_problems),
+    (frozenset({"train", "model"}), _context_parallel_problems),
     (frozenset({"debug", "storage"}), _replay_problems),
 ]
 

@@ -24,9 +24,11 @@ from rlflow.engines.core.protocols import (
     WorkerGroup,
 )
 from rlflow.engines.data.prompts import load_prompts
+from rlflow.engines.env.client import EnvClient, start_env_hosts
 from rlflow.engines.models.hf import load_tokenizer, rollout_context
 from rlflow.engines.models.moe import routing_width
 from rlflow.engines.reward.sources import RewardSources
+from rlflow.engines.rollout.env_rollout import register_env, unregister_env
 from rlflow.engines.rollout.functions import RolloutRunner, load_rollout_fn
 from rlflow.engines.rollout.router import start_router
 from rlflow.engines.session.colocation import ColocatedMemory
@@ -56,6 +58,7 @@ class RunEngines:
         self.rollout_fn = load_rollout_fn(cfg.rollout.fn)
         self.fn_tokenizer = load_tokenizer(model_path)  # rollout functions' own: HF tokenizers are not thread-safe
         self.runner: RolloutRunner | None = None  # runs rollout_fn against the router (set by create)
+        self.env: EnvClient | None = None  # rollout.env's env hosts, which env_rollout drives (set by create)
         self.fresh_adapter_due = False  # LoRA: fresh adapters still to push before the first generation
         data, options = cfg.data, cfg.storage.fsspec_options
         train_rows = load_prompts(data.train_path, data.prompt_key, data.label_key, options(data.train_path))
@@ -116,16 +119,33 @@ class RunEngines:
             session.runner = RolloutRunner(session.rollout_fn, session.router.url, session.server_urls,
                                            workers.control_token, batched=session.router.kind != "sglang-router",
                                            adapter=LoraConfig.ADAPTER_NAME if lora else None)
+            if cfg.rollout.env is not None:  # env hosts as Ray actors with the run's workers, or here in the bare loop
+                env_ray = cfg.rollout.env.use_ray
+                env_ray = env_ray if env_ray is not None else (cfg.cluster.use_ray if use_ray is None else use_ray)
+                try:
+                    session.env = start_env_hosts(cfg.rollout.env, cfg.sandbox, env_ray, cfg.cluster)
+                except BaseException:
+                    session.shutdown()
+                    raise
+                register_env(session.router.url, session.env, session.context_len)
             # LoRA: requests name the adapter, so the engines need one before they generate: fresh adapters
             # (B = 0, what the base computes) go out before the first generation, unless a checkpoint's come first
             session.fresh_adapter_due = lora and session.weight_transport is not None
         return session
 
+    def _close_env(self) -> None:
+        if self.env is not None:
+            if self.router is not None:
+                unregister_env(self.router.url)
+            self.env.close_hosts()
+            self.env = None
+
     def shutdown(self) -> None:
         """Stop what the session started. A part that cannot stop cleanly (a worker of it died with its node) is
         logged and passed over: the workers and their placement groups are released whatever happens."""
         try:
-            for part, stop in (("rollout runner", self.runner and self.runner.close), ("judges", self.rewards.close),
+            for part, stop in (("rollout runner", self.runner and self.runner.close), ("env hosts", self._close_env),
+                               ("judges", self.rewards.close),
                                ("router", self.router and self.router.stop),
                                ("weight transport", self.weight_transport and self.weight_transport.close)):
                 try:

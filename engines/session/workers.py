@@ -24,7 +24,7 @@ from rlflow.engines.core.protocols import (
 )
 from rlflow.engines.core.sglang_args import gpus_per_server
 from rlflow.engines.data.builtin_tasks import write_task_files
-from rlflow.engines.models.hf import DTYPES, build_tiny_model, load_tokenizer
+from rlflow.engines.models.hf import DTYPES, ROLLOUT_DTYPES, build_tiny_model, load_tokenizer
 from rlflow.engines.reward.model_worker import SequenceClassifierReward
 from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
@@ -156,6 +156,8 @@ def train_kwargs(cfg: RLConfig, model_path: str):
 
     if cfg.distill.enabled:
         extra["distill"] = cfg.distill
+    if cfg.rollout.true_on_policy:  # the policy's forward runs the engine's batch-invariant ops
+        extra["true_on_policy"] = True
 
     def make(rank: int) -> dict:
         return dict(model_path=model_path, train=cfg.train, algorithm=cfg.algorithm,
@@ -222,11 +224,12 @@ def rollout_kwargs(cfg: RLConfig, model_path: str):
         if cfg.rollout.backend == "sglang":
             return dict(model_path=model_path, sglang=cfg.rollout.sglang, rank=rank, threads=cfg.train.threads,
                         weight_dirs=dirs, lora=cfg.train.lora)
-        return dict(model_path=model_path, device=cfg.rollout_device, dtype=DTYPES[cfg.rollout.precision],
+        return dict(model_path=model_path, device=cfg.rollout_device, dtype=ROLLOUT_DTYPES[cfg.rollout.precision],
                     threads=cfg.train.threads, batch_size=cfg.rollout.batch_size,
                     trace=cfg.debug.trace_every > 0, rank=rank, weight_dirs=dirs, kv_cache=cfg.rollout.kv_cache,
                     compile=cfg.rollout.compile, lora=cfg.train.lora,
-                    record_routing=cfg.algorithm.routing_replay == "r3")
+                    record_routing=cfg.algorithm.routing_replay == "r3", fp8=cfg.rollout.precision == "fp8",
+                    true_on_policy=cfg.rollout.true_on_policy)
 
     return make
 

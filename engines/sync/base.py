@@ -179,6 +179,10 @@ class WeightTransport:
         """Release what the link holds (the workers release theirs when they stop)."""
         self.connected = False
 
+    def take_metrics(self) -> dict[str, float]:
+        """The transport's own metrics of the last update (`sync/...`), handed over once: none by default."""
+        return {}
+
     def received_bytes(self) -> int:
         if self._received_bytes is None:
             self._received_bytes = self.rollout.call_rank0(RolloutBackend.weight_bytes)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
-from rlflow.engines.models.hf import DTYPES
+from rlflow.engines.models.hf import ROLLOUT_DTYPES
 from rlflow.engines.sync.base import NamedTensors, WeightTransport, together
 
 GROUP_NAME = "weight_update_group"  # SGLang's default
@@ -224,7 +224,7 @@ class DistributedTransport(WeightTransport):
         self.group: str | None = None  # the weight-update group's name, while joined
         self._joins = 0
         self.backend = "nccl" if self.cfg.rollout_device == "cuda" else "gloo"
-        self.dtype = dtype_name(DTYPES[self.cfg.rollout.precision])  # until connect asks the servers
+        self.dtype = dtype_name(ROLLOUT_DTYPES[self.cfg.rollout.precision])  # until connect asks the servers
 
     def connect(self) -> None:
         """Join a new group, leaving the previous one first (after a worker restart)."""

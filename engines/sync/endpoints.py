@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from rlflow.engines.sync.adapter import AdapterReceiver, AdapterSender
 from rlflow.engines.sync.cuda_ipc import IpcReceiver, IpcSender
+from rlflow.engines.sync.delta import DeltaReceiver, DeltaSender
 from rlflow.engines.sync.disk import DiskReceiver
 from rlflow.engines.sync.distributed import DistributedReceiver, DistributedSender
 from rlflow.engines.sync.gpu import GpuLinkProbe
@@ -16,6 +17,8 @@ from rlflow.engines.sync.store import StoreReceiver, StoreSender
 __all__ = [
     "AdapterReceiver",
     "AdapterSender",
+    "DeltaReceiver",
+    "DeltaSender",
     "DiskReceiver",
     "DistributedReceiver",
     "DistributedSender",

@@ -9,6 +9,7 @@ from rlflow.engines.core.protocols import RolloutBackend, TrainBackend, WorkerGr
 from rlflow.engines.sync.adapter import AdapterTransport
 from rlflow.engines.sync.base import WeightSource, WeightTransport
 from rlflow.engines.sync.cuda_ipc import CudaIpcTransport
+from rlflow.engines.sync.delta import DeltaTransport
 from rlflow.engines.sync.disk import DiskTransport
 from rlflow.engines.sync.distributed import DistributedTransport
 from rlflow.engines.sync.nccl import NcclTransport
@@ -18,7 +19,7 @@ from rlflow.engines.sync.store import StoreTransport
 TRANSPORTS: dict[str, type[WeightTransport]] = {
     t.name: t
     for t in (RayObjectsTransport, StoreTransport, DiskTransport, DistributedTransport, CudaIpcTransport, NcclTransport,
-              AdapterTransport)
+              AdapterTransport, DeltaTransport)
 }
 
 

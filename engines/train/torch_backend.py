@@ -55,11 +55,14 @@ from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.adapter import AdapterSender
 from rlflow.engines.sync.base import free_rendezvous_address
 from rlflow.engines.sync.cuda_ipc import IpcSender, SharedWeights, SharedWeightsWriter, export_ipc_handles
+from rlflow.engines.sync.delta import DeltaSender
+from rlflow.engines.sync.delta_format import DeltaPublisher, torch_dtype
 from rlflow.engines.sync.distributed import GROUP_NAME, DistributedSender, DistributedWeightSender
 from rlflow.engines.sync.gpu import GpuLinkProbe, all_gather_bandwidth, device_copy_bandwidth, sync_device
 from rlflow.engines.sync.nccl import NcclChannel, NcclSender
 from rlflow.engines.sync.store import StoreSender, put_bucket
 from rlflow.engines.train import fsdp, lora
+from rlflow.engines.train.context_parallel import check_context_parallel, check_lengths, context_mesh
 from rlflow.engines.train.expert_parallel import check_expert_parallel, shard_experts
 from rlflow.engines.train.kernels import apply_kernels
 from rlflow.engines.train.microbatch import packed_micro_batches
@@ -87,7 +90,7 @@ def lr_lambda(cfg: TrainConfig):
 
 
 class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender, DistributedSender, NcclSender,
-                        IpcSender, AdapterSender, GpuLinkProbe):
+                        IpcSender, AdapterSender, DeltaSender, GpuLinkProbe):
     """One FSDP2 rank of the policy (or, as role "critic", of the value model). Its bases are protocols only: what
     the session and each weight transport may call on it. The transports' code comes by composition (the weight
     sync section)."""
@@ -108,13 +111,17 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         value_clip: float | None = None,
         collective_timeout_s: float = 1800,
         distill: DistillConfig | None = None,
+        true_on_policy: bool = False,
     ):
         """`role` "critic": a value model from `model_path` trained with value_loss (clipped at `value_clip`);
         "teacher": a frozen LM in train.precision that only runs forward_logprobs. `distill`: the run's
         on-policy distillation (its terms join rl_loss). `collective_timeout_s`: how long a collective waits
-        for the other ranks before it raises."""
+        for the other ranks before it raises. `true_on_policy` (rollout.true_on_policy; a policy): the forward runs
+        engines/models/invariant.py's ops, as the embedded rollout engine in that mode, so its log-probs of the
+        sampled tokens are the engine's bit for bit."""
         torch.set_num_threads(train.threads)
         self.cfg, self.algo, self.role, self.value_clip = train, algorithm, role, value_clip
+        self.true_on_policy = true_on_policy and role == "policy"
         # the critic regresses every response token's value with the same weight, whatever the policy's aggregation
         self.loss_agg = algorithm.loss_agg if role == "policy" else "token_mean"
         self.loss_kwargs = algorithm.loss_kwargs() | (distill.loss_kwargs() if distill is not None else {})
@@ -146,6 +153,14 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         check_expert_parallel(self.model, ep, world_size, model_path)
         mesh = init_device_mesh(train.device, (world_size,)) if ep > 1 else None
         expert_shards = shard_experts(self.model, mesh) if ep > 1 else None
+        # train.context_parallel: each micro-batch's stream split over a CP group (engines/train/context_parallel.py)
+        self.cp = train.context_parallel if role == "policy" else 1
+        check_context_parallel(self.model, self.cp, world_size, model_path, {
+            "train.expert_parallel": ep > 1, "train.lora": self.lora is not None,
+            "algorithm.routing_replay": algorithm.routing_replay != "off"})
+        cp_mesh = context_mesh(train.device, world_size, self.cp) if self.cp > 1 else None
+        self._cp_group = cp_mesh["cp"].get_group() if cp_mesh is not None else None
+        self._dp_group = cp_mesh["dp"].get_group() if cp_mesh is not None else None  # None: every rank
         if frozen:
             self.model.eval().requires_grad_(False)
         if self.lora is not None:  # every rank draws the same A: FSDP2 keeps each rank's slice of its own copy
@@ -160,8 +175,8 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
                          else nullcontext)
         self.lm = fsdp.shard(
             PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing and not frozen,
-                     train.compile, train.fused_head), compute, train.cpu_offload, train.reshard_after_forward,
-            mesh, expert_shards)
+                     train.compile, train.fused_head, self.true_on_policy), compute, train.cpu_offload,
+            train.reshard_after_forward, mesh, expert_shards)
         self.ref_model = self.ref_lm = None
         # the KL penalty's reference: a frozen copy of the starting policy (with LoRA, the base: adapters off)
         self.has_reference = algorithm.kl_coef > 0 and role == "policy"
@@ -189,6 +204,7 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         self._nccl: NcclChannel | None = None
         self._nccl_dtype: torch.dtype | None = None
         self._shared_weights = SharedWeightsWriter()
+        self._delta = DeltaPublisher()  # rank 0's copy of the last version the delta transport published
 
     # ---- forward -------------------------------------------------------------------------------------
     def _forward(self, lm: PackedLM, mb: TrainBatch, with_entropy: bool, temperature: float | None = None
@@ -196,6 +212,8 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         """Per-token logprobs [rows, width] (aligned with input_ids: column t is log p(x_t | x_<t), column 0
         is 0) and, if asked, entropy; for a critic, its values in the logprobs' place."""
         packed = PackedRows.from_padded(mb["input_ids"], mb["attention_mask"]).to(self.device)
+        if self._cp_group is not None:
+            packed = packed.split_over(self._cp_group)
         self._route(lm, mb, packed)
         out, entropy = self._run(lm, packed, self.temperature if temperature is None else temperature, with_entropy)
         return packed.unpack(out), None if entropy is None else packed.unpack(entropy)
@@ -253,7 +271,11 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
     def micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
         """The batch's rows in micro-batches of at most train.micro_batch_tokens tokens (summed: they run
         packed) and train.micro_batch_size samples: (row indices, the rows cut to their longest one's width)."""
-        return packed_micro_batches(batch, self.cfg.micro_batch_tokens, self.cfg.micro_batch_size)
+        if self.cp == 1:
+            return packed_micro_batches(batch, self.cfg.micro_batch_tokens, self.cfg.micro_batch_size)
+        # context parallel: a CP group runs each micro-batch, every rank 1/CP of its tokens
+        check_lengths(batch["attention_mask"].sum(-1).tolist(), self.cp, self.cfg.micro_batch_tokens)
+        return packed_micro_batches(batch, self.cp * self.cfg.micro_batch_tokens, self.cfg.micro_batch_size)
 
     def _agreed_micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
         """This rank's micro-batches, padded to the most any rank has with empty ones ([] rows: one short row
@@ -315,17 +337,24 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
 
     # ---- training ------------------------------------------------------------------------------------
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(t)
+        """Summed over the data-parallel ranks (with context parallelism a CP group holds one copy)."""
+        if self.world_size // self.cp > 1:
+            dist.all_reduce(t, group=self._dp_group)
         return t
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL iteration on this worker's shard: epochs x mini_batches optimizer steps. Returns global metrics.
 
         A critic's batch holds input_ids, attention_mask, loss_mask, returns and old_values (the values the
-        advantages were computed with)."""
+        advantages were computed with).
+        A policy batch without `rollout_logprobs` (no rollout correction: the session never ran the train engine's
+        own forward of the step) gets rollout_logprob_diff_max / _mean measured here, on the first optimizer step's
+        forward, the only one under the weights that sampled the batch: no extra forward is made, so with
+        mini_batches > 1 it covers the first mini-batch's tokens only. With correction the advantages stage
+        measures it over the whole batch."""
         if self.role == "teacher":
             raise ValueError("train_step: this worker is a distillation teacher; it only scores (forward_logprobs)")
+        measure = self.role == "policy" and "rollout_logprobs" not in batch
         self._resident("train_step", optimizer=True)
         if self.has_reference and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.forward_logprobs(batch, reference=True)}
@@ -339,13 +368,29 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         per_mb = n // self.cfg.mini_batches
         sums: dict[str, torch.Tensor] = {}
         updates = self.cfg.epochs * self.cfg.mini_batches
-        for _epoch in range(self.cfg.epochs):
+        diff = None
+        for epoch in range(self.cfg.epochs):
             for m in range(self.cfg.mini_batches):
-                stats = self._optimizer_step(select(batch, slice(m * per_mb, (m + 1) * per_mb)))
+                first = measure and epoch == 0 and m == 0
+                stats = self._optimizer_step(select(batch, slice(m * per_mb, (m + 1) * per_mb)), measure=first)
+                if first:
+                    diff = self._reduce_diff(stats.pop(DIFF_STATS))
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v / updates
+        measured = algorithms.logprob_diff_metrics(diff) if diff is not None else {}
+        if diff is not None and self.true_on_policy:  # how many tokens engines/core/on_policy.py's check covers
+            measured["rollout_logprob_diff_tokens"] = float(diff[2])
         # the stage's wall time minus this is what moving the batch and calling the worker cost
-        return {k: float(v) for k, v in sums.items()} | {"worker_s": time.perf_counter() - t0}
+        return {k: float(v) for k, v in sums.items()} | measured | {"worker_s": time.perf_counter() - t0}
+
+    def _reduce_diff(self, stats: torch.Tensor) -> torch.Tensor:
+        """algorithms.logprob_diff's vector over every rank: max of the maxima, sums of the rest."""
+        if self.world_size // self.cp == 1:
+            return stats
+        peak, rest = stats[:1].clone(), stats[1:].clone()
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self._dp_group)
+        dist.all_reduce(rest, group=self._dp_group)
+        return torch.cat([peak, rest])
 
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
         """One supervised optimizer step on this worker's shard: NLL of the loss-masked (response) tokens.
@@ -357,8 +402,11 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         stats = self._optimizer_step(batch, sft=True)
         return {k: float(v) for k, v in stats.items()} | {"worker_s": time.perf_counter() - t0}
 
-    def _optimizer_step(self, mb: TrainBatch, sft: bool = False) -> dict[str, torch.Tensor]:
+    def _optimizer_step(self, mb: TrainBatch, sft: bool = False, measure: bool = False) -> dict[str, torch.Tensor]:
+        """One optimizer step on a mini-batch; `measure`: also this rank's algorithms.logprob_diff of its forward
+        against the rollout's logprobs, under DIFF_STATS."""
         mode = "token_mean" if sft else self.loss_agg
+        diff = torch.zeros(3, dtype=torch.float64, device=self.device)  # read once, with the metrics
         total_weight = self._all_reduce(algorithms.aggregation_weight(mb["loss_mask"], mode).double().clone())
         self.optimizer.zero_grad()
         metric_sums: dict[str, torch.Tensor] = {}  # on the device: read once, after the last micro-batch
@@ -366,10 +414,14 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
             # the token ids and mask stay on the host: they are packed there (PackedRows.from_padded reads the
             # lengths, which on the device would wait for the GPU), then moved
             micro = {k: v if k in PACKED_ON_HOST else tensor_to_device(v, self.device) for k, v in micro.items()}
-            loss, metrics = self._loss(micro, sft)
+            loss, metrics, logprobs = self._loss(micro, sft)
             loss_scale, share = algorithms.micro_batch_scales(micro["loss_mask"], total_weight, mode)
             if not idx:  # a padding micro-batch: it joins the collectives, adds nothing
                 loss_scale, share = loss_scale * 0, share * 0
+            elif measure:
+                rollout = micro.get("rollout_logprobs", micro["old_logprobs"])
+                diff = algorithms.merge_logprob_diff(diff, algorithms.logprob_diff(logprobs, rollout,
+                                                                                   micro["loss_mask"]))
             (loss * loss_scale.float()).backward()  # FSDP2 reduce-scatters (sums) the gradients over ranks
             for k, v in algorithms.scale_metrics(metrics, loss_scale, share).items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + v
@@ -383,32 +435,36 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         out["grad_norm"] = grad_norm.detach().double().cpu()
         out["lr"] = torch.tensor(self.scheduler.get_last_lr()[0], dtype=torch.float64)
         self.scheduler.step()  # the schedule counts optimizer steps
+        if measure:
+            out[DIFF_STATS] = diff.cpu()
         return out
 
-    def _loss(self, micro: TrainBatch, sft: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The role's objective on one micro-batch (aggregated over it with self.loss_agg) and its metrics;
-        sft: the NLL of the response tokens under the model's own (temperature 1) distribution."""
+    def _loss(self, micro: TrainBatch, sft: bool = False
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+        """The role's objective on one micro-batch (aggregated over it with self.loss_agg), its metrics and the
+        policy's logprobs it was computed from (None for a critic); sft: the NLL of the response tokens under the
+        model's own (temperature 1) distribution."""
         if sft:
             logprobs, entropy = self._forward(self.lm, micro, True, 1.0)
-            return algorithms.sft_loss(logprobs, micro["loss_mask"], "token_mean", entropy=entropy.detach())
+            return *algorithms.sft_loss(logprobs, micro["loss_mask"], "token_mean", entropy=entropy.detach()), None
         if self.role == "critic":
             loss, metrics = algorithms.value_loss(
                 self._forward(self.lm, micro, False)[0], micro["old_values"], micro["returns"], micro["loss_mask"],
                 clip_range=self.value_clip, loss_agg=self.loss_agg,
             )
-            return loss, metrics | {"value_loss": loss.detach()}
+            return loss, metrics | {"value_loss": loss.detach()}, None
         topk = None
         if TEACHER_TOPK_IDS in micro:  # distill.loss forward_kl / jsd: the student's logprobs of the teacher's top k
             logprobs, entropy, topk = self._forward_with_topk(micro)
         else:
             logprobs, entropy = self._forward(self.lm, micro, True)  # entropy is logged even when not in the loss
-        return algorithms.rl_loss(
+        return *algorithms.rl_loss(
             logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], norm_len=self.norm_len,
             ref_logprobs=micro.get("ref_logprobs"), rollout_logprobs=micro.get("rollout_logprobs"),
             is_weights=micro.get("is_weights"), teacher_logprobs=micro.get(TEACHER_LOGPROBS),
             student_topk_logprobs=topk, teacher_topk_logprobs=micro.get(TEACHER_TOPK_LOGPROBS),
             entropy=entropy if self.algo.entropy_coef else entropy.detach(), **self.loss_kwargs,
-        )
+        ), logprobs
 
     # ---- weights: what a sync sends -----------------------------------------------------------------
     def named_tensors(self, names: list[str] | None = None, dtype: torch.dtype | None = None,
@@ -520,6 +576,18 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         tensors = self.named_tensors(names)
         if self.rank == 0:
             put_bucket(storage, run, version, index, tensors)
+
+    def put_weights_delta(self, storage: StorageConfig, run: str, version: int, index: int, names: list[str],
+                          dtype: str, base: int | None, level: int) -> dict:
+        """delta: gather these weights in `dtype` (collective); rank 0 writes their change since `base`."""
+        tensors = self.named_tensors(names, dtype=torch_dtype(dtype))
+        return self._delta.put(RunStore(storage, run), version, index, tensors, base, level) if self.rank == 0 else {}
+
+    def delta_held(self, buckets: int) -> tuple[str, int] | None:
+        return self._delta.held_version(buckets)
+
+    def put_delta_snapshot(self, storage: StorageConfig, run: str, version: int, level: int) -> list[dict]:
+        return self._delta.put_snapshot(RunStore(storage, run), version, level)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Where the group this worker serves as rank 0 meets (nccl, distributed)."""
@@ -726,8 +794,9 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
                                "(train.offload_during_rollout); the session calls onload() first")
 
     def data_parallel_rank(self) -> int:
-        """Which shard of the data this worker trains on: every worker is a data-parallel copy."""
-        return self.rank
+        """Which shard of the data this worker trains on: every worker is a data-parallel copy, but for the ranks
+        of one context-parallel group, which share one (the mesh's "dp" coordinate)."""
+        return self.rank // self.cp
 
     def pid(self) -> int:
         """This worker's process id (fault-injection drills kill it)."""
@@ -735,6 +804,9 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
+
+
+DIFF_STATS = "logprob_diff_stats"  # _optimizer_step's key for its algorithms.logprob_diff vector
 
 
 def _padding_row(batch: TrainBatch) -> TrainBatch:

@@ -11,7 +11,7 @@ Nothing here holds state or does I/O, so each function is tested against numbers
   returns             token-level credit: outcome token rewards, discounted returns, whitening, REINFORCE++, GAE
   advantages          sequence-level estimators over groups (GRPO, RLOO, OPO, pass@k, ReMax, ...), overlong shaping
   kl                  KL estimators, KL in the reward, the adaptive coefficient
-  rollout_correction  importance weights and rejection masks against the rollout/train mismatch
+  rollout_correction  importance weights and rejection masks against the rollout/train mismatch, and its size
   policy_losses       PPO-clip, GSPO, CISPO, GMPO, SAPO, Clip-Cov, KL-Cov
   distillation        on-policy distillation (sampled-token reverse KL, top-k forward KL / JSD)
   supervised          the critic's value loss and SFT's negative log-likelihood
@@ -76,8 +76,13 @@ from rlflow.engines.core.algorithms.returns import (
 from rlflow.engines.core.algorithms.rollout_correction import (
     IS_CORRECTIONS,
     IS_LEVELS,
+    LOGPROB_DIFF_MAX,
+    LOGPROB_DIFF_MEAN,
     REJECTIONS,
     importance_weights,
+    logprob_diff,
+    logprob_diff_metrics,
+    merge_logprob_diff,
     rejection_mask,
     rollout_correction,
 )
@@ -86,7 +91,8 @@ from rlflow.engines.core.algorithms.supervised import sft_loss, value_loss
 __all__ = [
     # constants
     "AGGREGATED_METRICS", "DISTILL_LOSSES", "GSPO_SEQ_LOG_RATIO_MAX", "IS_CORRECTIONS", "IS_LEVELS", "KL_ESTIMATORS",
-    "LOG_RATIO_CLAMP", "LOSS_AGG_MODES", "POLICY_LOSSES", "REJECTIONS", "SUM_AGG_MODES", "TOPK_DISTILL_LOSSES",
+    "LOG_RATIO_CLAMP", "LOGPROB_DIFF_MAX", "LOGPROB_DIFF_MEAN", "LOSS_AGG_MODES", "POLICY_LOSSES", "REJECTIONS",
+    "SUM_AGG_MODES", "TOPK_DISTILL_LOSSES",
     "Groups",
     # logits -> per-token quantities
     "entropy_from_logits", "entropy_from_logprobs", "token_logprobs", "masked_mean",
@@ -100,7 +106,8 @@ __all__ = [
     # aggregation
     "aggregate_loss", "aggregation_weight", "micro_batch_scales", "scale_metrics",
     # rollout correction
-    "importance_weights", "rejection_mask", "rollout_correction",
+    "importance_weights", "logprob_diff", "logprob_diff_metrics", "merge_logprob_diff", "rejection_mask",
+    "rollout_correction",
     # losses
     "cispo_loss", "clip_cov_loss", "distill_loss", "gmpo_loss", "gspo_loss", "kl_cov_loss", "policy_loss", "rl_loss",
     "sapo_loss", "sft_loss", "topk_distill_loss", "value_loss",

@@ -170,3 +170,35 @@ def rollout_correction(
     weights, is_metrics = importance_weights(train_logprobs, rollout_logprobs, mask, is_correction, tis_cap,
                                              icepop_low, icepop_high, level=is_level, batch_normalize=batch_normalize)
     return keep, weights, metrics | is_metrics
+
+
+LOGPROB_DIFF_MAX, LOGPROB_DIFF_MEAN = "rollout_logprob_diff_max", "rollout_logprob_diff_mean"
+
+
+def logprob_diff(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The train/rollout log-prob difference of a batch's trained tokens as a float64 vector [max |d|, sum |d|,
+    tokens], d = train logprob - rollout logprob of the same token under the same weights.
+
+    A vector rather than the two metrics, so that parts (micro-batches, data-parallel ranks) combine exactly:
+    `merge_logprob_diff` takes the max of the first entries and sums the rest; `logprob_diff_metrics` turns the
+    whole into the max and mean. A token whose rollout logprob is +-inf (an engine that gave none) is left out;
+    NaN on either side is kept, so the max and mean come out NaN and the non-finite health check reports it.
+    """
+    known = (mask > 0) & ~torch.isinf(rollout_logprobs)
+    diff = (train_logprobs.detach().double() - rollout_logprobs.detach().double()).abs()
+    diff = torch.where(known, diff, 0.0)  # NaN on a kept token survives where(); off `known` it is gone
+    peak = diff.max() if diff.numel() else diff.new_zeros(())
+    return torch.stack([peak, diff.sum(), known.sum().double()])  # on the inputs' device: no sync here
+
+
+def merge_logprob_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two parts' `logprob_diff` vectors as one: max of the maxima (NaN wins), sums of the sums and counts."""
+    peak = torch.maximum(a[:1], b[:1])  # torch.maximum propagates NaN
+    return torch.cat([peak, a[1:] + b[1:]])
+
+
+def logprob_diff_metrics(stats: torch.Tensor) -> dict[str, float]:
+    """{rollout_logprob_diff_max, rollout_logprob_diff_mean} of a (merged) `logprob_diff` vector; 0 without
+    tokens."""
+    peak, total, tokens = (float(x) for x in stats)
+    return {LOGPROB_DIFF_MAX: peak, LOGPROB_DIFF_MEAN: total / tokens if tokens else 0.0}

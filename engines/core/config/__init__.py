@@ -15,7 +15,9 @@ from rlflow.engines.core.config.cluster import ClusterConfig
 from rlflow.engines.core.config.data import BuiltinTaskConfig, DataConfig
 from rlflow.engines.core.config.debug import DebugConfig
 from rlflow.engines.core.config.distill import DistillConfig
+from rlflow.engines.core.config.env import ENV_ROLLOUT_FN, EnvConfig
 from rlflow.engines.core.config.evaluation import EvalConfig, EvalDatasetConfig, EvalSamplingConfig, EvaluationConfig
+from rlflow.engines.core.config.health import HealthConfig
 from rlflow.engines.core.config.megatron import MegatronConfig
 from rlflow.engines.core.config.model import ModelConfig
 from rlflow.engines.core.config.orchestration import OrchestrationConfig, StageTimeouts
@@ -51,6 +53,7 @@ from rlflow.engines.core.config.rollout import (
     SGLangConfig,
 )
 from rlflow.engines.core.config.run import RLConfig
+from rlflow.engines.core.config.sandbox import SandboxConfig, SandboxLimits
 from rlflow.engines.core.config.sft import RejectionSamplingConfig, SFTConfig
 from rlflow.engines.core.config.storage import StorageConfig
 from rlflow.engines.core.config.tracking import TrackingConfig
@@ -64,13 +67,15 @@ __all__ = [
     "Section", "Name", "NAME_PATTERN",
     "ModelConfig", "DataConfig", "BuiltinTaskConfig",
     "RolloutConfig", "SGLangConfig", "SGLANG_LAUNCHERS", "KVCacheConfig", "DynamicSamplingConfig",
+    "EnvConfig", "ENV_ROLLOUT_FN",
     "RewardConfig", "RewardSource", "FnRewardSource", "ModelRewardSource", "JudgeRewardSource",
     "DEFAULT_REWARD_FN", "DEFAULT_RUBRIC", "RUBRIC_FIELDS", "check_template",
     "AlgorithmConfig", "GROUP_ESTIMATORS",
     "SFTConfig", "RejectionSamplingConfig",
     "TrainConfig", "LoraConfig", "LORA_TARGETS", "CriticConfig", "DistillConfig", "MegatronConfig",
     "ClusterConfig", "CheckpointConfig", "EvalConfig", "TrackingConfig", "StorageConfig", "WeightSyncConfig",
-    "OrchestrationConfig", "StageTimeouts", "DebugConfig",
+    "OrchestrationConfig", "StageTimeouts", "DebugConfig", "HealthConfig",
+    "SandboxConfig", "SandboxLimits",
     "EvalDatasetConfig", "EvalSamplingConfig", "RegisterConfig", "PromoteConfig",
     # recipes
     "RecipeError", "load_recipe", "read_recipe", "parse_override", "apply_overrides", "config_from_dict",

@@ -10,7 +10,8 @@ from rlflow.engines.core.config.base import Section
 
 
 class BuiltinTaskConfig(Section):
-    task: Literal["sort", "reverse", "add"] = Field(..., description="Which built-in verifiable task to generate.")
+    task: Literal["sort", "reverse", "add", "mul"] = Field(
+        ..., description="Which built-in verifiable task to generate (mul: a tool task, with model.extra_chars '*').")
     num_digits: int = Field(4, gt=0, le=12)
     num_train: int = Field(20000, gt=0)
     num_eval: int = Field(256, gt=0)

@@ -22,3 +22,5 @@ class ModelConfig(Section):
     num_heads: int = Field(4, gt=0)
     num_kv_heads: int = Field(4, gt=0)
     max_seq_len: int = Field(64, gt=0, description="Longest prompt + response, in tokens.")
+    extra_chars: str = Field("", description="Characters the built-in character tokenizer holds besides "
+                             "'0123456789+=SR' (appended, so the others keep their ids): '*' for the mul task.")

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from rlflow.engines.core.config.base import Section, nodes_field
+from rlflow.engines.core.config.env import ENV_ROLLOUT_FN, EnvConfig
 from rlflow.engines.core.sglang_args import DETERMINISTIC, normalise_args
 
 # launch modules whose flags are SGLang's (the stand-in takes a subset of them, with the same names)
@@ -120,10 +121,24 @@ class RolloutConfig(Section):
         "list[Sample] (docs/rollout.md): multi-turn, tools and agents live there. The default generates "
         "samples_per_prompt single-turn completions through SGLang's /generate.",
     )
+    env: EnvConfig | None = Field(
+        None, description="A multi-turn environment (docs/agents.md): its episodes are driven by the built-in env "
+        f"rollout ({ENV_ROLLOUT_FN}), which rollout.fn becomes when left at its default.")
     dynamic_sampling: DynamicSamplingConfig = Field(
         default_factory=lambda: DynamicSamplingConfig(), description="DAPO-style group filtering (off by default).")
     device: Literal["cpu", "cuda"] | None = Field(None, description="Where rollout engines run; empty: train.device.")
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="Weights and compute dtype of the rollout engine.")
+    precision: Literal["fp32", "bf16", "fp8"] = Field(
+        "fp32", description="Weights and compute dtype of the rollout engine. fp8 (embedded engine on CUDA): the "
+        "dense projections' weights in e4m3 with per-channel scales, quantized as each weight sync arrives, GEMMs "
+        "through torch._scaled_mm; compute, embeddings, the LM head and MoE experts in bf16. It turns "
+        "algorithm.is_correction tis on unless the recipe sets is_correction or rejection (docs/rollout.md).")
+    true_on_policy: bool = Field(
+        False, description="Embedded engine with the native trainer: both run one batch-invariant implementation of "
+        "every op (engines/models/invariant.py), so the engine's log-prob of each sampled token equals the trainer's "
+        "bit for bit (importance ratio exactly 1), and a step whose log-probs differ at all stops with "
+        "OnPolicyMismatch. Costs decode and train throughput (docs/rollout.md, 'True on-policy'); needs "
+        "rollout.backend and train.backend torch, one precision and device on both sides, max_staleness 0; refuses "
+        "fp8, compile, LoRA, liger kernels, context parallelism and MoE models; decodes without CUDA graphs.")
     max_staleness: int = Field(
         0, ge=0,
         description="How many weight versions rollout may run ahead of training (docs/rollout.md, asynchronous "
@@ -134,6 +149,14 @@ class RolloutConfig(Section):
         "rollout starts only once version step - k is on the rollout workers; use algorithm.is_correction with "
         "it (docs/algorithms.md). Replaces off_policy_steps.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _env_rollout_fn(cls, data: Any) -> Any:
+        """rollout.env without rollout.fn: the env rollout drives it."""
+        if isinstance(data, dict) and data.get("env") is not None and "fn" not in data:
+            return {**data, "fn": ENV_ROLLOUT_FN}
+        return data
 
     @model_validator(mode="before")
     @classmethod

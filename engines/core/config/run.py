@@ -14,11 +14,13 @@ from rlflow.engines.core.config.data import DataConfig
 from rlflow.engines.core.config.debug import DebugConfig
 from rlflow.engines.core.config.distill import DistillConfig
 from rlflow.engines.core.config.evaluation import EvalConfig
+from rlflow.engines.core.config.health import HealthConfig
 from rlflow.engines.core.config.megatron import MegatronConfig
 from rlflow.engines.core.config.model import ModelConfig
 from rlflow.engines.core.config.orchestration import OrchestrationConfig
 from rlflow.engines.core.config.reward import RewardConfig
 from rlflow.engines.core.config.rollout import RolloutConfig
+from rlflow.engines.core.config.sandbox import SandboxConfig
 from rlflow.engines.core.config.sft import SFTConfig
 from rlflow.engines.core.config.storage import StorageConfig
 from rlflow.engines.core.config.tracking import TrackingConfig
@@ -50,6 +52,8 @@ class RLConfig(Section):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> RLConfig:
@@ -110,6 +114,9 @@ class RLConfig(Section):
             )
         self._check_routing_replay()
         self._check_expert_parallel()
+        self._check_context_parallel()
+        self._check_fp8_rollout()
+        self._check_true_on_policy()
         self._check_placement()
         self._check_debug()
         self._check_sft()
@@ -138,6 +145,86 @@ class RLConfig(Section):
         if clash:
             raise ValueError(f"train.expert_parallel {ep} with {', '.join(clash)}: not supported together (the "
                              "expert shards live outside FSDP2, which adapters and CPU offload go through)")
+
+    def _check_context_parallel(self) -> None:
+        cp = self.train.context_parallel
+        if cp == 1:
+            return
+        if self.train.backend != "torch":
+            raise ValueError(f"train.context_parallel {cp}: the torch backend's; megatron's context parallelism "
+                             "(megatron.transformer.context_parallel_size) needs Transformer Engine (docs/megatron.md)")
+        if self.train.num_workers % cp:
+            raise ValueError(f"train.context_parallel {cp} must divide train.num_workers ({self.train.num_workers}): "
+                             "the ranks form data-parallel groups of context-parallel ranks")
+        top_k = self.distill.enabled and self.distill.uses_top_k
+        clash = [k for k, on in (("train.lora", self.train.lora is not None),
+                                 ("train.expert_parallel", self.train.expert_parallel > 1),
+                                 ("algorithm.routing_replay", self.algorithm.routing_replay != "off"),
+                                 (f"distill.loss {self.distill.loss}", top_k),
+                                 ("rollout.true_on_policy", self.rollout.true_on_policy)) if on]
+        if clash:
+            raise ValueError(f"train.context_parallel {cp} with {', '.join(clash)}: not supported together "
+                             "(docs/native_trainer.md, 'Context parallelism')")
+
+    def _check_fp8_rollout(self) -> None:
+        """rollout.precision fp8: where the embedded engine can hold e4m3 weights, and the mismatch it brings is
+        corrected unless the recipe says otherwise."""
+        if self.rollout.precision != "fp8":
+            return
+        if self.rollout.backend != "torch":
+            raise ValueError("rollout.precision fp8: the embedded engine's (rollout.backend torch); an SGLang server "
+                             "quantizes with its own flag: rollout.sglang.args {quantization: fp8}, with "
+                             "rollout.precision bf16")
+        if self.rollout_device != "cuda":
+            raise ValueError("rollout.precision fp8: needs rollout.device cuda (e4m3 GEMMs run on Hopper-class GPUs' "
+                             "tensor cores); on the CPU use fp32 or bf16")
+        transport = self.weight_sync.transport
+        if transport in ("nccl", "adapter") or (transport == "cuda_ipc" and self.train.num_workers > 1):
+            raise ValueError(
+                f"weight_sync.transport {transport} with rollout.precision fp8: that transport writes bf16 straight "
+                "into the engine's weight memory, and fp8 weights are quantized on receipt instead; use ray, store, "
+                "disk, distributed, or cuda_ipc with one train worker")
+        if self.train.lora is not None:
+            raise ValueError("rollout.precision fp8 with train.lora: adapters are merged into bf16 weights; not "
+                             "supported together")
+        algo = self.algorithm
+        if not algo.corrects_rollout:
+            if {"is_correction", "rejection"} & algo.model_fields_set:
+                warnings.warn("rollout.precision fp8 with algorithm.is_correction none and rejection none: fp8 "
+                              "rollout log-probs differ from the trainer's (docs/benchmarks.md) and nothing corrects "
+                              "for it; algorithm.is_correction tis is the default with fp8", UserWarning, stacklevel=2)
+            else:
+                algo.is_correction = "tis"
+
+    def _check_true_on_policy(self) -> None:
+        """rollout.true_on_policy: both sides must be rlflow's own engines computing in one dtype on one kind of
+        device, synchronously, with nothing that changes the trainer's ops (docs/rollout.md, "True on-policy")."""
+        r, t = self.rollout, self.train
+        if not r.true_on_policy:
+            return
+        if r.backend != "torch" or t.backend != "torch":
+            raise ValueError(f"rollout.true_on_policy: needs rollout.backend torch and train.backend torch (got "
+                             f"{r.backend}, {t.backend}): both sides must run engines/models/invariant.py's ops")
+        if r.precision != t.precision:
+            raise ValueError(f"rollout.true_on_policy: rollout.precision {r.precision} must equal train.precision "
+                             f"{t.precision} (fp8 weights or another compute dtype give other log-probs)")
+        if self.rollout_device != t.device:
+            raise ValueError(f"rollout.true_on_policy: rollout.device {self.rollout_device} must equal train.device "
+                             f"{t.device} (CPU and GPU kernels round differently)")
+        clash = [name for name, on in (("rollout.max_staleness > 0", r.max_staleness > 0),
+                                       ("rollout.dynamic_sampling.partial_rollout", r.dynamic_sampling.enabled and
+                                        r.dynamic_sampling.partial_rollout),
+                                       ("rollout.compile", r.compile), ("train.compile", t.compile),
+                                       ("train.lora", t.lora is not None),
+                                       ("train.kernels liger", t.kernels != "torch"),
+                                       ("train.context_parallel > 1", t.context_parallel > 1),
+                                       ("train.expert_parallel > 1", t.expert_parallel > 1),
+                                       ("algorithm.routing_replay", self.algorithm.routing_replay != "off")) if on]
+        if clash:
+            raise ValueError(f"rollout.true_on_policy with {', '.join(clash)}: not supported together (samples from "
+                             "older weights are not on-policy; compiled or replaced modules and a split attention run "
+                             "other ops than engines/models/invariant.py's; MoE models have no batch-invariant form "
+                             "yet)")
 
     def _check_routing_replay(self) -> None:
         replay = self.algorithm.routing_replay
@@ -324,4 +411,4 @@ class RLConfig(Section):
     def data_parallel_size(self) -> int:
         if self.train.backend == "megatron":
             return self.train.num_workers // self.megatron.model_parallel
-        return self.train.num_workers
+        return self.train.num_workers // self.train.context_parallel  # a CP group trains on one shard

@@ -93,6 +93,12 @@ class TrainConfig(Section):
         1, ge=1, description="torch backend, MoE models: split every MoE layer's experts over this many train "
         "ranks, an all-to-all taking each token to its experts' rank (FSDP2 shards the other weights as before). "
         "1 or train.num_workers; it must divide the number of experts. Megatron: megatron.expert_parallel.")
+    context_parallel: int = Field(
+        1, ge=1, description="torch backend: split each micro-batch's packed token stream over this many train ranks "
+        "(Ulysses: an all-to-all gives each rank every token for 1/N of the attention heads), so one sample may be "
+        "up to N x train.micro_batch_tokens long. Must divide train.num_workers (data-parallel size: num_workers / "
+        "N) and the model's attention heads. Not with train.lora, train.expert_parallel, algorithm.routing_replay, "
+        "distill.loss forward_kl/jsd or rollout.true_on_policy (docs/native_trainer.md, 'Context parallelism').")
     cpu_offload: bool = Field(
         False, description="torch backend: FSDP2 CPU offload: parameters, gradients and optimizer state live on "
         "the host (the optimizer steps there) and each layer is copied to the GPU when it runs; trains models "

@@ -11,8 +11,18 @@ from pydantic import Field
 from rlflow.engines.core.config.base import Section
 
 
+class DeltaSyncConfig(Section):
+    full_every: int = Field(
+        10, ge=1,
+        description="transport delta: a full snapshot every this many versions (also the first version, and the "
+        "first after a restart); older versions are then deleted, so the store holds at most this many. A receiver "
+        "that missed versions or failed a checksum reads the newest snapshot and the deltas after it.",
+    )
+    zstd_level: int = Field(3, ge=1, le=22, description="transport delta: zstd's compression level (1 fastest).")
+
+
 class WeightSyncConfig(Section):
-    transport: Literal["ray", "store", "disk", "distributed", "cuda_ipc", "nccl", "adapter"] = Field(
+    transport: Literal["ray", "store", "disk", "distributed", "cuda_ipc", "nccl", "adapter", "delta"] = Field(
         "ray",
         description="ray: tensors go actor to actor through Ray's object store, bucket by bucket. store: rank 0 "
         "writes safetensors under the run store and rollout workers read them (works wherever the store does). "
@@ -26,7 +36,11 @@ class WeightSyncConfig(Section):
         "nccl (separate GPUs, embedded engine): train rank 0 broadcasts buckets to the rollout workers over NCCL "
         "(over gloo when both sides are on the CPU). "
         "adapter (train.lora): rank 0 writes the LoRA adapter in PEFT's format into a folder per version under "
-        "disk_dir and every rollout worker loads it (SGLang's /load_lora_adapter); the base weights never move.",
+        "disk_dir and every rollout worker loads it (SGLang's /load_lora_adapter); the base weights never move. "
+        "delta: like store, but each version is written as its change from the last (xor of the rollout dtype's "
+        "bytes, zstd-compressed, an xxh3 checksum per tensor), with a full snapshot every delta.full_every versions; "
+        "each side keeps a host copy of the whole model in the rollout dtype (docs/architecture.md, 'The delta "
+        "transport').",
     )
     disk_dir: str = Field(
         default_factory=lambda: str(Path(tempfile.gettempdir()) / "rlflow-weights"),
@@ -35,3 +49,4 @@ class WeightSyncConfig(Section):
         "adapter) and are removed once the next is loaded.",
     )
     bucket_mb: float = Field(64, gt=0, description="Size of one weight bucket, MiB.")
+    delta: DeltaSyncConfig = Field(default_factory=DeltaSyncConfig, description="The delta transport's settings.")

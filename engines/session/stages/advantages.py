@@ -9,6 +9,7 @@ import torch
 
 from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import TrainBatch
+from rlflow.engines.core.on_policy import DIFF_TOKENS, check_on_policy
 from rlflow.engines.session.run_engines import RunEngines
 from rlflow.engines.session.stages.train_batch import critic_values, pack, train_logprobs
 from rlflow.engines.session.step_state import StepState
@@ -43,6 +44,12 @@ def run(s: RunEngines, st: StepState) -> dict[str, float]:
         if algo.corrects_rollout:  # the train engine's logprobs become PPO's old policy (with_train_logprobs)
             st.train_logprobs = train_logprobs(s, batch)
             metrics |= _rollout_correction(s, st, batch)
+            # measured here, over the whole batch; without correction the train step's first forward measures it
+            diff = algorithms.logprob_diff(st.train_logprobs, batch["old_logprobs"], batch["loss_mask"])
+            metrics |= {f"train/{k}": v for k, v in algorithms.logprob_diff_metrics(diff).items()}
+            if s.cfg.rollout.true_on_policy:  # exactly 0, or the step stops here (engines/core/on_policy.py)
+                metrics[DIFF_TOKENS] = float(diff[2])
+                check_on_policy(st.step, metrics)
             mask = mask * st.keep
         if kl_in_reward:
             # the behaviour policy: the rollout engine's, or with correction the train engine's, which PPO's

@@ -34,7 +34,7 @@ def run(s: RunEngines, step: int) -> dict[str, float]:
     dt = time.perf_counter() - t0
     s.gpu.for_rollout()  # ... and the weights after: evaluation and the next rollout get the memory
     return {"sync/weight_version": float(version), "sync/bytes": float(nbytes),
-            "sync/gb_per_s": nbytes / dt / 1e9} | healed | s.gpu.take_metrics()
+            "sync/gb_per_s": nbytes / dt / 1e9} | s.weight_transport.take_metrics() | healed | s.gpu.take_metrics()
 
 
 def serve_fresh_adapter(s: RunEngines) -> None:

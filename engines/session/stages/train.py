@@ -15,6 +15,7 @@ from rlflow.engines.core.batch import (
     TrainBatch,
     shard_for_workers,
 )
+from rlflow.engines.core.on_policy import check_on_policy
 from rlflow.engines.core.protocols import CriticBackend, TrainBackend
 from rlflow.engines.session.run_engines import RunEngines
 from rlflow.engines.session.stages.train_batch import pack
@@ -61,6 +62,8 @@ def run(s: RunEngines, st: StepState) -> dict[str, float]:
         results = s.train_group.call_each(TrainBackend.train_step, [(shards[r],) for r in s.dp_ranks])
         metrics["time/train_worker"] = results[0].pop("worker_s")
         metrics |= {f"train/{k}": v for k, v in results[0].items()}
+        if s.cfg.rollout.true_on_policy:  # ratio exactly 1, or the step stops here (engines/core/on_policy.py)
+            check_on_policy(step, metrics)
     if critic is not None:
         result = s.critic_group.wait(critic)[0]
         result.pop("value_mean")  # the values being trained; critic/values_mean is the ones GAE used

@@ -40,6 +40,8 @@ from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.models.hf import DTYPES
 from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.base import free_rendezvous_address
+from rlflow.engines.sync.delta import DeltaSender
+from rlflow.engines.sync.delta_format import DeltaPublisher, torch_dtype
 from rlflow.engines.sync.distributed import GROUP_NAME, DistributedSender, DistributedWeightSender
 from rlflow.engines.sync.store import StoreSender, put_bucket
 from rlflow.engines.train.megatron.checkpoint import set_tracker_rng_state, tracker_rng_state
@@ -81,7 +83,7 @@ def _on_device(method):
     return run
 
 
-class MegatronTrainBackend(TrainBackend, StoreSender, DistributedSender):
+class MegatronTrainBackend(TrainBackend, StoreSender, DistributedSender, DeltaSender):
     def __init__(
         self,
         model_path: str,
@@ -107,7 +109,9 @@ class MegatronTrainBackend(TrainBackend, StoreSender, DistributedSender):
         self.rank, self.world_size, self.device = rank, world_size, train.device
         self.model_path = model_path
         self._sft = False  # inside sft_step: the loss is algorithms.sft_loss
+        self._diff: torch.Tensor | None = None  # while measuring: algorithms.logprob_diff of the losses so far
         self._update_group = DistributedWeightSender(rank)  # this rank's end of the `distributed` transport
+        self._delta = DeltaPublisher()  # rank 0's copy of the last version the delta transport published
         with device_context(self.device):
             self._build(dist_url, seed)
 
@@ -369,6 +373,10 @@ class MegatronTrainBackend(TrainBackend, StoreSender, DistributedSender):
                                           ref=mb.get("ref_logprobs"), entropy=entropy,
                                           rollout=mb.get("rollout_logprobs"), is_weights=mb.get("is_weights"),
                                           teacher=mb.get(TEACHER_LOGPROBS))
+            if self._diff is not None:  # train_step's first optimizer step: the weights that sampled the batch
+                part = algorithms.logprob_diff(logprobs, mb.get("rollout_logprobs", mb["old_logprobs"]),
+                                               mb["loss_mask"])
+                self._diff = algorithms.merge_logprob_diff(self._diff, part)
         scaled = algorithms.scale_metrics(metrics, mb["loss_scale"], mb["share"])
         vec = torch.stack([scaled[k] for k in self._keys()])
         return loss * mb["loss_scale"].float(), vec
@@ -376,7 +384,13 @@ class MegatronTrainBackend(TrainBackend, StoreSender, DistributedSender):
     @_on_device
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL iteration on this rank's data-parallel shard: epochs x mini_batches optimizer steps.
-        Returns global metrics (the same on every rank)."""
+        Returns global metrics (the same on every rank).
+
+        Without `rollout_logprobs` in the batch (no rollout correction: the session never ran the train engine's
+        own forward of the step), rollout_logprob_diff_max / _mean are measured on the first optimizer step's
+        forward, the only one under the weights that sampled the batch (no extra forward; with mini_batches > 1
+        the first mini-batch's tokens only), as TorchTrainBackend.train_step does."""
+        measure = "rollout_logprobs" not in batch
         self._resident("train_step", optimizer=True)
         t0 = time.perf_counter()
         if self.ref_model is not None and self.algo.kl_in == "loss" and "ref_logprobs" not in batch:
@@ -389,12 +403,28 @@ class MegatronTrainBackend(TrainBackend, StoreSender, DistributedSender):
         per_mb = batch_size(batch) // self.cfg.mini_batches
         sums: dict[str, float] = {}
         updates = self.cfg.epochs * self.cfg.mini_batches
-        for _epoch in range(self.cfg.epochs):
+        measured: dict[str, float] = {}
+        for epoch in range(self.cfg.epochs):
             for m in range(self.cfg.mini_batches):
-                stats = self._optimizer_step(select(batch, slice(m * per_mb, (m + 1) * per_mb)))
+                first = measure and epoch == 0 and m == 0
+                self._diff = torch.zeros(3, dtype=torch.float64, device=self._dev()) if first else None
+                try:
+                    stats = self._optimizer_step(select(batch, slice(m * per_mb, (m + 1) * per_mb)))
+                    if first:
+                        measured = algorithms.logprob_diff_metrics(self._reduce_diff(self._diff))
+                finally:
+                    self._diff = None
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v / updates
-        return sums | {"worker_s": time.perf_counter() - t0}  # wall time, not a global metric
+        return sums | measured | {"worker_s": time.perf_counter() - t0}  # wall time, not a global metric
+
+    def _reduce_diff(self, stats: torch.Tensor) -> torch.Tensor:
+        """algorithms.logprob_diff's vector over the data-parallel ranks (max of the maxima, sums of the rest),
+        then the last pipeline stage's (earlier stages computed no loss and hold zeros)."""
+        peak, rest = stats[:1].to(self._dev()), stats[1:].to(self._dev())
+        if self._dp_size() > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+        return self._to_last_stage_value(torch.cat([peak, self._dp_all_reduce(rest)])).cpu()
 
     @_on_device
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -461,6 +491,18 @@ class MegatronTrainBackend(TrainBackend, StoreSender, DistributedSender):
         tensors = self.named_tensors(names)
         if self.rank == 0:
             put_bucket(storage, run, version, index, tensors)
+
+    def put_weights_delta(self, storage: StorageConfig, run: str, version: int, index: int, names: list[str],
+                          dtype: str, base: int | None, level: int) -> dict:
+        """delta: gather these weights in `dtype` (collective); rank 0 writes their change since `base`."""
+        tensors = self.named_tensors(names, dtype=torch_dtype(dtype))
+        return self._delta.put(RunStore(storage, run), version, index, tensors, base, level) if self.rank == 0 else {}
+
+    def delta_held(self, buckets: int) -> tuple[str, int] | None:
+        return self._delta.held_version(buckets)
+
+    def put_delta_snapshot(self, storage: StorageConfig, run: str, version: int, level: int) -> list[dict]:
+        return self._delta.put_snapshot(RunStore(storage, run), version, level)
 
     # the `distributed` transport: its code is engines/sync/distributed.py's, as for the torch backend
     def rendezvous_address(self) -> tuple[str, int]:

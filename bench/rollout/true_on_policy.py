@@ -1,0 +1,102 @@
+"""What rollout.true_on_policy costs: the embedded engine's decode and the native trainer's train step with the
+batch-invariant ops (engines/models/invariant.py) against the default ops, side by side in one run, and the largest
+|train - rollout| log-prob difference of each (0 with the mode).
+
+    PYTHONUNBUFFERED=1 python -m bench.rollout.true_on_policy --size 1.5B --batch 256 --new-tokens 256 \
+        --out true_on_policy.json
+
+Per mode: one engine generates `batch` sequences of `new-tokens` tokens (ignore_eos) from short prompts (output
+tokens/s over the whole generate, the faster of two), then two train steps (forward + backward + optimizer step,
+packed micro-batches) on those sequences: the first gives the log-prob difference, the second's tokens/s counts.
+Compute dtype: bf16 on a GPU, fp32 on the CPU, the same on both sides.
+
+`--smoke` runs a toy Qwen2 on the CPU: it checks the script, and on 2 cores gives the CPU ratio docs/rollout.md
+quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench import harness
+from bench.rollout.gpu import build_model
+from rlflow.engines.core.config import AlgorithmConfig, TrainConfig
+from rlflow.engines.core.sampling import SamplingParams
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.train.torch_backend import TorchTrainBackend
+
+
+def measure(model: Path, exact: bool, batch: int, new_tokens: int, dev: str, threads: int) -> dict:
+    """Decode tokens/s, train-step tokens/s and the max |train - rollout| log-prob difference of one mode."""
+    dtype, precision = (torch.bfloat16, "bf16") if dev == "cuda" else (torch.float32, "fp32")
+    rollout = TorchRolloutBackend(str(model), device=dev, dtype=dtype, batch_size=batch, true_on_policy=exact,
+                                  threads=threads)
+    prompts = [[3 + i % 10, 4, 5 + i % 7] for i in range(batch)]
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    try:
+        decode_s = float("inf")
+        for _ in range(2):  # the first also warms up (thread pools, allocator, graphs): the faster one counts
+            t0 = time.perf_counter()
+            gens = rollout.generate(prompts, params, seed=1)
+            decode_s = min(decode_s, time.perf_counter() - t0)
+    finally:
+        rollout.close()
+        del rollout
+    width = max(len(g.prompt_ids) + len(g.output_ids) for g in gens)
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    mask, loss, old = torch.zeros(batch, width, dtype=torch.long), torch.zeros(batch, width), torch.zeros(batch, width)
+    for i, g in enumerate(gens):
+        seq, p = g.prompt_ids + g.output_ids, len(g.prompt_ids)
+        ids[i, :len(seq)], mask[i, :len(seq)], loss[i, p:len(seq)] = torch.tensor(seq), 1, 1.0
+        old[i, p:len(seq)] = torch.tensor(g.output_logprobs)
+    train = TorchTrainBackend(str(model), TrainConfig(device=dev, precision=precision, micro_batch_tokens=16384,
+                                                      threads=threads),
+                              AlgorithmConfig(kl_coef=0.0), true_on_policy=exact)
+    data = {"input_ids": ids, "attention_mask": mask, "loss_mask": loss, "old_logprobs": old,
+            "advantages": torch.randn(batch)}
+    metrics = train.train_step(data)  # the rollout's weights: its log-prob difference is the mode's
+    t0 = time.perf_counter()
+    train.train_step(data)  # warm (optimizer state made, kernels loaded): the one timed
+    harness.sync(dev)
+    train_s = time.perf_counter() - t0
+    tokens = int(mask.sum())
+    return {"true_on_policy": exact, "decode_tokens_per_s": batch * new_tokens / decode_s, "decode_s": decode_s,
+            "train_tokens_per_s": tokens / train_s, "train_s": train_s, "tokens": tokens,
+            "logprob_diff_max": metrics["rollout_logprob_diff_max"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="1.5B")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--out", default="true_on_policy.json")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the engine and the trainer")
+    harness.add_smoke(parser)
+    args = parser.parse_args(argv)
+    dev = "cpu" if args.smoke else harness.device()
+    size, batch, new = ("smoke", 16, 16) if args.smoke else (args.size, args.batch, args.new_tokens)
+    results = harness.report_header(__spec__.name, argv) | {"size": size, "batch": batch, "new_tokens": new,
+                                                            "modes": []}
+    with tempfile.TemporaryDirectory(prefix="rlflow-top-") as tmp:
+        model = build_model(size, Path(tmp) / size, "cpu")
+        for exact in (False, True):
+            row = measure(model, exact, batch, new, dev, args.threads)
+            results["modes"].append(row)
+            harness.say(str(row))
+            harness.write_json(args.out, results)
+    base, top = results["modes"]
+    results["decode_ratio"] = top["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+    results["train_ratio"] = top["train_tokens_per_s"] / base["train_tokens_per_s"]
+    harness.say(f"true_on_policy / default: decode {results['decode_ratio']:.3f}, train {results['train_ratio']:.3f}")
+    harness.write_json(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""rollout.true_on_policy: the embedded engine's log-prob of every sampled token equals the native trainer's forward
+of the same sequence bit for bit (fp32 on CPU), through continuous batching, a persisted batch and the RL loop;
+without the mode they differ; a planted difference stops the step with OnPolicyMismatch."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlflow.engines.core.batch import RolloutBatch
+from rlflow.engines.core.config import AlgorithmConfig, KVCacheConfig, TrainConfig, config_from_dict
+from rlflow.engines.core.on_policy import OnPolicyMismatch, check_on_policy
+from rlflow.engines.core.sampling import SamplingParams
+from rlflow.engines.models import invariant
+from rlflow.engines.models.hf import build_char_tokenizer
+from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+from rlflow.engines.session.rl import RLSession
+from rlflow.engines.session.workers import prepare_data, prepare_model
+from rlflow.engines.train.torch_backend import TorchTrainBackend
+from tests.conftest import small_recipe
+from tests.test_engines import _arch_model
+
+# prompts of different lengths; with 3 page-table rows and per-request lengths, requests join as others leave
+ROWS = 3
+PROMPTS = [[1, 5, 9, 2, 7], [3, 3, 8], [4, 11, 6, 2, 9, 9, 12, 3], [7], [2, 4, 6, 8, 10, 12], [5, 5]]
+
+
+@pytest.mark.parametrize("shape", [(2, 40), (3, 48), (17, 40), (64, 48)])
+def test_invariant_ops_do_not_depend_on_the_batch(shape):
+    """What the mode rests on: a row's linear and SiLU are the same bits alone, in any batch and at any place in it
+    (F.linear and F.silu are not, on this CPU: the reason the module exists)."""
+    torch.manual_seed(0)
+    rows, width = shape
+    x, w = torch.randn(rows + 3, 32), torch.randn(width, 32)
+    full = invariant.linear(x, w)
+    assert all(torch.equal(invariant.linear(x[i:i + 1].clone(), w)[0], full[i]) for i in range(rows + 3))
+    assert torch.equal(invariant.linear(x[3:], w), full[3:])
+    h = torch.randn(rows + 3, width) * 3
+    alone = torch.stack([invariant.silu(h[i:i + 1].clone())[0] for i in range(rows + 3)])
+    assert torch.equal(invariant.silu(h), alone) and torch.equal(invariant.silu(h[3:]), alone[3:])
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()  # its gradient: plain GEMMs, the same values
+    invariant.linear(xg, wg).square().sum().backward()
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    F.linear(xr, wr).square().sum().backward()
+    assert torch.allclose(xg.grad, xr.grad, atol=1e-4) and torch.allclose(wg.grad, wr.grad, atol=1e-4)
+    for offset in range(1, 4):  # a weight inside a flat buffer (FSDP2's gathered parameters): the same bits
+        buf = torch.empty(w.numel() + 8)
+        view = buf[offset:offset + w.numel()].view_as(w)
+        view.copy_(w)
+        assert torch.equal(invariant.linear(x, view), full)
+    assert (invariant.silu(h) - F.silu(h)).abs().max() < 1e-5  # the same function
+
+
+def _samples(gens) -> RolloutBatch:
+    """The engine's generations as a RolloutBatch (one group each), persisted to parquet and read back."""
+    prompts = [SimpleNamespace(prompt="", label=None, prompt_ids=g.prompt_ids) for g in gens]
+    groups = [[SimpleNamespace(response_ids=g.output_ids, logprobs=g.output_logprobs, loss_mask=None, reward=None,
+                               response=None, finish_reason=g.finish_reason["type"], weight_version=g.weight_version,
+                               last_weight_version=None, prompt_ids=None, metadata={})] for g in gens]
+    buf = io.BytesIO()
+    pq.write_table(RolloutBatch.from_samples(prompts, groups).to_arrow(), buf)
+    return RolloutBatch.from_arrow(pq.read_table(io.BytesIO(buf.getvalue())))
+
+
+def _model(tmp_path, arch: str) -> str:
+    """test_engines' tiny random model of `arch`, with the char tokenizer the engine loads beside it."""
+    path = _arch_model(tmp_path, arch)
+    build_char_tokenizer().save_pretrained(path)
+    return path
+
+
+def _engine_vs_trainer(model_dir: str, exact: bool, temperature: float = 1.0, perturb: bool = False,
+                       kv: KVCacheConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(trainer log-probs, engine log-probs, loss mask) of the engine's samples of PROMPTS x 2, decoded 3 rows at a
+    time with lengths of their own (continuous batching), through a parquet round trip. `kv`: the engine's cache."""
+    rollout = TorchRolloutBackend(model_dir, threads=1, batch_size=ROWS, true_on_policy=exact, kv_cache=kv)
+    if perturb:  # one weight of the rollout side off by a little: what a broken sync would leave
+        with torch.no_grad():
+            rollout.model.model.layers[0].mlp.down_proj.weight[0, 0] += 1e-3
+    try:
+        requests = rollout.requests(PROMPTS * 2, SamplingParams(max_new_tokens=6, temperature=temperature,
+                                                                ignore_eos=True), seed=7)
+        for i, r in enumerate(requests):  # different lengths: rows leave and others join mid-batch
+            r.params = r.params.model_copy(update={"max_new_tokens": 2 + (i * 5) % 9})
+        gens = [f.result() for f in rollout.engine.submit(requests)]
+        if kv is not None:  # what the caller wanted to exercise did happen
+            assert rollout.engine.preemptions > 0
+    finally:
+        rollout.close()
+    batch = _samples(gens).to_train_batch(0, torch.zeros(len(gens)))
+    trainer = TorchTrainBackend(model_dir, TrainConfig(device="cpu", precision="fp32", threads=1,
+                                                       micro_batch_size=5), AlgorithmConfig(kl_coef=0.0),
+                                temperature=temperature, true_on_policy=exact)
+    return trainer.forward_logprobs(batch), batch["old_logprobs"], batch["loss_mask"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_engine_logprobs_equal_the_trainers(tmp_path, arch):
+    """Generated tokens' log-probs: equal bit for bit with the mode (T=1, T=0.7, and with chunked prefill and
+    preemption's re-prefill); apart without it (the mode is what makes them equal)."""
+    model = _model(tmp_path, arch)
+    train, engine, mask = _engine_vs_trainer(model, exact=True)
+    on = mask > 0
+    assert on.sum() > 30
+    assert torch.equal(train[on], engine[on]), (train[on] - engine[on]).abs().max()
+    train, engine, mask = _engine_vs_trainer(model, exact=True, temperature=0.7)
+    assert torch.equal(train[mask > 0], engine[mask > 0])
+    small = KVCacheConfig(page_size=4, tokens=24, prefill_chunk_tokens=3)  # prompts in parts; pages run out
+    train, engine, mask = _engine_vs_trainer(model, exact=True, kv=small)
+    assert torch.equal(train[mask > 0], engine[mask > 0])
+    train, engine, mask = _engine_vs_trainer(model, exact=False)
+    diff = (train[mask > 0] - engine[mask > 0]).abs().max()
+    print(f"{arch}: max |train - rollout| without the mode {float(diff):.3g}")  # shown with -s
+    assert 0 < diff < 1e-4
+
+
+def test_planted_difference_is_caught(tmp_path):
+    """A weight changed on the rollout side only: the trainer's log-probs differ, and the check names the step, the
+    largest difference and the token count."""
+    train, engine, mask = _engine_vs_trainer(_model(tmp_path, "llama"), exact=True, perturb=True)
+    diff = (train - engine).abs()[mask > 0]
+    assert diff.max() > 0
+    metrics = {"train/rollout_logprob_diff_max": float(diff.max()),
+               "train/rollout_logprob_diff_mean": float(diff.mean()),
+               "train/rollout_logprob_diff_tokens": float(len(diff))}
+    with pytest.raises(OnPolicyMismatch, match=r"step 3: .*max \|diff\| .* over \d+ tokens"):
+        check_on_policy(3, metrics)
+    check_on_policy(3, metrics | {"train/rollout_logprob_diff_max": 0.0})  # exact: nothing raised
+
+
+def test_config_refuses_what_breaks_exactness(tmp_path):
+    def problem(**sections) -> str:
+        with pytest.raises(ValueError) as err:
+            config_from_dict(small_recipe(tmp_path, **sections))
+        return str(err.value)
+
+    on = {"true_on_policy": True}
+    assert "rollout.true_on_policy" in problem(rollout=on | {"precision": "fp8", "device": "cuda"},
+                                               train={"device": "cuda"})
+    assert "rollout.backend" in problem(rollout=on | {"backend": "sglang"})
+    assert "train.backend" in problem(rollout=on, train={"backend": "megatron"})
+    assert "rollout.max_staleness" in problem(rollout=on | {"max_staleness": 1})
+    assert "train.lora" in problem(rollout=on, train={"lora": {"rank": 4}})
+    assert "train.compile" in problem(rollout=on, train={"compile": True})
+    assert "rollout.precision bf16 must equal train.precision fp32" in problem(rollout=on | {"precision": "bf16"})
+    cfg = config_from_dict(small_recipe(tmp_path, rollout=on))
+    assert cfg.rollout.true_on_policy
+
+
+@pytest.mark.parametrize("correction", ["none", "tis"], ids=["measured-by-train-step", "measured-with-correction"])
+def test_first_step_ratio_is_one_in_the_rl_loop(tmp_path, correction):
+    """The bare RL loop with the mode: every step's train/rollout log-prob difference is exactly 0 (ratio 1), the
+    check passes, and training goes on; then one weight of the rollout worker changed (a sync gone wrong) stops the
+    next step with OnPolicyMismatch naming it: in the train step, or with rollout correction in the advantages
+    stage, which then computes the trainer's log-probs."""
+    cfg = config_from_dict(small_recipe(tmp_path, rollout={"true_on_policy": True, "prompts_per_step": 4,
+                                                           "samples_per_prompt": 3, "max_new_tokens": 4,
+                                                           "batch_size": 5},
+                                        train={"steps": 2, "threads": 1}, algorithm={"is_correction": correction}))
+    prepare_data(cfg)
+    session = RLSession.create(cfg, prepare_model(cfg, str(tmp_path)), use_ray=False)
+    try:
+        for step in range(2):
+            m = session.rollout(step) | session.reward(step) | session.advantages(step) | session.train(step)
+            session.sync_weights(step)
+            assert m["train/rollout_logprob_diff_max"] == 0.0, (step, m["train/rollout_logprob_diff_max"])
+            assert m["train/rollout_logprob_diff_tokens"] > 0 and np.isfinite(m["train/loss"])
+        with torch.no_grad():
+            session.rollout_group.workers[0].model.model.layers[1].self_attn.o_proj.weight[0, 0] += 1e-3
+        session.rollout(2) | session.reward(2)
+        with pytest.raises(OnPolicyMismatch, match=r"step 2: .*max \|diff\| .* over \d+ tokens") as err:
+            session.advantages(2)
+            session.train(2)
+        assert err.value.max_diff > 0 and err.value.tokens > 0
+    finally:
+        session.shutdown()
+
+
+def test_cost_bench_runs_its_smoke_shape(tmp_path):
+    """bench/rollout/true_on_policy.py on the CPU: both modes' decode and train throughput, and the mode's log-prob
+    difference of 0 measured by the train step itself."""
+    out = tmp_path / "top.json"
+    subprocess.run([sys.executable, "-m", "bench.rollout.true_on_policy", "--smoke", "--threads", "1", "--out",
+                    str(out)], check=True, timeout=600, capture_output=True, cwd=Path(__file__).parents[1])
+    report = json.loads(out.read_text())
+    default, exact = report["modes"]
+    assert exact["true_on_policy"] and exact["logprob_diff_max"] == 0.0
+    assert default["decode_tokens_per_s"] > 0 and exact["train_tokens_per_s"] > 0 and report["train_ratio"] > 0
