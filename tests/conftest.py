@@ -60,6 +60,22 @@ def step_metrics(run: Callable[[], Any], listeners: Iterable[Callable[[int, dict
     return seen, result
 
 
+def resume_one_rank_and_export(model_dir: str, out: str, rank: int, world: int, url: str) -> None:
+    """One rank of a fresh torch train backend loads the checkpoint `out`/ckpt (saved by another layout: CP, EP);
+    rank 0 writes the weights it then holds to `out`/resumed.safetensors (the parallel tests' spawned ranks)."""
+    from safetensors.torch import save_file  # the spawned ranks import this module; keep its top light
+
+    from rlflow.engines.core.config import AlgorithmConfig, TrainConfig
+    from rlflow.engines.train.torch_backend import TorchTrainBackend
+
+    resumed = TorchTrainBackend(model_dir, TrainConfig(threads=1, mini_batches=1), AlgorithmConfig(), rank=rank,
+                                world_size=world, dist_url=url)
+    resumed.load(f"{out}/ckpt")
+    weights = dict(resumed.named_tensors())
+    if rank == 0:
+        save_file({n: t.contiguous() for n, t in weights.items()}, f"{out}/resumed.safetensors")
+
+
 def small_recipe(tmp_path, **sections) -> dict:
     """A fast sort recipe writing everything under tmp_path; sections override (shallowly merged)."""
     raw = {

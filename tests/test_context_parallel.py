@@ -18,7 +18,7 @@ from rlflow.engines.core.batch import pack_samples, shard_for_workers
 from rlflow.engines.core.config import AlgorithmConfig, RLConfig, TrainConfig, config_from_dict
 from rlflow.engines.train.context_parallel import check_lengths
 from rlflow.engines.train.torch_backend import TorchTrainBackend
-from tests.conftest import small_recipe
+from tests.conftest import resume_one_rank_and_export, small_recipe
 
 VOCAB = 40
 # prompt + response lengths: 14, 9, 41, 6, 23, 12, 17, 8 tokens. At 32 tokens per rank a CP=2 micro-batch holds up
@@ -89,12 +89,7 @@ def cp_worker(rank: int, world: int, url: str, model_dir: str, out: str, size: i
             Path(out, f"too_long.rank{rank}.json").write_text(json.dumps(too_long))
             backend.cfg = backend.cfg.model_copy(update={"micro_batch_tokens": 64 // cp})
             backend.save(f"{out}/ckpt")
-    resumed = TorchTrainBackend(model_dir, TrainConfig(threads=1, mini_batches=1), AlgorithmConfig(), rank=rank,
-                                world_size=world, dist_url=url)
-    resumed.load(f"{out}/ckpt")
-    weights = dict(resumed.named_tensors())
-    if rank == 0:
-        save_file({n: t.contiguous() for n, t in weights.items()}, f"{out}/resumed.safetensors")
+    resume_one_rank_and_export(model_dir, out, rank, world, url)
 
 
 @pytest.mark.parametrize(("arch", "world", "size"),

@@ -224,6 +224,8 @@ def test_python_tool_loop_runs_tool_calls_in_the_sandbox(tmp_path):
     observation is what the sandbox prints for it, and "R"), observations are masked out, the reward is the env's
     score of the answer, and the step trains."""
     cfg = _tool_recipe(tmp_path)
+    with SandboxPool() as pool:  # the sandbox runs Python here at all (a broken one would fail every call alike)
+        assert pool.run_python("print(6 * 7)").stdout == b"42\n"
     prepare_data(cfg)
     session = RLSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
     tok = session.tokenizer
@@ -247,6 +249,7 @@ def test_python_tool_loop_runs_tool_calls_in_the_sandbox(tmp_path):
                     calls += 1
                     with SandboxPool() as pool:
                         res = pool.run_python(f"print({call[:-1]})")
+                    assert res.ok or b"Error" in res.stderr, res  # the code ran: a result, or Python's own error
                     printed = res.stdout.decode().strip()[:8] if res.ok else ""
                     assert tok.decode(ids) == "".join(c for c in printed if c.isdigit()) + "R"
                 answer = model[-1]

@@ -14,6 +14,7 @@ from rlflow.engines.cluster.addresses import free_port
 from rlflow.engines.core.batch import shard_for_workers
 from rlflow.engines.core.config import AlgorithmConfig, RLConfig, TrainConfig
 from rlflow.engines.train.torch_backend import TorchTrainBackend
+from tests.conftest import resume_one_rank_and_export
 from tests.megatron_helpers import toy_batch
 
 EXPERTS = 4
@@ -39,12 +40,7 @@ def ep_worker(rank: int, world: int, url: str, model_dir: str, out: str) -> None
             save_file({n: t.contiguous() for n, t in weights.items()}, f"{out}/ep{ep}.safetensors")
         if ep == 2:
             backend.save(f"{out}/ckpt")
-    resumed = TorchTrainBackend(model_dir, TrainConfig(threads=1, mini_batches=1), AlgorithmConfig(), rank=rank,
-                                world_size=world, dist_url=url)
-    resumed.load(f"{out}/ckpt")
-    weights = dict(resumed.named_tensors())
-    if rank == 0:
-        save_file({n: t.contiguous() for n, t in weights.items()}, f"{out}/resumed.safetensors")
+    resume_one_rank_and_export(model_dir, out, rank, world, url)
 
 
 def test_ep2_scores_and_steps_as_ep1_and_its_checkpoint_resumes_at_ep1(tiny_moe_dir, tmp_path):

@@ -94,6 +94,15 @@ def build_view(spec: dict) -> None:
     minimal_dev(root + "/dev")
     mount(scratch, root + "/tmp", None, MS_BIND)
     mount(None, root + "/tmp", None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+    for keep in under_scratch(spec):  # the interpreter, where it lives under /tmp (a checkout there): bound back
+        os.makedirs(root + keep, exist_ok=True)
+        mount(keep, root + keep, None, MS_BIND | MS_REC)
+        set_attr(root + keep, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID)
+
+
+def under_scratch(spec: dict) -> list[str]:
+    """The interpreter's folders that the scratch, mounted at /tmp, would cover."""
+    return [k for k in spec["keep"] if under(k, "/tmp") and os.path.isdir(k)]
 
 
 def minimal_dev(dev: str) -> None:
@@ -233,7 +242,8 @@ def run_bwrap(spec: dict) -> None:
     inner = {**spec, "stage": "supervise"}
     args = [spec["bwrap"], "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
             "--new-session", "--uid", str(NOBODY), "--gid", str(NOBODY), "--ro-bind", spec["root"], "/",
-            "--bind", spec["scratch"], "/tmp", "--proc", "/proc",
+            "--bind", spec["scratch"], "/tmp", *(a for k in under_scratch(spec) for a in ("--ro-bind", k, k)),
+            "--proc", "/proc",
             "--dev", "/dev", "--remount-ro", "/dev",  # its own /dev/shm would be writable memory
             "--chdir", "/tmp", "--clearenv", "--", sys.executable, "-I", "-S", "-c", spec["source"], json.dumps(inner)]
     monitor = os.fork()

@@ -78,7 +78,7 @@ def _probe(backend: str) -> str | None:
         return "bubblewrap (bwrap) is not installed"
     config = SandboxConfig(backend=backend, cpu_seconds=5, wall_seconds=20)
     try:
-        result = Sandbox(config, _resolved=backend).run(["/bin/true"])
+        result = Sandbox(config, _resolved=backend).run("pass")  # this interpreter too: code runs on it
     except SandboxError as e:
         return str(e)
     return None if result.exit_code == 0 else f"a probe exited {result.exit_code}: {result.stderr[-500:]!r}"
