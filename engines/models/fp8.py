@@ -83,6 +83,7 @@ class Fp8Projections:
                 linears = [getattr(module, m) for m in members]
                 prefix = f"model.layers.{i}.{module_name}."
                 self.layers[i][group] = self._quantize(prefix, members, linears)
+        self.names = frozenset(self._by_name)  # HF names of the weights (and biases) held here; fixed from now on
 
     @torch.no_grad()
     def _quantize(self, prefix: str, members: tuple[str, ...], linears: list[torch.nn.Linear]) -> Fp8Projection:
@@ -104,11 +105,6 @@ class Fp8Projections:
                 lin.bias.data = torch.empty(0, dtype=lin.bias.dtype, device=lin.bias.device)
         self._shapes.append((proj, weight.shape, None if bias is None else bias.shape[0]))
         return proj
-
-    @property
-    def names(self) -> set[str]:
-        """HF names of the weights (and biases) held here."""
-        return set(self._by_name)
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         proj, start, stop, kind = self._by_name[name]

@@ -446,7 +446,8 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         """The weights generation uses now (all, or the named ones), HF-named, copied to the CPU: tests compare
         them across transports, and the weight-sync benchmark a few of them with the trainer's."""
         targets = self.weight_targets()
-        unknown = [n for n in names or () if n not in self.weight_names()]
+        known = self.weight_names()
+        unknown = [n for n in names or () if n not in known]
         if unknown:
             raise KeyError(f"named_tensors: unknown parameter(s) {unknown[:3]}")
         return [(n, self.fp8.read(n, self.model.dtype).cpu() if n not in targets else targets[n].detach().cpu().clone())
