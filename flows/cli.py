@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     render.set_defaults(fn=cmd_trace_render)
     data = sub.add_parser("data", help="built-in datasets").add_subparsers(dest="data_command", required=True)
     make = data.add_parser("make", help="write a built-in verifiable task as train/eval files")
-    make.add_argument("--task", choices=["sort", "reverse", "add", "mul"], required=True)
+    make.add_argument("--task", choices=["sort", "reverse", "add", "mul", "count"], required=True)
     make.add_argument("--num-digits", type=int, default=4)
     make.add_argument("--num-train", type=int, default=20000)
     make.add_argument("--num-eval", type=int, default=256)

@@ -4,17 +4,30 @@ answers rather than the embedded server's. It generates nothing: /generate retur
 
 It takes launch_server's flags the worker passes (--model-path, --host, --port, --api-key, and ignores the rest);
 `--legacy-info` makes it a server older than /server_info and /model_info (404; only the deprecated /get_* names).
+
+With a vision-language model (Qwen2-VL) it does to a request's images what sglang 0.5.10.post1 does before its model
+runs, and refuses what SGLang would fail on: `image_data` read per request as GenerateReqInput normalizes it, each
+image loaded as `load_image` loads a string, the prompt's image spans expanded as its Qwen-VL processor expands them
+(one pad per image in, the expanded length back in meta_info.prompt_tokens), and weight updates named as the
+checkpoint on disk, the names SGLang's Qwen2-VL modules have (docs/multimodal.md, "SGLang", has the source lines).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
+import io
 import json
 from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from PIL import Image
+from safetensors import safe_open
+
+from rlflow.engines.models.vision_language import VisionProcessor, is_vision_language
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
 
@@ -23,10 +36,72 @@ def fixture(name: str):
     return json.loads((FIXTURES / name).read_text())
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif")  # utils/common.py image_extension_names
+
+
+def image_lists(body: dict) -> list[list]:
+    """Each request's images, as GenerateReqInput reads a body's image_data (io_struct.py:423-462; a single request's
+    list is its images, tokenizer_manager.py:707-708): batched, a list as long as the batch whose entries are lists
+    when the first one is (None or [None]: no images), and otherwise one image each."""
+    data, ids = body.get("image_data"), body["input_ids"]
+    if isinstance(ids[0], int):
+        return [[] if data is None else data if isinstance(data, list) else [data]]
+    if data is None or data == []:
+        return [[] for _ in ids]
+    if not isinstance(data, list):
+        return [[data] for _ in ids]
+    if len(data) != len(ids):
+        raise ValueError("The length of image_data should be equal to the batch size.")
+    if isinstance(data[0], list):
+        return [[] if d is None or d == [None] else d for d in data]
+    return [[] if d is None else [d] for d in data]
+
+
+def load_image(data) -> Image.Image:
+    """An image as SGLang's load_image (utils/common.py:809-847) reads a string: a data URI or bare base64 (decoded
+    with validation), a file path or file:// URL (no http(s) here: the stand-in fetches nothing)."""
+    if not isinstance(data, str) or data.startswith(("http://", "https://")):
+        raise ValueError(f"Invalid image: {str(data)[:80]}")
+    if data.startswith("file://") or data.lower().endswith(IMAGE_SUFFIXES):
+        return Image.open(data.removeprefix("file://")).convert("RGB")
+    try:
+        raw = base64.b64decode(data.split(",", 1)[1] if data.startswith("data:") else data, validate=True)
+    except (binascii.Error, ValueError, IndexError) as e:
+        raise ValueError(f"Error while loading data {data[:80]}: {e}") from None
+    return Image.open(io.BytesIO(raw)).convert("RGB")
+
+
+def expanded_length(ids: list[int], images: list, vision: VisionProcessor) -> int:
+    """The prompt's length once SGLang's Qwen-VL processor expanded its images. Its image spans
+    (<|vision_start|><|image_pad|>+<|vision_end|>, multimodal/processors/qwen_vl.py:273-279) must number the
+    images, and each must hold one pad: transformers 5.3.0's Qwen2VLProcessor (processing_qwen2_vl.py:103-111), which
+    SGLang runs on the decoded prompt, expands every pad with the next image's grid, so an expanded span's pads run
+    past the images (torch's IndexError)."""
+    pad = vision.image_token_id
+    runs = sum(1 for i, t in enumerate(ids) if t == pad and (i == 0 or ids[i - 1] != pad))
+    if runs != len(images):
+        raise ValueError(f"{runs} image spans in input_ids for {len(images)} images in image_data")
+    if ids.count(pad) != runs:
+        raise ValueError(f"index {len(images)} is out of bounds for dimension 0 with size {len(images)}")
+    return len(vision.expand(ids, vision.grids([load_image(x) for x in images])))
+
+
+def checkpoint_names(model_path: str) -> set[str]:
+    """The tensor names of the checkpoint SGLang loaded at launch: its Qwen2-VL parameters' names
+    (models/qwen2_vl.py:458-478), the only ones its load_weights takes (573-614, a KeyError otherwise)."""
+    names: set[str] = set()
+    for path in Path(model_path).glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            names |= set(f.keys())
+    return names
+
+
 def build_app(model_path: str, legacy_info: bool) -> FastAPI:
     app = FastAPI()
     items = fixture("generate_batch.json")
     state = {"weight_version": "default", "model_path": model_path}
+    vision = VisionProcessor(model_path) if is_vision_language(model_path) else None
+    known = checkpoint_names(model_path) if vision is not None else None
 
     @app.get("/health")
     async def health():
@@ -36,9 +111,17 @@ def build_app(model_path: str, legacy_info: bool) -> FastAPI:
     async def generate(request: Request):
         body = await request.json()
         ids = body["input_ids"]
-        if isinstance(ids[0], int):
-            return items[0]
-        return [items[i % len(items)] for i in range(len(ids))]
+        single = isinstance(ids[0], int)
+        answers = [items[0]] if single else [items[i % len(items)] for i in range(len(ids))]
+        if vision is not None and "image_data" in body:
+            try:
+                lengths = [expanded_length(p, images, vision) for p, images in
+                           zip([ids] if single else ids, image_lists(body), strict=True)]
+            except (ValueError, OSError) as e:
+                return JSONResponse({"error": {"message": str(e)}}, status_code=400)
+            answers = [a | {"meta_info": a["meta_info"] | {"prompt_tokens": n}}
+                       for a, n in zip(answers, lengths, strict=True)]
+        return answers[0] if single else answers
 
     def model_info():
         return fixture("model_info.json") | state
@@ -56,8 +139,23 @@ def build_app(model_path: str, legacy_info: bool) -> FastAPI:
         body = await request.json()
         if not Path(body["model_path"]).is_dir():
             return JSONResponse(fixture("update_weights_failed.json"), status_code=400)
+        unknown = sorted(checkpoint_names(body["model_path"]) - known) if known is not None else []
+        if unknown:
+            return JSONResponse({"success": False, "message": f"Failed to update weights: {unknown[0]!r}.\n"
+                                 "Rolling back to original weights."}, status_code=400)
         state.update(model_path=body["model_path"], weight_version=body.get("weight_version") or "default")
         return fixture("update_weights_from_disk.json")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        """The names are checked as SGLang's load_weights takes them; nothing is broadcast to the stand-in."""
+        body = await request.json()
+        unknown = sorted(set(body["names"]) - known) if known is not None else []
+        if unknown:
+            return JSONResponse({"success": False, "message": f"Failed to update parameter online: {unknown[0]!r}"},
+                                status_code=400)
+        state["weight_version"] = body.get("weight_version") or state["weight_version"]
+        return {"success": True, "message": "Succeeded to update parameter online."}
 
     flushes: list[int] = []  # /flush_cache calls, reported by /get_flushes (the tests' own route, not SGLang's)
 

@@ -151,6 +151,44 @@ def test_e2e_summary_keeps_a_cut_off_modes_steps_and_states_the_steady_one_step_
     assert summarize(steps[:1], "disagg2x2-sync", 2, 4)["error"] == "no step after the first finished"
 
 
+def test_long_tail_workload_draws_capped_lognormal_lengths_and_the_best_async_mode_is_compared_per_gpu():
+    """The long-tail workload (issue 45 item 7): lengths from the prompt's seed (every mode generates the same),
+    a median near 3,000, a tail that reaches the cap, nothing below 64; the report compares the best async mode
+    with the best sync one on steady tokens/s/GPU."""
+    import asyncio
+
+    from bench.e2e import workload
+    from bench.e2e.grpo import best_async_vs_sync
+
+    sent: list[int] = []
+
+    async def fake_generate(url, ids, params):  # records the length asked for; no engine needed for the draw
+        sent.append(params["max_new_tokens"])
+        return {"output_ids": [], "text": "", "meta_info": {"finish_reason": {"type": "length"}}}
+
+    prompt = workload.PromptSample(index=0, prompt="", label="", prompt_ids=[], n=2000, seed=7,
+                                   tokenizer=list(range(100)))
+    original = workload.generate
+    workload.generate = fake_generate
+    try:
+        samples = asyncio.run(workload.long_tail(prompt, "http://unused", {"max_new_tokens": 28672}))
+        first = list(sent)
+        sent.clear()
+        asyncio.run(workload.long_tail(prompt, "http://unused", {"max_new_tokens": 28672}))
+    finally:
+        workload.generate = original
+    assert first == sent and len(first) == len(samples) == 2000
+    lengths = sorted(first)
+    assert 2400 < lengths[1000] < 3600 and lengths[0] >= 64
+    assert max(lengths) == 28672 and 0.002 < sum(n == 28672 for n in lengths) / 2000 < 0.03
+    modes = [{"mode": "colocated4-sync", "staleness_max": 0, "steady_tokens_per_s_per_gpu": 100.0},
+             {"mode": "disagg2x2-sync", "staleness_max": 0, "steady_tokens_per_s_per_gpu": 120.0},
+             {"mode": "disagg1x3-k2", "staleness_max": 2, "steady_tokens_per_s_per_gpu": 300.0},
+             {"mode": "disagg2x2-k1", "staleness_max": 1, "steady_tokens_per_s_per_gpu": 200.0}]
+    assert best_async_vs_sync(modes) == {"best_sync": "disagg2x2-sync", "best_async": "disagg1x3-k2",
+                                         "best_async_vs_best_sync": 2.5}
+
+
 @pytest.mark.slow
 def test_e2e_grpo_smoke_runs_the_cpu_modes(tmp_path):
     """bench/e2e/grpo.py end to end on the CPU (Ray actors, the nccl transport over gloo): each step trains the

@@ -75,6 +75,16 @@ MODES = {  # name: (GPUs, recipe overrides)
     **{f"colocated{n}-sync": (n, ["cluster.colocate=true", "weight_sync.transport=cuda_ipc",
                                   "train.offload_during_rollout=true", f"train.num_workers={n}",
                                   f"rollout.num_workers={n}"]) for n in (2, 4)},
+    # the long-tail workload's asynchronous layouts (issue 45 item 7): generation is most of the work, so three
+    # engines and one train rank; k >= 2 lets a long generation continue across weight updates (partial rollouts)
+    **{f"disagg1x3-k{k}": (4, ["train.num_workers=1", "rollout.num_workers=3", "weight_sync.transport=distributed",
+                               "weight_sync.bucket_mb=1024", f"rollout.max_staleness={k}",
+                               *(["algorithm.is_correction=tis"] if k >= 2 else [])]) for k in (1, 2, 4)},
+    "disagg2x2-k2": (4, [*_TWO_BY_TWO, "rollout.max_staleness=2", "algorithm.is_correction=tis"]),
+}
+WORKLOADS = {  # --workload: the rollout function and the response cap (GPU, smoke)
+    "uniform": ("bench.e2e.workload:fixed_lengths", 1792, 8),
+    "long-tail": ("bench.e2e.workload:long_tail", 28672, 16),
 }
 
 
@@ -86,14 +96,14 @@ def build_workload_model(shape: str, out: Path) -> Path:
 
 
 def workload_overrides(work: Path, model: Path, mode: str, prompts: int, steps: int, device: str,
-                       max_new_tokens: int) -> list[str]:
+                       max_new_tokens: int, rollout_fn: str = WORKLOADS["uniform"][0]) -> list[str]:
     """The demo recipe's changes that make it the workload: the model, the rollout function, the batch, one optimizer
     step, the mode's placement (also `rlflow run deployments/sort-tiny.yaml --set ...`'s, bench/e2e/fault.py)."""
     _, placement = MODES[mode]
     return [
         f"name=e2e-{mode}", f"model.path={model}", f"data.train_path={work}/train.jsonl",
         f"data.eval_path={work}/eval.jsonl", f"storage.uri=file://{work}/runs",
-        "rollout.fn=bench.e2e.workload:fixed_lengths", f"rollout.prompts_per_step={prompts}",
+        f"rollout.fn={rollout_fn}", f"rollout.prompts_per_step={prompts}",
         f"rollout.samples_per_prompt={SAMPLES_PER_PROMPT}", f"rollout.max_new_tokens={max_new_tokens}",
         f"train.device={device}", f"rollout.device={device}", "train.precision=bf16", "rollout.precision=bf16",
         "train.micro_batch_tokens=8192", "train.activation_checkpointing=true", "train.mini_batches=1",
@@ -103,17 +113,19 @@ def workload_overrides(work: Path, model: Path, mode: str, prompts: int, steps: 
 
 
 def recipe(work: Path, model: Path, mode: str, prompts: int, steps: int, device: str, max_new_tokens: int,
-           extra: list[str] = ()) -> RLConfig:
+           extra: list[str] = (), rollout_fn: str = WORKLOADS["uniform"][0]) -> RLConfig:
     """The workload's recipe; `extra` overrides come last (--set)."""
     return load_recipe("deployments/sort-tiny.yaml", [
-        *workload_overrides(work, model, mode, prompts, steps, device, max_new_tokens), *extra])
+        *workload_overrides(work, model, mode, prompts, steps, device, max_new_tokens, rollout_fn), *extra])
 
 
-def run_mode(shape: str, mode: str, prompts: int, steps: int, model: Path, extra: list[str]) -> dict:
+def run_mode(shape: str, mode: str, prompts: int, steps: int, model: Path, extra: list[str],
+             workload: str = "uniform") -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"rlflow-e2e-{mode}-"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    max_new = 1792 if shape != "smoke" else 8
-    history = run_bare(recipe(work, model, mode, prompts, steps, device, max_new, extra), str(work),
+    rollout_fn, cap, smoke_cap = WORKLOADS[workload]
+    max_new = cap if shape != "smoke" else smoke_cap
+    history = run_bare(recipe(work, model, mode, prompts, steps, device, max_new, extra, rollout_fn), str(work),
                        log=lambda line: print(line, flush=True), use_ray=True)
     return summarize(history, mode, prompts, gpus=MODES[mode][0] if device == "cuda" else 0)
 
@@ -176,18 +188,21 @@ def main() -> None:
     harness.add_smoke(ap)
     ap.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY.PATH=VALUE",
                     help="a recipe change for every mode, after the mode's own (e.g. rollout.compile=true)")
+    ap.add_argument("--workload", default="uniform", choices=list(WORKLOADS),
+                    help="response lengths: uniform 64-1,792, or long-tail (lognormal, median 3,000, cap 28,672)")
     ap.add_argument("--out", default="e2e_grpo.json")
     ap.add_argument("--child", nargs="*")
     a = ap.parse_args()
     if a.child is not None:
         shape, mode, model = a.child
-        result = run_mode(shape, mode, a.prompts, a.steps, Path(model), a.overrides)
+        result = run_mode(shape, mode, a.prompts, a.steps, Path(model), a.overrides, a.workload)
         harness.emit_result(result)
         return
     shape = "smoke" if a.smoke else a.shape
     gpus = torch.cuda.device_count()
     report = harness.report_header(__spec__.name, None) | {
-              "shape": shape, "prompts": a.prompts, "steps": a.steps, "overrides": a.overrides, "modes": []}
+              "shape": shape, "workload": a.workload, "prompts": a.prompts, "steps": a.steps,
+              "overrides": a.overrides, "modes": []}
     model = build_workload_model(shape, Path(tempfile.mkdtemp(prefix="rlflow-e2e-model-")))  # one for every mode
     sets = [arg for o in a.overrides for arg in ("--set", o)]
     for mode in a.modes.split(","):
@@ -196,7 +211,8 @@ def main() -> None:
             report["modes"].append({"mode": mode, "skipped": f"needs {needs} GPU(s), {gpus} here"})
             continue
         r = harness.run_child(["-m", __spec__.name, "--child", shape, mode, str(model), "--prompts", str(a.prompts),
-                               "--steps", str(a.steps), *sets], a.timeout, echo=True, keep_output=True)
+                               "--steps", str(a.steps), "--workload", a.workload, *sets], a.timeout, echo=True,
+                              keep_output=True)
         output = r.pop("output", "")
         if "error" in r and len(steps := logged_steps(output)) >= 2:  # cut off: keep the steps it finished
             r |= summarize(steps, mode, a.prompts, needs if gpus else 0, finished=False) | {"partial": r.pop("error")}
@@ -213,7 +229,23 @@ def main() -> None:
                 name = f"{mode}_vs_{sync.replace('-', '_')}"
                 report[f"speedup_{name}"] = done[sync]["step_s"] / done[mode]["step_s"]
                 report[f"steady_speedup_{name}"] = done[sync]["steady_step_s"] / done[mode]["steady_step_s"]
+    report |= best_async_vs_sync(list(done.values()))
     harness.write_json(a.out, report)
+
+
+def best_async_vs_sync(done: list[dict]) -> dict:
+    """Issue 45's comparison: the best asynchronous mode's steady tokens/s/GPU over the best synchronous one's,
+    each the best of the modes that ran (whatever their GPU count: the unit is per GPU)."""
+    def best(modes: list[dict]) -> dict | None:
+        rated = [m for m in modes if m.get("steady_tokens_per_s_per_gpu")]
+        return max(rated, key=lambda m: m["steady_tokens_per_s_per_gpu"]) if rated else None
+
+    sync = best([m for m in done if not m.get("staleness_max")])
+    async_ = best([m for m in done if m.get("staleness_max")])
+    if not (sync and async_):
+        return {}
+    return {"best_sync": sync["mode"], "best_async": async_["mode"],
+            "best_async_vs_best_sync": async_["steady_tokens_per_s_per_gpu"] / sync["steady_tokens_per_s_per_gpu"]}
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ tokens), each with its fraction of the limit, its preemptions and (unless --skip
 pages plus 8 responses'.
 
 `--long-context` runs `--long-batch` sequences from a `--prompt-len` prompt to the model's 32,768 positions
-(`--long-context-len`; smoke: a 4,480-token prompt to 4,608).
+(`--long-context-len`; smoke: a 4,480-token prompt to 4,608); `--max-positions` gives the model more (65,536: 64k).
 
 `--smoke` runs a tiny model on the CPU to check the script itself (sweeps scaled down).
 """
@@ -67,12 +67,12 @@ SHAPES = {
 }
 
 
-def build_model(size: str, out: Path, device: str) -> Path:
+def build_model(size: str, out: Path, device: str, max_positions: int = MAX_POSITIONS) -> Path:
     """Random Qwen2 (or, with arch qwen3_moe, Qwen3-MoE) of `size` in bf16 (HF directory) with the char tokenizer
-    beside it."""
+    beside it; `max_positions`: its max_position_embeddings."""
     shape = dict(SHAPES[size])
     config_class = Qwen3MoeConfig if shape.pop("arch", "qwen2") == "qwen3_moe" else Qwen2Config
-    cfg = config_class(**{"tie_word_embeddings": True, "rope_theta": 1e6, "max_position_embeddings": MAX_POSITIONS,
+    cfg = config_class(**{"tie_word_embeddings": True, "rope_theta": 1e6, "max_position_embeddings": max_positions,
                           **shape})
     torch.manual_seed(0)
     with torch.device(device):
@@ -331,7 +331,10 @@ def main() -> None:
     ap.add_argument("--long-context", action="store_true",
                     help="also run --long-batch sequences to --long-context-len tokens (prompt --prompt-len)")
     ap.add_argument("--long-batch", type=int, default=None, help="default 8 (smoke: 2)")
-    ap.add_argument("--long-context-len", type=int, default=None, help=f"default {MAX_POSITIONS} (smoke: 4608)")
+    ap.add_argument("--long-context-len", type=int, default=None,
+                    help="default --max-positions (smoke: 4608)")
+    ap.add_argument("--max-positions", type=int, default=MAX_POSITIONS,
+                    help=f"the bench model's max_position_embeddings (default {MAX_POSITIONS}, Qwen2's own)")
     ap.add_argument("--long-prompt-len", type=int, default=None, help="default --prompt-len (smoke: 4480)")
     ap.add_argument("--only-extras", action="store_true", help="skip the main timing; run --sweep/--shared-prefix")
     ap.add_argument("--compile", action="store_true", help="rollout.compile: torch.compile the decode step")
@@ -348,12 +351,12 @@ def main() -> None:
     args.sweep_new_tokens = args.sweep_new_tokens or ([8, 32] if smoke else [1024, 8192])
     args.group_new_tokens = args.group_new_tokens or (64 if smoke else 1024)
     args.long_batch = args.long_batch or (2 if smoke else 8)
-    args.long_context_len = args.long_context_len or (4608 if smoke else MAX_POSITIONS)
+    args.long_context_len = args.long_context_len or (4608 if smoke else args.max_positions)
     args.long_prompt_len = args.long_prompt_len or (4480 if smoke else None)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work = Path(tempfile.mkdtemp(prefix="rlflow-rollout-"))
-    path = build_model(args.size, work / "model", device)
+    path = build_model(args.size, work / "model", device, args.max_positions)
     g = torch.Generator().manual_seed(0)
     vocab = SHAPES[args.size]["vocab_size"]
     prompts = torch.randint(3, vocab, (args.batch, args.prompt_len), generator=g).tolist()
@@ -390,7 +393,7 @@ def main() -> None:
                          compile=args.compile)
         ours.pop("sample")
         result["long_context"] = {"batch": args.long_batch, "prompt_len": prompt_len, "new_tokens": new,
-                                  "context": prompt_len + new, **ours}
+                                  "context": prompt_len + new, "max_positions": args.max_positions, **ours}
         print(f"long context: {args.long_batch} x {prompt_len} + {new} tokens, {ours['tokens_per_s']:.0f} "
               f"tokens/s, preemptions {ours['kv']['num_preemptions']}", flush=True)
         save()

@@ -13,7 +13,9 @@ layout: ref_logprobs, rollout_logprobs (the train engine's become old_logprobs),
 `teacher_logprobs` (on-policy distillation: the teacher's log-probabilities of the student's sampled tokens, from
 the teacher stage; TEACHER_LOGPROBS), or for the top-k losses `teacher_topk_ids` and `teacher_topk_logprobs`
 ([N, L, k]: a trailing dimension that micro-batching keeps). They are recomputed from the persisted samples on
-resume, never stored.
+resume, never stored. A vision-language batch's `image_ids` ([N, max images, 32] uint8, IMAGE_IDS) are the raw
+sha256 digests of each sample's images (the run store's keys), all zero where a sample has fewer: the train
+workers read the images by digest, so no pixels travel with the batch.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ TrainBatch = dict[str, torch.Tensor]
 TEACHER_LOGPROBS = "teacher_logprobs"  # the distillation teacher's column of a TrainBatch
 # ... and with distill.loss forward_kl / jsd its top-k at each position, [N, L, k] each
 TEACHER_TOPK_IDS, TEACHER_TOPK_LOGPROBS = "teacher_topk_ids", "teacher_topk_logprobs"
+IMAGE_IDS = "image_ids"  # vision-language: each sample's image digests, uint8 [N, max images, 32]
+DIGEST_BYTES = 32  # a sha256 digest
 
 # one row per sample; `response` and `reward` are null until the reward stage has run
 ROLLOUT_SCHEMA = pa.schema([
@@ -54,6 +58,7 @@ ROLLOUT_SCHEMA = pa.schema([
     # routing replay r3: the experts of each token fed to the rollout model, [tokens, routing_width] flat (the
     # width, MoE layers x k, in the schema metadata); null: not recorded
     ("routed_experts", pa.list_(pa.int16())),
+    ("images", pa.list_(pa.string())),  # vision-language: the prompt's image digests (sha256 hex); empty for text
 ])
 ROUTED_EXPERTS = "routed_experts"  # the TrainBatch column: [N, L, MoE layers x k] int16, -1 where not recorded
 ROUTING_WIDTH = "routing_width"  # RolloutBatch.metadata: ids a token's record holds
@@ -61,7 +66,8 @@ _TOKEN_FIELDS = ("output_ids", "output_logprobs", "loss_mask")  # flat over all 
 
 
 class PromptLike(Protocol):
-    """What `RolloutBatch.from_samples` reads of a prompt (rollout.functions.PromptSample is one)."""
+    """What `RolloutBatch.from_samples` reads of a prompt (rollout.functions.PromptSample is one); also, when the
+    prompt has them, `images`: its image digests (read with getattr, so a prompt without the field is text)."""
 
     prompt: str
     label: Any
@@ -111,6 +117,9 @@ class RolloutBatch:
     # routing replay r3: per sample, int16 [tokens, metadata routing_width] (tokens: those fed to the rollout model,
     # prompt first; at most prompt + response), or None where not recorded; None: nothing recorded
     routed_experts: list[np.ndarray | None] | None = None
+    # vision-language: per sample, its prompt's image digests (sha256 hex) in prompt order, [] for a text sample;
+    # None: a batch without images
+    images: list[list[str]] | None = None
 
     def __post_init__(self) -> None:
         if self.last_weight_version is None:
@@ -150,6 +159,7 @@ class RolloutBatch:
             baseline=np.array([bool(s.metadata.get("remax_baseline")) for s in samples], dtype=bool),
             routed_experts=routed,
             metadata={ROUTING_WIDTH: str(routing_width)} if routed is not None else {},
+            images=_image_lists([list(getattr(p, "images", None) or []) for _, p, _ in pairs]),
         )
 
     # ---- views -------------------------------------------------------------------------------------------
@@ -208,6 +218,7 @@ class RolloutBatch:
             reward=None if self.reward is None else self.reward[idx],
             metadata=dict(self.metadata),
             routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in pick],
+            images=None if self.images is None else [self.images[i] for i in pick],
         )
 
     # ---- stages ------------------------------------------------------------------------------------------
@@ -220,7 +231,7 @@ class RolloutBatch:
 
     def to_train_batch(self, pad_id: int, advantages: torch.Tensor) -> TrainBatch:
         """The samples packed for the train workers (the one place a RolloutBatch becomes a TrainBatch); with
-        recorded routing, its ROUTED_EXPERTS column too."""
+        recorded routing, its ROUTED_EXPERTS column too; with images, IMAGE_IDS."""
         batch = pack_samples(self.prompt_ids, self.split("output_ids"), self.split("output_logprobs"), advantages,
                              pad_id, self.split("loss_mask"))
         if self.routed_experts is not None:
@@ -230,6 +241,8 @@ class RolloutBatch:
                 if rec is not None:
                     routed[i, :len(rec)] = torch.tensor(rec)  # (an Arrow-backed record is read-only)
             batch[ROUTED_EXPERTS] = routed
+        if self.images is not None:
+            batch[IMAGE_IDS] = image_ids(self.images)
         return batch
 
     def metrics(self) -> dict[str, float]:
@@ -271,6 +284,7 @@ class RolloutBatch:
             "reward": pa.array(self.reward if scored else [None] * len(self), type=pa.float64()),
             "routed_experts": pa.array([None if r is None else r.reshape(-1) for r in (
                 self.routed_experts or [None] * len(self))], type=pa.list_(pa.int16())),
+            "images": pa.array(self.images or [[] for _ in range(len(self))], type=pa.list_(pa.string())),
         }, schema=ROLLOUT_SCHEMA.with_metadata(meta or None))
 
     @classmethod
@@ -313,7 +327,36 @@ class RolloutBatch:
             reward=np.array(reward, dtype=np.float64) if scored else None,
             metadata=meta,
             routed_experts=_routing_column(table, meta),
+            images=_image_lists([d or [] for d in column("images", [[]] * n)]),
         )
+
+
+def _image_lists(images: list[list[str]]) -> list[list[str]] | None:
+    """Per-sample image digests, each checked to be a sha256 hex digest; None when no sample has an image."""
+    if not any(images):
+        return None
+    for i, digests in enumerate(images):
+        for d in digests:
+            if len(d) != 2 * DIGEST_BYTES or any(c not in "0123456789abcdef" for c in d):
+                raise ValueError(f"images of sample {i}: {d!r} is not a sha256 hex digest (64 lowercase hex "
+                                 "characters, the run store's image key)")
+    return [list(d) for d in images]
+
+
+def image_ids(images: Sequence[Sequence[str]]) -> torch.Tensor:
+    """The IMAGE_IDS column: uint8 [N, max images, 32], sample i's j-th digest at [i, j], zero rows after its last."""
+    width = max((len(d) for d in images), default=0)
+    out = np.zeros((len(images), width, DIGEST_BYTES), dtype=np.uint8)
+    for i, digests in enumerate(images):
+        for j, d in enumerate(digests):
+            out[i, j] = np.frombuffer(bytes.fromhex(d), dtype=np.uint8)
+    return torch.from_numpy(out)
+
+
+def image_digests(ids: torch.Tensor) -> list[list[str]]:
+    """IMAGE_IDS rows back to hex digests, all-zero rows (no image) left out: what a train worker reads images by."""
+    rows = ids.to(torch.uint8).cpu().numpy()
+    return [[bytes(d).hex() for d in row if d.any()] for row in rows]
 
 
 def _routing_records(records: list[np.ndarray | None], prompt_ids: list[list[int]], lengths: np.ndarray,

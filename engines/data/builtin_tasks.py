@@ -1,7 +1,8 @@
 """Built-in verifiable tasks (sort, reverse, add), small enough for a tiny character-level model on CPU.
 
 Prompts use only the characters "0123456789+=SR", the whole vocabulary of the built-in tokenizer; mul's prompts also
-"*" (model.extra_chars: "*"), and it is solved with a python tool (engines/env/python_tool.py).
+"*" (model.extra_chars: "*"), and it is solved with a python tool (engines/env/python_tool.py); count's are a
+picture and "=" (engines/data/visual_tasks.py: count the red squares; a vision-language model, parquet files).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlflow.engines.core.config import BuiltinTaskConfig
+from rlflow.engines.data.visual_tasks import count_example, picture_key
 
-TASKS = ("sort", "reverse", "add", "mul")
+TASKS = ("sort", "reverse", "add", "mul", "count")
 
 
 def _digits(rng: random.Random, n: int) -> str:
@@ -39,6 +41,8 @@ def _example(task: str, num_digits: int, rng: random.Random) -> dict:
         low = 10 ** (num_digits - 1) if num_digits > 1 else 0
         a, b = rng.randrange(low, 10**num_digits), rng.randrange(low, 10**num_digits)
         return {"prompt": f"{a}*{b}=", "label": str(a * b)}
+    if task == "count":  # num_digits: the largest count of red squares
+        return count_example(num_digits, rng)
     raise ValueError(f"unknown built-in task {task!r}; expected one of {', '.join(TASKS)}")
 
 
@@ -55,6 +59,8 @@ def num_distinct_prompts(task: str, num_digits: int) -> int:
     """Size of the prompt space, so split sizes that cannot be disjoint are refused rather than looping."""
     if task == "mul":
         return (10**num_digits - (10 ** (num_digits - 1) if num_digits > 1 else 0)) ** 2
+    if task == "count":  # pictures: placements, sizes and offsets of the squares
+        return 10**12
     return 10 ** (2 * num_digits) if task == "add" else 10**num_digits
 
 
@@ -73,16 +79,17 @@ def split_examples(cfg: BuiltinTaskConfig) -> tuple[list[dict], list[dict]]:
             f"with num_digits={cfg.num_digits}, leaving too few for a disjoint train split; lower num_eval or raise "
             "num_digits"
         )
-    held_out: dict[str, dict] = {}
+    key = picture_key if cfg.task == "count" else (lambda ex: ex["prompt"])
+    held_out: dict[str | bytes, dict] = {}
     for ex in _stream(cfg.task, cfg.num_digits, random.Random(f"{cfg.seed}/eval")):
-        held_out.setdefault(ex["prompt"], ex)
+        held_out.setdefault(key(ex), ex)
         if len(held_out) == cfg.num_eval:
             break
     train: list[dict] = []
     for ex in _stream(cfg.task, cfg.num_digits, random.Random(f"{cfg.seed}/train")):
         if len(train) == cfg.num_train:
             break
-        if ex["prompt"] not in held_out:
+        if key(ex) not in held_out:
             train.append(ex)
     return train, list(held_out.values())
 
@@ -118,6 +125,9 @@ def write_task_files(
 
     sft_path gets the train split as SFT pairs: each prompt with its correct answer as "response" (sft_pairs)."""
     paths = [Path(p).resolve() for p in (train_path, eval_path, sft_path) if p is not None]
+    if cfg.task == "count" and any(p.suffix != ".parquet" for p in paths):
+        raise ValueError(f"data.generate: task count writes its pictures as bytes in parquet rows; name .parquet "
+                         f"files, got {', '.join(str(p) for p in paths)}")
     if len(set(paths)) < len(paths):
         raise ValueError(f"data: the train, eval and SFT files must differ: {train_path}, {eval_path}, {sft_path}")
     train, held_out = split_examples(cfg)
@@ -135,6 +145,8 @@ def sft_pairs(task: str, row: dict) -> list[dict]:
     call; "37*12=37*12=444R" -> "444"), so the tool's output is context, never a target, as in RL's loss mask.
     (The EOS SFT adds after a tool call is never sampled: "=" stops the turn.)"""
     prompt, label = row["prompt"], row["label"]
+    if task == "count":
+        return [{"prompt": prompt, "response": label, "images": row["images"]}]
     if task == "mul":
         return [{"prompt": prompt, "response": prompt}, {"prompt": f"{prompt}{prompt}{label}R", "response": label}]
     return [{"prompt": prompt, "response": label}]

@@ -5,6 +5,7 @@ s3://, with `storage_options`): it converts a file once to a memory-mapped Arrow
 are read from it when a step takes them, so a large file never sits in memory as Python objects. Rows come in
 the formats verl and TRL users have (docs/data.md): plain `prompt`/`label`; verl's `prompt` as chat messages
 with `reward_model.ground_truth`, `data_source`, `extra_info`; TRL's `prompt`/`completion` and `messages`.
+Vision-language rows add verl's `images` or TRL's `image`/`images` (engines/data/images.py reads them).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import fsspec
 import numpy as np
 import pyarrow.parquet as pq
+
+from rlflow.engines.data.images import DEFAULT_MAX_PIXELS, IMAGE_COLUMNS, ImageError, ImageReader, check_placeholders
 
 JSON_SUFFIXES, PARQUET_SUFFIXES = (".jsonl", ".json"), (".parquet",)
 # where a label is found when `label_key` is left at "label" and the row has none: verl's ground truth, TRL's
@@ -43,28 +46,52 @@ def _get(obj: dict, key: str) -> Any:
 
 
 def _messages(value: Any, field: str) -> list[dict]:
-    """Chat messages as [{"role", "content"}, ...]; the nulls a column union adds to each message are dropped."""
+    """Chat messages as [{"role", "content"}, ...]; the nulls a column union adds to each message are dropped.
+    A content is a string, or (TRL's vision rows) a list of {"type": "text", "text"} and {"type": "image"} parts."""
     out = []
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _RowError(f'"{field}" item {i} must be a chat message {{"role": str, "content": str}}, got {m!r}')
-        out.append({k: v for k, v in m.items() if v is not None})
+        content = m.get("content")
+        if isinstance(content, list):
+            content = _parts(content, f'"{field}" item {i}')
+        elif not isinstance(content, str):
+            raise _RowError(f'"{field}" item {i} must be a chat message {{"role": str, "content": str}}, got {m!r}')
+        out.append({k: v for k, v in m.items() if v is not None} | {"content": content})
     if not out:
         raise _RowError(f'"{field}" is an empty list of chat messages')
     return out
 
 
+def _parts(content: list, where: str) -> list[dict]:
+    """A message's content parts, each {"type": "text", "text": str} or {"type": "image"} (nulls dropped)."""
+    out = []
+    for j, c in enumerate(content):
+        part = {k: v for k, v in c.items() if v is not None} if isinstance(c, dict) else None
+        if part is None or not (part.get("type") == "image" or (part.get("type") == "text"
+                                                                and isinstance(part.get("text"), str))):
+            raise _RowError(f'{where} content part {j} must be {{"type": "text", "text": str}} or '
+                            f'{{"type": "image"}}, got {c!r}')
+        out.append(part)
+    return out
+
+
+def _content_text(content: str | list[dict]) -> str:
+    """A message's text: its content, or the text of its parts (images left out)."""
+    return content if isinstance(content, str) else "".join(c["text"] for c in content if c["type"] == "text")
+
+
 def _text(value: Any, field: str) -> Any:
     """A label given as chat messages (TRL's conversational completion) is its messages' text."""
     if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
-        return "".join(m["content"] for m in _messages(value, field))
+        return "".join(_content_text(m["content"]) for m in _messages(value, field))
     return value
 
 
-def normalize_row(obj: Any, prompt_key: str, label_key: str) -> dict:
+def normalize_row(obj: Any, prompt_key: str, label_key: str, images: ImageReader | None = None) -> dict:
     """One data row as {"prompt": text, "label", "meta": the other columns} (+ "messages" when the prompt is
     chat messages: the model sees them through the tokenizer's chat template; "prompt" is then the last user
-    message, what tables and rewards show)."""
+    message, what tables and rewards show; + "images", the encoded bytes of its images, read by `images`)."""
     if not isinstance(obj, dict):
         raise _RowError(f"expected a JSON object, got {type(obj).__name__}")
     present = [k for k, v in obj.items() if v is not None]
@@ -74,7 +101,7 @@ def normalize_row(obj: Any, prompt_key: str, label_key: str) -> dict:
     if prompt is None and prompt_key == "prompt" and isinstance(obj.get("messages"), list):  # TRL conversational
         conversation, used = _messages(obj["messages"], "messages"), used | {"messages"}
         if conversation[-1]["role"] == "assistant":
-            conversation, last = conversation[:-1], conversation[-1]["content"]
+            conversation, last = conversation[:-1], _content_text(conversation[-1]["content"])
             if not label_found and label_key in DEFAULT_LABEL_KEYS:
                 label, label_found = last, True
         prompt = conversation
@@ -90,11 +117,25 @@ def normalize_row(obj: Any, prompt_key: str, label_key: str) -> dict:
     if isinstance(prompt, list):
         row["messages"] = _messages(prompt, prompt_key)
         users = [m["content"] for m in row["messages"] if m["role"] == "user"]
-        prompt = users[-1] if users else row["messages"][-1]["content"]
+        prompt = _content_text(users[-1] if users else row["messages"][-1]["content"])
     elif not isinstance(prompt, str):
         raise _RowError(f'"{prompt_key}" must be a string or a list of chat messages, got {type(prompt).__name__}')
-    meta = {k: v for k, v in obj.items() if k not in used and v is not None}
+    if (pictures := _images(obj, row.get("messages") or [{"role": "user", "content": prompt}], images)):
+        row["images"] = pictures
+    meta = {k: v for k, v in obj.items() if k not in used and k not in IMAGE_COLUMNS and v is not None}
     return {"prompt": prompt, "label": _text(label, label_key), "meta": meta, **row}
+
+
+def _images(obj: dict, messages: list[dict], reader: ImageReader | None) -> list[bytes]:
+    """The row's images (bytes), checked against the places its messages give them. A row without an image
+    column is a text row: an `<image>` in its text is text then, but an image content part needs an image."""
+    try:
+        found = (reader or ImageReader()).row_images(obj)
+        if found is not None or any(isinstance(m["content"], list) for m in messages):
+            check_placeholders(messages, len(found or []))
+    except ImageError as e:
+        raise _RowError(str(e)) from None
+    return found or []
 
 
 def _fs(path: str, storage_options: dict | None):
@@ -172,7 +213,8 @@ def _read(path: str, storage_options: dict | None):
         raise DataError(f"data file not found: {path}")
     builder = "json" if suffix in JSON_SUFFIXES else "parquet"
     try:
-        return datasets.load_dataset(builder, data_files=path, split="train", storage_options=storage_options)
+        table = datasets.load_dataset(builder, data_files=path, split="train", storage_options=storage_options)
+        return _undecoded(table, datasets)
     except Exception as e:
         if builder == "json":
             problem = _jsonl_problem(path, storage_options)
@@ -183,12 +225,35 @@ def _read(path: str, storage_options: dict | None):
         raise DataError(f"{path}: {problem or f'cannot read it: {type(e).__name__}: {e.__cause__ or e}'}") from None
 
 
+def _undecoded(table, datasets):
+    """The dataset with its Image features left as {"bytes", "path"}: datasets would decode them to PIL images
+    (re-encoding changes an image's bytes and so its digest) and read a path from the working directory, not the
+    data file's folder. The same memory-mapped table, only its features' decode flag changed."""
+    features = _no_decode(table.features, datasets)
+    if features == table.features:
+        return table
+    info = table.info.copy()
+    info.features = datasets.Features(features)
+    return datasets.Dataset(table.data, info=info, split=table.split)
+
+
+def _no_decode(feature, datasets):
+    if isinstance(feature, datasets.Image):
+        return datasets.Image(mode=feature.mode, decode=False)
+    if isinstance(feature, datasets.List):
+        return datasets.List(_no_decode(feature.feature, datasets), length=feature.length)
+    if isinstance(feature, dict):
+        return {k: _no_decode(v, datasets) for k, v in feature.items()}
+    return feature
+
+
 class PromptRows(Sequence):
     """The rows of a prompt file, checked once on opening and normalized (normalize_row) when taken."""
 
     def __init__(self, path: str, prompt_key: str = "prompt", label_key: str = "label",
-                 storage_options: dict | None = None):
+                 storage_options: dict | None = None, max_image_pixels: int = DEFAULT_MAX_PIXELS):
         self.path, self.prompt_key, self.label_key = path, prompt_key, label_key
+        self.images = ImageReader.for_file(path, storage_options, max_image_pixels)
         self._table = _read(path, storage_options)
         if len(self._table) == 0:
             raise DataError(f"{path}: data file is empty, expected at least one row")
@@ -205,7 +270,7 @@ class PromptRows(Sequence):
         for i, batch in enumerate(self._table.iter(batch_size=1024)):
             for j, obj in enumerate(_rows_of(batch)):
                 try:
-                    normalize_row(obj, prompt_key, label_key)
+                    normalize_row(obj, prompt_key, label_key, self.images)
                 except _RowError as e:
                     row = i * 1024 + j + 1
                     if json_file and (problem := _jsonl_problem(path, storage_options)):
@@ -223,12 +288,12 @@ class PromptRows(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        return normalize_row(self._table[int(i)], self.prompt_key, self.label_key)
+        return normalize_row(self._table[int(i)], self.prompt_key, self.label_key, self.images)
 
     def __iter__(self) -> Iterator[dict]:
         for batch in self._table.iter(batch_size=1024):
             for obj in _rows_of(batch):
-                yield normalize_row(obj, self.prompt_key, self.label_key)
+                yield normalize_row(obj, self.prompt_key, self.label_key, self.images)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and len(self) == len(other) and list(self) == list(other)
@@ -242,10 +307,11 @@ def _rows_of(batch: dict[str, list]) -> list[dict]:
 
 
 def load_prompts(path: str, prompt_key: str = "prompt", label_key: str = "label",
-                 storage_options: dict | None = None) -> PromptRows:
-    """Rows as {"prompt", "label", "meta"} ("meta" holds the other columns; "messages" chat prompts).
-    Raises DataError naming the file, the row (and line) and the field."""
-    return PromptRows(path, prompt_key, label_key, storage_options)
+                 storage_options: dict | None = None, max_image_pixels: int = DEFAULT_MAX_PIXELS) -> PromptRows:
+    """Rows as {"prompt", "label", "meta"} ("meta" holds the other columns; "messages" chat prompts; "images"
+    the encoded bytes of a vision-language row's images). Raises DataError naming the file, the row (and line)
+    and the field."""
+    return PromptRows(path, prompt_key, label_key, storage_options, max_image_pixels)
 
 
 class PromptCursor:
@@ -306,13 +372,15 @@ class PromptCursor:
 
 
 def load_pairs(path: str, prompt_key: str = "prompt", response_key: str = "response",
-               storage_options: dict | None = None) -> list[dict]:
-    """SFT rows as {"prompt", "response"} (+ "messages" for chat prompts); TRL's prompt-completion and
-    `messages` rows too. Raises DataError naming the file, row and key."""
+               storage_options: dict | None = None, max_image_pixels: int = DEFAULT_MAX_PIXELS) -> list[dict]:
+    """SFT rows as {"prompt", "response"} (+ "messages" for chat prompts, "images" for a vision-language row's
+    images' bytes); TRL's prompt-completion and `messages` rows too. Raises DataError naming the file, row and key."""
     out = []
-    for i, row in enumerate(load_prompts(path, prompt_key, response_key, storage_options), start=1):
+    rows = load_prompts(path, prompt_key, response_key, storage_options, max_image_pixels)
+    for i, row in enumerate(rows, start=1):
         if not isinstance(row["label"], str):
             raise DataError(f'{path}: row {i}: "{response_key}" must be a string, got {type(row["label"]).__name__}')
-        out.append({"prompt": row["prompt"], "response": row["label"]} | (
-            {"messages": row["messages"]} if "messages" in row else {}))
+        out.append({"prompt": row["prompt"], "response": row["label"]}
+                   | ({"messages": row["messages"]} if "messages" in row else {})
+                   | ({"images": row["images"]} if row.get("images") else {}))
     return out

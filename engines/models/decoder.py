@@ -14,11 +14,16 @@ the host, so a MoE decode step is captured as a CUDA graph like a dense one (`gr
 each token's experts are written, on the device, to a [rows, positions, layers, k] store (routing replay, R3).
 With `quantize_fp8` the dense projections run from e4m3 weights through engines/models/fp8.py (rollout.precision
 fp8); the bf16 copies are freed.
+Qwen2-VL / Qwen2.5-VL: the language model (`model.language_model`) runs here with multimodal rotary positions
+(M-RoPE): a prompt's prefill takes 3-D positions and the image embeddings that replace its image pad tokens
+(`SequenceImages`); a generated token's position is its index + the sequence's delta on all three components,
+which is plain RoPE at that position, so a decode step only adds a per-row offset.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +49,10 @@ from rlflow.engines.models.routing import (
 )
 from rlflow.engines.models.transfer import to_device
 
-__all__ = ["DecodeRunner", "DecoderLM", "PagedKVCache", "to_device"]
+__all__ = ["DecodeRunner", "DecoderLM", "PagedKVCache", "SequenceImages", "to_device"]
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+VISION_LANGUAGE = ("qwen2_vl", "qwen2_5_vl")  # their language model runs here; the vision tower elsewhere
+SUPPORTED = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", *VISION_LANGUAGE)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,19 +75,64 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+@dataclass(frozen=True)
+class SequenceImages:
+    """What a prefill of a sequence with images needs: its prompt's M-RoPE positions [3, P] (CPU, long), the delta
+    every later token's position carries, and the image embeddings [n, hidden] (on the model's device) that
+    replace the prompt's image pad tokens at `pad_index` [n] (ascending prompt indices, CPU)."""
+
+    positions: torch.Tensor
+    delta: int
+    pad_index: torch.Tensor
+    embeds: torch.Tensor
+
+    def positions_of(self, start: int, stop: int) -> torch.Tensor:
+        """[3, stop - start] positions of sequence indices start..stop-1: the prompt's, then index + delta."""
+        prompt = self.positions.shape[1]
+        head = self.positions[:, start:min(stop, prompt)]
+        tail = torch.arange(max(start, prompt), max(stop, prompt)) + self.delta
+        return torch.cat([head, tail.expand(3, -1)], dim=1) if len(tail) else head
+
+    def pads_in(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices relative to `start`, embedding rows) of the image pad tokens among indices start..stop-1."""
+        lo, hi = torch.searchsorted(self.pad_index, torch.tensor([start, stop])).tolist()
+        return self.pad_index[lo:hi] - start, self.embeds[lo:hi]
+
+
+def mrope_section_of(cfg) -> list[int] | None:
+    """The M-RoPE split of a text config's rotary frequencies (temporal, height, width), or None for plain RoPE.
+    transformers 5 keeps it in rope_parameters, earlier versions in rope_scaling."""
+    for attr in ("rope_parameters", "rope_scaling"):
+        section = (getattr(cfg, attr, None) or {}).get("mrope_section")
+        if section:
+            return [int(x) for x in section]
+    return None
+
+
 class DecoderLM:
     """Prefill prompts into cache slots; decode one token for many slots at once."""
 
     def __init__(self, hf_model: torch.nn.Module):
-        cfg = hf_model.config
-        if cfg.model_type not in SUPPORTED:
-            raise ValueError(f"model config model_type {cfg.model_type!r}: the embedded engine runs {SUPPORTED}")
+        top = hf_model.config
+        if top.model_type not in SUPPORTED:
+            raise ValueError(f"model config model_type {top.model_type!r}: the embedded engine runs {SUPPORTED}")
+        self.vision_language = top.model_type in VISION_LANGUAGE
+        # a VL model's language model: its own config (text_config) and module (model.language_model)
+        cfg = top.text_config if self.vision_language else top
+        self.body = hf_model.model.language_model if self.vision_language else hf_model.model
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"model config hidden_act {cfg.hidden_act!r}: expected 'silu' (SwiGLU)")
         if getattr(cfg, "use_sliding_window", False) or (cfg.model_type == "mixtral" and cfg.sliding_window):
             raise ValueError("model config use_sliding_window / sliding_window: sliding-window attention is not "
                              "supported")
-        self.model, self.cfg = hf_model, cfg
+        self.model, self.cfg, self.model_type = hf_model, cfg, top.model_type
+        self.mrope_section = mrope_section_of(cfg) if self.vision_language else None
+        if self.vision_language and self.mrope_section is None:
+            raise ValueError(f"model config text_config.rope_parameters: {top.model_type} needs an mrope_section")
+        # M-RoPE: which position component (0 time, 1 height, 2 width) each rotary dim takes: mrope_section over the
+        # first half of the dims, repeated over the second, as transformers' Qwen2-VL recomposes them
+        self._mrope_component = None if self.mrope_section is None else torch.repeat_interleave(
+            torch.arange(len(self.mrope_section)) % 3, torch.tensor(self.mrope_section)).repeat(2)
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
@@ -93,7 +144,7 @@ class DecoderLM:
         self._params = list(hf_model.parameters())
         # per layer: (weight, bias) of q/k/v and of gate/up as one GEMM, or None (run one by one); found again
         # whenever the weights move (`fuse_projections`)
-        layers = len(hf_model.model.layers)
+        layers = len(self.body.layers)
         self._qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * layers
         self._gate_up: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * layers
         self._fused_at: tuple[int, ...] | None = None
@@ -111,6 +162,8 @@ class DecoderLM:
         against its own prefix), so a token's logits do not depend on its batch-mates, its row or its position."""
         if self.fp8 is not None:
             raise ValueError("rollout.true_on_policy with rollout.precision fp8: the trainer computes in bf16/fp32")
+        if self.vision_language:
+            raise ValueError(f"rollout.true_on_policy: not supported for vision-language models ({self.model_type})")
         invariant.make_invariant(self.model)
         self.exact, self._act = True, invariant.silu
         self.use_fused(False)
@@ -118,6 +171,8 @@ class DecoderLM:
     def quantize_fp8(self) -> Fp8Projections:
         """Hold every dense projection (q/k/v, o, gate/up, down) in e4m3 from now on, quantized from the current
         weights, whose bf16 tensors are freed; weight updates then write into `self.fp8` (`Fp8Projections.write`)."""
+        if self.vision_language:
+            raise ValueError(f"rollout.precision fp8: not supported for vision-language models ({self.model_type})")
         self.fp8 = Fp8Projections(self.model)
         self.unfuse()
         return self.fp8
@@ -145,24 +200,39 @@ class DecoderLM:
 
     def page_bytes(self, page_size: int) -> int:
         """Bytes one KV page takes over all layers."""
-        return PagedKVCache.page_bytes(len(self.model.model.layers), self.num_kv_heads, page_size, self.head_dim,
+        return PagedKVCache.page_bytes(len(self.body.layers), self.num_kv_heads, page_size, self.head_dim,
                                        self.dtype)
 
     def new_cache(self, rows: int, max_len: int, num_pages: int, page_size: int) -> PagedKVCache:
         """A paged cache of `num_pages` pages for up to `rows` decoding sequences of at most `max_len` tokens."""
-        return PagedKVCache(len(self.model.model.layers), rows, max_len, num_pages, page_size, self.num_kv_heads,
+        return PagedKVCache(len(self.body.layers), rows, max_len, num_pages, page_size, self.num_kv_heads,
                             self.head_dim, self.dtype, self.device)
 
-    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for `positions` from a table HF's own rotary module computes once (so every rope
-        scaling variant it supports is honoured)."""
+    def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [max positions, head_dim], computed once by HF's own rotary module (so every rope scaling
+        variant it supports is honoured; M-RoPE's with 3 equal components, which is plain RoPE)."""
         if self._rope is None:
             pos = torch.arange(self.max_positions, device=self.device)[None]
+            if self.vision_language:  # M-RoPE's module takes [3, batch, T] (5.17's refuses [batch, T])
+                pos = pos[None].expand(3, -1, -1)
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
-            cos, sin = self.model.model.rotary_emb(probe, pos)
-            self._rope = (cos[0], sin[0])
-        cos, sin = self._rope
+            cos, sin = self.body.rotary_emb(probe, pos)
+            self._rope = (cos.reshape(-1, *cos.shape[-2:])[0], sin.reshape(-1, *sin.shape[-2:])[0])
+        return self._rope
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for `positions`."""
+        cos, sin = self._rope_table()
         return cos[positions], sin[positions]
+
+    def _mrope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [..., T, head_dim] of M-RoPE positions [..., 3, T]: rotary dim d takes the position component
+        its section names (`_mrope_component`), read from the same table as plain positions."""
+        component = self._mrope_component.to(positions.device)
+        per_dim = positions.index_select(-2, component).transpose(-1, -2)  # [..., T, head_dim]
+        dims = torch.arange(per_dim.shape[-1], device=positions.device)
+        cos, sin = self._rope_table()
+        return cos[per_dim, dims], sin[per_dim, dims]
 
     def use_fused(self, enabled: bool) -> None:
         """Run q/k/v and gate/up as one GEMM each where the weights' layout allows it (the default), or every
@@ -177,7 +247,7 @@ class DecoderLM:
         loop over the experts reads them on the host."""
         probe = torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         return all(kernel_applies(probe, e.gate_up_proj.transpose(1, 2)) and kernel_applies(
-            probe, e.down_proj.transpose(1, 2)) for e in (layer.mlp.experts for layer in self.model.model.layers
+            probe, e.down_proj.transpose(1, 2)) for e in (layer.mlp.experts for layer in self.body.layers
                                                            if _is_moe_block(layer.mlp)))
 
     @property
@@ -188,7 +258,7 @@ class DecoderLM:
     def unfuse(self) -> None:
         """Let go of the fused views (the weights were released: the views would keep their memory); the next
         step fuses again where the weights are then."""
-        n = len(self.model.model.layers)
+        n = len(self.body.layers)
         self._qkv, self._gate_up, self._fused_at = [None] * n, [None] * n, None
 
     def fuse_projections(self) -> tuple[int, ...]:
@@ -199,7 +269,7 @@ class DecoderLM:
             return at
         self._fused_at = at
         fuse = self._fuse and self.fp8 is None  # fp8: the quantized stores are fused already
-        for i, layer in enumerate(self.model.model.layers):
+        for i, layer in enumerate(self.body.layers):
             attn, mlp = layer.self_attn, layer.mlp
             self._qkv[i] = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj]) if fuse else None
             dense = not _is_moe_block(mlp)
@@ -222,7 +292,7 @@ class DecoderLM:
     def _layer(self, i: int, x: torch.Tensor, cos, sin, attend, route=None) -> torch.Tensor:
         """Decoder layer i on x [B, T, hidden]; `attend(q, k, v)` stores k/v and returns attention; `route` sees
         an MoE layer's expert choice (`_moe`)."""
-        layer = self.model.model.layers[i]
+        layer = self.body.layers[i]
         attn, mlp = layer.self_attn, layer.mlp
         fp8 = self.fp8.layers[i] if self.fp8 is not None else {}
         bsz, t, _ = x.shape
@@ -257,11 +327,12 @@ class DecoderLM:
 
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(rms_norm(x, self.model.model.norm.weight, self.eps)).float()
+        return self.model.lm_head(rms_norm(x, self.body.norm.weight, self.eps)).float()
 
     @torch.no_grad()
     def prefill(self, cache: PagedKVCache, pieces: list[list[int]], starts: list[int], pages: list[list[int]],
-                owners: list[list[int]] | None = None) -> torch.Tensor:
+                owners: list[list[int]] | None = None, images: list[SequenceImages | None] | None = None
+                ) -> torch.Tensor:
         """Run `pieces[i]`, the tokens at positions starts[i].. of sequence i, store their keys/values in its
         `pages[i]` (which cover them), and return the next-token logits after each piece [len(pieces), V].
         While routing is recorded, piece i's experts go to the store's rows `owners[i]` (the rows of the requests
@@ -270,16 +341,22 @@ class DecoderLM:
         Pieces that start a sequence run as one right-padded batch with a plain causal mask (padding sits
         after every real token, so no real query sees it, and only real tokens are stored). A piece that
         continues a sequence (chunked prefill, or a preempted request's recompute in parts) attends to the
-        sequence's cached pages plus itself, causally; it runs alone."""
+        sequence's cached pages plus itself, causally; it runs alone.
+        `images[i]` (vision-language models): sequence i's M-RoPE positions and image embeddings, or None."""
         self.fuse_projections()
         owners = owners or [[] for _ in pieces]
+        images = images or [None] * len(pieces)
         if any(starts):
-            return torch.cat([self._prefill_continued(cache, t, s, p, o) for t, s, p, o in
-                              zip(pieces, starts, pages, owners, strict=True)])
+            return torch.cat([self._prefill_continued(cache, t, s, p, o, im) for t, s, p, o, im in
+                              zip(pieces, starts, pages, owners, images, strict=True)])
         lengths = [len(p) for p in pieces]
         width = max(lengths)
         ids = to_device([p + [0] * (width - len(p)) for p in pieces], torch.long, self.device)
-        cos, sin = self._cos_sin(torch.arange(width, device=self.device))
+        if any(im is not None for im in images):
+            cos, sin = self._mrope_cos_sin(self._batch_positions(lengths, images, width))
+            cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]: per row, broadcast over heads
+        else:
+            cos, sin = self._cos_sin(torch.arange(width, device=self.device))
         rows, cols, dest_pages, dest_offsets = [], [], [], []
         for i, (n, held) in enumerate(zip(lengths, pages, strict=True)):
             pg, off = cache.slots(held, 0, n)
@@ -292,8 +369,9 @@ class DecoderLM:
         group = self.num_heads // self.num_kv_heads
         route = self._route_prefill(lengths, [0] * len(pieces), owners, width)
         scale = self.head_dim**-0.5
-        x = self.model.model.embed_tokens(ids)
-        for i in range(len(self.model.model.layers)):
+        x = self._embed(ids, [(b, im.pads_in(0, n)) for b, (n, im) in enumerate(zip(lengths, images, strict=True))
+                              if im is not None])
+        for i in range(len(self.body.layers)):
             def attend(q, k, v, i=i):
                 cache.write(i, index[2], index[3], k[index[0], :, index[1]], v[index[0], :, index[1]])
                 if self.exact:  # each real query against its own prefix; padding queries give 0
@@ -307,6 +385,25 @@ class DecoderLM:
 
             x = self._layer(i, x, cos, sin, attend, route)
         return self._logits(x[torch.arange(len(pieces), device=self.device), index[4, :len(pieces)]])
+
+    def _batch_positions(self, lengths: list[int], images: list[SequenceImages | None], width: int) -> torch.Tensor:
+        """M-RoPE positions [B, 3, width] of a right-padded batch of sequence starts (text rows: their index on
+        all three components; padding: position 0)."""
+        pos = torch.zeros(len(lengths), 3, width, dtype=torch.long)
+        for b, (n, im) in enumerate(zip(lengths, images, strict=True)):
+            pos[b, :, :n] = torch.arange(n) if im is None else im.positions_of(0, n)
+        return pos.to(self.device)
+
+    def _embed(self, ids: torch.Tensor, pads: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
+        """Token embeddings of ids [B, T], with row b's image pad tokens replaced by its image embeddings
+        (`pads`: (b, (columns, rows)) per row with images)."""
+        x = self.body.embed_tokens(ids)
+        pads = [(b, cols, rows) for b, (cols, rows) in pads if len(cols)]
+        if pads:
+            b_index = torch.cat([torch.full_like(cols, b) for b, cols, _ in pads]).to(self.device)
+            c_index = torch.cat([cols for _, cols, _ in pads]).to(self.device)
+            x[b_index, c_index] = torch.cat([rows for *_, rows in pads]).to(x.dtype)
+        return x
 
     def _route_prefill(self, lengths: list[int], starts: list[int], rows: list[list[int]], width: int):
         """The `route` of a prefill of pieces right-padded to `width`: piece b's first lengths[b] tokens' experts
@@ -327,7 +424,7 @@ class DecoderLM:
         return route
 
     def _prefill_continued(self, cache: PagedKVCache, tokens: list[int], start: int, pages: list[int],
-                           rows: list[int]) -> torch.Tensor:
+                           rows: list[int], images: SequenceImages | None = None) -> torch.Tensor:
         """One piece at positions start.. of a sequence whose first `start` tokens are cached: store its keys
         and values, then attend over the sequence's pages with an offset causal mask. Returns logits [1, V]."""
         n, stop = len(tokens), start + len(tokens)
@@ -336,11 +433,15 @@ class DecoderLM:
         where = to_device([pg, off], torch.long, self.device)
         table = to_device([pages[: cache.pages_for(stop)]], torch.int32, self.device)
         visible = torch.arange(stop, device=self.device)[None] <= positions[:, None]  # [n, stop]
-        cos, sin = self._cos_sin(positions)
+        if images is None:
+            cos, sin = self._cos_sin(positions)
+        else:
+            cos, sin = self._mrope_cos_sin(images.positions_of(start, stop).to(self.device))
         group = self.num_heads // self.num_kv_heads
         route = self._route_prefill([n], [start], [rows], n)
-        x = self.model.model.embed_tokens(to_device([tokens], torch.long, self.device))
-        for i in range(len(self.model.model.layers)):
+        ids = to_device([tokens], torch.long, self.device)
+        x = self._embed(ids, [] if images is None else [(0, images.pads_in(start, stop))])
+        for i in range(len(self.body.layers)):
             def attend(q, k, v, i=i):
                 cache.write(i, where[0], where[1], k[0].transpose(0, 1), v[0].transpose(0, 1))
                 if self.exact:
@@ -356,18 +457,19 @@ class DecoderLM:
 
     @torch.no_grad()
     def decode_rows(self, cache: PagedKVCache, tokens: torch.Tensor, positions: torch.Tensor, pages: int,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, offsets: torch.Tensor | None = None) -> None:
         """One token for rows 0..R-1 (R = len(tokens)) of the page table: row b's token at positions[b], its
         key/value stored in the row's pages, attention over the row's first positions[b] + 1 tokens (within
         its first `pages` pages); the next-token logits go to out[:R] (model dtype). Nothing here waits for
         the device, so a CUDA graph can capture it for a fixed (R, pages). Idle rows decode token 0 at
-        position 0 of the scratch page."""
+        position 0 of the scratch page. `offsets[b]` (M-RoPE models): row b's rotary position is positions[b] +
+        offsets[b] (its sequence's delta; its cache position stays positions[b])."""
         rows = tokens.shape[0]
         table = cache.page_table[:rows, :pages]
         lengths = (positions + 1).to(torch.int32)
         scale = self.head_dim**-0.5
         attention = self.decode_attention
-        cos, sin = self._cos_sin(positions[:, None])
+        cos, sin = self._cos_sin((positions if offsets is None else positions + offsets)[:, None])
         cos, sin = cos[:, None], sin[:, None]
         route = None
         if self.routing is not None:  # idle rows (position 0: a real decode is never at 0) write the spare column
@@ -377,8 +479,8 @@ class DecoderLM:
             def route(n: int, ids: torch.Tensor) -> None:
                 self.routing[row_index, column, n] = ids.to(ROUTING_DTYPE)
 
-        x = self.model.model.embed_tokens(tokens[:, None])
-        for i in range(len(self.model.model.layers)):
+        x = self.body.embed_tokens(tokens[:, None])
+        for i in range(len(self.body.layers)):
             def attend(q, k, v, i=i):
                 store_kv(cache.k[i], cache.v[i], table, positions, k[:, :, 0], v[:, :, 0])
                 if self.exact:  # each row against exactly its own prefix (reads the lengths on the host)
@@ -387,7 +489,7 @@ class DecoderLM:
                 return attention(q[:, :, 0], cache.k[i], cache.v[i], table, lengths, scale)[:, :, None]
 
             x = self._layer(i, x, cos, sin, attend, route)
-        h = rms_norm(x[:, -1], self.model.model.norm.weight, self.eps)
+        h = rms_norm(x[:, -1], self.body.norm.weight, self.eps)
         head = self.model.lm_head
         if self.exact:
             out[:rows] = invariant.linear(h, head.weight, head.bias)
@@ -433,6 +535,8 @@ class DecodeRunner:
         self.full_span = uses_fast_kernel(lm.device, lm.head_dim)
         self.tokens = torch.zeros(cache.rows, dtype=torch.long, device=lm.device)
         self.positions = torch.zeros(cache.rows, dtype=torch.long, device=lm.device)
+        # M-RoPE models: each row's rotary offset (its sequence's delta); None keeps a text model's step as it was
+        self.offsets = torch.zeros(cache.rows, dtype=torch.long, device=lm.device) if lm.mrope_section else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.weights = lm.weight_pointers() if graphs else ()
@@ -444,9 +548,11 @@ class DecodeRunner:
         pages = self.cache.max_pages if self.full_span else self.cache.pages_for(-(-span // 128) * 128)
         return min(r, self.cache.rows), min(pages, self.cache.max_pages)
 
-    def run(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, rows: int, span: int) -> None:
+    def run(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, rows: int, span: int,
+            offsets: torch.Tensor | None = None) -> None:
         """Decode `tokens[b]` at `positions[b]` of row `slots[b]` (device tensors; every row < rows, every
-        position < span); the other rows below `rows` decode padding."""
+        position < span); the other rows below `rows` decode padding. `offsets[b]`: the row's rotary offset
+        (M-RoPE models; None: 0)."""
         self.cache.flush()
         weights = self.lm.fuse_projections()  # the fused GEMMs follow weights that moved
         if self.use_graphs:
@@ -460,18 +566,27 @@ class DecodeRunner:
         self.positions[:rows].zero_()
         self.tokens[slots] = tokens
         self.positions[slots] = positions
+        if self.offsets is not None:
+            self.offsets[:rows].zero_()
+            if offsets is not None:
+                self.offsets[slots] = offsets
         graph = self.graphs.get((rows, pages))
         if graph is not None:
             graph.replay()
         elif self.use_graphs and len(self.graphs) < self.max_graphs:
             self._capture(rows, pages)
         else:
-            self.step(self.cache, self.tokens[:rows], self.positions[:rows], pages, self.out)
+            self.step(*self._args(rows, pages))
+
+    def _args(self, rows: int, pages: int) -> tuple:
+        """decode_rows' arguments over the static buffers (the row offsets only for an M-RoPE model)."""
+        args = (self.cache, self.tokens[:rows], self.positions[:rows], pages, self.out)
+        return args if self.offsets is None else (*args, self.offsets[:rows])
 
     def _capture(self, rows: int, pages: int) -> None:
         """Run the step eagerly on a side stream (warm-up, and compilation; its results are this step's), then
         capture it. A step that fails to compile falls back to the uncompiled one."""
-        args = (self.cache, self.tokens[:rows], self.positions[:rows], pages, self.out)
+        args = self._args(rows, pages)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer, decoders, models, processors
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForTokenClassification,
     AutoTokenizer,
     LlamaConfig,
@@ -26,6 +27,7 @@ from transformers.utils import logging as hf_logging
 from rlflow.engines.core.config import ModelConfig
 from rlflow.engines.models.grouped_experts import use_grouped_experts
 from rlflow.engines.models.routing import use_routing_replay
+from rlflow.engines.models.vision_language import build_tiny_vl_model, is_vision_language
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
@@ -55,9 +57,11 @@ def build_char_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(cfg: ModelConfig, out_dir: str | Path, seed: int) -> Path:
-    """Create a randomly initialised Llama/Qwen2 model and the char tokenizer in `out_dir` (HF format)."""
+    """Create a randomly initialised Llama/Qwen2 (or tiny Qwen2-VL) model and the char tokenizer in `out_dir`."""
     out_dir = Path(out_dir)
     tokenizer = build_char_tokenizer(CHARS + "".join(c for c in dict.fromkeys(cfg.extra_chars) if c not in CHARS))
+    if cfg.arch == "qwen2_vl":
+        return build_tiny_vl_model(cfg, out_dir, seed, tokenizer)
     config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[cfg.arch]
     hf_config = config_cls(
         vocab_size=len(tokenizer),
@@ -80,10 +84,12 @@ def build_tiny_model(cfg: ModelConfig, out_dir: str | Path, seed: int) -> Path:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
-    """Load a causal LM from a local HF directory. SDPA attention is used where transformers offers it, and MoE
-    experts run as grouped matmuls (engines/models/grouped_experts.py), the same in the trainer and the engine,
-    behind routers that can record and replay their choice (engines/models/routing.py)."""
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+    """Load a causal LM (or a vision-language model: Qwen2-VL, Qwen2.5-VL) from a local HF directory. SDPA attention
+    is used where transformers offers it, and MoE experts run as grouped matmuls (engines/models/grouped_experts.py),
+    the same in the trainer and the engine, behind routers that can record and replay their choice
+    (engines/models/routing.py)."""
+    auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
+    model = auto.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
     use_grouped_experts(model)
     use_routing_replay(model)
     return model.to(device)
@@ -124,7 +130,9 @@ def model_context(cfg: ModelConfig) -> tuple[int, str]:
     if not cfg.path:
         return cfg.max_seq_len, "model.max_seq_len"
     config = Path(cfg.path) / "config.json"
-    positions = json.loads(config.read_text()).get("max_position_embeddings")
+    top = json.loads(config.read_text())
+    # a vision-language model's context is its language model's (text_config)
+    positions = top.get("max_position_embeddings", (top.get("text_config") or {}).get("max_position_embeddings"))
     if not isinstance(positions, int):
         raise ValueError(f"model.path: {config} has no max_position_embeddings (the model's context)")
     return positions, f"max_position_embeddings in {config}"

@@ -12,11 +12,18 @@ Attention is the HF model's own modules with one attention function registered u
 one SDPA call over the samples re-padded (exact; CPU runs are small). Calling the HF modules themselves, not
 our own copy of their math, keeps every architecture detail transformers implements (Qwen3's q/k norms, rope
 scaling, biases) and keeps the decoder layers the modules FSDP2 wraps.
+
+Vision-language models (Qwen2-VL, Qwen2.5-VL; docs/multimodal.md): the micro-batch's images (`PackedImages`) go
+through the model's vision tower inside the same forward, their merged-patch embeddings replace the image pad
+tokens' embeddings in the stream, and the language model runs on those embeddings with per-sample M-RoPE
+positions [3, T] (vision_language.mrope_positions for each prompt, `index + delta` after it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +35,7 @@ from rlflow.engines.models import invariant
 from rlflow.engines.models.head_math import compiled, head_logits_grad, head_logprobs
 from rlflow.engines.models.transfer import tensor_to_device
 from rlflow.engines.models.ulysses import ContextSplit, exchange_heads, exchange_tokens, split_stream
+from rlflow.engines.models.vision_language import is_vision_language, mrope_positions
 
 ATTENTION = "rlflow_packed"
 ATTENTION_EXACT = "rlflow_packed_exact"  # rollout.true_on_policy: each query against its prefix (invariant.py)
@@ -38,6 +46,23 @@ except ImportError:  # older torch: the padded SDPA fallback everywhere
     varlen_attn = None
 
 _VARLEN_PARAMS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
+
+
+@dataclass
+class PackedImages:
+    """A micro-batch's images as the vision tower takes them, and where their embeddings go in the packed stream.
+    An image two samples share (a GRPO group's prompt) is encoded once and placed twice."""
+
+    pixel_values: torch.Tensor  # [patches, C*T*P*P]: the distinct images' patches, one image after another
+    grid_thw: torch.Tensor  # [distinct images, 3] long
+    tokens: list[int]  # merged patches (image tokens) of each distinct image
+    order: list[int]  # which distinct image each image of the stream is, in stream order
+    positions: torch.Tensor  # [image tokens] long: stream index of each image token, in stream order
+
+    def to(self, device: torch.device | str) -> PackedImages:
+        return dataclasses.replace(self, pixel_values=tensor_to_device(self.pixel_values, device),
+                                   grid_thw=tensor_to_device(self.grid_thw, device),
+                                   positions=tensor_to_device(self.positions, device))
 
 
 @dataclass
@@ -52,6 +77,8 @@ class PackedRows:
     cols: torch.Tensor  # [T] its column
     shape: tuple[int, int]
     split: ContextSplit | None = None  # context parallelism: the stream is split over a CP group (ulysses.py)
+    mrope: torch.Tensor | None = None  # [3, T] M-RoPE positions (vision-language models; `with_images`)
+    images: PackedImages | None = None  # the stream's images (vision-language models; `with_images`)
 
     @classmethod
     def from_padded(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows:
@@ -71,14 +98,62 @@ class PackedRows:
 
     def to(self, device: torch.device | str) -> PackedRows:
         move = {k: tensor_to_device(v, device) if torch.is_tensor(v) else v for k, v in self.__dict__.items()}
+        if self.images is not None:
+            move["images"] = self.images.to(device)
         return PackedRows(**move)
+
+    def with_images(self, row_images: list[list[int]], grid_thw: torch.Tensor, pixel_values: torch.Tensor,
+                    image_token_id: int, merge: int) -> PackedRows:
+        """The same stream with its images: `row_images[r]` lists the distinct images (rows of `grid_thw`, their
+        patches in `pixel_values` one image after another) of padded row r in prompt order. Each row's first
+        image pad tokens are its images' (one run of tokens_per_image per image, in order); its M-RoPE positions
+        are mrope_positions up to its last image token and `index + delta` on all three components after it (an
+        image pad token a policy samples later is text, as the rollout engine treats it)."""
+        if len(row_images) != self.shape[0]:
+            raise ValueError(f"with_images: images for {len(row_images)} rows, the micro-batch has {self.shape[0]}")
+        per_image = (grid_thw.prod(-1) // (merge * merge)).tolist()
+        bounds = self.cu_seqlens.tolist()
+        mrope, positions, order = [], [], []
+        for r, images in enumerate(row_images):
+            ids = self.input_ids[bounds[r]:bounds[r + 1]]
+            pads = _image_token_runs(ids, [per_image[i] for i in images], image_token_id, r)
+            end = int(pads[-1]) + 1 if images else 0
+            pos, delta = mrope_positions(ids[:end].tolist(), grid_thw[images].tolist(), image_token_id, merge)
+            text = torch.arange(end, len(ids)) + delta
+            mrope.append(torch.cat([pos, text.expand(3, -1)], dim=1))
+            positions.append(pads + bounds[r])
+            order.extend(images)
+        stream = torch.cat(mrope, dim=1) if mrope else torch.zeros(3, 0, dtype=torch.long)
+        images = PackedImages(pixel_values, grid_thw.long(), per_image, order,
+                              torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long))
+        return dataclasses.replace(self, mrope=stream.to(self.input_ids.device), images=images)
 
     def split_over(self, group) -> PackedRows:
         """The same micro-batch with its stream split over a context-parallel group (padded to a multiple of its
         size; rows/cols still address the real tokens only)."""
+        if self.mrope is not None:
+            raise ValueError("context parallelism: a vision-language model's stream (images, M-RoPE positions) is "
+                             "not split over a CP group (train.context_parallel 1)")
         ids, pos, cu, max_len, split = split_stream(self.input_ids, self.position_ids, self.cu_seqlens,
                                                     self.max_len, group)
         return PackedRows(ids, pos, cu, max_len, self.rows, self.cols, self.shape, split)
+
+
+def _image_token_runs(ids: torch.Tensor, counts: list[int], image_token_id: int, row: int) -> torch.Tensor:
+    """Indices in `ids` of the first sum(counts) image pad tokens, checked to be one unbroken run per image."""
+    pads = (ids == image_token_id).nonzero().flatten()
+    need = sum(counts)
+    if len(pads) < need:
+        raise ValueError(f"micro-batch row {row}: {len(pads)} image pad tokens (id {image_token_id}) for its "
+                         f"{len(counts)} images, which take {need} (one per merged patch)")
+    pads, start = pads[:need], 0
+    for i, n in enumerate(counts):
+        run = pads[start:start + n]
+        if n and int(run[-1] - run[0]) != n - 1:
+            raise ValueError(f"micro-batch row {row}: image {i}'s {n} pad tokens are not one run (the prompt's "
+                             "image pads must be expanded as VisionProcessor.encode does)")
+        start += n
+    return pads
 
 
 def _packed_attention(module, query, key, value, attention_mask, scaling=None, packed: PackedRows | None = None,
@@ -184,8 +259,13 @@ class PackedLM(torch.nn.Module):
         self.exact = true_on_policy
         if true_on_policy:
             invariant.make_invariant(model)
-        model.config._attn_implementation = ATTENTION_EXACT if true_on_policy else ATTENTION
-        self.body = model.model
+        attention = ATTENTION_EXACT if true_on_policy else ATTENTION
+        # a vision-language model's vision tower keeps its own attention (its patches are not a causal stream)
+        self.vision_language = is_vision_language(model.config)
+        model.config._attn_implementation = {"": attention, "text_config": attention} if self.vision_language \
+            else attention
+        self.body = model.model.language_model if self.vision_language else model.model
+        self.visual = model.model.visual if self.vision_language else None
         self.critic = hasattr(model, "score")
         if not self.critic and model.lm_head.bias is not None:
             raise ValueError("PackedLM: an LM head with a bias is not supported (Llama/Qwen heads have none)")
@@ -216,8 +296,11 @@ class PackedLM(torch.nn.Module):
         ids, positions = packed.input_ids, packed.position_ids
         if split is not None:
             ids, positions = split.local(ids), split.local(positions)
-        hidden = self.body(input_ids=ids[None], position_ids=positions[None],
-                           packed=packed, use_cache=False).last_hidden_state[0]
+        if self.vision_language:
+            hidden = self._vision_language_hidden(packed)
+        else:
+            hidden = self.body(input_ids=ids[None], position_ids=positions[None],
+                               packed=packed, use_cache=False).last_hidden_state[0]
         if top_k:
             return self._top_k(packed, hidden, temperature, top_k)
         first = _first_tokens(packed)
@@ -236,6 +319,45 @@ class PackedLM(torch.nn.Module):
         if other_ids is None:
             return _aligned(logprobs, first, split), entropy
         return _shift_right(logprobs[:, 0], first), entropy, _shift_right(logprobs[:, 1:], first)
+
+    def _vision_language_hidden(self, packed: PackedRows) -> torch.Tensor:
+        """The language model's last hidden states [T, d] of a vision-language stream: token embeddings with the
+        images' embeddings at their pad tokens, M-RoPE positions per sample (text positions on all three
+        components where the stream has no `with_images`)."""
+        embeds = self.body.embed_tokens(packed.input_ids)
+        embeds = self._place_images(embeds, packed.images)
+        positions = packed.mrope if packed.mrope is not None else packed.position_ids.expand(3, -1)
+        return self.body(inputs_embeds=embeds[None], position_ids=positions[:, None], packed=packed,
+                         use_cache=False).last_hidden_state[0]
+
+    def _place_images(self, embeds: torch.Tensor, images: PackedImages | None) -> torch.Tensor:
+        """`embeds` [T, d] with each image token's row replaced by its merged-patch embedding. The vision tower
+        runs on every micro-batch, one without images on a blank one-token image whose output is added times 0:
+        under FSDP2 every rank must gather (and, trained, reduce) the vision units the same number of times, and
+        another rank's micro-batch may hold images. A frozen tower runs without autograd (no activations kept)."""
+        if images is None or not images.order:
+            images = self._blank_image(embeds.device)
+        frozen = not any(p.requires_grad for p in self.visual.parameters())
+        with torch.no_grad() if frozen else nullcontext():
+            result = self.visual(images.pixel_values, grid_thw=images.grid_thw)
+            merged = getattr(result, "pooler_output", result)  # transformers >= 5.2 returns an output object
+        if not images.order:
+            return embeds + 0 * merged.sum().to(embeds.dtype)
+        chunks = torch.split(merged, images.tokens)
+        placed = torch.cat([chunks[i] for i in images.order]).to(embeds.dtype)
+        if placed.shape[0] != images.positions.shape[0]:
+            raise ValueError(f"vision tower: {placed.shape[0]} image embeddings for {images.positions.shape[0]} "
+                             "image pad tokens")
+        return embeds.index_put((images.positions,), placed)
+
+    def _blank_image(self, device: torch.device) -> PackedImages:
+        """The smallest image the vision tower takes (one merged patch of zeros), placed nowhere."""
+        vision = self.visual.config
+        merge = vision.spatial_merge_size
+        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        return PackedImages(torch.zeros(merge * merge, width, device=device),
+                            torch.tensor([[1, merge, merge]], device=device), [1], [],
+                            torch.zeros(0, dtype=torch.long, device=device))
 
     @torch.no_grad()
     def _top_k(self, packed: PackedRows, hidden: torch.Tensor, temperature: float, k: int

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from rlflow.engines.models.routing import routing_from_text, routing_to_text
+from rlflow.engines.models.vision_language import data_uri
 from rlflow.engines.rollout.functions import (
     REQUEST_GROUP,
     REQUEST_TAG,
@@ -46,7 +47,10 @@ class Carry:
         return len(self.samples) == self.prompt.n and all(s.finish_reason != "abort" for s in self.samples)
 
     def to_json(self) -> dict:
-        prompt = asdict(replace(self.prompt, tokenizer=None))
+        """JSON of the group (a checkpoint's and a dynamic batch's state). A vision-language prompt keeps only its
+        images' digests: the bytes are in the run store once, and from_json reads them back."""
+        row = {k: v for k, v in self.prompt.row.items() if k != "images"}
+        prompt = asdict(replace(self.prompt, tokenizer=None, row=row, image_data=[]))
         prompt.pop("tokenizer")
         samples = [asdict(replace(s, routed_experts=None)) | {
             "routed_experts": None if s.routed_experts is None else routing_to_text(s.routed_experts)}
@@ -54,11 +58,18 @@ class Carry:
         return {"prompt": prompt, "samples": samples}
 
     @classmethod
-    def from_json(cls, d: dict, tokenizer) -> Carry:
+    def from_json(cls, d: dict, tokenizer, image_bytes: Callable[[str], bytes] | None = None) -> Carry:
+        """The group to_json wrote; `image_bytes` reads a carried image's bytes by digest (the run store)."""
         samples = [Sample(**(s | {"routed_experts": None if s.get("routed_experts") is None
                                   else routing_from_text(s["routed_experts"], "carried sample routed_experts")}))
                    for s in d["samples"]]
-        return cls(PromptSample(**d["prompt"], tokenizer=tokenizer), samples)
+        prompt = PromptSample(**d["prompt"], tokenizer=tokenizer)
+        if prompt.images:
+            if image_bytes is None:
+                raise ValueError("a carried group names images, and no image store was given to read them")
+            data = [image_bytes(digest) for digest in prompt.images]
+            prompt = replace(prompt, row=prompt.row | {"images": data}, image_data=[data_uri(b) for b in data])
+        return cls(prompt, samples)
 
 
 @dataclass

@@ -9,6 +9,11 @@ and none is free, the most recently admitted request is preempted: its pages go 
 of the queue keeping its tokens, logprobs and random stream, and its prompt + output so far is prefilled
 again when it is readmitted, so its tokens are those it would have sampled unpreempted.
 
+A request with images (vision-language models) carries its `PromptImages`: its prefill (and any re-prefill) runs
+the vision encoder's embeddings at its image pad tokens, cached by digest (engines/models/vision_encoder.py), with
+M-RoPE positions; a decode adds the sequence's position delta. Requests share a prefill only when their tokens and
+their images' digests are equal.
+
 Callers get a `concurrent.futures.Future` per request (the HTTP server awaits it through asyncio). Each
 request samples with its own generator, so its tokens do not depend on its batch-mates.
 Weight updates take `engine.lock`, which the loop holds during a step, so weights never change inside one.
@@ -39,11 +44,12 @@ import torch
 from rlflow.engines.core.config import KVCacheConfig
 from rlflow.engines.core.sampling import SamplingParams, sample_rows, scaled_logits
 from rlflow.engines.core.trace import TraceRecorder, now_us
-from rlflow.engines.models.decoder import DecoderLM, DecodeRunner
+from rlflow.engines.models.decoder import DecoderLM, DecodeRunner, SequenceImages
 from rlflow.engines.models.head_math import head_logprobs
 from rlflow.engines.models.kv_pages import PagedKVCache
 from rlflow.engines.models.transfer import to_device
 from rlflow.engines.models.triton_kernels import triton_kernel
+from rlflow.engines.models.vision_encoder import PromptImages, VisionEncoder
 
 CPU_POOL_TOKENS = 65536  # the page pool on CPU unless kv_cache.tokens says otherwise
 QUEUE_TID = 0  # trace lane of queued requests and weight updates; page-table row s is lane s + 1
@@ -103,6 +109,7 @@ class Request:
     admitted: int = -1  # admission order (the newest running request is the one preempted)
     preemptions: int = 0
     routed: np.ndarray | None = None  # the experts recorded before a preemption (its re-prefill recomputes them)
+    images: PromptImages | None = None  # a vision-language prompt's images (VisionEncoder.prepare)
     _uniforms: list[float] = field(default_factory=list)
 
     @property
@@ -114,6 +121,16 @@ class Request:
     def tokens(self) -> list[int]:
         """What a (re)admission prefills: the prompt and the output so far."""
         return self.prompt + self.output_ids
+
+    @property
+    def image_key(self) -> tuple[str, ...]:
+        """Its images' digests: with the tokens, what a shared prefill must agree on (pad ids of images are equal)."""
+        return () if self.images is None else self.images.digests
+
+    @property
+    def rope_delta(self) -> int:
+        """The M-RoPE offset of its generated tokens' positions (0 without images)."""
+        return 0 if self.images is None else self.images.delta
 
     def uniform(self) -> float:
         """The request's next random number, drawn from its own generator 64 at a time (one draw per sampled
@@ -151,20 +168,26 @@ class _Prefill:
     admitted: int
     done: int = 0
 
+    @property
+    def images(self) -> PromptImages | None:
+        return self.requests[0].images
+
 
 class ContinuousBatchEngine:
     def __init__(self, lm: DecoderLM, tokenizer, max_running: int, max_len: int | None, trace: TraceRecorder,
                  weight_version: Callable[[], int], weights_ready: Callable[[], bool],
                  kv: KVCacheConfig | None = None, max_prefill_tokens: int = 16384, compile: bool = False,
-                 record_routing: bool = False, cuda_graphs: bool = True):
+                 record_routing: bool = False, cuda_graphs: bool = True, vision: VisionEncoder | None = None):
         """`max_len`: longest prompt + response (None: the model's positions); the page pool may cap it.
         `max_prefill_tokens`: padded tokens per prefill forward. `compile`: on CUDA, the decode step is compiled
         with torch.compile before it is captured (DecodeRunner). `record_routing`: an MoE model's expert choice
         of every token is recorded and returned with each Generation (routing replay, R3). `cuda_graphs`: capture
-        decode steps on CUDA where the model allows (off: every step launched eagerly, what a benchmark compares)."""
+        decode steps on CUDA where the model allows (off: every step launched eagerly, what a benchmark compares).
+        `vision`: a vision-language model's encoder, which requests with images need."""
         if record_routing and lm.routing_shape is None:
             raise ValueError("rollout record_routing: the model has no MoE layers (routing replay needs an MoE model)")
         self.record_routing = record_routing
+        self.vision = vision
         self.lm, self.tokenizer, self.trace = lm, tokenizer, trace
         self.kv = kv or KVCacheConfig()
         self.max_prefill_tokens = max_prefill_tokens
@@ -258,12 +281,14 @@ class ContinuousBatchEngine:
         return (self.num_pages - 1) * self.kv.page_size
 
     def stats(self) -> dict[str, int]:
-        """The paged cache's counters: pages in use now and at most since the cache was made, preemptions."""
+        """The paged cache's counters: pages in use now and at most since the cache was made, preemptions (and a
+        vision-language model's vision-encoder calls)."""
         cache = self._cache  # read once: a flush or a failed step may drop it meanwhile
         alloc = cache.allocator if cache is not None else None
         return {"kv_pages": self.num_pages - 1, "kv_page_size": self.kv.page_size,
                 "kv_pages_used": alloc.num_used if alloc else 0, "kv_pages_peak": alloc.peak_used if alloc else 0,
-                "num_preemptions": self.preemptions}
+                "num_preemptions": self.preemptions,
+                **({"vision_encoder_calls": self.vision.calls} if self.vision is not None else {})}
 
     def counters(self) -> EngineCounters:
         """The engine's load and totals for a metrics scrape: cheap (no step is waited for), so a scrape never
@@ -353,7 +378,9 @@ class ContinuousBatchEngine:
         positions = [len(r.prompt) + len(r.output_ids) for r in running]  # where each new token goes
         temps = [r.params.temperature for r in running]
         uniforms = [r.uniform() if t > 0 else 0.0 for r, t in zip(running, temps, strict=True)]
-        ints = to_device([slots, positions], torch.long, dev)
+        offsets = [r.rope_delta for r in running] if self.lm.mrope_section else None
+        ints = to_device([slots, positions] + ([offsets] if offsets else []), torch.long, dev)
+        rope = ints[2] if offsets else None
         floats = to_device([uniforms, temps], torch.float64, dev)
         tokens, logps = self._sample(running, ints[0], floats[0], floats[1], temps)
         version = self.weight_version()  # this step's decode's (a weight update waits for `lock`, between steps)
@@ -364,7 +391,7 @@ class ContinuousBatchEngine:
             tokens_host, logps_host = tokens.to("cpu", non_blocking=True), logps.to("cpu", non_blocking=True)
             sampled = torch.cuda.Event()
             sampled.record()
-            self._runner.run(ints[0], tokens, ints[1], max(slots) + 1, max(positions) + 1)
+            self._runner.run(ints[0], tokens, ints[1], max(slots) + 1, max(positions) + 1, rope)
             sampled.synchronize()  # the tokens are here; the decode goes on
             tokens, logps = tokens_host, logps_host
         still, keep = self._emit(running, tokens.tolist(), logps.tolist())
@@ -372,7 +399,7 @@ class ContinuousBatchEngine:
             self._running = still
         if still and not self._overlap:
             self._runner.run(ints[0, keep], tokens[keep], ints[1, keep], max(r.slot for r in still) + 1,
-                             max(positions[i] for i in keep) + 1)
+                             max(positions[i] for i in keep) + 1, None if rope is None else rope[keep])
 
     def _drop_aborted(self) -> None:
         """Finish the admitted requests whose abort was asked for, with the tokens they have."""
@@ -488,10 +515,11 @@ class ContinuousBatchEngine:
                     else:
                         self._finish(r, {"type": "length", "length": 0})
                     continue
-                tokens = r.tokens
+                tokens, images = r.tokens, r.image_key
                 group = [r]
                 for other in itertools.islice(self._waiting, 1, len(self._free) if self.kv.share_prompts else 1):
-                    if other.tokens != tokens or self._reject(other) is not None or other.params.max_new_tokens == 0:
+                    if (other.tokens != tokens or other.image_key != images or self._reject(other) is not None
+                            or other.params.max_new_tokens == 0):
                         break
                     group.append(other)
                 full, per = len(tokens) // size, int(len(tokens) % size > 0)
@@ -531,13 +559,13 @@ class ContinuousBatchEngine:
                 whole.append(work)
                 continue
             logits = self.lm.prefill(self._cache, [work.tokens[work.done:work.done + n]], [work.done], [work.pages],
-                                     [[r.slot for r in work.requests]])
+                                     [[r.slot for r in work.requests]], [self._images(work)])
             work.done += n
             if work.done == len(work.tokens):
                 done.append((work, logits[0]))
         for chunk in _prefill_chunks(whole, self.max_prefill_tokens):
             logits = self.lm.prefill(self._cache, [w.tokens for w in chunk], [0] * len(chunk), [w.pages for w in chunk],
-                                     [[r.slot for r in w.requests] for w in chunk])
+                                     [[r.slot for r in w.requests] for w in chunk], [self._images(w) for w in chunk])
             for w, row in zip(chunk, logits, strict=True):
                 w.done = len(w.tokens)
                 done.append((w, row))
@@ -552,6 +580,10 @@ class ContinuousBatchEngine:
         rows = to_device([i for i, (w, _) in enumerate(done) for _ in w.requests], torch.long, self.lm.device)
         logits = torch.stack([row for _, row in done])
         self._logits[dest] = logits[rows].to(self._logits.dtype)  # exact: they were computed in that dtype
+
+    def _images(self, work: _Prefill) -> SequenceImages | None:
+        """The prefill's image embeddings and M-RoPE positions (the vision encoder runs for images not cached)."""
+        return None if work.images is None else self.vision.sequence(work.images)
 
     def _start(self, work: _Prefill, version: int) -> None:
         """The group's prefill is cached: every member takes the full pages (shared) and its own copy of the
@@ -626,6 +658,8 @@ class ContinuousBatchEngine:
                                 "update began and has not finished; update them first")
         if not r.prompt:
             return ValueError("input_ids: the prompt is empty")
+        if r.images is not None and self.vision is None:
+            return ValueError("image_data: the model is not a vision-language model (Qwen2-VL, Qwen2.5-VL)")
         if len(r.prompt) >= self.max_len:
             return ValueError(f"input_ids: the prompt has {len(r.prompt)} tokens, the context holds {self.max_len}")
         return None

@@ -33,6 +33,7 @@ import numpy as np
 
 from rlflow.engines.data.rewards import load_callable
 from rlflow.engines.models.routing import routing_from_text
+from rlflow.engines.models.vision_language import IMAGE_PAD
 from rlflow.engines.rollout.http_api import DEFAULT_WEIGHT_VERSION, auth_headers, parse_weight_version
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -60,6 +61,10 @@ class PromptSample:
     # routing replay r3: ask the engine for each token's experts (generate's return_routed_experts) and keep them
     # in Sample.routed_experts
     record_routing: bool = False
+    # vision-language prompts: the images' content digests (sha256 hex, the run store's keys), in prompt order, and
+    # the same images as /generate's `image_data` takes them (base64 data URIs); empty for text prompts
+    images: list[str] = field(default_factory=list)
+    image_data: list[str] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -118,12 +123,20 @@ def check_group(samples: Any, prompt: PromptSample, name: str) -> list[Sample]:
 
 # ---- talking to the router ------------------------------------------------------------------------------
 async def generate(router_url: str, input_ids: Sequence[int], sampling_params: dict, *,
-                   return_logprob: bool = True, return_routed_experts: bool = False) -> dict:
+                   return_logprob: bool = True, return_routed_experts: bool = False,
+                   image_data: Sequence[str] | None = None, image_pad_id: int | None = None) -> dict:
     """One SGLang /generate item for `input_ids`: {"text", "output_ids", "meta_info"}. Calls pending on the
     same event loop are sent together as batched requests (SGLang's list form of input_ids).
-    `return_routed_experts`: meta_info.routed_experts holds each token's experts (routing replay r3)."""
-    return await _batcher(router_url).submit(list(input_ids), dict(sampling_params), return_logprob,
-                                             return_routed_experts)
+    `return_routed_experts`: meta_info.routed_experts holds each token's experts (routing replay r3).
+    `image_data`: the prompt's images (vision-language models: base64 data URIs, as PromptSample.image_data), in the
+    order of its image placeholders; None or empty for a text prompt (whose request then has no image_data).
+    `image_pad_id`: with images, each run of this token is sent as one (SGLang's form, which expands it from the
+    image's grid; the embedded server takes both forms). The item's output is the same either way."""
+    ids = list(input_ids)
+    if image_data and image_pad_id is not None:
+        ids = [t for i, t in enumerate(ids) if t != image_pad_id or i == 0 or ids[i - 1] != image_pad_id]
+    return await _batcher(router_url).submit(ids, dict(sampling_params), return_logprob, return_routed_experts,
+                                             list(image_data or []))
 
 
 def sample_from_item(item: dict) -> Sample:
@@ -145,12 +158,22 @@ async def single_turn(prompt: PromptSample, router_url: str, sampling_params: di
     """The default rollout: n independent completions of the prompt, each with its own sampling seed."""
     items = await asyncio.gather(*(
         generate(router_url, prompt.prompt_ids, sampling_params | {"sampling_seed": prompt.seed + j},
-                 return_routed_experts=prompt.record_routing)
+                 return_routed_experts=prompt.record_routing, image_data=prompt.image_data or None,
+                 image_pad_id=_image_pad_id(prompt))
         for j in range(prompt.n)
     ))
     # the reward decodes the tokens itself (models.hf.decode_responses): the server's text drops special tokens, so
     # a response ending in `<unk>` instead of EOS would read, and score, as the answer
     return [replace(sample_from_item(item), response=None) for item in items]
+
+
+def _image_pad_id(prompt: PromptSample) -> int | None:
+    """The image pad token of a prompt with images, from its tokenizer (None without either): `generate` then sends
+    SGLang's one pad per image, which a real SGLang behind the router needs."""
+    if not prompt.image_data or prompt.tokenizer is None:
+        return None
+    pad = prompt.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    return pad if isinstance(pad, int) and pad != prompt.tokenizer.unk_token_id else None
 
 
 def outstanding_rids(tag: str) -> list[str]:
@@ -193,13 +216,14 @@ class _Batcher:
 
     def __init__(self, url: str, parts: int, batched: bool = True):
         self.url, self.parts, self.batched = url, parts, batched
-        self.pending: list[tuple[list[int], dict, bool, str, str | None, bool, asyncio.Future]] = []
+        # (input_ids, sampling params, return_logprob, rid, group, routed, images, future)
+        self.pending: list[tuple[list[int], dict, bool, str, str | None, bool, list[str], asyncio.Future]] = []
         self.session: aiohttp.ClientSession | None = None
         prefix = uuid.uuid4().hex[:8]  # request ids unique across batchers and runs sharing a server
         self._rids = (f"{prefix}-{i}" for i in itertools.count())
 
-    async def submit(self, input_ids: list[int], params: dict, return_logprob: bool, routed: bool = False
-                     ) -> dict:
+    async def submit(self, input_ids: list[int], params: dict, return_logprob: bool, routed: bool = False,
+                     images: list[str] | None = None) -> dict:
         tag = REQUEST_TAG.get()
         if tag in _ABORTED:
             return _aborted_item(input_ids)
@@ -209,7 +233,7 @@ class _Batcher:
         fut = asyncio.get_running_loop().create_future()
         if not self.pending:
             asyncio.get_running_loop().call_soon(self._flush)
-        self.pending.append((input_ids, params, return_logprob, rid, REQUEST_GROUP.get(), routed, fut))
+        self.pending.append((input_ids, params, return_logprob, rid, REQUEST_GROUP.get(), routed, images or [], fut))
         try:
             return await fut
         finally:
@@ -241,6 +265,10 @@ class _Batcher:
                 body["lora_path"] = adapter
         if any(it[5] for it in items):  # a request-wide flag, sent only when asked (a plain SGLang server has it too)
             body["return_routed_experts"] = True
+        if any(it[6] for it in items):  # only with images: a text request stays as it was
+            # a list for every item, [] for a text one: SGLang reads a batch's image_data as one list per request only
+            # when its first entry is a list (docs/multimodal.md)
+            body["image_data"] = [it[6] for it in items] if self.batched else items[0][6]
         try:
             if self.session is None or self.session.closed:
                 self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),

@@ -63,6 +63,26 @@ def sampling_params(raw: dict[str, Any] | None, where: str = "sampling_params") 
         raise BadRequest(f"{where}: {exc}") from None
 
 
+def image_items(raw: Any, prompts: int, batched: bool) -> list[list[str] | None] | None:
+    """/generate's image_data as a list per prompt (None: no images). SGLang's forms: for one request a list of
+    images or one image as a string; for a batch a list with an entry per prompt, each of those forms or null."""
+    if raw is None:
+        return None
+    if not batched:
+        raw = [raw]
+    if not isinstance(raw, list) or len(raw) != prompts:
+        raise BadRequest(f"image_data: expected a list of {prompts} entries (one per prompt), got "
+                         f"{len(raw) if isinstance(raw, list) else type(raw).__name__}")
+    out: list[list[str] | None] = []
+    for i, item in enumerate(raw):
+        item = [item] if isinstance(item, str) else item
+        if item is not None and not (isinstance(item, list) and all(isinstance(x, str) for x in item)):
+            raise BadRequest(f"image_data{f'[{i}]' if batched else ''}: expected an image (a data URI, base64 or a "
+                             "path) or a list of them")
+        out.append(item or None)
+    return out
+
+
 class EngineClient:
     """The asyncio side of one backend's engine."""
 
@@ -93,10 +113,14 @@ class EngineClient:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def requests(self, prompts: list[list[int]], params: SamplingParams, seed: int | None,
-                 rid: str | None = None) -> list[Request]:
+                 rid: str | None = None, images: list[list[str]] | None = None) -> list[Request]:
+        """The backend's requests; `images` per prompt (vision-language models: images that do not match the
+        prompt's placeholders are a bad request)."""
         try:
-            return self.backend.requests(prompts, params, seed, rid)
-        except RuntimeError as exc:
+            if images is None:  # text-only backends (and tests' stand-ins) take no images argument
+                return self.backend.requests(prompts, params, seed, rid)
+            return self.backend.requests(prompts, params, seed, rid, image_data=images)
+        except (RuntimeError, ValueError) as exc:
             raise BadRequest(str(exc)) from None
 
     async def run(self, requests: list[Request]) -> list[Generation]:

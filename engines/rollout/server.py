@@ -29,6 +29,7 @@ from rlflow.engines.rollout.http_api import (
     check_fields,
     fast_json,
     finite,
+    image_items,
     read_json,
     require_token,
     sampling_params,
@@ -42,10 +43,10 @@ from rlflow.engines.rollout.weight_routes import add_weight_routes
 
 # /generate fields the embedded server reads; others it accepts only at their no-op default
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream", "lora_path",
-                   "return_routed_experts"}
+                   "return_routed_experts", "image_data"}
 # (sglang-router 0.3.2 fills in model, background, no_logs, return_bytes, return_entropy, ... on every request)
 GENERATE_NO_OP = {"logprob_start_len": -1, "top_logprobs_num": 0, "return_text_in_logprobs": False,
-                  "log_metrics": True, "return_hidden_states": False, "image_data": None,
+                  "log_metrics": True, "return_hidden_states": False,
                   "custom_logit_processor": None, "session_params": None, "token_ids_logprob": None, "model": None,
                   "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
 
@@ -82,6 +83,7 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
         return_logprob = body.get("return_logprob") or False
         if isinstance(return_logprob, list) and len(return_logprob) != len(prompts):
             raise BadRequest(f"return_logprob: {len(return_logprob)} flags for {len(prompts)} prompts")
+        images = image_items(body.get("image_data"), len(prompts), batched)
         routed = bool(body.get("return_routed_experts"))
         if routed and not backend.engine.record_routing:
             raise BadRequest("return_routed_experts: this server does not record expert routing (the rollout workers "
@@ -89,7 +91,7 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
         requests, logprob_of = [], []
         for i, (prompt, raw, rid) in enumerate(zip(prompts, per_item, rids, strict=True)):
             params, seed = sampling_params(raw, "sampling_params" + (f"[{i}]" if isinstance(raw_params, list) else ""))
-            new = client.requests([prompt], params, seed, rid)
+            new = client.requests([prompt], params, seed, rid, None if images is None else [images[i]])
             requests += new
             flag = return_logprob[i] if isinstance(return_logprob, list) else return_logprob
             logprob_of += [bool(flag)] * len(new)

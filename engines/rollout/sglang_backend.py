@@ -25,6 +25,18 @@ server with `--enable-lora --max-lora-rank R --lora-target-modules ...`). SGLang
 `/update_weights_from_tensor` is not used: its payload is pickled.
 The tests launch the embedded server (`python -m rlflow.engines.rollout.launch`, same routes and flag names) in
 SGLang's place, since SGLang cannot be installed where they run.
+
+Vision-language models (Qwen2-VL, Qwen2.5-VL), as sglang 0.5.10.post1's source has them (docs/multimodal.md, "SGLang"):
+- `/generate` takes a prompt's images in `image_data` (here base64 data URIs), batched as one list per request; its
+  processor decodes `input_ids` to text and expands each `<|vision_start|><|image_pad|><|vision_end|>` with the
+  model's processor, which indexes one image per `<|image_pad|>`. rlflow's prompt ids hold the pad once per merged
+  patch (what the model sees), so each run of pads is sent as one (`collapse_image_pads`); SGLang's
+  `meta_info.prompt_tokens` counts the expanded prompt again, and must equal ours (else its image processor or
+  tokenizer differs from the trainer's: the request fails, naming both counts).
+- SGLang's Qwen2-VL modules are named as the checkpoint on disk (`model.layers.*`, `visual.*`, `lm_head.*`) and its
+  `load_weights` renames nothing else, while transformers 5 names them `model.language_model.*` and `model.visual.*`:
+  every weight update is sent under the checkpoint names (`sglang_weight_name`). rlflow's embedded launcher keeps
+  transformers' names and the expanded pads, as its own engine takes them.
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +67,7 @@ from rlflow.engines.core.config import SGLANG_LAUNCHERS, SGLangConfig, StorageCo
 from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.core.sglang_args import server_dtype, weight_update_ranks
+from rlflow.engines.models.vision_language import is_vision_language
 from rlflow.engines.rollout.engine import Generation
 from rlflow.engines.rollout.http_api import MEMORY_TAGS, auth_headers, parse_weight_version
 from rlflow.engines.rollout.lora import LoraLimits
@@ -123,15 +136,114 @@ def _arg(value: Any) -> str:
     return json.dumps(value) if isinstance(value, dict) else str(value)
 
 
+def safetensors_header(path: str | Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets; and `__metadata__`) and where its data
+    starts."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size)), 8 + size
+
+
 def safetensors_bytes(folder: str | Path) -> int:
     """Bytes of the tensors in a folder's *.safetensors files, from their headers (nothing is loaded)."""
     total = 0
     for path in Path(folder).glob("*.safetensors"):
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
+        header, _ = safetensors_header(path)
         total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
     return total
+
+
+# transformers 5's module names of Qwen2-VL / Qwen2.5-VL -> the checkpoint's, which SGLang's model classes use
+# (sglang 0.5.10.post1 srt/models/qwen2_vl.py:458-478 and qwen2_5_vl.py:604-633 build `visual`, `model`, `lm_head`;
+# their load_weights, qwen2_vl.py:573 and qwen2_5_vl.py:792, rename only q/k/v, gate/up and visual `attn.qkv`)
+SGLANG_VL_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def sglang_weight_name(name: str) -> str:
+    """A vision-language weight's name as SGLang's Qwen2-VL / Qwen2.5-VL load it: the checkpoint's
+    (`model.language_model.layers.0...` -> `model.layers.0...`, `model.visual.blocks...` -> `visual.blocks...`)."""
+    for module, checkpoint in SGLANG_VL_PREFIXES:
+        if name.startswith(module):
+            return checkpoint + name[len(module):]
+    return name
+
+
+def renamed_safetensors(src: str | Path, dst: str | Path, rename: Callable[[str], str]) -> bool:
+    """Copy the *.safetensors files of folder `src` into `dst` with every tensor renamed by `rename`: the header is
+    written anew, the data bytes are copied as they are. False, and nothing written, when no name changes."""
+    files = sorted(Path(src).glob("*.safetensors"))
+    headers = [safetensors_header(f) for f in files]
+    if all(rename(k) == k for h, _ in headers for k in h if k != "__metadata__"):
+        return False
+    Path(dst).mkdir(parents=True, exist_ok=True)
+    for path, (header, start) in zip(files, headers, strict=True):
+        renamed = {k if k == "__metadata__" else rename(k): v for k, v in header.items()}
+        if len(renamed) != len(header):
+            raise ValueError(f"{path}: two tensors take one name once renamed for SGLang")
+        text = json.dumps(renamed, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data stays 8-byte aligned, as safetensors writes it
+        with open(path, "rb") as f, open(Path(dst) / path.name, "wb") as out:
+            out.write(struct.pack("<Q", len(text)) + text)
+            f.seek(start)
+            shutil.copyfileobj(f, out)
+    return True
+
+
+def image_token_id(model_path: str | Path) -> int | None:
+    """The image pad token id of a vision-language model directory (config.json's `image_token_id`); None for a
+    text model."""
+    if not is_vision_language(model_path):
+        return None
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if "image_token_id" not in config:
+        raise ValueError(f"{model_path}/config.json: a vision-language model without image_token_id")
+    return int(config["image_token_id"])
+
+
+def collapse_image_pads(ids: Sequence[int], pad_id: int) -> list[int]:
+    """`ids` with every run of the image pad token cut to one pad: the form SGLang's processor expands (one
+    `<|image_pad|>` per image between vision start and end), from rlflow's, which repeats it per merged patch."""
+    return [t for i, t in enumerate(ids) if t != pad_id or i == 0 or ids[i - 1] != pad_id]
+
+
+def generate_body(prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int,
+                  image_data: Sequence[Sequence[str]] | None = None, pad_id: int | None = None) -> dict:
+    """SGLang's batched /generate for `params.n` requests per prompt (prompt-major), each with its sampling_seed.
+    `image_data`: one list of images per prompt ([] for a text prompt); sent, one list per request, only when some
+    prompt has images, and then each prompt's pad runs are collapsed when `pad_id` is given (SGLang's form)."""
+    one = params.model_dump(exclude={"n"})
+    n = params.n
+    ids = [list(p) for p in prompts for _ in range(n)]
+    body: dict[str, Any] = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "sampling_params": [one | {"sampling_seed": request_seed(seed, i)} for i in range(len(ids))],
+    }
+    if image_data is None or not any(image_data):
+        return body
+    if len(image_data) != len(prompts):
+        raise ValueError(f"image_data: {len(image_data)} lists of images for {len(prompts)} prompts; expected one "
+                         "list per prompt ([] for a text prompt)")
+    if pad_id is not None:
+        body["input_ids"] = [collapse_image_pads(p, pad_id) for p in prompts for _ in range(n)]
+        for i, (p, images) in enumerate(zip(body["input_ids"][::n], image_data, strict=True)):
+            if p.count(pad_id) != len(images):
+                raise ValueError(f"image_data: prompt {i} places {p.count(pad_id)} images and has {len(images)}")
+    # a list for every request, [] for a text one: SGLang reads image_data as a list of lists only when its first
+    # entry is a list (io_struct.py _normalize_image_data); a None first would wrap every entry as one image
+    body["image_data"] = [list(images) for images in image_data for _ in range(n)]
+    return body
+
+
+def check_prompt_tokens(prompt: Sequence[int], item: dict, where: str) -> None:
+    """SGLang counts a prompt with images as its processor expanded it (meta_info.prompt_tokens); a count that
+    differs from rlflow's means its image processor (min/max pixels) or tokenizer differs from the trainer's, and the
+    log-probs it returns were computed on another prompt."""
+    got = item["meta_info"].get("prompt_tokens")
+    if got is not None and got != len(prompt):
+        raise RuntimeError(f"rollout.sglang: {where}: SGLang expanded the prompt with its images to {got} tokens, "
+                           f"rlflow's processor to {len(prompt)}: the server's image processor "
+                           "(preprocessor_config.json) or tokenizer differs from the trainer's")
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -199,6 +311,10 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         self._http = httpx.Client(timeout=httpx.Timeout(None, connect=10))
         self._host, self._token = host, token
         self._weight_bytes = safetensors_bytes(self.model_path)
+        # a vision-language model's image pad token; SGLang (not rlflow's embedded launcher) takes its prompts with one
+        # pad per image and its weights under checkpoint names (the module's docstring)
+        self.image_token_id = image_token_id(self.model_path)
+        self.sglang_forms = self.image_token_id is not None and self.cfg.launch_module != EMBEDDED_LAUNCHER
         self._update_bytes = 0  # received by the buckets of the update in progress (end_weight_update counts them)
         atexit.register(self.close)
         self.start_server(host, token=token)
@@ -415,7 +531,25 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
     def update_weights_from_disk(self, path: str | Path, version: int) -> int:
         """The server loads every *.safetensors file of the local folder `path` (HF names; all weights or some)
         and numbers its weights `version` (SGLang's /update_weights_from_disk). SGLang then reports `path` as its
-        model_path: the folder must stay until the next update (the disk transport and `update_weights` keep it)."""
+        model_path: the folder must stay until the next update (the disk transport and `update_weights` keep it).
+        A vision-language model's files under transformers' names are loaded from a copy of this worker's under
+        SGLang's names (`renamed_safetensors`), kept as `update_weights` keeps its folders."""
+        if not self.sglang_forms:
+            return self._load_from_disk(path, version)
+        renamed = Path(tempfile.mkdtemp(prefix="weights-", dir=self._dir))
+        try:
+            if not renamed_safetensors(path, renamed, sglang_weight_name):
+                renamed.rmdir()
+                return self._load_from_disk(path, version)
+            self._load_from_disk(renamed, version)
+        except BaseException:
+            shutil.rmtree(renamed, ignore_errors=True)
+            raise
+        self._keep_loaded(renamed)
+        return version
+
+    def _load_from_disk(self, path: str | Path, version: int) -> int:
+        """POST /update_weights_from_disk for a folder whose names the server takes as they are."""
         t0 = time.perf_counter()
         self._resume(["weights"])
         r = self._post(
@@ -436,15 +570,24 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         version = self.weight_version if version is None else version
         folder = Path(tempfile.mkdtemp(prefix="weights-", dir=self._dir))
         try:
-            save_file({n: t.detach().cpu().contiguous() for n, t in named_tensors}, str(folder / "model.safetensors"))
-            loaded = self.update_weights_from_disk(folder, version)
+            tensors = {self._server_name(n): t.detach().cpu().contiguous() for n, t in named_tensors}
+            save_file(tensors, str(folder / "model.safetensors"))
+            loaded = self._load_from_disk(folder, version)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
+        self._keep_loaded(folder)
+        return loaded
+
+    def _keep_loaded(self, folder: Path) -> None:
+        """`folder`, of this worker's, is the server's model_path now: the one it loaded before goes."""
         previous, self._loaded_dir = self._loaded_dir, folder
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
-        return loaded
+
+    def _server_name(self, name: str) -> str:
+        """A weight's name as this server loads it (SGLang's checkpoint names for a vision-language model)."""
+        return sglang_weight_name(name) if self.sglang_forms else name
 
     def update_weights_from_store(self, storage: StorageConfig, run: str, version: int, index: int) -> int:
         """Bucket `index` of weight version `version` from the run store (the `store` transport)."""
@@ -481,7 +624,8 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         them (broadcast_weights); SGLang's /update_weights_from_distributed."""
         t0 = time.perf_counter()
         self._resume(["weights"])
-        self._post("/update_weights_from_distributed", update_request(names, dtypes, shapes, version, group_name))
+        sent = [self._server_name(n) for n in names]
+        self._post("/update_weights_from_distributed", update_request(sent, dtypes, shapes, version, group_name))
         self._update_bytes += sum(
             math.prod(s) * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes, strict=True)
         )
@@ -554,22 +698,28 @@ class SGLangRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, Distribu
         self.weight_version = version
 
     # ---- generation ------------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+                 image_data: Sequence[Sequence[str]] | None = None) -> list[Generation]:
         """One batched /generate with `params.n` requests per prompt (prompt-major), each with its own
-        sampling_seed derived from (seed, index); returns when all finished."""
+        sampling_seed derived from (seed, index); returns when all finished. `image_data`: each prompt's images
+        (base64 data URIs, as PromptSample.image_data; [] for a text prompt) for a vision-language model, whose
+        prompts hold each image's pad token once per merged patch; the Generations keep those prompts."""
         if not prompts:
             return []
+        if image_data is not None and any(image_data) and self.image_token_id is None:
+            raise ValueError(f"image_data: {self.model_path} is not a vision-language model (config.json model_type)")
         seed = random.getrandbits(63) if seed is None else seed
-        one = params.model_dump(exclude={"n"})
-        ids = [list(p) for p in prompts for _ in range(params.n)]
-        body = {
-            "input_ids": ids,
-            "return_logprob": True,
-            "sampling_params": [one | {"sampling_seed": request_seed(seed, i)} for i in range(len(ids))],
-        }
+        pad = self.image_token_id if self.sglang_forms else None
+        body = generate_body(prompts, params, seed, image_data, pad)
         answers = self._post("/generate", body).json()
-        return [generation_from_item(prompt, a) for prompt, a in zip(ids, answers, strict=True)]
+        ids = [list(p) for p in prompts for _ in range(params.n)]
+        gens = [generation_from_item(prompt, a) for prompt, a in zip(ids, answers, strict=True)]
+        if "image_data" in body:
+            for i, (prompt, a) in enumerate(zip(ids, answers, strict=True)):
+                check_prompt_tokens(prompt, a, f"/generate request {i}")
+        return gens
 
-    def generate_packed(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> dict:
+    def generate_packed(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+                        image_data: Sequence[Sequence[str]] | None = None) -> dict:
         """`generate`, as the flat arrays the RL loop moves over Ray (torch_backend.pack_generations)."""
-        return pack_generations(self.generate(prompts, params, seed))
+        return pack_generations(self.generate(prompts, params, seed, image_data))

@@ -11,6 +11,10 @@ LoRA (`lora`, SGLang's adapter routes): the engine serves one adapter at a time,
 FP8 (`fp8`, rollout.precision fp8): the dense projections live in e4m3 outside the flat buffer
 (engines/models/fp8.py); updates by name quantize them as they arrive, and so does cuda_ipc from one train rank.
 The transports that write bf16 straight into the flat buffer (nccl, a sharded trainer's cuda_ipc) are refused.
+
+Vision-language models (Qwen2-VL, Qwen2.5-VL): requests may carry images (`image_data` per prompt: encoded bytes, data
+URIs, base64 or local paths), checked against the prompt's pad tokens when the request is made; the vision encoder
+(engines/models/vision_encoder.py) runs once per distinct image, and its cache is cleared by every weight update.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from rlflow.engines.models.decoder import DecoderLM
 from rlflow.engines.models.flat_weights import flat_span, flatten_, fusable_order
 from rlflow.engines.models.hf import load_model, load_tokenizer
 from rlflow.engines.models.moe import checkpoint_named
+from rlflow.engines.models.vision_encoder import PromptImages, VisionEncoder
+from rlflow.engines.models.vision_language import VisionProcessor, is_vision_language
 from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Generation, Request, request_generator
 from rlflow.engines.rollout.http_api import auth_headers
 from rlflow.engines.rollout.lora import LoraLimits, MergedAdapter, host_copy, read_adapter
@@ -59,6 +65,9 @@ from rlflow.engines.sync.nccl import NcclChannel
 from rlflow.engines.sync.store import get_bucket
 
 __all__ = ["Generation", "TorchRolloutBackend", "pack_generations", "concat_packed", "split_packed"]
+
+# per prompt, its images (encoded bytes, data URIs, base64 or local paths) or None; None for a text-only call
+PromptsImages = Sequence[Sequence[str | bytes] | None] | None
 
 
 class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiver, NcclReceiver,
@@ -123,11 +132,13 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         # per-request timeline (engines/core/trace.py): off unless the run traces; the driver drains it
         self.trace = TraceRecorder(f"rollout-{rank}", enabled=trace)
         self.trace.name_thread(QUEUE_TID, "queue, weight updates, preemptions")  # then a lane per page-table row
+        self.vision = (VisionEncoder(self.model, VisionProcessor(model_path, tokenizer=self.tokenizer))
+                       if is_vision_language(self.model.config) else None)
         self.engine = ContinuousBatchEngine(
             lm, self.tokenizer, max_running=batch_size, max_len=context_len, trace=self.trace,
             weight_version=lambda: self.weight_version,
             weights_ready=lambda: not self._released and self._awaiting_write is None, kv=kv_cache, compile=compile,
-            record_routing=record_routing, cuda_graphs=cuda_graphs,
+            record_routing=record_routing, cuda_graphs=cuda_graphs, vision=self.vision,
         )
         self.server = None  # rlflow.engines.rollout.server.RolloutServer once start_server() ran
         self._own_client = None  # httpx.Client for the routes this worker drives on its own server
@@ -439,6 +450,8 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         """An update (a transport's bucket, a route's call, an adapter merge) ended: its seconds for
         last_update_seconds and /metrics."""
         self.last_update_s = time.perf_counter() - start_s
+        if self.vision is not None:  # a trained vision tower changes what the cached embeddings would be
+            self.vision.clear()
         self.weight_updates += 1
         self.weight_update_seconds += self.last_update_s
 
@@ -455,34 +468,54 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
 
     # ---- generation ----------------------------------------------------------------------------------
     def requests(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
-                 rid: str | None = None, first_index: int = 0) -> list[Request]:
+                 rid: str | None = None, first_index: int = 0, image_data: PromptsImages = None
+                 ) -> list[Request]:
         """`params.n` requests per prompt, prompt-major. Request i samples from generator (seed, first_index + i):
         its tokens do not depend on what else runs in the batch, and a slice of a larger call given its offset as
-        `first_index` samples what that call would (the evaluate flow's shards). No seed: fresh randomness."""
+        `first_index` samples what that call would (the evaluate flow's shards). No seed: fresh randomness.
+        `image_data[i]`: prompt i's images (vision-language models; ValueError when they do not match its tokens)."""
         if self._released:
             raise RuntimeError("generate: the weights were released (release_memory_occupation); resume and "
                                "update them first")
         seed = random.getrandbits(63) if seed is None else seed
         one = params.model_copy(update={"n": 1})
+        per_prompt = self._prompt_images(prompts, image_data)
         out = []
         for i, prompt in enumerate(prompts):
             for j in range(params.n):
                 index = i * params.n + j
                 kwargs = {} if rid is None else {"rid": rid if len(prompts) * params.n == 1 else f"{rid}_{index}"}
-                out.append(Request(list(prompt), one, request_generator(seed, first_index + index), **kwargs))
+                ids = prompt if per_prompt[i] is None else per_prompt[i].prompt_ids  # pads expanded
+                out.append(Request(list(ids), one, request_generator(seed, first_index + index),
+                                   images=per_prompt[i], **kwargs))
         return out
 
+    def _prompt_images(self, prompts: list[list[int]], images: PromptsImages
+                       ) -> list[PromptImages | None]:
+        """Each prompt's images checked against its tokens (VisionEncoder.prepare), None where it has none."""
+        if images is None or not any(images):
+            return [None] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"image_data: {len(images)} items for {len(prompts)} prompts")
+        if self.vision is None:
+            raise ValueError(f"image_data: the model at {self.model_path} is not a vision-language model "
+                             "(Qwen2-VL, Qwen2.5-VL)")
+        where = "image_data" if len(prompts) == 1 else "image_data[{}]"
+        return [self.vision.prepare(p, im, where.format(i)) if im else None
+                for i, (p, im) in enumerate(zip(prompts, images, strict=True))]
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
-                 first_index: int = 0) -> list[Generation]:
+                 first_index: int = 0, image_data: PromptsImages = None) -> list[Generation]:
         """Generate for all prompts on the continuous-batching engine (admitted in order, `batch_size` at a
-        time); blocks until every request finished. `first_index`: as in `requests`."""
-        futures = self.engine.submit(self.requests(prompts, params, seed, first_index=first_index))
+        time); blocks until every request finished. `first_index`, `image_data`: as in `requests`."""
+        futures = self.engine.submit(self.requests(prompts, params, seed, first_index=first_index,
+                                                  image_data=image_data))
         return [f.result() for f in futures]
 
     def generate_packed(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
-                        first_index: int = 0) -> dict:
+                        first_index: int = 0, image_data: PromptsImages = None) -> dict:
         """`generate`, returned as flat arrays (see pack_generations): what the RL loop moves over Ray."""
-        return pack_generations(self.generate(prompts, params, seed, first_index))
+        return pack_generations(self.generate(prompts, params, seed, first_index, image_data))
 
     # ---- the HTTP server -----------------------------------------------------------------------------
     def start_server(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> str:

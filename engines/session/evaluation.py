@@ -75,6 +75,10 @@ def generate_and_reward(engine: TorchRolloutBackend, reward_fn: RewardFn, reward
     Prompts are rendered by models.hf.encode_prompt, the function the RL loop renders them with, with the chat
     template or not as `cfg.chat_template` says (the evaluate flow resolves an empty value before this)."""
     n = cfg.samples_per_prompt
+    if any(r.get("images") for r in rows):  # encoded as text, its images would be dropped without a word
+        raise ValueError(f"evaluation dataset {dataset_key}: its rows have images, which the evaluate flow does "
+                         "not take yet; evaluate a vision-language model in its post_train run (eval.every, "
+                         "data.eval_path)")
     tok = engine.tokenizer
     prompt_ids = [ids for r in rows for ids in [encode_prompt(tok, prompt_input(r), bool(cfg.chat_template))] * n]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)

@@ -68,7 +68,8 @@ def _data_problems(cfg: RLConfig) -> list[str]:
         if not path or (generated and not Path(path).exists()):
             continue  # written by data.generate when the run starts
         try:
-            load_prompts(path, cfg.data.prompt_key, cfg.data.label_key, cfg.storage.fsspec_options(path))
+            load_prompts(path, cfg.data.prompt_key, cfg.data.label_key, cfg.storage.fsspec_options(path),
+                         cfg.data.max_image_pixels)
         except DataError as e:
             problems.append(f"{field}: {e}")
     return problems

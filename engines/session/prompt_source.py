@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 
 from rlflow.engines.data.prompts import PromptCursor
 from rlflow.engines.rollout.dynamic_sampling import Carry
 
 
 class PromptSource:
-    def __init__(self, rows: list[dict], prompts_per_step: int, seed: int, shuffle: bool, tokenizer):
+    def __init__(self, rows: list[dict], prompts_per_step: int, seed: int, shuffle: bool, tokenizer,
+                 image_bytes: Callable[[str], bytes] | None = None):
         self.rows = rows
         self.cursor = PromptCursor(len(rows), prompts_per_step, seed, shuffle)
         self._tokenizer = tokenizer  # rollout functions' tokenizer, which carried samples hold
+        self._image_bytes = image_bytes  # a carried image's bytes by digest (the run store), for VL prompts
         self._carry: list[Carry] = []  # groups the last step's rollout carries into the next
         self._taken: dict[int, list[dict]] = {}  # the rows of the fixed-size steps in flight
         self._next: int | None = None  # the step the cursor is at (the first take sets it)
@@ -52,7 +55,7 @@ class PromptSource:
             self._dynamic_begin = (step, self.cursor.state_dict(), [c.to_json() for c in self._carry])
         else:
             self.cursor.load_state_dict(self._dynamic_begin[1])
-        return [Carry.from_json(c, self._tokenizer) for c in self._dynamic_begin[2]]
+        return [Carry.from_json(c, self._tokenizer, self._image_bytes) for c in self._dynamic_begin[2]]
 
     def next_rows(self, k: int) -> list[dict]:
         """k more rows for a dynamic rollout in progress."""
@@ -77,7 +80,7 @@ class PromptSource:
         self.cursor.load_state_dict(json.loads(metadata["rlflow.cursor"]))
         self._cursor_after[step] = self.cursor.state_dict()
         self._carry_after[step] = json.loads(metadata["rlflow.carry"])
-        self._carry = [Carry.from_json(c, self._tokenizer) for c in self._carry_after[step]]
+        self._carry = [Carry.from_json(c, self._tokenizer, self._image_bytes) for c in self._carry_after[step]]
 
     # ---- checkpoints ---------------------------------------------------------------------------------
     def state_after(self, step: int) -> dict:
@@ -87,7 +90,7 @@ class PromptSource:
     def load_state(self, state: dict) -> None:
         self.cursor.load_state_dict(state["cursor"])
         self._taken, self._next = {}, state.get("next_step")  # checkpoints before it: the first take says
-        self._carry = [Carry.from_json(c, self._tokenizer) for c in state.get("carry", [])]
+        self._carry = [Carry.from_json(c, self._tokenizer, self._image_bytes) for c in state.get("carry", [])]
 
     def forget_before(self, step: int) -> None:
         """Steps before `step` are finished: their state is no longer needed."""

@@ -27,6 +27,7 @@ from rlflow.engines.data.prompts import load_prompts
 from rlflow.engines.env.client import EnvClient, start_env_hosts
 from rlflow.engines.models.hf import load_tokenizer, rollout_context
 from rlflow.engines.models.moe import routing_width
+from rlflow.engines.models.vision_language import VisionProcessor, is_vision_language
 from rlflow.engines.reward.sources import RewardSources
 from rlflow.engines.rollout.env_rollout import register_env, unregister_env
 from rlflow.engines.rollout.functions import RolloutRunner, load_rollout_fn
@@ -36,7 +37,7 @@ from rlflow.engines.session.prompt_source import PromptSource
 from rlflow.engines.session.step_state import StepsInFlight
 from rlflow.engines.session.timeline import StageTimeline
 from rlflow.engines.session.workers import Workers, start_workers
-from rlflow.engines.store.run_store import replay_source
+from rlflow.engines.store.run_store import RunStore, replay_source
 from rlflow.engines.sync.base import WeightTransport
 from rlflow.engines.sync.transports import make_transport
 
@@ -61,13 +62,20 @@ class RunEngines:
         self.env: EnvClient | None = None  # rollout.env's env hosts, which env_rollout drives (set by create)
         self.fresh_adapter_due = False  # LoRA: fresh adapters still to push before the first generation
         data, options = cfg.data, cfg.storage.fsspec_options
-        train_rows = load_prompts(data.train_path, data.prompt_key, data.label_key, options(data.train_path))
-        self.prompts = PromptSource(train_rows, cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle,
-                                    self.fn_tokenizer)
+        train_rows = load_prompts(data.train_path, data.prompt_key, data.label_key, options(data.train_path),
+                                  data.max_image_pixels)
         self.eval_rows = (
-            load_prompts(data.eval_path, data.prompt_key, data.label_key, options(data.eval_path))
+            load_prompts(data.eval_path, data.prompt_key, data.label_key, options(data.eval_path),
+                         data.max_image_pixels)
             if data.eval_path else []
         )
+        # vision-language models: the processor that places a prompt's images (with the tokenizer above, used
+        # under tokenizer_lock), and the run's store, which holds each image once by digest (docs/multimodal.md)
+        self.vision = VisionProcessor(model_path, self.tokenizer) if is_vision_language(model_path) else None
+        self.image_store = RunStore(cfg.storage, cfg.name) if self.vision is not None else None
+        self.stored_images: set[str] = set()  # digests this session put in image_store
+        self.prompts = PromptSource(train_rows, cfg.rollout.prompts_per_step, cfg.data.seed, cfg.data.shuffle,
+                                    self.fn_tokenizer, self.image_store.get_image if self.image_store else None)
         # tokens a rollout sequence holds: a longer prompt is refused here, naming its data row
         self.context_len, self.context_source = rollout_context(cfg.model, cfg.rollout.backend)
         # routing replay r3: ids per token in a rollout's expert record (MoE layers x k)

@@ -17,13 +17,21 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from rlflow.engines.core.batch import ROLLOUT_SCHEMA, RolloutBatch, pack_samples, shard_for_workers
+from rlflow.engines.core.batch import (
+    IMAGE_IDS,
+    ROLLOUT_SCHEMA,
+    RolloutBatch,
+    image_ids,
+    pack_samples,
+    shard_for_workers,
+)
 from rlflow.engines.core.config import RLConfig, StorageConfig, TrainConfig
 from rlflow.engines.core.protocols import TrainBackend
 from rlflow.engines.data.prompts import PromptCursor, load_pairs
 from rlflow.engines.models.hf import encode_prompt, prompt_input
 from rlflow.engines.session.rl import RLSession
 from rlflow.engines.session.stages.checkpoint import save_tokenizer, worker_target
+from rlflow.engines.session.stages.prompting import encode_with_images, store_image
 
 # rejection sampling's round table (<run>/rounds/<round>/samples.parquet): a scored rollout batch and which
 # samples the verifier kept
@@ -35,6 +43,7 @@ class Example:
     prompt: str
     prompt_ids: list[int]
     response_ids: list[int]
+    images: tuple[str, ...] = ()  # a vision-language prompt's images, by digest in the run store
 
 
 def sft_train_config(cfg: RLConfig, rejection: bool) -> TrainConfig:
@@ -99,7 +108,8 @@ class SFTSession:
             if not self.cfg.sft.train_path:
                 raise ValueError("sft.train_path: `rlflow sft` needs a prompt/response file")
             pairs = load_pairs(self.cfg.sft.train_path, self.cfg.data.prompt_key, self.cfg.sft.response_key,
-                               self.cfg.storage.fsspec_options(self.cfg.sft.train_path))
+                               self.cfg.storage.fsspec_options(self.cfg.sft.train_path),
+                               self.cfg.data.max_image_pixels)
             self.set_examples(self.tokenize(pairs), self.cfg.data.seed)
 
     @classmethod
@@ -115,7 +125,25 @@ class SFTSession:
 
     # ---- data ----------------------------------------------------------------------------------------
     def tokenize(self, pairs: list[dict]) -> list[Example]:
-        return tokenize_pairs(self.rl.tokenizer, pairs, self.cfg.data.chat_template, self.cfg.sft.add_eos)
+        text_pairs = [p for p in pairs if "images" not in p]
+        examples = tokenize_pairs(self.rl.tokenizer, text_pairs, self.cfg.data.chat_template,
+                                  self.cfg.sft.add_eos) if text_pairs else []
+        if len(examples) == len(pairs):
+            return examples
+        if self.rl.vision is None:
+            raise ValueError(f"sft.train_path {self.cfg.sft.train_path}: rows with images, and model.path is not a "
+                             "vision-language model (Qwen2-VL or Qwen2.5-VL)")
+        text = iter(examples)
+        return [self._with_images(p) if "images" in p else next(text) for p in pairs]
+
+    def _with_images(self, pair: dict) -> Example:
+        """A vision-language demonstration: the prompt as the rollout encodes it (its images placed by the model's
+        processor, stored once by digest), the response and EOS as tokenize_pairs makes them."""
+        eos = [self.rl.tokenizer.eos_token_id] if self.cfg.sft.add_eos else []
+        with self.rl.tokenizer_lock:
+            response = self.rl.tokenizer(pair["response"], add_special_tokens=False)["input_ids"]
+        return Example(pair["prompt"], encode_with_images(self.rl, pair, pair["images"]), response + eos,
+                       tuple(store_image(self.rl, data) for data in pair["images"]))
 
     def set_examples(self, examples: list[Example], seed: int) -> None:
         if not examples:
@@ -133,6 +161,8 @@ class SFTSession:
         batch = pack_samples([e.prompt_ids for e in rows], [e.response_ids for e in rows],
                              [[0.0] * len(e.response_ids) for e in rows], torch.zeros(n),
                              self.rl.tokenizer.pad_token_id)
+        if any(e.images for e in rows):
+            batch[IMAGE_IDS] = image_ids([e.images for e in rows])
         shards = shard_for_workers(batch, max(self._dp_ranks) + 1, 1)
         self.rl.gpu.for_training()  # colocated: the rollout engine releases its memory, the trainer onloads
         results = self.rl.train_group.call_each(TrainBackend.sft_step, [(shards[r],) for r in self._dp_ranks])
@@ -186,10 +216,13 @@ class SFTSession:
         for r in chosen:
             batch, accepted = self._round(r)
             kept = batch.select(accepted)
-            for prompt, p_ids, o_ids in zip(kept.prompt, kept.prompt_ids, kept.split("output_ids"), strict=True):
-                if (prompt, tuple(o_ids.tolist())) not in seen:  # a prompt drawn again in a later round
-                    seen.add((prompt, tuple(o_ids.tolist())))
-                    examples.append(Example(prompt, p_ids, o_ids.tolist()))
+            images = kept.images or [[] for _ in kept.prompt]
+            for prompt, p_ids, o_ids, digests in zip(kept.prompt, kept.prompt_ids, kept.split("output_ids"), images,
+                                                     strict=True):
+                key = (prompt, tuple(digests), tuple(o_ids.tolist()))  # a VL prompt's text is not all of it
+                if key not in seen:  # a prompt drawn again in a later round
+                    seen.add(key)
+                    examples.append(Example(prompt, p_ids, o_ids.tolist(), tuple(digests)))
         batch, accepted = self._round(rnd)
         n = len(batch)
         passed = [r >= rs.threshold and s for r, s in zip(batch.reward.tolist(), batch.stopped.tolist(), strict=True)]
@@ -212,7 +245,7 @@ class SFTSession:
         self.rl.gpu.resident()
         how = {"background": True} if background else {}
         self.rl.train_group.call(TrainBackend.save, *worker_target(path, "", storage), **how)
-        save_tokenizer(self.rl.tokenizer, path, storage)
+        save_tokenizer(self.rl.tokenizer, path, storage, self.rl.vision.image_processor if self.rl.vision else None)
         return {"cursor": self.rl.prompts.cursor.state_dict(), "weight_version": self.rl.weight_version,
                 "sft_cursor": self.cursor.state_dict() if self.cursor else None}
 

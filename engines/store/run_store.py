@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import io
 import json
 import logging
@@ -361,6 +362,27 @@ class RunStore:
         return [p.rstrip("/").rsplit("/", 1)[-1] for p in self._call("list", path, self.fs.ls, path, detail=False)]
 
     # ---- rollout batches -----------------------------------------------------------------------------
+    # ---- images of vision-language prompts: stored once, by content ---------------------------------------
+    @staticmethod
+    def image_digest(data: bytes) -> str:
+        """An image's key: the sha256 of its encoded bytes (what rollout batches and train batches name it by)."""
+        return hashlib.sha256(data).hexdigest()
+
+    def put_image(self, data: bytes) -> str:
+        """Store an image's encoded bytes at `images/<digest>` unless they are there already; its digest."""
+        digest = self.image_digest(data)
+        if not self.exists("images", digest):
+            self.write_bytes(data, "images", digest)
+        return digest
+
+    def get_image(self, digest: str) -> bytes:
+        """An image's encoded bytes by digest; a StorageError naming the digest and the run when it is not stored."""
+        try:
+            return self.read_bytes("images", digest)
+        except FileNotFoundError as e:
+            raise StorageError(f"image {digest} is not in the run store ({self.uri('images')}): the rollout "
+                               "batch names an image this run never stored") from e
+
     def save_rollout(self, step: int, table: pa.Table) -> str:
         """Write the step's samples, then its marker. Returns the parquet URI."""
         buf = io.BytesIO()

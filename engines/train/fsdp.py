@@ -10,8 +10,9 @@ Why FSDP2 (`torch.distributed.fsdp.fully_shard`) on every rank count, one includ
 - one code path serves one rank and many (the reduce-scatter replaces a hand-written all-reduce).
 
 Each decoder layer is one FSDP unit and the PackedLM root holds the rest (embeddings, final norm, head), the
-layout torchtitan uses. Gradients are summed, not averaged, over ranks: the losses are already normalised by
-the global token or sequence count of the mini-batch (engines/train/torch_backend.py).
+layout torchtitan uses; a vision-language model's vision blocks are units of their own, and its vision tower's
+remaining modules (patch embedding, merger) one more. Gradients are summed, not averaged, over ranks: the losses
+are already normalised by the global token or sequence count of the mini-batch (engines/train/torch_backend.py).
 
 Checkpoints go through torch.distributed.checkpoint with its Hugging Face storage: every rank writes its own
 shards as safetensors (offsets in the file's metadata, no pickle anywhere), the model's shards are
@@ -95,8 +96,8 @@ def shard(lm: PackedLM, param_dtype: torch.dtype | None, cpu_offload: bool = Fal
     offload = CPUOffloadPolicy(pin_memory=_cap_pinned_rounding()) if cpu_offload else OffloadPolicy()
     # only when given: without expert parallelism the calls are what they were (ignored_params is torch >= 2.7's)
     given = {k: v for k, v in (("mesh", mesh), ("ignored_params", ignored_params)) if v is not None}
-    for layer in lm.body.layers:
-        fully_shard(layer, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard_after_forward,
+    for unit in [*vision_units(lm), *lm.body.layers]:
+        fully_shard(unit, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard_after_forward,
                     **given)
     fully_shard(lm, mp_policy=policy, offload_policy=offload, **given)
     for module in lm.modules():
@@ -104,6 +105,15 @@ def shard(lm: PackedLM, param_dtype: torch.dtype | None, cpu_offload: bool = Fal
             module.set_gradient_divide_factor(1.0)  # a sum: the losses carry the global normalisation
             module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
     return lm
+
+
+def vision_units(lm: PackedLM) -> list[torch.nn.Module]:
+    """A vision-language model's vision tower as FSDP units: each block, then the tower itself (its patch embedding
+    and merger). Each unit's parameters are all frozen or all trained (train.freeze_vision freezes the whole tower),
+    so no unit mixes frozen and trained parameters, and the root keeps the language model's embeddings and head."""
+    if lm.visual is None:
+        return []
+    return [*lm.visual.blocks, lm.visual]
 
 
 # pinned blocks above this size are allocated at their size, not rounded up to a power of two

@@ -13,7 +13,10 @@ import heapq
 
 import torch
 
-from rlflow.engines.core.batch import TrainBatch
+from rlflow.engines.core.batch import IMAGE_IDS, TrainBatch
+
+# columns with one entry per row (after the row dim), not per token: cutting a micro-batch to its width keeps them
+ROW_COLUMNS = (IMAGE_IDS,)
 
 
 def token_budget_groups(lengths: list[int], max_tokens: int = 0, max_rows: int = 0) -> list[list[int]]:
@@ -47,8 +50,13 @@ def packed_micro_batches(
     for rows in token_budget_groups(lengths, max_tokens, max_rows):
         index = torch.tensor(rows)
         width = max(lengths[i] for i in rows)
-        out.append((rows, {k: v[index][:, :width] if v.dim() >= 2 else v[index] for k, v in batch.items()}))
+        out.append((rows, cut_rows(batch, index, width)))
     return out
+
+
+def cut_rows(batch: TrainBatch, index: torch.Tensor | slice, width: int) -> TrainBatch:
+    """The rows at `index`, their per-token columns cut to `width` tokens (ROW_COLUMNS kept whole)."""
+    return {k: v[index][:, :width] if v.dim() >= 2 and k not in ROW_COLUMNS else v[index] for k, v in batch.items()}
 
 
 def _first_fit(order: list[int], lengths: list[int], max_tokens: int, max_rows: int) -> list[list[int]]:

@@ -14,6 +14,11 @@ value model (rlflow.engines.models.hf.load_value_model: the same body with a sca
 packed batches; micro-batching, normalisation, sharding, the optimizer and checkpoints are the same code for
 both. "teacher" (on-policy distillation) is a frozen causal LM in its own precision that only scores batches
 (forward_logprobs): the same packed logprob pass, no optimizer step.
+
+A vision-language model (Qwen2-VL, Qwen2.5-VL; docs/multimodal.md) trains on the same packed micro-batches: each
+one's images are read from the run store by the digests in its `image_ids` column (engines/train/vision.py) and
+go through the vision tower inside the packed forward (engines/models/packed.py). With train.freeze_vision the
+tower is frozen: no gradients, no optimizer state, and weight syncs leave it out.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from rlflow.engines.core import algorithms
 from rlflow.engines.core.batch import (
+    IMAGE_IDS,
     ROUTED_EXPERTS,
     TEACHER_LOGPROBS,
     TEACHER_TOPK_IDS,
@@ -51,6 +57,7 @@ from rlflow.engines.models.moe import checkpoint_named
 from rlflow.engines.models.packed import PackedLM, PackedRows
 from rlflow.engines.models.routing import per_layer, recording, routing_shape, set_replay
 from rlflow.engines.models.transfer import tensor_to_device
+from rlflow.engines.models.vision_language import is_vision_language
 from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.adapter import AdapterSender
 from rlflow.engines.sync.base import free_rendezvous_address
@@ -65,11 +72,14 @@ from rlflow.engines.train import fsdp, lora
 from rlflow.engines.train.context_parallel import check_context_parallel, check_lengths, context_mesh
 from rlflow.engines.train.expert_parallel import check_expert_parallel, shard_experts
 from rlflow.engines.train.kernels import apply_kernels
-from rlflow.engines.train.microbatch import packed_micro_batches
+from rlflow.engines.train.microbatch import ROW_COLUMNS, packed_micro_batches
 from rlflow.engines.train.offload import HostParking, memory_moved
 from rlflow.engines.train.rng import restore_rng, rng_state
+from rlflow.engines.train.vision import ImageInputs
 
-PACKED_ON_HOST = ("input_ids", "attention_mask")  # a micro-batch's tensors the forward packs on the host
+# a micro-batch's tensors the forward packs on the host (a vision-language batch's image digests are read there)
+PACKED_ON_HOST = ("input_ids", "attention_mask", IMAGE_IDS)
+VISION_PREFIX = "model.visual."  # a vision-language model's vision tower (patch embedding, blocks, merger)
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -112,13 +122,16 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         collective_timeout_s: float = 1800,
         distill: DistillConfig | None = None,
         true_on_policy: bool = False,
+        storage: StorageConfig | None = None,
+        run: str | None = None,
     ):
         """`role` "critic": a value model from `model_path` trained with value_loss (clipped at `value_clip`);
         "teacher": a frozen LM in train.precision that only runs forward_logprobs. `distill`: the run's
         on-policy distillation (its terms join rl_loss). `collective_timeout_s`: how long a collective waits
         for the other ranks before it raises. `true_on_policy` (rollout.true_on_policy; a policy): the forward runs
         engines/models/invariant.py's ops, as the embedded rollout engine in that mode, so its log-probs of the
-        sampled tokens are the engine's bit for bit."""
+        sampled tokens are the engine's bit for bit. `storage` and `run`: the run store a vision-language
+        model's images are read from (by the digests in a batch's image_ids)."""
         torch.set_num_threads(train.threads)
         self.cfg, self.algo, self.role, self.value_clip = train, algorithm, role, value_clip
         self.true_on_policy = true_on_policy and role == "policy"
@@ -143,6 +156,12 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         self.model_path = model_path
         base_dtype = DTYPES[train.precision] if frozen or self.lora else torch.float32
         self.model = load(model_path, dtype=base_dtype, device="cpu")
+        self.vision_language = is_vision_language(self.model.config)
+        self.freeze_vision = self.vision_language and train.freeze_vision
+        if self.freeze_vision:  # before the optimizer and FSDP2 see the parameters
+            self.model.model.visual.requires_grad_(False)
+        self._images = ImageInputs(model_path, RunStore(storage, run) if storage is not None and run else None) \
+            if self.vision_language else None
         self.routing_shape = routing_shape(self.model)  # (MoE layers, k): what a routing record replays
         if algorithm.routing_replay != "off" and role == "policy" and self.routing_shape is None:
             raise ValueError(f"algorithm.routing_replay {algorithm.routing_replay}: the model at {model_path} has no "
@@ -157,7 +176,8 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         self.cp = train.context_parallel if role == "policy" else 1
         check_context_parallel(self.model, self.cp, world_size, model_path, {
             "train.expert_parallel": ep > 1, "train.lora": self.lora is not None,
-            "algorithm.routing_replay": algorithm.routing_replay != "off"})
+            "algorithm.routing_replay": algorithm.routing_replay != "off",
+            f"a vision-language model ({model_path})": self.vision_language})
         cp_mesh = context_mesh(train.device, world_size, self.cp) if self.cp > 1 else None
         self._cp_group = cp_mesh["cp"].get_group() if cp_mesh is not None else None
         self._dp_group = cp_mesh["dp"].get_group() if cp_mesh is not None else None  # None: every rank
@@ -188,7 +208,8 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
                                      None, train.cpu_offload)
         # fused on the GPU: one kernel per step and no temporaries the size of the model (foreach's are)
         fused = self.device == "cuda" and not train.cpu_offload
-        trainable = [p for p in self.model.parameters() if p.requires_grad] if self.lora else self.model.parameters()
+        trainable = ([p for p in self.model.parameters() if p.requires_grad] if (self.lora or self.freeze_vision)
+                     and not frozen else self.model.parameters())  # LoRA's adapters; never a frozen vision tower
         self.optimizer = torch.optim.AdamW(trainable, lr=train.lr, betas=train.betas,
                                            weight_decay=train.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train))
@@ -211,12 +232,23 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token logprobs [rows, width] (aligned with input_ids: column t is log p(x_t | x_<t), column 0
         is 0) and, if asked, entropy; for a critic, its values in the logprobs' place."""
-        packed = PackedRows.from_padded(mb["input_ids"], mb["attention_mask"]).to(self.device)
+        packed = self._pack(mb)
         if self._cp_group is not None:
             packed = packed.split_over(self._cp_group)
         self._route(lm, mb, packed)
         out, entropy = self._run(lm, packed, self.temperature if temperature is None else temperature, with_entropy)
         return packed.unpack(out), None if entropy is None else packed.unpack(entropy)
+
+    def _pack(self, mb: TrainBatch) -> PackedRows:
+        """The micro-batch as one packed stream on the device; a vision-language model's with its images (read by
+        the digests of IMAGE_IDS, engines/train/vision.py) and M-RoPE positions."""
+        packed = PackedRows.from_padded(mb["input_ids"], mb["attention_mask"])
+        if self._images is not None and IMAGE_IDS in mb:
+            packed = self._images.attach(packed, mb[IMAGE_IDS])
+        elif IMAGE_IDS in mb and mb[IMAGE_IDS].any():
+            raise ValueError(f"{IMAGE_IDS}: the batch has images, but the model at {self.model_path} is not a "
+                             "vision-language model")
+        return packed.to(self.device)
 
     def _route(self, lm: PackedLM, mb: TrainBatch, packed: PackedRows) -> None:
         """The micro-batch's recorded expert routing (ROUTED_EXPERTS, routing replay) replayed in the next forward
@@ -244,7 +276,7 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         width = self.routing_shape[0] * self.routing_shape[1]
 
         def record(micro: TrainBatch) -> torch.Tensor:
-            packed = PackedRows.from_padded(micro["input_ids"], micro["attention_mask"]).to(self.device)
+            packed = self._pack(micro)
             set_replay(self.lm.model, None)
             with recording(self.lm.model) as recorded:
                 self._run(self.lm, packed, self.temperature)
@@ -262,7 +294,7 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
     def _forward_with_topk(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The policy's logprobs and entropy [rows, width] as _forward gives them, and its logprobs [rows, width,
         k] of the teacher's top-k ids at each position (TEACHER_TOPK_IDS), all with their gradient."""
-        packed = PackedRows.from_padded(mb["input_ids"], mb["attention_mask"]).to(self.device)
+        packed = self._pack(mb)
         self._route(self.lm, mb, packed)
         ids = mb[TEACHER_TOPK_IDS][packed.rows, packed.cols].to(self.device)
         out, entropy, topk = self._run(self.lm, packed, self.temperature, True, other_ids=ids)
@@ -307,7 +339,7 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         self.lm.eval()
 
         def top(micro: TrainBatch) -> torch.Tensor:  # ids and logprobs side by side (ids < 2^24: exact in fp32)
-            packed = PackedRows.from_padded(micro["input_ids"], micro["attention_mask"]).to(self.device)
+            packed = self._pack(micro)
             ids, logprobs = self._run(self.lm, packed, self.temperature, top_k=k)
             return packed.unpack(torch.cat([ids.float(), logprobs], dim=-1))
 
@@ -515,10 +547,16 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         as per-expert views, what SGLang and the Megatron backend use); other models' names unchanged."""
         return checkpoint_named(tensors, self.model.config.model_type)
 
+    def _synced_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The module parameters a weight sync sends: all, but a frozen vision tower's (train.freeze_vision: the
+        rollout engine loaded the same weights and they never change)."""
+        return {n: p for n, p in self.model.named_parameters()
+                if not (self.freeze_vision and n.startswith(VISION_PREFIX))}
+
     def _sent_source(self) -> dict[str, str]:
         """Sent name -> the module parameter it comes from (built once: the shapes do not change)."""
         if self._source is None:
-            self._source = {sent: name for name, p in self.model.named_parameters()
+            self._source = {sent: name for name, p in self._synced_parameters().items()
                             for sent in self._sent_names({name: torch.empty(p.shape, device="meta")})}
         return self._source
 
@@ -533,7 +571,7 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
             raise ValueError(f"weight_sync.transport {transport}: reads whole parameters on the GPU; with "
                              "train.num_workers > 1 or train.cpu_offload they are sharded or on the host "
                              "(use 'distributed')")
-        return {n: fsdp.local(p) for n, p in self.model.named_parameters()}
+        return {n: fsdp.local(p) for n, p in self._synced_parameters().items()}
 
     def weight_layout(self) -> list[tuple[str, int]]:
         """(name, bytes) of every weight a sync sends, in order: lets the sync plan buckets without moving
@@ -548,13 +586,13 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         checks against it."""
         if self._shapes is None:
             self._shapes = self._sent_names({n: torch.empty(p.shape, dtype=p.dtype, device="meta")
-                                             for n, p in self.model.named_parameters()})
+                                             for n, p in self._synced_parameters().items()})
         return self._shapes
 
     def _gather_into(self, targets: dict[str, torch.Tensor]) -> None:
         """Every sent weight into its tensor of `targets` (by sent name), cast to its dtype. Collective: every rank
         gathers in the same (the model's) order; MoE experts are gathered whole, then cut."""
-        params, source = dict(self.model.named_parameters()), self._sent_source()
+        params, source = self._synced_parameters(), self._sent_source()
         sent_of: dict[str, list[str]] = {}
         for sent, module in source.items():
             sent_of.setdefault(module, []).append(sent)
@@ -815,7 +853,8 @@ def _padding_row(batch: TrainBatch) -> TrainBatch:
     lengths = batch["attention_mask"].sum(-1)
     if len(lengths):
         i = int(lengths.argmin())
-        return {k: v[i:i + 1, :max(int(lengths[i]), 1)] if v.dim() >= 2 else v[i:i + 1] for k, v in batch.items()}
+        return {k: v[i:i + 1, :max(int(lengths[i]), 1)] if v.dim() >= 2 and k not in ROW_COLUMNS else v[i:i + 1]
+                for k, v in batch.items()}
     row = {k: torch.zeros((1, 1, *v.shape[2:]) if v.dim() >= 2 else (1,), dtype=v.dtype) for k, v in batch.items()}
     row["attention_mask"][0, 0] = 1
     return row

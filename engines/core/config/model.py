@@ -15,7 +15,9 @@ class ModelConfig(Section):
         description="Local Hugging Face causal-LM directory. Empty: build a tiny model from the fields "
         "below with the built-in character tokenizer (the CPU demo).",
     )
-    arch: Literal["llama", "qwen2"] = Field("llama", description="Architecture of a model built from scratch.")
+    arch: Literal["llama", "qwen2", "qwen2_vl"] = Field(
+        "llama", description="Architecture of a model built from scratch; qwen2_vl: a tiny Qwen2-VL (vision encoder, "
+        "M-RoPE) with the character tokenizer and an image processor (the multimodal demo, docs/multimodal.md).")
     hidden_size: int = Field(96, gt=0)
     intermediate_size: int = Field(256, gt=0)
     num_layers: int = Field(4, gt=0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 
 from pydantic import Field, model_validator
 
@@ -27,6 +29,8 @@ from rlflow.engines.core.config.tracking import TrackingConfig
 from rlflow.engines.core.config.train import CriticConfig, TrainConfig
 from rlflow.engines.core.config.weight_sync import WeightSyncConfig
 from rlflow.engines.core.sglang_args import weight_update_ranks
+
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # engines/models/vision_language.py's, which core cannot import
 
 
 class RLConfig(Section):
@@ -113,6 +117,7 @@ class RLConfig(Section):
                 f"rollout.max_new_tokens ({self.rollout.max_new_tokens})"
             )
         self._check_routing_replay()
+        self._check_vision_language()
         self._check_expert_parallel()
         self._check_context_parallel()
         self._check_fp8_rollout()
@@ -128,6 +133,38 @@ class RLConfig(Section):
         if self.model.hidden_size % self.model.num_heads or self.model.num_heads % self.model.num_kv_heads:
             raise ValueError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
         return self
+
+    def _check_vision_language(self) -> None:
+        """A vision-language model trains on the torch backend only: rlflow's Megatron path maps decoder-only LMs
+        onto its local spec, and a vision tower (and M-RoPE) has no mapping there. The features below are not
+        built for one yet (docs/multimodal.md, Limits): each is refused by name rather than run wrongly."""
+        if not self.is_vision_language:
+            return
+        model = self.model.path or "(built: model.arch qwen2_vl)"
+        if self.train.backend == "megatron":
+            raise ValueError(f"train.backend megatron: model.path {model} is a vision-language model, and rlflow's "
+                             "Megatron backend maps only decoder-only language models onto its local spec (the vision "
+                             "tower has no mapping); use train.backend torch (docs/multimodal.md)")
+        unsupported = [name for name, on in (
+            ("train.lora", self.train.lora is not None),
+            ("train.context_parallel", self.train.context_parallel > 1),
+            ("rollout.true_on_policy", self.rollout.true_on_policy),
+            ("rollout.precision fp8", self.rollout.precision == "fp8"),
+            ("a critic (algorithm.advantage gae)", self.algorithm.advantage == "gae"),
+            ("distill", self.distill.enabled),
+        ) if on]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)}: not supported with a vision-language model (model.path "
+                             f"{model}) yet (docs/multimodal.md, Limits)")
+
+    @property
+    def is_vision_language(self) -> bool:
+        """Whether the run's model is a vision-language one: model.path's config.json model_type (read here:
+        engines/core imports nothing above it, so not engines/models' is_vision_language), or a built qwen2_vl."""
+        if not self.model.path:
+            return self.model.arch in VL_MODEL_TYPES
+        config = Path(self.model.path) / "config.json"
+        return config.is_file() and json.loads(config.read_text()).get("model_type") in VL_MODEL_TYPES
 
     def _check_expert_parallel(self) -> None:
         ep = self.train.expert_parallel

@@ -111,6 +111,9 @@ class TrainConfig(Section):
         "colocated. With weight_sync.transport cuda_ipc and one train worker the weights stay (the rollout engine "
         "maps them).",
     )
+    freeze_vision: bool = Field(
+        True, description="Vision-language models: keep the vision encoder and its projector (merger) at their "
+        "loaded weights; only the language model trains, and weight syncs send only its tensors.")
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="Compute dtype of training; master weights, gradient reduction and optimizer state "
         "stay fp32 (torch backend: FSDP2's mixed-precision policy).",

@@ -27,7 +27,7 @@ def save(s: RunEngines, path: str | Path, step: int, storage: StorageConfig | No
     s.gpu.resident()  # the next rollout parks the state again
     how = {"background": True} if background else {}
     s.train_group.call(TrainBackend.save, *worker_target(path, "", storage), **how)
-    save_tokenizer(s.tokenizer, path, storage)  # so model/ loads with transformers as it is
+    save_tokenizer(s.tokenizer, path, storage, s.vision.image_processor if s.vision else None)
     if s.critic_group is not None:
         s.critic_group.call(CriticBackend.save, *worker_target(path, "critic", storage), **how)
     state = s.prompts.state_after(step) | {"weight_version": s.weight_version}
@@ -90,12 +90,16 @@ def worker_target(path: str | Path, sub: str, storage: StorageConfig | None) -> 
     return (target,) if storage is None else (target, storage)
 
 
-def save_tokenizer(tokenizer, path: str | Path, storage: StorageConfig | None) -> None:
-    """The tokenizer's files into the checkpoint's model/ (uploaded when the checkpoint is in a run store)."""
+def save_tokenizer(tokenizer, path: str | Path, storage: StorageConfig | None, image_processor=None) -> None:
+    """The tokenizer's files (and a vision-language model's image processor config) into the checkpoint's model/
+    (uploaded when the checkpoint is in a run store), so model/ loads with transformers as it is."""
+    parts = [tokenizer] + ([image_processor] if image_processor is not None else [])
     if storage is None:
-        tokenizer.save_pretrained(Path(path) / "model")
+        for part in parts:
+            part.save_pretrained(Path(path) / "model")
         return
     store = RunStore.at(storage, str(path))
     with tempfile.TemporaryDirectory(prefix="rlflow-tokenizer-") as tmp:
-        for f in tokenizer.save_pretrained(tmp):
+        files = [f for part in parts for f in part.save_pretrained(tmp)]
+        for f in dict.fromkeys(map(str, files)):
             store.upload_file(f, "model", Path(f).name)

@@ -1,28 +1,67 @@
 """Data rows -> the rollout function's prompts: encoded, checked against the context, seeded; and the sampling
 parameters and seeds a step generates with. The rollout stage, dynamic sampling and evaluation all go through it.
+
+A row with images (vision-language models, docs/multimodal.md) is encoded by the model's VisionProcessor, so its
+prompt_ids hold one image pad token per merged patch; its images go to the run store once, by digest, and the
+PromptSample carries the digests and the images as data URIs (what /generate's image_data takes).
 """
 
 from __future__ import annotations
 
 from rlflow.engines.data.prompts import DataError
 from rlflow.engines.models.hf import encode_prompt, prompt_input
+from rlflow.engines.models.vision_language import data_uri, messages_with_images, open_image
 from rlflow.engines.rollout.functions import PromptSample
 from rlflow.engines.session.run_engines import RunEngines
+from rlflow.engines.store.run_store import RunStore
 
 
 def prompt_samples(s: RunEngines, rows: list[dict], n: int, seed: int) -> list[PromptSample]:
     """One PromptSample per row, asking for n samples; sample j of prompt i draws seed + i * n + j. A prompt that
     leaves no room for a response in the rollout context is refused, naming its data row."""
-    samples = [PromptSample(index=i, prompt=r["prompt"], label=r["label"], prompt_ids=encode(s, prompt_input(r)),
-                            n=n, seed=seed + i * n, row=r, tokenizer=s.fn_tokenizer,
-                            record_routing=s.cfg.algorithm.routing_replay == "r3")
-               for i, r in enumerate(rows)]
+    samples = [_sample(s, i, r, n, seed) for i, r in enumerate(rows)]
     for p in samples:
         if len(p.prompt_ids) >= s.context_len:
             raise DataError(f"{data_row(s, p.row)}: the prompt is {len(p.prompt_ids)} tokens; a rollout "
                             f"sequence holds {s.context_len} ({s.context_source}), the response "
                             "included: shorten or drop the prompt, or use a model with a longer context")
     return samples
+
+
+def _sample(s: RunEngines, i: int, r: dict, n: int, seed: int) -> PromptSample:
+    images = r.get("images") or []
+    if images and s.vision is None:
+        raise DataError(f"{data_row(s, r)}: the row has {len(images)} image(s), but model.path {s.model_path} is "
+                        "not a vision-language model (Qwen2-VL or Qwen2.5-VL): use one, or data without images")
+    return PromptSample(index=i, prompt=r["prompt"], label=r["label"],
+                        prompt_ids=encode_with_images(s, r, images) if images else encode(s, prompt_input(r)),
+                        n=n, seed=seed + i * n, row=r, tokenizer=s.fn_tokenizer,
+                        record_routing=s.cfg.algorithm.routing_replay == "r3",
+                        images=[store_image(s, data) for data in images],
+                        image_data=[data_uri(data) for data in images])
+
+
+def encode_with_images(s: RunEngines, row: dict, images: list[bytes]) -> list[int]:
+    """A row's prompt ids by the model's VisionProcessor: its messages (a plain prompt as one user message) with
+    the images placed, each image's pad token repeated once per merged patch."""
+    messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+    try:
+        placed = messages_with_images(messages, len(images))
+        pictures = [open_image(data) for data in images]
+        with s.tokenizer_lock:
+            return s.vision.encode(placed, pictures).prompt_ids
+    except ValueError as e:
+        raise DataError(f"{data_row(s, row)}: {e}") from None
+
+
+def store_image(s: RunEngines, data: bytes) -> str:
+    """The image's digest, its bytes in the run store (written once per run: the session remembers what it
+    stored, so a prompt taken again costs no store round trip)."""
+    digest = RunStore.image_digest(data)
+    if digest not in s.stored_images:
+        s.image_store.put_image(data)
+        s.stored_images.add(digest)
+    return digest
 
 
 def encode(s: RunEngines, prompt: str | list[dict]) -> list[int]:
