@@ -282,11 +282,43 @@ def test_images_for_a_text_model_are_refused(tiny_model_dir: str) -> None:
         prompt_samples(s, rows, n=1, seed=0)
 
 
-def test_evaluate_flow_refuses_image_rows() -> None:
-    """The evaluate flow encodes prompts as text: image rows are refused, not evaluated without their images."""
-    rows = [{"prompt": "<image>count?", "label": "1", "meta": {}, "images": [RED]}]
-    with pytest.raises(ValueError, match="evaluation dataset geo: its rows have images"):
-        generate_and_reward(None, None, {}, "geo", rows, 0, EvalSamplingConfig(), 8)
+def test_the_evaluate_flow_generates_with_the_rows_images(tiny_vl_dir: str, tiny_model_dir: str) -> None:
+    """The evaluate flow's shard encodes an image row as the rollout does and sends its pictures to the engine:
+    the rewarded tokens are those the engine generates for those ids and pictures; a text model refuses the rows."""
+    from rlflow.engines.core.sampling import SamplingParams
+    from rlflow.engines.models.hf import decode_responses
+    from rlflow.engines.models.vision_language import encode_row
+    from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+
+    rows = [{"prompt": "<image>count?", "label": "1", "meta": {}, "images": [RED]},
+            {"prompt": "<image>count?", "label": "1", "meta": {}, "images": [GREEN]},
+            {"prompt": "text only", "label": "0", "meta": {}}]
+    cfg = EvalSamplingConfig(samples_per_prompt=2, temperature=1.0, seed=5)
+    engine = TorchRolloutBackend(tiny_vl_dir, batch_size=8, context_len=128)
+    seen: list[str] = []
+
+    def reward(prompts, responses, labels, **kw):  # records what was generated
+        seen.extend(responses)
+        return [0.0] * len(prompts)
+
+    try:
+        out = generate_and_reward(engine, reward, {}, "geo", rows, 0, cfg, 6)
+        ids = encode_row(VisionProcessor(tiny_vl_dir, engine.tokenizer), rows[1], [GREEN])
+        direct = engine.generate([ids] * 2, SamplingParams(max_new_tokens=6, temperature=1.0), seed=5,
+                                 first_index=2, image_data=[[GREEN]] * 2)
+    finally:
+        engine.close()
+    assert len(out["rewards"]) == 6
+    assert out["lengths"][2:4] == [len(g.output_ids) for g in direct]
+    expected = decode_responses(engine.tokenizer, [g.output_ids for g in direct],
+                                [g.finish_reason["type"] == "stop" for g in direct])
+    assert seen[2:4] == expected
+    text = TorchRolloutBackend(tiny_model_dir, batch_size=2, context_len=64)
+    try:
+        with pytest.raises(ValueError, match="evaluation dataset geo: its rows have images, and the model at"):
+            generate_and_reward(text, None, {}, "geo", rows[:1], 0, EvalSamplingConfig(), 8)
+    finally:
+        text.close()
 
 
 def test_trl_conversational_rows_with_image_parts(tmp_path: Path) -> None:

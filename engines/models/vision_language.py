@@ -175,6 +175,14 @@ class VisionProcessor:
         return VisionPrompt(self.expand(ids, grids, where), grids)
 
 
+def encode_row(processor: VisionProcessor, row: dict, images: Sequence[bytes], where: str = "prompt") -> list[int]:
+    """A data row's prompt ids with its images placed: its chat messages (a plain prompt as one user message) through
+    messages_with_images and the processor; the rollout, SFT and the evaluate flow all encode image rows here."""
+    messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+    placed = messages_with_images(messages, len(images), where)
+    return processor.encode(placed, [open_image(data) for data in images], where).prompt_ids
+
+
 def messages_with_images(messages: list[dict], n_images: int, where: str = "prompt") -> list[dict]:
     """verl's and TRL's messages in the content-parts form chat templates place images with.
 

@@ -18,6 +18,7 @@ from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.data.prompts import load_prompts
 from rlflow.engines.data.rewards import RewardFn, compute_rewards
 from rlflow.engines.models.hf import decode_responses, encode_prompt, prompt_input
+from rlflow.engines.models.vision_language import VisionProcessor, encode_row, is_vision_language
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend, split_packed
 
 CORRECT = 1.0  # a sample is correct when its reward reaches this (the built-in rewards give 1.0 for a match)
@@ -75,14 +76,18 @@ def generate_and_reward(engine: TorchRolloutBackend, reward_fn: RewardFn, reward
     Prompts are rendered by models.hf.encode_prompt, the function the RL loop renders them with, with the chat
     template or not as `cfg.chat_template` says (the evaluate flow resolves an empty value before this)."""
     n = cfg.samples_per_prompt
-    if any(r.get("images") for r in rows):  # encoded as text, its images would be dropped without a word
-        raise ValueError(f"evaluation dataset {dataset_key}: its rows have images, which the evaluate flow does "
-                         "not take yet; evaluate a vision-language model in its post_train run (eval.every, "
-                         "data.eval_path)")
     tok = engine.tokenizer
-    prompt_ids = [ids for r in rows for ids in [encode_prompt(tok, prompt_input(r), bool(cfg.chat_template))] * n]
+    vision = _vision_processor(engine, rows, dataset_key)
+    prompt_ids, images = [], []
+    for i, r in enumerate(rows, start=first_prompt + 1):
+        pictures = r.get("images") or []
+        ids = (encode_row(vision, r, pictures, f"evaluation dataset {dataset_key}: row {i}") if pictures
+               else encode_prompt(tok, prompt_input(r), bool(cfg.chat_template)))
+        prompt_ids += [ids] * n
+        images += [list(pictures)] * n
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
-    gen = engine.generate_packed(prompt_ids, params, seed=cfg.seed, first_index=first_prompt * n)
+    gen = engine.generate_packed(prompt_ids, params, seed=cfg.seed, first_index=first_prompt * n,
+                                 image_data=images if vision is not None else None)
     responses = decode_responses(tok, split_packed(gen, "output_ids"), gen["stopped"])  # as the training reward
     prompts = [r["prompt"] for r in rows for _ in range(n)]
     labels = [r["label"] for r in rows for _ in range(n)]
@@ -95,6 +100,17 @@ def generate_and_reward(engine: TorchRolloutBackend, reward_fn: RewardFn, reward
         for i in logged
     ]
     return {"rewards": [float(r) for r in rewards], "lengths": [int(x) for x in gen["lengths"]], "samples": samples}
+
+
+def _vision_processor(engine: TorchRolloutBackend, rows: list[dict], dataset_key: str) -> VisionProcessor | None:
+    """The model's processor when the shard's rows have images (None for text rows); a named error when the model
+    is text-only (encoded as text, the images would be dropped without a word)."""
+    if not any(r.get("images") for r in rows):
+        return None
+    if not is_vision_language(engine.model_path):
+        raise ValueError(f"evaluation dataset {dataset_key}: its rows have images, and the model at "
+                         f"{engine.model_path} is not a vision-language model (Qwen2-VL or Qwen2.5-VL)")
+    return VisionProcessor(engine.model_path, engine.tokenizer)
 
 
 def merge_and_score(parts: list[dict], cfg: EvalSamplingConfig) -> tuple[dict[str, float], list[dict]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rlflow.engines.data.prompts import DataError
 from rlflow.engines.models.hf import encode_prompt, prompt_input
-from rlflow.engines.models.vision_language import data_uri, messages_with_images, open_image
+from rlflow.engines.models.vision_language import data_uri, encode_row
 from rlflow.engines.rollout.functions import PromptSample
 from rlflow.engines.session.run_engines import RunEngines
 from rlflow.engines.store.run_store import RunStore
@@ -44,12 +44,9 @@ def _sample(s: RunEngines, i: int, r: dict, n: int, seed: int) -> PromptSample:
 def encode_with_images(s: RunEngines, row: dict, images: list[bytes]) -> list[int]:
     """A row's prompt ids by the model's VisionProcessor: its messages (a plain prompt as one user message) with
     the images placed, each image's pad token repeated once per merged patch."""
-    messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
     try:
-        placed = messages_with_images(messages, len(images))
-        pictures = [open_image(data) for data in images]
         with s.tokenizer_lock:
-            return s.vision.encode(placed, pictures).prompt_ids
+            return encode_row(s.vision, row, images)
     except ValueError as e:
         raise DataError(f"{data_row(s, row)}: {e}") from None
 
