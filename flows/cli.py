@@ -172,7 +172,10 @@ def cmd_export(args) -> int:
               "peft.PeftModel.from_pretrained(base_model, out), or SGLang's /load_lora_adapter)")
         return 0
     store.export_model(step, out)
-    print(f"exported step {step} of '{args.run}' to {out} (load with AutoModelForCausalLM.from_pretrained)")
+    config = out / "config.json"
+    vision = config.is_file() and '"vision_config"' in config.read_text()  # Qwen2-VL's config has one
+    auto = "AutoModelForImageTextToText and AutoImageProcessor" if vision else "AutoModelForCausalLM"
+    print(f"exported step {step} of '{args.run}' to {out} (load with {auto}.from_pretrained)")
     return 0
 
 

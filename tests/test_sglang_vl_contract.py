@@ -23,13 +23,8 @@ from transformers import Qwen2VLForConditionalGeneration
 from rlflow.engines.core.config import ModelConfig
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.models.hf import build_tiny_model
-from rlflow.engines.models.vision_language import VisionProcessor, open_image
-from rlflow.engines.rollout.sglang_backend import (
-    SGLangRolloutBackend,
-    collapse_image_pads,
-    generate_body,
-    sglang_weight_name,
-)
+from rlflow.engines.models.vision_language import VisionProcessor, collapse_image_pads, open_image
+from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend, generate_body, sglang_weight_name
 from tests.sglang_fixture_server import image_lists
 
 
@@ -160,6 +155,29 @@ def test_sglang_refuses_expanded_pads_and_takes_a_single_request(worker, vision)
     r = httpx.post(worker.server_url() + "/generate",
                    json=single | {"input_ids": collapse_image_pads(two, vision.image_token_id)})
     assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] == len(two)
+
+
+def test_the_rl_loops_requests_pass_sglang_and_a_different_expansion_is_refused(worker, vision):
+    """The RL loop reaches SGLang through engines/rollout/functions.py (single_turn -> generate), not through the
+    worker's own generate: its requests carry one pad per image and pass the stand-in's SGLang rules, the samples
+    keep rlflow's expanded prompt, and a server that expands the pictures to another count is refused."""
+    from rlflow.engines.rollout.functions import PromptSample, RolloutRunner, generate, single_turn
+
+    two = prompt(vision, [RED, BLUE])
+    sample = PromptSample(index=0, prompt="1+1=", label="2", prompt_ids=two, n=2, seed=0, tokenizer=vision.tokenizer,
+                          images=["r", "b"], image_data=[RED, BLUE])
+    url = worker.server_url()
+    runner = RolloutRunner(single_turn, url, [url])
+    try:
+        [samples] = runner.run([sample], {"max_new_tokens": 3})
+        assert len(samples) == 2 and all(s.response_ids for s in samples)
+        # a picture the server expands to another number of tokens than the prompt's ids hold (the trainer's)
+        big = data_uri("red", (112, 112))
+        with pytest.raises(RuntimeError, match=rf"ran a \d+-token prompt for a {len(two)}-token one with 2 image"):
+            runner.submit(generate(url, two, {"max_new_tokens": 3}, image_data=[big, BLUE],
+                                   image_pad_id=vision.image_token_id))
+    finally:
+        runner.close()
 
 
 def test_weight_updates_reach_sglang_under_its_names(worker, tiny_vl_dir, tmp_path):

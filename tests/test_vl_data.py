@@ -20,7 +20,6 @@ from PIL import Image
 
 from rlflow.engines.core.batch import IMAGE_IDS, ROLLOUT_SCHEMA, RolloutBatch, image_digests
 from rlflow.engines.core.config import EvalSamplingConfig, ModelConfig, StorageConfig
-from rlflow.engines.data import images as data_images
 from rlflow.engines.data.prompts import DataError, load_prompts
 from rlflow.engines.models import vision_language
 from rlflow.engines.models.hf import build_tiny_model, load_tokenizer
@@ -161,11 +160,6 @@ def test_image_larger_than_max_image_pixels_is_named(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=rf"{path}: row 1: .*84x56 = 4704 pixels, more than "
                                         r"data.max_image_pixels = 4000"):
         load_prompts(path, max_image_pixels=4000)
-
-
-def test_placeholder_marker_is_the_models() -> None:
-    """engines/data and engines/models are sibling layers: each spells verl's marker, and they must agree."""
-    assert data_images.IMAGE_PLACEHOLDER == vision_language.IMAGE_PLACEHOLDER
 
 
 # ---- RolloutBatch and the train batch ---------------------------------------------------------------------
@@ -352,3 +346,16 @@ def test_a_carried_group_keeps_digests_not_bytes_and_reads_the_images_back(tmp_p
     assert back.images == [digest] and back.row["images"] == [data] and back.image_data == [data_uri(data)]
     with pytest.raises(ValueError, match="no image store"):
         Carry.from_json(json.loads(text), None)
+
+
+def test_content_parts_with_fewer_image_parts_than_images_put_the_rest_first(tiny_vl_dir: str) -> None:
+    """A TRL row whose content parts place no image (the data layer accepts it: TRL puts the images first) is
+    encoded with its image first in the first user message, not refused at its step."""
+    from rlflow.engines.models.vision_language import encode_row, messages_with_images
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Color?"}]}]
+    placed = messages_with_images(messages, 1)
+    assert placed[0]["content"] == [{"type": "image"}, {"type": "text", "text": "Color?"}]
+    processor = VisionProcessor(tiny_vl_dir)
+    ids = encode_row(processor, {"prompt": "Color?", "messages": messages}, [RED])
+    assert ids.count(processor.image_token_id) == 4

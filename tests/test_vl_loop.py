@@ -58,7 +58,8 @@ def test_a_step_moves_the_pictures_once_and_syncs_the_tower_only_when_it_trains(
         batch = session.rollout_batch(0)
         digests = {d for row in batch.images for d in row}
         assert len(digests) == cfg.rollout.prompts_per_step  # one picture a prompt, shared by its group
-        assert all(len(set(map(tuple, batch.images[g::cfg.rollout.samples_per_prompt]))) for g in range(4))
+        n = cfg.rollout.samples_per_prompt
+        assert all(len({tuple(x) for x in batch.images[g * n:(g + 1) * n]}) == 1 for g in range(4))  # a group's
         session.reward(0)
         session.advantages(0)
         session.train(0)
@@ -109,9 +110,37 @@ def test_a_killed_vision_language_run_resumes_exactly(tmp_path, prefect_api, ray
     ("train", {"lora": {"rank": 4}}, "train.lora"),
     ("rollout", {"true_on_policy": True}, "rollout.true_on_policy"),
     ("algorithm", {"advantage": "gae"}, "a critic"),
+    ("train", {"context_parallel": 2, "num_workers": 2}, "train.context_parallel"),
+    ("rollout", {"env": {"cls": "rlflow.engines.env.python_tool:PythonToolEnv"}}, "rollout.env"),
+    ("debug", {"replay_run": "other"}, "debug.replay_run"),
 ])
 def test_features_not_built_for_vision_language_models_are_refused_by_name(tmp_path, section, change, field):
     raw = _vl_recipe(tmp_path, tmp_path / "data")
     raw[section] = {**raw.get(section, {}), **change}
     with pytest.raises(ValueError, match=f"{field}.*not supported with a vision-language model"):
         config_from_dict(raw)
+
+
+def test_a_released_engine_keeps_a_frozen_tower_that_no_sync_sends(tmp_path):
+    """Colocated runs release the engine's weights for the trainer and the next sync refills them; a frozen tower is
+    never sent (train.freeze_vision), so the engine keeps it resident: after release and a language-model-only sync
+    it is the loaded tower, bit for bit, and its cached embeddings stay valid (an update does not clear them)."""
+    from rlflow.engines.core.config import ModelConfig
+    from rlflow.engines.models.hf import build_tiny_model, load_model
+    from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
+
+    path = build_tiny_model(ModelConfig(**VL_MODEL), tmp_path / "m", seed=0)
+    loaded = load_model(path)
+    engine = TorchRolloutBackend(str(path), batch_size=4, context_len=32, frozen_vision=True)
+    try:
+        before = _visual(engine.model)
+        assert before and all(torch.equal(before[n], t) for n, t in _visual(loaded).items())
+        engine.release_memory_occupation()
+        language = [(n, p.detach()) for n, p in loaded.named_parameters() if ".visual." not in f".{n}"]
+        engine.update_weights(language, version=1)
+        assert all(torch.equal(before[n], t) for n, t in _visual(engine.model).items())
+        with pytest.raises(KeyError):  # the tower is no sync target: a trainer that sends it is misconfigured
+            engine.update_weights([next((n, p.detach()) for n, p in loaded.named_parameters()
+                                        if ".visual." in f".{n}")], version=2)
+    finally:
+        engine.close()

@@ -18,11 +18,9 @@ import fsspec
 from PIL import Image, UnidentifiedImageError
 
 from rlflow.engines.core.config import DataConfig
+from rlflow.engines.core.images import IMAGE_PLACEHOLDER
 
 IMAGE_COLUMNS = ("images", "image")  # verl's and TRL's list column, TRL's single-image column
-# verl's marker of where an image goes in a prompt's text: the same string as models.vision_language's
-# IMAGE_PLACEHOLDER (data and models are sibling layers, neither imports the other)
-IMAGE_PLACEHOLDER = "<image>"
 DEFAULT_MAX_PIXELS = DataConfig.model_fields["max_image_pixels"].default
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rlflow.engines.core.images import VL_MODEL_TYPES
 from rlflow.engines.models import invariant
 from rlflow.engines.models.flat_weights import fused_linear
 from rlflow.engines.models.fp8 import Fp8Projections
@@ -51,8 +52,7 @@ from rlflow.engines.models.transfer import to_device
 
 __all__ = ["DecodeRunner", "DecoderLM", "PagedKVCache", "SequenceImages", "to_device"]
 
-VISION_LANGUAGE = ("qwen2_vl", "qwen2_5_vl")  # their language model runs here; the vision tower elsewhere
-SUPPORTED = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", *VISION_LANGUAGE)
+SUPPORTED = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", *VL_MODEL_TYPES)  # VL: the language model
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,7 +116,7 @@ class DecoderLM:
         top = hf_model.config
         if top.model_type not in SUPPORTED:
             raise ValueError(f"model config model_type {top.model_type!r}: the embedded engine runs {SUPPORTED}")
-        self.vision_language = top.model_type in VISION_LANGUAGE
+        self.vision_language = top.model_type in VL_MODEL_TYPES
         # a VL model's language model: its own config (text_config) and module (model.language_model)
         cfg = top.text_config if self.vision_language else top
         self.body = hf_model.model.language_model if self.vision_language else hf_model.model

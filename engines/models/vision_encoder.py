@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -25,16 +24,12 @@ from pathlib import Path
 
 import torch
 
+from rlflow.engines.core.images import image_digest
 from rlflow.engines.models.decoder import SequenceImages
-from rlflow.engines.models.vision_language import IMAGE_PAD, VisionProcessor, mrope_positions, open_image
+from rlflow.engines.models.vision_language import IMAGE_PAD, VisionProcessor, mrope_positions, open_image, pad_runs
 
 CACHED_IMAGES = 64  # distinct images whose embeddings are kept (a step's prompts' images, typically)
 MAX_PATH_CHARS = 4096  # a longer string is never taken for a file path
-
-
-def image_digest(data: bytes) -> str:
-    """An image's key: the sha256 of its encoded bytes (RunStore.image_digest's rule)."""
-    return hashlib.sha256(data).hexdigest()
 
 
 def image_bytes(item: str | bytes, where: str) -> bytes:
@@ -56,19 +51,6 @@ def image_bytes(item: str | bytes, where: str) -> bytes:
         return base64.b64decode(item, validate=True)
     except (binascii.Error, ValueError):
         raise ValueError(f"{where}: neither valid base64 nor an existing file ({item[:40]!r}...)") from None
-
-
-def pad_runs(input_ids: Sequence[int], pad_id: int) -> list[tuple[int, int]]:
-    """(start, length) of each maximal run of image pad tokens: one run per image."""
-    runs: list[tuple[int, int]] = []
-    for i, t in enumerate(input_ids):
-        if t != pad_id:
-            continue
-        if runs and runs[-1][0] + runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs
 
 
 @dataclass(eq=False)
@@ -117,22 +99,13 @@ class VisionEncoder:
         otherwise."""
         data = tuple(image_bytes(item, f"{where}[{i}]") for i, item in enumerate(items))
         pad = self.processor.image_token_id
-        runs = pad_runs(input_ids, pad)
-        if len(runs) != len(data):
-            raise ValueError(f"{where}: {len(data)} image(s) for {len(runs)} image placeholder(s) in input_ids "
-                             f"(runs of {IMAGE_PAD}, token id {pad})")
+        runs = len(pad_runs(input_ids, pad))
+        if runs != len(data):  # checked before any image is processed
+            raise ValueError(f"{where}: {len(data)} image(s) for {runs} image placeholder(s) in input_ids (runs of "
+                             f"{IMAGE_PAD}, token id {pad})")
         digests = tuple(image_digest(d) for d in data)
         grids = self._grids(digests, data, where)
-        ids: list[int] = []
-        last = 0
-        for i, ((start, length), grid) in enumerate(zip(runs, grids, strict=True)):
-            expected = self.processor.tokens_per_image(grid)
-            if length not in (1, expected):
-                raise ValueError(f"input_ids: image {i}'s placeholder at index {start} has {length} {IMAGE_PAD} "
-                                 f"tokens; its {grid[1]}x{grid[2]} patch grid needs {expected} (or 1, SGLang's form)")
-            ids += [*input_ids[last:start], *[pad] * expected]
-            last = start + length
-        ids += input_ids[last:]
+        ids = self.processor.expand(list(input_ids), grids, "input_ids")
         positions, delta = mrope_positions(ids, grids, pad, self.processor.merge)
         pad_index = torch.tensor([i for i, t in enumerate(ids) if t == pad], dtype=torch.long)
         return PromptImages(ids, digests, grids, positions, delta, pad_index, data)

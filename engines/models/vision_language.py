@@ -9,7 +9,7 @@ writes one `<|image_pad|>` per image) and the model's own image processor (`Auto
 Why our own M-RoPE index: the positions of a prompt are needed in three places (the engine's prefill, its decode
 offset, the trainer's packed stream), for one sample at a time, and transformers changed `get_rope_index`'s
 signature between the versions we run (5.17 on the GPU machine, 5.23 here). `mrope_positions` is the same rule,
-checked against transformers' in tests/test_vl_model.py: text tokens advance all three components together; an
+checked against transformers' in tests/test_vl_engine.py: text tokens advance all three components together; an
 image's merged patches take (t, row, column) offsets from the position where the image starts; the text after
 it continues from that start + max(rows, columns).
 """
@@ -28,10 +28,11 @@ from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
 from rlflow.engines.core.config import ModelConfig
+from rlflow.engines.core.images import IMAGE_PLACEHOLDER, VL_MODEL_TYPES
 
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 IMAGE_PAD, VISION_START, VISION_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
-IMAGE_PLACEHOLDER = "<image>"  # verl's marker in a prompt's text where an image goes
+VIDEO_PAD = "<|video_pad|>"
+VISION_PREFIX = "model.visual."  # the vision tower's parameters (patch embedding, blocks, merger), transformers 5
 
 # the demo's chat template: the text one, with an image written as vision start, one pad token, vision end
 VL_CHAT_TEMPLATE = (
@@ -60,9 +61,10 @@ def build_tiny_vl_model(cfg: ModelConfig, out_dir: str | Path, seed: int, tokeni
     """A randomly initialised tiny Qwen2-VL in `out_dir`: `tokenizer` (the demo's character tokenizer) with the
     vision tokens added, its image chat template, and a PIL image processor for small images (the CPU demo)."""
     out_dir = Path(out_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END]})
+    # a video pad of its own, never used: transformers' placeholder and position code tells images from videos by id
+    tokenizer.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD]})
     tokenizer.chat_template = VL_CHAT_TEMPLATE
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (VISION_START, IMAGE_PAD, VISION_END)}
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD)}
     head_dim = cfg.hidden_size // cfg.num_heads
     half = head_dim // 2  # M-RoPE splits the rotary frequencies into (temporal, height, width) sections
     section = [half - 2 * (half // 3), half // 3, half // 3]
@@ -77,7 +79,7 @@ def build_tiny_vl_model(cfg: ModelConfig, out_dir: str | Path, seed: int, tokeni
         vision_config=dict(depth=2, embed_dim=32, hidden_size=cfg.hidden_size, num_heads=2, mlp_ratio=2,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
         image_token_id=ids[IMAGE_PAD], vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
-        video_token_id=ids[IMAGE_PAD], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        video_token_id=ids[VIDEO_PAD], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
@@ -153,17 +155,23 @@ class VisionProcessor:
         return self.pixel_inputs(images)["image_grid_thw"].tolist() if images else []
 
     def expand(self, ids: Sequence[int], grids: Sequence[Sequence[int]], where: str = "prompt") -> list[int]:
-        """Repeat the i-th image pad token once per merged patch of image i; the count of pads must match."""
-        pads = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(pads) != len(grids):
-            raise ValueError(f"{where}: {len(pads)} image placeholders for {len(grids)} images")
+        """`ids` with image i's run of pad tokens as long as its merged patches: a run of one pad (a chat
+        template's, or SGLang's form of a request) is repeated, a run of exactly that length is kept. One run per
+        image; anything else is a ValueError naming `where`."""
+        runs = pad_runs(ids, self.image_token_id)
+        if len(runs) != len(grids):
+            raise ValueError(f"{where}: {len(runs)} image placeholders for {len(grids)} images (runs of {IMAGE_PAD}, "
+                             f"token id {self.image_token_id})")
         out: list[int] = []
         last = 0
-        for pos, grid in zip(pads, grids, strict=True):
-            out.extend(ids[last:pos])
-            out.extend([self.image_token_id] * self.tokens_per_image(grid))
-            last = pos + 1
-        out.extend(ids[last:])
+        for i, ((start, length), grid) in enumerate(zip(runs, grids, strict=True)):
+            need = self.tokens_per_image(grid)
+            if length not in (1, need):
+                raise ValueError(f"{where}: image {i}'s placeholder at index {start} has {length} {IMAGE_PAD} tokens; "
+                                 f"its {grid[1]}x{grid[2]} patch grid needs {need} (or 1, to be expanded)")
+            out += [*ids[last:start], *[self.image_token_id] * need]
+            last = start + length
+        out += ids[last:]
         return out
 
     def encode(self, messages: list[dict], images: Sequence[Image.Image], where: str = "prompt") -> VisionPrompt:
@@ -188,34 +196,55 @@ def messages_with_images(messages: list[dict], n_images: int, where: str = "prom
 
     verl writes `<image>` in a message's text where an image goes; TRL rows give content parts already, or none
     (then the images go first in the first user message, as TRL does). More placeholders than images is an error."""
-    parts_given = any(isinstance(m.get("content"), list) for m in messages)
-    if parts_given:
-        count = sum(1 for m in messages if isinstance(m.get("content"), list)
-                    for c in m["content"] if c.get("type") == "image")
+    if any(isinstance(m.get("content"), list) for m in messages):  # TRL's content parts
+        out = [m if isinstance(m.get("content"), list) else {**m, "content": [{"type": "text", "text": m["content"]}]}
+               for m in messages]
+        count = sum(1 for m in out for c in m["content"] if c.get("type") == "image")
         if count > n_images:
             raise ValueError(f"{where}: {count} image placeholders for {n_images} images")
-        return messages
-    count = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
-    if count > n_images:
-        raise ValueError(f"{where}: {count} '{IMAGE_PLACEHOLDER}' placeholders for {n_images} images")
-    out = []
-    for m in messages:
-        pieces = m["content"].split(IMAGE_PLACEHOLDER)
-        content: list[dict] = []
-        for i, piece in enumerate(pieces):
-            if i:
-                content.append({"type": "image"})
-            if piece:
-                content.append({"type": "text", "text": piece})
-        out.append({**m, "content": content})
+    else:  # verl's <image> markers in the text
+        count = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+        if count > n_images:
+            raise ValueError(f"{where}: {count} '{IMAGE_PLACEHOLDER}' placeholders for {n_images} images")
+        out = [{**m, "content": _parts(m["content"])} for m in messages]
     if count < n_images:  # no placeholders for some images: they go first in the first user message (TRL's way)
         first = next((i for i, m in enumerate(out) if m["role"] == "user"), 0)
         out[first] = {**out[first], "content": [{"type": "image"}] * (n_images - count) + out[first]["content"]}
     return out
 
 
+def pad_runs(ids: Sequence[int], pad_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of the image pad token: one run per image."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != pad_id:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def collapse_image_pads(ids: Sequence[int], pad_id: int) -> list[int]:
+    """`ids` with every run of the image pad token cut to one pad: the form SGLang's processor expands (one
+    `<|image_pad|>` per image between vision start and end), from rlflow's, which repeats it per merged patch."""
+    return [t for i, t in enumerate(ids) if t != pad_id or i == 0 or ids[i - 1] != pad_id]
+
+
+def _parts(text: str) -> list[dict]:
+    """A message's text with verl's `<image>` markers as content parts."""
+    content: list[dict] = []
+    for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
+        if i:
+            content.append({"type": "image"})
+        if piece:
+            content.append({"type": "text", "text": piece})
+    return content
+
+
 def mrope_positions(input_ids: Sequence[int], grids: Sequence[Sequence[int]], image_token_id: int,
-                    merge: int, start: int = 0) -> tuple[torch.Tensor, int]:
+                    merge: int) -> tuple[torch.Tensor, int]:
     """M-RoPE position ids [3, len(input_ids)] of one sample, and its delta: the offset its text positions carry
     after the prompt (a decoded token at index i has position i + delta on all three components)."""
     ids = torch.as_tensor(list(input_ids), dtype=torch.long)
@@ -223,7 +252,7 @@ def mrope_positions(input_ids: Sequence[int], grids: Sequence[Sequence[int]], im
     pos = torch.empty(3, n, dtype=torch.long)
     is_image = (ids == image_token_id).tolist()
     grids_left = iter(grids)
-    i, current = 0, start
+    i, current = 0, 0
     while i < n:
         if not is_image[i]:
             j = i

@@ -29,6 +29,7 @@ from rlflow.engines.rollout.functions import (
     check_group,
     end_tag,
     generate,
+    image_pad_id,
     sample_from_item,
 )
 
@@ -195,7 +196,8 @@ async def continue_sample(router_url: str, prompt: PromptSample, s: Sample, samp
         return replace(s, finish_reason="length")
     params = sampling_params | {"max_new_tokens": left, "sampling_seed": prompt.seed + prompt.n + j}
     rest = sample_from_item(await generate(router_url, prompt.prompt_ids + s.response_ids, params,
-                                           return_routed_experts=prompt.record_routing))
+                                           return_routed_experts=prompt.record_routing,
+                                           image_data=prompt.image_data or None, image_pad_id=image_pad_id(prompt)))
     # the continuation's prefill recorded the experts of every token before it: its record covers the sample
     return replace(
         s, response_ids=s.response_ids + rest.response_ids, logprobs=(s.logprobs or []) + (rest.logprobs or []),

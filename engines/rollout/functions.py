@@ -33,7 +33,7 @@ import numpy as np
 
 from rlflow.engines.data.rewards import load_callable
 from rlflow.engines.models.routing import routing_from_text
-from rlflow.engines.models.vision_language import IMAGE_PAD
+from rlflow.engines.models.vision_language import IMAGE_PAD, collapse_image_pads
 from rlflow.engines.rollout.http_api import DEFAULT_WEIGHT_VERSION, auth_headers, parse_weight_version
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -134,9 +134,17 @@ async def generate(router_url: str, input_ids: Sequence[int], sampling_params: d
     image's grid; the embedded server takes both forms). The item's output is the same either way."""
     ids = list(input_ids)
     if image_data and image_pad_id is not None:
-        ids = [t for i, t in enumerate(ids) if t != image_pad_id or i == 0 or ids[i - 1] != image_pad_id]
-    return await _batcher(router_url).submit(ids, dict(sampling_params), return_logprob, return_routed_experts,
+        ids = collapse_image_pads(ids, image_pad_id)
+    item = await _batcher(router_url).submit(ids, dict(sampling_params), return_logprob, return_routed_experts,
                                              list(image_data or []))
+    served = (item.get("meta_info") or {}).get("prompt_tokens")
+    if image_data and served is not None and served != len(input_ids) and not _aborted_early(item):
+        # the server expanded the pictures to another number of tokens than the trainer will see: its image
+        # processor (min/max pixels) or tokenizer is not the model's, and its log-probs are of another prompt
+        raise RuntimeError(f"/generate on {router_url}: the server ran a {served}-token prompt for a "
+                           f"{len(input_ids)}-token one with {len(image_data)} image(s): its image processor or "
+                           "tokenizer differs from the model's (docs/multimodal.md)")
+    return item
 
 
 def sample_from_item(item: dict) -> Sample:
@@ -159,7 +167,7 @@ async def single_turn(prompt: PromptSample, router_url: str, sampling_params: di
     items = await asyncio.gather(*(
         generate(router_url, prompt.prompt_ids, sampling_params | {"sampling_seed": prompt.seed + j},
                  return_routed_experts=prompt.record_routing, image_data=prompt.image_data or None,
-                 image_pad_id=_image_pad_id(prompt))
+                 image_pad_id=image_pad_id(prompt))
         for j in range(prompt.n)
     ))
     # the reward decodes the tokens itself (models.hf.decode_responses): the server's text drops special tokens, so
@@ -167,7 +175,7 @@ async def single_turn(prompt: PromptSample, router_url: str, sampling_params: di
     return [replace(sample_from_item(item), response=None) for item in items]
 
 
-def _image_pad_id(prompt: PromptSample) -> int | None:
+def image_pad_id(prompt: PromptSample) -> int | None:
     """The image pad token of a prompt with images, from its tokenizer (None without either): `generate` then sends
     SGLang's one pad per image, which a real SGLang behind the router needs."""
     if not prompt.image_data or prompt.tokenizer is None:
@@ -196,6 +204,11 @@ async def abort_tagged(router_url: str, tag: str) -> None:
 def end_tag(tag: str) -> None:
     _ABORTED.discard(tag)
     _OUTSTANDING.pop(tag, None)
+
+
+def _aborted_early(item: dict) -> bool:
+    """An item answered locally because its tag was aborted before it was sent (no server saw it)."""
+    return (item.get("meta_info") or {}).get("finish_reason", {}).get("message") == "aborted before it was sent"
 
 
 def _aborted_item(input_ids: list[int]) -> dict:

@@ -91,7 +91,10 @@ def build_app(backend, token: str | None = None, weight_dirs: Sequence[str | Pat
         requests, logprob_of = [], []
         for i, (prompt, raw, rid) in enumerate(zip(prompts, per_item, rids, strict=True)):
             params, seed = sampling_params(raw, "sampling_params" + (f"[{i}]" if isinstance(raw_params, list) else ""))
-            new = client.requests([prompt], params, seed, rid, None if images is None else [images[i]])
+            if images is None or not images[i]:
+                new = client.requests([prompt], params, seed, rid, None)
+            else:  # decoding and processing pictures (the vision encoder's cache misses) must not hold the loop
+                new = await asyncio.to_thread(client.requests, [prompt], params, seed, rid, [images[i]])
             requests += new
             flag = return_logprob[i] if isinstance(return_logprob, list) else return_logprob
             logprob_of += [bool(flag)] * len(new)

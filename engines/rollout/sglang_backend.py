@@ -67,7 +67,7 @@ from rlflow.engines.core.config import SGLANG_LAUNCHERS, SGLangConfig, StorageCo
 from rlflow.engines.core.protocols import RolloutBackend
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.core.sglang_args import server_dtype, weight_update_ranks
-from rlflow.engines.models.vision_language import is_vision_language
+from rlflow.engines.models.vision_language import collapse_image_pads, is_vision_language
 from rlflow.engines.rollout.engine import Generation
 from rlflow.engines.rollout.http_api import MEMORY_TAGS, auth_headers, parse_weight_version
 from rlflow.engines.rollout.lora import LoraLimits
@@ -198,12 +198,6 @@ def image_token_id(model_path: str | Path) -> int | None:
     if "image_token_id" not in config:
         raise ValueError(f"{model_path}/config.json: a vision-language model without image_token_id")
     return int(config["image_token_id"])
-
-
-def collapse_image_pads(ids: Sequence[int], pad_id: int) -> list[int]:
-    """`ids` with every run of the image pad token cut to one pad: the form SGLang's processor expands (one
-    `<|image_pad|>` per image between vision start and end), from rlflow's, which repeats it per merged patch."""
-    return [t for i, t in enumerate(ids) if t != pad_id or i == 0 or ids[i - 1] != pad_id]
 
 
 def generate_body(prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int,

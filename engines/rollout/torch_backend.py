@@ -41,7 +41,7 @@ from rlflow.engines.models.flat_weights import flat_span, flatten_, fusable_orde
 from rlflow.engines.models.hf import load_model, load_tokenizer
 from rlflow.engines.models.moe import checkpoint_named
 from rlflow.engines.models.vision_encoder import PromptImages, VisionEncoder
-from rlflow.engines.models.vision_language import VisionProcessor, is_vision_language
+from rlflow.engines.models.vision_language import VISION_PREFIX, VisionProcessor, is_vision_language
 from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Generation, Request, request_generator
 from rlflow.engines.rollout.http_api import auth_headers
 from rlflow.engines.rollout.lora import LoraLimits, MergedAdapter, host_copy, read_adapter
@@ -79,7 +79,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         batch_size: int = 512, context_len: int | None = None, trace: bool = False, rank: int = 0,
         weight_dirs: Sequence[str] = (), kv_cache: KVCacheConfig | None = None, compile: bool = False,
         lora: Any = None, record_routing: bool = False, cuda_graphs: bool = True, fp8: bool = False,
-        true_on_policy: bool = False,
+        true_on_policy: bool = False, frozen_vision: bool = False,
     ):
         """`weight_dirs`: folders its server's /update_weights_from_disk may read besides `model_path` (the run's
         weight-sync and checkpoint folders, engines/sync/disk.py:weight_dirs). `context_len`: longest prompt +
@@ -91,7 +91,9 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         model's expert choice of every token, for /generate's return_routed_experts (routing replay, R3).
         `cuda_graphs`: off, decode steps run eagerly (SGLang's --disable-cuda-graph). `fp8`: the dense
         projections in e4m3 (rollout.precision fp8; CUDA, bf16 `dtype`). `true_on_policy`: every op batch-invariant
-        and the trainer's (DecoderLM.true_on_policy; rollout.true_on_policy), no CUDA graphs."""
+        and the trainer's (DecoderLM.true_on_policy; rollout.true_on_policy), no CUDA graphs. `frozen_vision`: a
+        vision-language model's tower is frozen in the trainer (train.freeze_vision), so no sync sends it: it is
+        no sync target, stays resident when the weights are released, and is not in a shared IPC buffer."""
         if fp8 and (device != "cuda" or dtype != torch.bfloat16):
             raise ValueError(f"rollout.precision fp8: needs rollout.device cuda and bf16 compute (got {device}, "
                              f"{dtype}); e4m3 GEMMs run on Hopper-class GPUs")
@@ -111,7 +113,9 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         self.fp8 = lm.quantize_fp8() if fp8 else None  # before the flat buffer, which then holds the rest
         quantized = self.fp8.names if self.fp8 is not None else set()
         params = dict(self.model.named_parameters())
-        self.params = {n: params[n] for n in fusable_order(list(params)) if n not in quantized}
+        self.frozen_vision = frozen_vision
+        kept = {n for n in params if frozen_vision and n.startswith(VISION_PREFIX)}  # what no sync will send
+        self.params = {n: params[n] for n in fusable_order(list(params)) if n not in quantized and n not in kept}
         self._shapes = {n: p.shape for n, p in self.params.items()}  # kept: released weights are empty tensors
         self._targets: tuple[tuple[int, ...], dict[str, torch.Tensor]] | None = None  # weight_targets' cache
         # cuda_ipc with a sharded trainer: which allocation of the weights it is writing (share_weights; None: no
@@ -450,7 +454,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         """An update (a transport's bucket, a route's call, an adapter merge) ended: its seconds for
         last_update_seconds and /metrics."""
         self.last_update_s = time.perf_counter() - start_s
-        if self.vision is not None:  # a trained vision tower changes what the cached embeddings would be
+        if self.vision is not None and not self.frozen_vision:  # a trained tower changes the cached embeddings
             self.vision.clear()
         self.weight_updates += 1
         self.weight_update_seconds += self.last_update_s
@@ -492,11 +496,18 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
 
     def _prompt_images(self, prompts: list[list[int]], images: PromptsImages
                        ) -> list[PromptImages | None]:
-        """Each prompt's images checked against its tokens (VisionEncoder.prepare), None where it has none."""
+        """Each prompt's images checked against its tokens (VisionEncoder.prepare), None where it has none. A
+        prompt with image pad tokens and no images is refused: its pads would run as text, unlike in training."""
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"image_data: {len(images)} items for {len(prompts)} prompts")
+        if self.vision is not None:
+            pad = self.vision.processor.image_token_id
+            bare = [i for i, p in enumerate(prompts) if (images is None or not images[i]) and pad in p]
+            if bare:
+                raise ValueError(f"image_data: prompt {bare[0]} has image pad tokens ({pad}) and no images (a "
+                                 "rollout function must pass a prompt's images with every request for it)")
         if images is None or not any(images):
             return [None] * len(prompts)
-        if len(images) != len(prompts):
-            raise ValueError(f"image_data: {len(images)} items for {len(prompts)} prompts")
         if self.vision is None:
             raise ValueError(f"image_data: the model at {self.model_path} is not a vision-language model "
                              "(Qwen2-VL, Qwen2.5-VL)")

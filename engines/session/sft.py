@@ -126,8 +126,9 @@ class SFTSession:
     # ---- data ----------------------------------------------------------------------------------------
     def tokenize(self, pairs: list[dict]) -> list[Example]:
         text_pairs = [p for p in pairs if "images" not in p]
-        examples = tokenize_pairs(self.rl.tokenizer, text_pairs, self.cfg.data.chat_template,
-                                  self.cfg.sft.add_eos) if text_pairs else []
+        # the template decision is the file's (tokenize_pairs'), not only its text rows'
+        template = self.cfg.data.chat_template or any("messages" in p for p in pairs)
+        examples = tokenize_pairs(self.rl.tokenizer, text_pairs, template, self.cfg.sft.add_eos) if text_pairs else []
         if len(examples) == len(pairs):
             return examples
         if self.rl.vision is None:

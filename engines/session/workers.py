@@ -232,7 +232,8 @@ def rollout_kwargs(cfg: RLConfig, model_path: str):
                     trace=cfg.debug.trace_every > 0, rank=rank, weight_dirs=dirs, kv_cache=cfg.rollout.kv_cache,
                     compile=cfg.rollout.compile, lora=cfg.train.lora,
                     record_routing=cfg.algorithm.routing_replay == "r3", fp8=cfg.rollout.precision == "fp8",
-                    true_on_policy=cfg.rollout.true_on_policy)
+                    true_on_policy=cfg.rollout.true_on_policy,
+                    frozen_vision=cfg.is_vision_language and cfg.train.freeze_vision)
 
     return make
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import hashlib
 import io
 import json
 import logging
@@ -41,6 +40,7 @@ import pyarrow.parquet as pq
 from pydantic import SecretStr
 
 from rlflow.engines.core.config import RLConfig, StorageConfig
+from rlflow.engines.core.images import image_digest
 from rlflow.engines.core.retry import RetriesExhausted, ServiceError
 
 log = logging.getLogger("rlflow.store")
@@ -361,12 +361,8 @@ class RunStore:
         self.fs.invalidate_cache(path)
         return [p.rstrip("/").rsplit("/", 1)[-1] for p in self._call("list", path, self.fs.ls, path, detail=False)]
 
-    # ---- rollout batches -----------------------------------------------------------------------------
     # ---- images of vision-language prompts: stored once, by content ---------------------------------------
-    @staticmethod
-    def image_digest(data: bytes) -> str:
-        """An image's key: the sha256 of its encoded bytes (what rollout batches and train batches name it by)."""
-        return hashlib.sha256(data).hexdigest()
+    image_digest = staticmethod(image_digest)  # an image's key (engines/models/vision_language.py)
 
     def put_image(self, data: bytes) -> str:
         """Store an image's encoded bytes at `images/<digest>` unless they are there already; its digest."""
@@ -383,6 +379,7 @@ class RunStore:
             raise StorageError(f"image {digest} is not in the run store ({self.uri('images')}): the rollout "
                                "batch names an image this run never stored") from e
 
+    # ---- rollout batches -----------------------------------------------------------------------------
     def save_rollout(self, step: int, table: pa.Table) -> str:
         """Write the step's samples, then its marker. Returns the parquet URI."""
         buf = io.BytesIO()

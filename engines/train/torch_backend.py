@@ -57,7 +57,7 @@ from rlflow.engines.models.moe import checkpoint_named
 from rlflow.engines.models.packed import PackedLM, PackedRows
 from rlflow.engines.models.routing import per_layer, recording, routing_shape, set_replay
 from rlflow.engines.models.transfer import tensor_to_device
-from rlflow.engines.models.vision_language import is_vision_language
+from rlflow.engines.models.vision_language import VISION_PREFIX, is_vision_language
 from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.sync.adapter import AdapterSender
 from rlflow.engines.sync.base import free_rendezvous_address
@@ -79,7 +79,6 @@ from rlflow.engines.train.vision import ImageInputs
 
 # a micro-batch's tensors the forward packs on the host (a vision-language batch's image digests are read there)
 PACKED_ON_HOST = ("input_ids", "attention_mask", IMAGE_IDS)
-VISION_PREFIX = "model.visual."  # a vision-language model's vision tower (patch embedding, blocks, merger)
 
 
 def lr_lambda(cfg: TrainConfig):

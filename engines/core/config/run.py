@@ -28,9 +28,8 @@ from rlflow.engines.core.config.storage import StorageConfig
 from rlflow.engines.core.config.tracking import TrackingConfig
 from rlflow.engines.core.config.train import CriticConfig, TrainConfig
 from rlflow.engines.core.config.weight_sync import WeightSyncConfig
+from rlflow.engines.core.images import VL_MODEL_TYPES
 from rlflow.engines.core.sglang_args import weight_update_ranks
-
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # engines/models/vision_language.py's, which core cannot import
 
 
 class RLConfig(Section):
@@ -152,6 +151,8 @@ class RLConfig(Section):
             ("rollout.precision fp8", self.rollout.precision == "fp8"),
             ("a critic (algorithm.advantage gae)", self.algorithm.advantage == "gae"),
             ("distill", self.distill.enabled),
+            ("rollout.env", self.rollout.env is not None),  # its turns are token ids: no images to send
+            ("debug.replay_run", bool(self.debug.replay_run)),  # the batches name the other run's pictures
         ) if on]
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)}: not supported with a vision-language model (model.path "
