@@ -28,7 +28,7 @@ from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
 from rlflow.engines.core.config import ModelConfig
-from rlflow.engines.core.images import IMAGE_PLACEHOLDER, VL_MODEL_TYPES
+from rlflow.engines.core.images import IMAGE_PLACEHOLDER, VL_MODEL_TYPES, image_digest
 
 IMAGE_PAD, VISION_START, VISION_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -140,6 +140,7 @@ class VisionProcessor:
         self.image_processor = AutoImageProcessor.from_pretrained(self.path)
         self.merge = int(self.image_processor.merge_size)
         self.image_token_id = int(config["image_token_id"])
+        self._grids: dict[str, list[int]] = {}  # image digest -> its patch grid (grids_of)
         self.vision_start_id = int(config["vision_start_token_id"])
 
     def tokens_per_image(self, grid_thw: Sequence[int]) -> int:
@@ -174,13 +175,24 @@ class VisionProcessor:
         out += ids[last:]
         return out
 
-    def encode(self, messages: list[dict], images: Sequence[Image.Image], where: str = "prompt") -> VisionPrompt:
+    def encode(self, messages: list[dict], images: Sequence[Image.Image], where: str = "prompt",
+               grids: Sequence[Sequence[int]] | None = None) -> VisionPrompt:
         """Chat messages (content a string, or a list of {"type": "image"} / {"type": "text", "text"} parts) and
-        the images they place, as token ids and grids."""
+        the images they place, as token ids and grids (`grids`: the images' already known)."""
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        grids = self.grids(images)
+        grids = [list(g) for g in grids] if grids is not None else self.grids(images)
         return VisionPrompt(self.expand(ids, grids, where), grids)
+
+    def grids_of(self, data: Sequence[bytes]) -> list[list[int]]:
+        """The patch grids of encoded images, each computed once (the image processor resizes and normalizes the
+        whole picture to find it; a prompt taken again in a later epoch, or by its group, costs a lookup)."""
+        digests = [image_digest(d) for d in data]
+        missing = [(k, d) for k, d in zip(digests, data, strict=True) if k not in self._grids]
+        if missing:
+            for (k, _), grid in zip(missing, self.grids([open_image(d) for _, d in missing]), strict=True):
+                self._grids[k] = grid
+        return [self._grids[k] for k in digests]
 
 
 def encode_row(processor: VisionProcessor, row: dict, images: Sequence[bytes], where: str = "prompt") -> list[int]:
@@ -188,7 +200,7 @@ def encode_row(processor: VisionProcessor, row: dict, images: Sequence[bytes], w
     messages_with_images and the processor; the rollout, SFT and the evaluate flow all encode image rows here."""
     messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
     placed = messages_with_images(messages, len(images), where)
-    return processor.encode(placed, [open_image(data) for data in images], where).prompt_ids
+    return processor.encode(placed, [], where, processor.grids_of(images)).prompt_ids
 
 
 def messages_with_images(messages: list[dict], n_images: int, where: str = "prompt") -> list[dict]:
