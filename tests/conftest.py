@@ -45,6 +45,16 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="session")
+def tiny_vl_dir(tmp_path_factory) -> str:
+    """A tiny Qwen2-VL (2-block vision tower, 2-layer language model) with the demo's char tokenizer and an image
+    processor for 56-112-pixel pictures."""
+    out = tmp_path_factory.mktemp("tiny_vl")
+    build_tiny_model(ModelConfig(arch="qwen2_vl", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                                 num_kv_heads=2, max_seq_len=256), out, seed=0)
+    return str(out)
+
+
 def step_metrics(run: Callable[[], Any], listeners: Iterable[Callable[[int, dict], None]] = ()
                  ) -> tuple[dict[int, dict], Any]:
     """Call `run` (a flow) with `listeners` and a collector on every finished step: (each step's metrics, what

@@ -10,58 +10,21 @@ GRPO through the environment holds it (what GRPO does from a weaker SFT: docs/ag
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from rlflow.engines.core.config import load_recipe
-from rlflow.engines.session.rl import RLSession
-from rlflow.engines.session.sft import SFTSession
-from rlflow.engines.session.workers import prepare_data, prepare_model
+from tests.learning import in_tmp, sft_then_grpo
 
 pytestmark = pytest.mark.slow  # ~3 min on 2 cores; the default suite's twin: tests/test_env.py's tool loop
 
 
 def test_mul_tool_recipe_learns_to_use_the_python_tool(tmp_path):
-    cfg = load_recipe("deployments/mul-tool.yaml")
-    data = tmp_path / "data"
-    cfg = cfg.model_copy(update={
-        "data": cfg.data.model_copy(update={"train_path": str(data / "train.jsonl"),
-                                            "eval_path": str(data / "eval.jsonl")}),
-        "sft": cfg.sft.model_copy(update={"train_path": str(data / "sft.jsonl")}),
-        "tracking": cfg.tracking.model_copy(update={"uri": f"sqlite:///{tmp_path}/mlflow.db"}),
-        "storage": cfg.storage.model_copy(update={"uri": str(tmp_path / "runs")}),
-    })
-    prepare_data(cfg)
-    t0 = time.monotonic()
-    sft = SFTSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
-    try:
-        before = sft.rl.evaluate(0)[0]["eval/reward_mean"]
-        for step in range(cfg.sft.steps):
-            sft.train(step)
-            sft.sync_weights(step)
-        after_sft = sft.rl.evaluate(cfg.sft.steps)[0]["eval/reward_mean"]
-        sft.save(str(tmp_path / "sft"), cfg.sft.steps)
-    finally:
-        sft.shutdown()
-    session = RLSession.create(cfg, str(tmp_path / "sft" / "model"), use_ray=False)
-    rewards, evals = [], []
-    try:
-        for step in range(cfg.train.steps):
-            session.rollout(step)
-            rewards.append(session.reward(step)["rollout/reward_mean"])
-            session.advantages(step)
-            session.train(step)
-            session.sync_weights(step)
-            if (step + 1) % cfg.eval.every == 0:
-                evals.append(session.evaluate(step)[0]["eval/reward_mean"])
-        stats = session.env.stats()[0]
-    finally:
-        session.shutdown()
-    minutes = (time.monotonic() - t0) / 60
-    print(f"held-out reward {before:.3f} -> {after_sft:.3f} (SFT) -> {evals} (GRPO); training reward {rewards}; "
-          f"{minutes:.1f} min; env {stats}")
-    assert before <= 0.2
-    assert evals[-1] >= 0.9
+    cfg = in_tmp(load_recipe("deployments/mul-tool.yaml"), tmp_path, "train.jsonl", "eval.jsonl", "sft.jsonl")
+    run = sft_then_grpo(cfg, tmp_path, inspect=lambda session: session.env.stats()[0])
+    stats = run.extra
+    print(f"held-out reward {run.before:.3f} -> {run.after_sft:.3f} (SFT) -> {run.evals} (GRPO); training reward "
+          f"{run.rewards}; {run.minutes:.1f} min; env {stats}")
+    assert run.before <= 0.2
+    assert run.evals[-1] >= 0.9
     assert stats["errors"] == 0 and stats["sandbox_peak"] >= 1
-    assert minutes < 10
+    assert run.minutes < 10

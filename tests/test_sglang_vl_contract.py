@@ -20,9 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import Qwen2VLForConditionalGeneration
 
-from rlflow.engines.core.config import ModelConfig
 from rlflow.engines.core.sampling import SamplingParams
-from rlflow.engines.models.hf import build_tiny_model
 from rlflow.engines.models.vision_language import VisionProcessor, collapse_image_pads, open_image
 from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend, generate_body, sglang_weight_name
 from tests.sglang_fixture_server import image_lists
@@ -35,14 +33,6 @@ def data_uri(color: str, size: tuple[int, int] = (60, 60), fmt: str = "PNG") -> 
 
 
 RED, BLUE = data_uri("red"), data_uri("blue", (112, 84), "JPEG")
-
-
-@pytest.fixture(scope="module")
-def tiny_vl_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("tiny_vl")
-    build_tiny_model(ModelConfig(arch="qwen2_vl", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                                 num_kv_heads=2, max_seq_len=256), out, seed=0)
-    return str(out)
 
 
 @pytest.fixture(scope="module")

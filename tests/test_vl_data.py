@@ -19,10 +19,10 @@ import torch
 from PIL import Image
 
 from rlflow.engines.core.batch import IMAGE_IDS, ROLLOUT_SCHEMA, RolloutBatch, image_digests
-from rlflow.engines.core.config import EvalSamplingConfig, ModelConfig, StorageConfig
+from rlflow.engines.core.config import EvalSamplingConfig, StorageConfig
 from rlflow.engines.data.prompts import DataError, load_prompts
 from rlflow.engines.models import vision_language
-from rlflow.engines.models.hf import build_tiny_model, load_tokenizer
+from rlflow.engines.models.hf import load_tokenizer
 from rlflow.engines.models.vision_language import IMAGE_PAD, VisionProcessor
 from rlflow.engines.rollout.functions import PromptSample, Sample
 from rlflow.engines.session.evaluation import generate_and_reward
@@ -216,14 +216,6 @@ def test_train_batch_image_ids() -> None:
 
 
 # ---- prompts of a vision-language model -------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_vl_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("tiny_vl")
-    build_tiny_model(ModelConfig(arch="qwen2_vl", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                                 num_kv_heads=2, max_seq_len=256), out, seed=0)
-    return str(out)
-
-
 def session(model_dir: str, store: RunStore | None, rows: list[dict]) -> SimpleNamespace:
     """The part of RunEngines prompt_samples reads. A real RunEngines starts train and rollout workers and loads
     the data files; prompting needs only its tokenizer, processor, store and settings, as RunEngines builds them."""

@@ -11,56 +11,20 @@ GRPO's: the pictures go through the embedded engine and the trainer's vision tow
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from rlflow.engines.core.config import load_recipe
-from rlflow.engines.session.rl import RLSession
-from rlflow.engines.session.sft import SFTSession
-from rlflow.engines.session.workers import prepare_data, prepare_model
+from tests.learning import in_tmp, sft_then_grpo
 
 pytestmark = pytest.mark.slow  # ~2 min on 2 cores; the default suite's twins: tests/test_vl_loop.py
 
 
 def test_vl_count_recipe_learns_to_count_with_sft_then_grpo(tmp_path):
-    cfg = load_recipe("deployments/vl-count-tiny.yaml")
-    data = tmp_path / "data"
-    cfg = cfg.model_copy(update={
-        "data": cfg.data.model_copy(update={"train_path": str(data / "train.parquet"),
-                                            "eval_path": str(data / "eval.parquet")}),
-        "sft": cfg.sft.model_copy(update={"train_path": str(data / "sft.parquet")}),
-        "tracking": cfg.tracking.model_copy(update={"uri": f"sqlite:///{tmp_path}/mlflow.db"}),
-        "storage": cfg.storage.model_copy(update={"uri": str(tmp_path / "runs")}),
-    })
-    prepare_data(cfg)
-    t0 = time.monotonic()
-    sft = SFTSession.create(cfg, prepare_model(cfg, tmp_path), use_ray=False)
-    try:
-        before = sft.rl.evaluate(0)[0]["eval/reward_mean"]
-        for step in range(cfg.sft.steps):
-            sft.train(step)
-            sft.sync_weights(step)
-        after_sft = sft.rl.evaluate(cfg.sft.steps)[0]["eval/reward_mean"]
-        sft.save(str(tmp_path / "sft"), cfg.sft.steps)
-    finally:
-        sft.shutdown()
-    session = RLSession.create(cfg, str(tmp_path / "sft" / "model"), use_ray=False)
-    rewards, evals = [], []
-    try:
-        for step in range(cfg.train.steps):
-            session.rollout(step)
-            rewards.append(session.reward(step)["rollout/reward_mean"])
-            session.advantages(step)
-            session.train(step)
-            session.sync_weights(step)
-            if (step + 1) % cfg.eval.every == 0:
-                evals.append(session.evaluate(step)[0]["eval/reward_mean"])
-    finally:
-        session.shutdown()
-    minutes = (time.monotonic() - t0) / 60
-    print(f"held-out accuracy {before:.3f} -> {after_sft:.3f} (SFT) -> {evals} (GRPO); training reward {rewards}; "
-          f"{minutes:.1f} min")
-    assert before <= 0.2
-    assert evals[-1] >= 0.9
-    assert minutes < 10
+    cfg = in_tmp(load_recipe("deployments/vl-count-tiny.yaml"), tmp_path, "train.parquet", "eval.parquet",
+                 "sft.parquet")
+    run = sft_then_grpo(cfg, tmp_path)
+    print(f"held-out accuracy {run.before:.3f} -> {run.after_sft:.3f} (SFT) -> {run.evals} (GRPO); training reward "
+          f"{run.rewards}; {run.minutes:.1f} min")
+    assert run.before <= 0.2
+    assert run.evals[-1] >= 0.9
+    assert run.minutes < 10

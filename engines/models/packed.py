@@ -57,12 +57,12 @@ class PackedImages:
     grid_thw: torch.Tensor  # [distinct images, 3] long
     tokens: list[int]  # merged patches (image tokens) of each distinct image
     order: list[int]  # which distinct image each image of the stream is, in stream order
-    positions: torch.Tensor  # [image tokens] long: stream index of each image token, in stream order
+    token_index: torch.Tensor  # [image tokens] long: stream index of each image token, in stream order
 
     def to(self, device: torch.device | str) -> PackedImages:
         return dataclasses.replace(self, pixel_values=tensor_to_device(self.pixel_values, device),
                                    grid_thw=tensor_to_device(self.grid_thw, device),
-                                   positions=tensor_to_device(self.positions, device))
+                                   token_index=tensor_to_device(self.token_index, device))
 
 
 @dataclass
@@ -113,7 +113,7 @@ class PackedRows:
             raise ValueError(f"with_images: images for {len(row_images)} rows, the micro-batch has {self.shape[0]}")
         per_image = (grid_thw.prod(-1) // (merge * merge)).tolist()
         bounds = self.cu_seqlens.tolist()
-        mrope, positions, order = [], [], []
+        mrope, token_index, order = [], [], []
         for r, images in enumerate(row_images):
             ids = self.input_ids[bounds[r]:bounds[r + 1]]
             pads = _image_token_runs(ids, [per_image[i] for i in images], image_token_id, r)
@@ -121,11 +121,11 @@ class PackedRows:
             pos, delta = mrope_positions(ids[:end].tolist(), grid_thw[images].tolist(), image_token_id, merge)
             text = torch.arange(end, len(ids)) + delta
             mrope.append(torch.cat([pos, text.expand(3, -1)], dim=1))
-            positions.append(pads + bounds[r])
+            token_index.append(pads + bounds[r])
             order.extend(images)
         stream = torch.cat(mrope, dim=1) if mrope else torch.zeros(3, 0, dtype=torch.long)
         images = PackedImages(pixel_values, grid_thw.long(), per_image, order,
-                              torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long))
+                              torch.cat(token_index) if token_index else torch.zeros(0, dtype=torch.long))
         return dataclasses.replace(self, mrope=stream.to(self.input_ids.device), images=images)
 
     def split_over(self, group) -> PackedRows:
@@ -345,10 +345,10 @@ class PackedLM(torch.nn.Module):
             return embeds + 0 * merged.sum().to(embeds.dtype)
         chunks = torch.split(merged, images.tokens)
         placed = torch.cat([chunks[i] for i in images.order]).to(embeds.dtype)
-        if placed.shape[0] != images.positions.shape[0]:
-            raise ValueError(f"vision tower: {placed.shape[0]} image embeddings for {images.positions.shape[0]} "
+        if placed.shape[0] != images.token_index.shape[0]:
+            raise ValueError(f"vision tower: {placed.shape[0]} image embeddings for {images.token_index.shape[0]} "
                              "image pad tokens")
-        return embeds.index_put((images.positions,), placed)
+        return embeds.index_put((images.token_index,), placed)
 
     def _blank_image(self, device: torch.device) -> PackedImages:
         """The smallest image the vision tower takes (one merged patch of zeros), placed nowhere."""

@@ -207,8 +207,9 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
                                      None, train.cpu_offload)
         # fused on the GPU: one kernel per step and no temporaries the size of the model (foreach's are)
         fused = self.device == "cuda" and not train.cpu_offload
-        trainable = ([p for p in self.model.parameters() if p.requires_grad] if (self.lora or self.freeze_vision)
-                     and not frozen else self.model.parameters())  # LoRA's adapters; never a frozen vision tower
+        # the optimizer holds what trains: all, or LoRA's adapters, and never a frozen vision tower (a frozen role's
+        # model never steps)
+        trainable = list(self.model.parameters()) if frozen else [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=train.lr, betas=train.betas,
                                            weight_decay=train.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train))
