@@ -260,3 +260,17 @@ def test_a_weight_update_forgets_the_cached_embeddings(backend, processor):
     backend.update_weights(backend.named_tensors(["model.visual.merger.mlp.0.weight"]))
     backend.generate([ids], p, seed=0, image_data=[[image]])
     assert backend.engine.stats()["vision_encoder_calls"] == calls + 1
+
+
+def test_a_prompt_prefilled_again_after_a_tower_update_gets_the_new_embeddings(backend, processor):
+    """A request preempted across an update of a trained tower is prefilled again with the new tower's embeddings;
+    without an update its re-prefill reuses what it was first prefilled with (no tower call)."""
+    encoder = backend.engine.vision
+    image = png(56, 84, (9, 200, 9))
+    prompt = encoder.prepare(prompt_ids(processor, [image]), [image])
+    calls = encoder.calls
+    first = encoder.sequence(prompt)
+    assert encoder.sequence(prompt) is first and encoder.calls == calls + 1
+    encoder.clear()
+    again = encoder.sequence(prompt)
+    assert again is not first and encoder.calls == calls + 2

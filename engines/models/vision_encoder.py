@@ -8,8 +8,8 @@ image's grid as SGLang's processor does; the request then runs, and reports, the
 Why a cache by digest: a GRPO group's n samples carry the same images (and a data set's prompts often share
 them); the vision tower is run once per image, not per sample or per call. A prompt's `PromptImages` also keeps
 the `SequenceImages` it was first prefilled with, so a re-prefill after preemption uses the same embeddings even
-when the cache has let them go meanwhile. Weight updates clear the cache (`clear`): a trained vision tower changes
-them.
+when the cache has let them go meanwhile. Weight updates that may move the tower (it trains) clear the cache
+(`clear`), and a prompt prefilled again after one gets the new tower's embeddings.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class PromptImages:
     pad_index: torch.Tensor
     data: tuple[bytes, ...] = field(repr=False)
     sequence: SequenceImages | None = None
+    tower_version: int = -1  # VisionEncoder.tower_version its sequence's embeddings are of
 
 
 @dataclass
@@ -84,13 +85,16 @@ class VisionEncoder:
         self.visual, self.processor = model.model.visual, processor
         self.cache_images = cache_images
         self.calls = 0
+        self.tower_version = 0  # the weights' version the embeddings are of (clear moves it)
         self._cache: OrderedDict[str, _Entry] = OrderedDict()
         self._lock = threading.Lock()  # prepare runs on request threads, embeddings on the engine's
 
     def clear(self) -> None:
-        """Forget every cached embedding (the weights changed)."""
+        """Forget every cached embedding (the tower's weights changed), those a prompt kept for its re-prefills too:
+        a request preempted across the update is prefilled again with the new tower's embeddings."""
         with self._lock:
             self._cache.clear()
+            self.tower_version += 1
 
     def prepare(self, input_ids: Sequence[int], items: Sequence[str | bytes], where: str = "image_data"
                 ) -> PromptImages:
@@ -148,10 +152,12 @@ class VisionEncoder:
     def sequence(self, prompt: PromptImages) -> SequenceImages:
         """The prompt's positions and image embeddings for a prefill (the same object on every later prefill of
         it). Images not cached go through the vision tower together, in one call."""
-        if prompt.sequence is None:
+        if prompt.sequence is None or prompt.tower_version != self.tower_version:
+            version = self.tower_version
             embeds = self._embeddings(prompt)
             rows = torch.cat([embeds[d] for d in prompt.digests])
             prompt.sequence = SequenceImages(prompt.positions, prompt.delta, prompt.pad_index, rows)
+            prompt.tower_version = version
         return prompt.sequence
 
     def _embeddings(self, prompt: PromptImages) -> dict[str, torch.Tensor]:
