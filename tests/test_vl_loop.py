@@ -112,7 +112,6 @@ def test_a_killed_vision_language_run_resumes_exactly(tmp_path, prefect_api, ray
     ("algorithm", {"advantage": "gae"}, "a critic"),
     ("train", {"context_parallel": 2, "num_workers": 2}, "train.context_parallel"),
     ("rollout", {"env": {"cls": "rlflow.engines.env.python_tool:PythonToolEnv"}}, "rollout.env"),
-    ("debug", {"replay_run": "other"}, "debug.replay_run"),
 ])
 def test_features_not_built_for_vision_language_models_are_refused_by_name(tmp_path, section, change, field):
     raw = _vl_recipe(tmp_path, tmp_path / "data")
@@ -144,3 +143,42 @@ def test_a_released_engine_keeps_a_frozen_tower_that_no_sync_sends(tmp_path):
                                         if ".visual." in f".{n}")], version=2)
     finally:
         engine.close()
+
+
+def test_a_train_only_replay_of_a_vision_language_run_reads_its_pictures(tmp_path):
+    """debug.replay_run with a VL model: the replayed batches name the first run's pictures, which the train
+    workers read from that run's store; the replay trains to the same weights, bit for bit."""
+    common = dict(algorithm={"entropy_coef": 0.01}, train={"steps": 2, "threads": 1, "lr": 0.05,
+                                                           "freeze_vision": False})
+    first = config_from_dict(_vl_recipe(tmp_path, tmp_path / "data", name="first", **common))
+    prepare_data(first)
+    model = prepare_model(first, tmp_path)
+    store = RunStore(first.storage, first.name)
+    store.write_json(first.model_dump(mode="json"), "config.json")
+
+    def run(cfg, keep: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        session = RLSession.create(cfg, model, use_ray=False)
+        losses = []
+        try:
+            for step in range(cfg.train.steps):
+                session.rollout(step)
+                if keep:  # what the flow's rollout task persists (checkpoint.keep_rollouts)
+                    store.save_rollout(step, session.rollout_table(step))
+                session.reward(step)
+                session.advantages(step)
+                losses.append(session.train(step)["train/loss"])
+                session.sync_weights(step)
+            trainer = session.train_group.workers[0].model
+            weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                       for n, p in trainer.named_parameters()}
+        finally:
+            session.shutdown()
+        return losses, weights
+
+    losses, weights = run(first, keep=True)
+    replay = config_from_dict(_vl_recipe(tmp_path, tmp_path / "data", name="replayed",
+                                         debug={"mode": "train_only", "replay_run": "first"}, **common))
+    replay_losses, replay_weights = run(replay, keep=False)
+    assert replay_losses == losses
+    assert all(torch.equal(weights[n], replay_weights[n]) for n in weights)
+    assert not RunStore(replay.storage, "replayed").exists("images")  # the pictures were read from the first run

@@ -29,7 +29,7 @@ from rlflow.engines.models.vision_language import is_vision_language
 from rlflow.engines.reward.model_worker import SequenceClassifierReward
 from rlflow.engines.rollout.sglang_backend import SGLangRolloutBackend
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
-from rlflow.engines.store.run_store import worker_storage, workers_write_checkpoints
+from rlflow.engines.store.run_store import replay_storage, worker_storage, workers_write_checkpoints
 from rlflow.engines.sync.disk import weight_dirs
 from rlflow.engines.sync.transports import TRANSPORTS
 from rlflow.engines.train.torch_backend import TorchTrainBackend
@@ -159,8 +159,11 @@ def train_kwargs(cfg: RLConfig, model_path: str):
         extra["distill"] = cfg.distill
     if cfg.rollout.true_on_policy:  # the policy's forward runs the engine's batch-invariant ops
         extra["true_on_policy"] = True
-    if is_vision_language(model_path):  # the train workers read a batch's images from the run store by digest
-        extra |= {"storage": worker_storage(cfg.storage), "run": cfg.name}
+    if is_vision_language(model_path):  # the train workers read a batch's images from the run store by digest:
+        # this run's, or with debug.replay_run the replayed run's, whose batches name its own pictures
+        replayed = cfg.debug.replay_run is not None
+        extra |= {"storage": worker_storage(replay_storage(cfg) if replayed else cfg.storage),
+                  "run": cfg.debug.replay_run if replayed else cfg.name}
 
     def make(rank: int) -> dict:
         return dict(model_path=model_path, train=cfg.train, algorithm=cfg.algorithm,

@@ -546,12 +546,18 @@ def list_runs(storage: StorageConfig | str) -> list[dict]:
     return out
 
 
+def replay_storage(cfg: RLConfig) -> StorageConfig:
+    """The storage of the run whose rollout batches this run replays: debug.replay_store, with storage's endpoint
+    and credentials, or storage itself."""
+    return cfg.storage.model_copy(update={"uri": cfg.debug.replay_store}) if cfg.debug.replay_store else cfg.storage
+
+
 def replay_source(cfg: RLConfig) -> RunStore | None:
     """The store of the run whose rollout batches this run replays (debug.replay_run), checked to exist."""
     d = cfg.debug
     if not d.replay_run:
         return None
-    storage = cfg.storage.model_copy(update={"uri": d.replay_store}) if d.replay_store else cfg.storage
+    storage = replay_storage(cfg)
     store = RunStore(storage, d.replay_run)
     if not store.exists("config.json"):
         raise FileNotFoundError(f"debug.replay_run: no run {d.replay_run!r} in store {storage.uri} "

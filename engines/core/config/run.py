@@ -152,7 +152,6 @@ class RLConfig(Section):
             ("a critic (algorithm.advantage gae)", self.algorithm.advantage == "gae"),
             ("distill", self.distill.enabled),
             ("rollout.env", self.rollout.env is not None),  # its turns are token ids: no images to send
-            ("debug.replay_run", bool(self.debug.replay_run)),  # the batches name the other run's pictures
         ) if on]
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)}: not supported with a vision-language model (model.path "
