@@ -143,6 +143,21 @@ def test_a_group_runs_the_vision_encoder_once(backend, processor):
     assert backend.vision.calls == before + 1
 
 
+def test_prompts_admitted_together_share_one_vision_encoder_call(backend, processor):
+    """Three prompts with pictures of their own, prefilled in one step: their new pictures go through the tower in
+    one call, not one a prompt, and each prompt still gets its own picture's embeddings (its tokens)."""
+    pictures = [png(56 + 28 * i, 56, (30 * i, 10, 200)) for i in range(3)]
+    prompts = [prompt_ids(processor, [p]) for p in pictures]
+    params = SamplingParams(max_new_tokens=3)
+    before = backend.vision.calls
+    together = backend.generate(prompts, params, seed=3, image_data=[[p] for p in pictures])
+    assert backend.vision.calls == before + 1
+    backend.vision.clear()
+    alone = [backend.generate([ids], params, seed=3, first_index=i, image_data=[[p]])[0]
+             for i, (ids, p) in enumerate(zip(prompts, pictures, strict=True))]
+    assert_same(together, alone)
+
+
 def test_same_tokens_different_images_share_no_prefill(backend, processor):
     """Two prompts with equal token ids and different images (same size): each gives what it gives alone."""
     red, blue = png(56, 84, (220, 0, 0), box=30), png(56, 84, (0, 0, 220), box=30)

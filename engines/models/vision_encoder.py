@@ -149,27 +149,36 @@ class VisionEncoder:
                 self._cache.popitem(last=False)
 
     @torch.no_grad()
+    def warm(self, prompts: Sequence[PromptImages]) -> None:
+        """Embed, in one tower call, the pictures not cached yet of the prompts a prefill step is about to run (at
+        most cache_images of them, so none is dropped before its prompt reads it): one call a step, not a prompt."""
+        stale = [p for p in prompts if p.sequence is None or p.tower_version != self.tower_version]
+        images = {d: b for p in stale for d, b in zip(p.digests, p.data, strict=True)}
+        if images:
+            self._embeddings(dict(list(images.items())[:self.cache_images]))
+
+    @torch.no_grad()
     def sequence(self, prompt: PromptImages) -> SequenceImages:
         """The prompt's positions and image embeddings for a prefill (the same object on every later prefill of
-        it). Images not cached go through the vision tower together, in one call."""
+        it, until the tower changes). Images not cached go through the vision tower together, in one call."""
         if prompt.sequence is None or prompt.tower_version != self.tower_version:
             version = self.tower_version
-            embeds = self._embeddings(prompt)
+            embeds = self._embeddings(dict(zip(prompt.digests, prompt.data, strict=True)))
             rows = torch.cat([embeds[d] for d in prompt.digests])
             prompt.sequence = SequenceImages(prompt.positions, prompt.delta, prompt.pad_index, rows)
             prompt.tower_version = version
         return prompt.sequence
 
-    def _embeddings(self, prompt: PromptImages) -> dict[str, torch.Tensor]:
-        """{digest: embeddings [tokens, hidden]} of the prompt's images, from the cache or the vision tower."""
+    def _embeddings(self, images: dict[str, bytes]) -> dict[str, torch.Tensor]:
+        """{digest: embeddings [tokens, hidden]} of the images (digest: encoded bytes), from the cache or one call
+        of the vision tower for all that are not cached."""
         with self._lock:
-            entries = {d: self._cache.get(d) for d in prompt.digests}
+            entries = {d: self._cache.get(d) for d in images}
         out = {d: e.embeds for d, e in entries.items() if e is not None and e.embeds is not None}
         missing = [d for d in entries if d not in out]
         if not missing:
             return out
-        lost = {d: b for d, b in zip(prompt.digests, prompt.data, strict=True)
-                if d in missing and (entries[d] is None or entries[d].pixels is None)}
+        lost = {d: images[d] for d in missing if entries[d] is None or entries[d].pixels is None}
         entries |= self._process(lost, "image_data")
         pixels = torch.cat([entries[d].pixels for d in missing])
         grid = torch.tensor([entries[d].grid for d in missing], dtype=torch.long, device=self.device)

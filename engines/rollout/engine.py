@@ -549,12 +549,16 @@ class ContinuousBatchEngine:
         """Prefill up to kv.prefill_chunk_tokens tokens of the admitted requests, oldest first: whole prompts
         together in padded batches, the part of a longer one that fits on its own (its next chunk next
         step). A request whose prefill ends joins the running ones with its first token's logits."""
-        budget, whole, done = self.kv.prefill_chunk_tokens, [], []
+        budget, planned, whole, done = self.kv.prefill_chunk_tokens, [], [], []
         for work in self._prefilling:
             if budget <= 0:
                 break
             n = min(len(work.tokens) - work.done, budget)
             budget -= n
+            planned.append((work, n))
+        if self.vision is not None:  # the step's new pictures through the vision tower in one call
+            self.vision.warm([w.images for w, _ in planned if w.images is not None])
+        for work, n in planned:
             if work.done == 0 and n == len(work.tokens):
                 whole.append(work)
                 continue

@@ -40,7 +40,7 @@ from rlflow.engines.models.decoder import DecoderLM
 from rlflow.engines.models.flat_weights import flat_span, flatten_, fusable_order
 from rlflow.engines.models.hf import load_model, load_tokenizer
 from rlflow.engines.models.moe import checkpoint_named
-from rlflow.engines.models.vision_encoder import PromptImages, VisionEncoder
+from rlflow.engines.models.vision_encoder import CACHED_IMAGES, PromptImages, VisionEncoder
 from rlflow.engines.models.vision_language import VISION_PREFIX, VisionProcessor, is_vision_language
 from rlflow.engines.rollout.engine import QUEUE_TID, ContinuousBatchEngine, Generation, Request, request_generator
 from rlflow.engines.rollout.http_api import auth_headers
@@ -136,7 +136,10 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         # per-request timeline (engines/core/trace.py): off unless the run traces; the driver drains it
         self.trace = TraceRecorder(f"rollout-{rank}", enabled=trace)
         self.trace.name_thread(QUEUE_TID, "queue, weight updates, preemptions")  # then a lane per page-table row
-        self.vision = (VisionEncoder(self.model, VisionProcessor(model_path, tokenizer=self.tokenizer))
+        # a VL model's picture embeddings by digest: a step's worth at least (the rows it runs), so a prefill step's
+        # one tower call never drops what its prompts are about to read
+        self.vision = (VisionEncoder(self.model, VisionProcessor(model_path, tokenizer=self.tokenizer),
+                                     cache_images=max(CACHED_IMAGES, batch_size))
                        if is_vision_language(self.model.config) else None)
         self.engine = ContinuousBatchEngine(
             lm, self.tokenizer, max_running=batch_size, max_len=context_len, trace=self.trace,
