@@ -28,7 +28,7 @@ from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
 from rlflow.engines.core.config import ModelConfig
-from rlflow.engines.core.images import IMAGE_PLACEHOLDER, VL_MODEL_TYPES, image_digest
+from rlflow.engines.core.images import IMAGE_PLACEHOLDER, VL_MODEL_TYPES, image_digest, model_type_of
 
 IMAGE_PAD, VISION_START, VISION_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -42,12 +42,6 @@ VL_CHAT_TEMPLATE = (
 )
 # the tiny model's images: 56-112 pixels a side, 14-pixel patches merged 2x2, so 4-16 tokens an image
 TINY_MIN_PIXELS, TINY_MAX_PIXELS = 56 * 56, 112 * 112
-
-
-def model_type_of(path: str | Path) -> str | None:
-    """model_type of an HF directory's config.json (None when it has none)."""
-    config = Path(path) / "config.json"
-    return json.loads(config.read_text()).get("model_type") if config.is_file() else None
 
 
 def is_vision_language(path_or_config) -> bool:

@@ -236,7 +236,7 @@ def rollout_kwargs(cfg: RLConfig, model_path: str):
                     compile=cfg.rollout.compile, lora=cfg.train.lora,
                     record_routing=cfg.algorithm.routing_replay == "r3", fp8=cfg.rollout.precision == "fp8",
                     true_on_policy=cfg.rollout.true_on_policy,
-                    frozen_vision=cfg.is_vision_language and cfg.train.freeze_vision)
+                    frozen_vision=is_vision_language(model_path) and cfg.train.freeze_vision)
 
     return make
 

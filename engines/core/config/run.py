@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import warnings
-from pathlib import Path
 
 from pydantic import Field, model_validator
 
@@ -28,7 +26,7 @@ from rlflow.engines.core.config.storage import StorageConfig
 from rlflow.engines.core.config.tracking import TrackingConfig
 from rlflow.engines.core.config.train import CriticConfig, TrainConfig
 from rlflow.engines.core.config.weight_sync import WeightSyncConfig
-from rlflow.engines.core.images import VL_MODEL_TYPES
+from rlflow.engines.core.images import VL_MODEL_TYPES, model_type_of
 from rlflow.engines.core.sglang_args import weight_update_ranks
 
 
@@ -159,12 +157,11 @@ class RLConfig(Section):
 
     @property
     def is_vision_language(self) -> bool:
-        """Whether the run's model is a vision-language one: model.path's config.json model_type (read here:
-        engines/core imports nothing above it, so not engines/models' is_vision_language), or a built qwen2_vl."""
+        """Whether the run's model is a vision-language one: model.path's config.json model_type, or a built
+        qwen2_vl."""
         if not self.model.path:
             return self.model.arch in VL_MODEL_TYPES
-        config = Path(self.model.path) / "config.json"
-        return config.is_file() and json.loads(config.read_text()).get("model_type") in VL_MODEL_TYPES
+        return model_type_of(self.model.path) in VL_MODEL_TYPES
 
     def _check_expert_parallel(self) -> None:
         ep = self.train.expert_parallel
