@@ -7,14 +7,16 @@ import json
 import os
 import signal
 import threading
+import time
 
 import pytest
+import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlflow.engines.cluster.addresses import free_port
-from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup
+from rlflow.engines.cluster.groups import LocalWorkerGroup, RayWorkerGroup, get_all
 from rlflow.engines.core.batch import select, shard_for_workers
 from rlflow.engines.core.config import AlgorithmConfig, ClusterConfig, TrainConfig
 from rlflow.engines.core.protocols import TrainBackend
@@ -120,8 +122,9 @@ def test_a_killed_rank_fails_the_step_with_its_death_and_the_checkpoint_resumes_
                                                                                       ray_cluster, tmp_path):
     """The fast twin of tests/test_resume.py's sharded-trainer kill (slow; through the CLI): rank 1 of 2 SIGKILLed
     after a checkpoint. The next step fails with rank 1's death while rank 0 still waits in the step's collective
-    (groups.get_all raises the first error; the collective's own timeout, 120 s here, would fail with a gloo
-    error instead), and two fresh ranks loading the checkpoint take the step the killed pair took after it."""
+    (groups.get_all raises the death even when rank 0's gloo reports "connection reset" first; the collective's
+    own timeout, 120 s here, would fail with a gloo error instead), and two fresh ranks loading the checkpoint
+    take the step the killed pair took after it."""
     train = TrainConfig(threads=1, lr=1e-3, lr_schedule="cosine", warmup_steps=1, steps=6)
     two = _ranks(tiny_model_dir, train, 2, "killed-rank", collective_timeout_s=120)
     try:
@@ -142,6 +145,34 @@ def test_a_killed_rank_fails_the_step_with_its_death_and_the_checkpoint_resumes_
     assert resumed["loss"] == pytest.approx(uninterrupted["loss"], abs=1e-6)
     assert resumed["lr"] == uninterrupted["lr"]
     assert resumed["grad_norm"] == pytest.approx(uninterrupted["grad_norm"], rel=1e-5)
+
+
+@ray.remote(num_cpus=0)
+class _Rank:
+    """A rank whose step either fails as a survivor's collective does when a peer dies, or dies itself."""
+
+    def step(self, outcome: str, after_s: float) -> str:
+        time.sleep(after_s)
+        if outcome == "dies":
+            os._exit(1)
+        if outcome == "raises":
+            raise RuntimeError("gloo: Connection reset by peer")
+        return outcome
+
+
+@pytest.mark.parametrize("peer", ["dies", "ok"])
+def test_a_survivors_collective_error_waits_briefly_for_the_death_that_caused_it(ray_cluster, peer):
+    """get_all raises a rank's death, chained to the collective error its survivor reported a moment before; with
+    no death among the ranks the survivor's error is what it raises."""
+    ranks = [_Rank.remote(), _Rank.remote()]
+    refs = [ranks[0].step.remote("raises", 0.0), ranks[1].step.remote(peer, 1.0)]
+    if peer == "dies":
+        with pytest.raises(RayActorError) as raised:
+            get_all(refs)
+        assert isinstance(raised.value.__cause__, RayTaskError)
+    else:
+        with pytest.raises(RuntimeError, match="Connection reset"):
+            get_all(refs)
 
 
 def test_a_tied_embedding_model_checkpoints_on_two_ranks_and_resumes_on_one(tiny_model_dir, batch, ray_cluster,

@@ -8,11 +8,12 @@ process. Both have the same three verbs, so the RL loop is written once and runs
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from rlflow.engines.cluster.addresses import LOOPBACK, free_port, node_ip
 from rlflow.engines.cluster.placement import Placement, RoleDemand, place
@@ -200,14 +201,37 @@ def wait_ready(groups: Sequence[RayWorkerGroup]) -> None:
     get_all([ref for group in groups for ref in group.ready_refs()])
 
 
+DEATH_GRACE_S = 10.0
+
+
 def get_all(refs: list[Any]) -> list[Any]:
     """ray.get of every ref, raising the first error as soon as it happens: a dead rank surfaces at once,
     not after the collective its peers are left waiting in times out."""
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done)
+        try:
+            ray.get(done)
+        except RayTaskError as error:
+            _raise_a_death_among(pending, error)
+            raise
     return ray.get(list(refs))
+
+
+def _raise_a_death_among(pending: list[Any], error: RayTaskError) -> None:
+    """A rank's collective fails at once when a peer's process dies (gloo: "connection reset by peer"), a moment
+    before Ray reports that death; the death is the cause worth naming, so a task error waits a short grace for
+    one among the other ranks and raises it instead, chained to the error that came first."""
+    deadline = time.monotonic() + DEATH_GRACE_S
+    while pending and (left := deadline - time.monotonic()) > 0:
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayActorError as death:
+                raise death from error
+            except RayTaskError:
+                pass
 
 
 def rendezvous_url(placement: Placement) -> str:
