@@ -19,8 +19,10 @@ from rlflow.engines.core.config import AlgorithmConfig, RLConfig, TrainConfig, c
 from rlflow.engines.train.context_parallel import check_lengths
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 from tests.conftest import resume_one_rank_and_export, small_recipe
+from tests.test_selective_checkpointing import CountAttention
 
 VOCAB = 40
+LAYERS = 2
 # prompt + response lengths: 14, 9, 41, 6, 23, 12, 17, 8 tokens. At 32 tokens per rank a CP=2 micro-batch holds up
 # to 64: several samples each, the streams' halves cut through samples, one stream has an odd length (padded), and
 # the 41-token sample fits CP=2's budget only (CP=1 runs it in a micro-batch of its own)
@@ -36,8 +38,8 @@ def cp_batch() -> dict[str, torch.Tensor]:
 
 
 def _model(tmp_path, arch: str) -> str:
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=64, tie_word_embeddings=False)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=False)
     cfg = Qwen2Config(**common, num_key_value_heads=2) if arch == "qwen2" else LlamaConfig(**common,
                                                                                          num_key_value_heads=1)
     torch.manual_seed(0)
@@ -55,26 +57,28 @@ def _full_grads(backend: TorchTrainBackend) -> dict[str, torch.Tensor]:
     return {n: p.grad.full_tensor().clone() for n, p in backend.model.named_parameters()}
 
 
-def cp_worker(rank: int, world: int, url: str, model_dir: str, out: str, size: int, ckpt: bool) -> None:
+def cp_worker(rank: int, world: int, url: str, model_dir: str, out: str, size: int, ckpt: str) -> None:
     """CP=1 and CP=`size` in turn on the same ranks: each scores the whole batch, takes one step on its data shard
     and records the gradients, the updated weights and the metrics; the CP run saves a checkpoint that CP=1 loads.
-    `ckpt`: the CP run recomputes each layer in the backward (activation checkpointing: the all-to-alls run again);
-    otherwise both have a KL term to a reference model, whose forward is split too."""
+    `ckpt` full or selective: the CP run recomputes each layer in the backward (activation checkpointing: the
+    all-to-alls run again; selective keeps the attention kernel's outputs); off: both have a KL term to a reference
+    model, whose forward is split too."""
     batch = cp_batch()
     for cp in (1, size):
         train = TrainConfig(threads=1, mini_batches=1, micro_batch_tokens=64 // size, context_parallel=cp,
-                            activation_checkpointing=ckpt and cp > 1)
-        algo = AlgorithmConfig() if ckpt else AlgorithmConfig(kl_coef=0.1, kl_in="loss")
+                            activation_checkpointing=ckpt if cp > 1 else "off")
+        algo = AlgorithmConfig() if ckpt != "off" else AlgorithmConfig(kl_coef=0.1, kl_in="loss")
         backend = TorchTrainBackend(model_dir, train, algo, rank=rank, world_size=world, dist_url=url)
         logprobs = backend.forward_logprobs(batch)
         shard = shard_for_workers(batch, world // cp, 1)[backend.data_parallel_rank()]
         micro = [len(rows) for rows, _ in backend.micro_batches(shard)]
-        metrics = backend.train_step(shard)
+        with CountAttention() as attention:
+            metrics = backend.train_step(shard)
         grads = _full_grads(backend)
         weights = dict(backend.named_tensors())  # rank 0 holds them
         name = "one" if cp == 1 else "cp"
         torch.save({"logprobs": logprobs, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-                    "micro": micro}, f"{out}/{name}.rank{rank}.pt")
+                    "micro": micro, "attention": attention.calls}, f"{out}/{name}.rank{rank}.pt")
         if rank == 0:
             save_file(grads, f"{out}/{name}.grads.safetensors")
             save_file({n: t.contiguous() for n, t in weights.items()}, f"{out}/{name}.safetensors")
@@ -92,18 +96,19 @@ def cp_worker(rank: int, world: int, url: str, model_dir: str, out: str, size: i
     resume_one_rank_and_export(model_dir, out, rank, world, url)
 
 
-@pytest.mark.parametrize(("arch", "world", "size"),
-                         [("qwen2", 2, 2), ("llama", 2, 2), ("qwen2", 4, 2), ("qwen2", 4, 4)],
-                         ids=["qwen2-kv-split-kl", "llama-kv-repeated-recomputed", "qwen2-dp2xcp2",
-                              "qwen2-cp4-kv-partly-repeated"])
-def test_cp_scores_and_steps_as_cp1_and_its_checkpoint_resumes_at_cp1(tmp_path, arch, world, size):
+@pytest.mark.parametrize(("arch", "world", "size", "ckpt"),
+                         [("qwen2", 2, 2, "off"), ("llama", 2, 2, "full"), ("qwen2", 2, 2, "selective"),
+                          ("qwen2", 4, 2, "off"), ("qwen2", 4, 4, "off")],
+                         ids=["qwen2-kv-split-kl", "llama-kv-repeated-recomputed", "qwen2-kv-split-selective",
+                              "qwen2-dp2xcp2", "qwen2-cp4-kv-partly-repeated"])
+def test_cp_scores_and_steps_as_cp1_and_its_checkpoint_resumes_at_cp1(tmp_path, arch, world, size, ckpt):
     """fp32: CP=`size`'s log-probs (of every rank), loss, gradients and updated weights equal CP=1's within 1e-5 on
     the same ranks (4 ranks at CP=2: 2 data-parallel groups of 2 CP ranks against 4 data-parallel ranks; CP=4 with
     2 kv heads: each repeated twice, Qwen2-1.5B's case at CP=4); a checkpoint of the CP run loads at CP=1 bit for
     bit; a sample longer than CP x micro_batch_tokens is named."""
     model_dir = _model(tmp_path, arch)
-    mp.spawn(cp_worker, args=(world, f"tcp://127.0.0.1:{free_port()}", model_dir, str(tmp_path), size,
-                              arch == "llama"), nprocs=world)
+    mp.spawn(cp_worker, args=(world, f"tcp://127.0.0.1:{free_port()}", model_dir, str(tmp_path), size, ckpt),
+             nprocs=world)
     mask = cp_batch()["attention_mask"].bool()
     for rank in range(world):
         one, two = (torch.load(tmp_path / f"{name}.rank{rank}.pt") for name in ("one", "cp"))
@@ -111,6 +116,8 @@ def test_cp_scores_and_steps_as_cp1_and_its_checkpoint_resumes_at_cp1(tmp_path, 
         assert (one["logprobs"] - two["logprobs"]).abs().max() < 1e-5
         assert abs(one["loss"] - two["loss"]) < 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) < 1e-5
         assert max(two["micro"]) > 1  # a stream of several samples, split in two
+        if ckpt != "off":  # the CP step's attention kernel per layer and micro-batch: again in full's recompute only
+            assert two["attention"] == (2 if ckpt == "full" else 1) * LAYERS * len(two["micro"])
         error = json.loads((tmp_path / f"too_long.rank{rank}.json").read_text())
         assert f"41 tokens is longer than train.context_parallel x train.micro_batch_tokens = {size} x " in error
     for kind in ("grads", None):

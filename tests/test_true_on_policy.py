@@ -35,13 +35,14 @@ ROWS = 3
 PROMPTS = [[1, 5, 9, 2, 7], [3, 3, 8], [4, 11, 6, 2, 9, 9, 12, 3], [7], [2, 4, 6, 8, 10, 12], [5, 5]]
 
 
-@pytest.mark.parametrize("shape", [(2, 40), (3, 48), (17, 40), (64, 48)])
+@pytest.mark.parametrize("shape", [(2, 40, 32), (3, 48, 32), (17, 40, 32), (64, 48, 32), (70, 128, 64)])
 def test_invariant_ops_do_not_depend_on_the_batch(shape):
     """What the mode rests on: a row's linear and SiLU are the same bits alone, in any batch and at any place in it
-    (F.linear and F.silu are not, on this CPU: the reason the module exists)."""
+    (F.linear and F.silu are not, on this CPU: the reason the module exists). The last shape's rows and outputs
+    are 256-byte multiples: chunks are sliced in place, not copied."""
     torch.manual_seed(0)
-    rows, width = shape
-    x, w = torch.randn(rows + 3, 32), torch.randn(width, 32)
+    rows, width, k = shape
+    x, w = torch.randn(rows + 3, k), torch.randn(width, k)
     full = invariant.linear(x, w)
     assert all(torch.equal(invariant.linear(x[i:i + 1].clone(), w)[0], full[i]) for i in range(rows + 3))
     assert torch.equal(invariant.linear(x[3:], w), full[3:])
@@ -59,6 +60,52 @@ def test_invariant_ops_do_not_depend_on_the_batch(shape):
         view.copy_(w)
         assert torch.equal(invariant.linear(x, view), full)
     assert (invariant.silu(h) - F.silu(h)).abs().max() < 1e-5  # the same function
+
+
+def test_attention_of_a_query_is_the_same_alone_in_a_batch_and_in_a_prefill():
+    """invariant.attention: a query's bits depend on its own prefix only: alone with garbage (even NaN) in the
+    cache past its length, among rows of other lengths, and as one of a causal prefill's queries; its values are
+    SDPA's within rounding, and its gradient is SDPA's."""
+    torch.manual_seed(0)
+    heads, kv, d, length = 4, 2, 16, 150  # over two key blocks
+    q, k, v = torch.randn(1, heads, length, d), torch.randn(1, kv, length, d), torch.randn(1, kv, length, d)
+    causal = torch.arange(1, length + 1)[None]
+    prefill = invariant.attention(q, k, v, causal, 0.25)
+    for position in (0, 63, 64, 100, 149):
+        garbage_k, garbage_v = torch.randn(1, kv, 200, d), torch.full((1, kv, 200, d), float("nan"))
+        garbage_k[:, :, :position + 1], garbage_v[:, :, :position + 1] = k[:, :, :position + 1], v[:, :, :position + 1]
+        alone = invariant.attention(q[:, :, position:position + 1], garbage_k, garbage_v,
+                                    torch.tensor([[position + 1]]), 0.25)
+        assert torch.equal(alone[0, :, 0], prefill[0, :, position])
+        others = torch.randn(5, heads, 1, d), torch.randn(5, kv, 200, d), torch.randn(5, kv, 200, d)
+        batch = invariant.attention(torch.cat([others[0], q[:, :, position:position + 1]]),
+                                    torch.cat([others[1], garbage_k]), torch.cat([others[2], garbage_v]),
+                                    torch.tensor([[3], [30], [70], [130], [200], [position + 1]]), 0.25)
+        assert torch.equal(batch[5, :, 0], prefill[0, :, position])
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out = invariant.attention(qg, kg, vg, causal, 0.25)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=0.25, enable_gqa=True)
+    assert torch.allclose(out, ref, atol=1e-5)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for mine, theirs in ((qg, qr), (kg, kr), (vg, vr)):
+        assert torch.allclose(mine.grad, theirs.grad, atol=1e-4)
+
+
+def test_norm_and_logsumexp_of_a_row_are_the_same_alone_and_in_a_batch():
+    """invariant.rms_norm and logsumexp: fixed-tree sums, so a row's bits do not depend on its batch; the values
+    are torch's within rounding."""
+    torch.manual_seed(0)
+    x, w = torch.randn(37, 96) * 4, torch.randn(96)
+    norm, lse = invariant.rms_norm(x, w, 1e-6), invariant.logsumexp(x)
+    for i in (0, 17, 36):
+        assert torch.equal(invariant.rms_norm(x[i:i + 1].clone(), w, 1e-6)[0], norm[i])
+        assert torch.equal(invariant.logsumexp(x[i:i + 1].clone())[0], lse[i])
+    assert torch.allclose(lse, torch.logsumexp(x, -1), atol=1e-5)
+    assert torch.allclose(norm, w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), atol=1e-5)
+    assert torch.equal(invariant.logsumexp(torch.full((2, 5), float("-inf"))), torch.full((2,), float("-inf")))
+    assert invariant.tree_sum(torch.arange(7.0)) == 21.0
 
 
 def _samples(gens) -> RolloutBatch:
@@ -80,10 +127,14 @@ def _model(tmp_path, arch: str) -> str:
 
 
 def _engine_vs_trainer(model_dir: str, exact: bool, temperature: float = 1.0, perturb: bool = False,
-                       kv: KVCacheConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       kv: KVCacheConfig | None = None, precision: str = "fp32"
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(trainer log-probs, engine log-probs, loss mask) of the engine's samples of PROMPTS x 2, decoded 3 rows at a
-    time with lengths of their own (continuous batching), through a parquet round trip. `kv`: the engine's cache."""
-    rollout = TorchRolloutBackend(model_dir, threads=1, batch_size=ROWS, true_on_policy=exact, kv_cache=kv)
+    time with lengths of their own (continuous batching), through a parquet round trip. `kv`: the engine's cache.
+    `precision` bf16: the engine's weights and the trainer's compute (FSDP2 over fp32 masters) in bf16."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    rollout = TorchRolloutBackend(model_dir, threads=1, batch_size=ROWS, true_on_policy=exact, kv_cache=kv,
+                                  dtype=dtype)
     if perturb:  # one weight of the rollout side off by a little: what a broken sync would leave
         with torch.no_grad():
             rollout.model.model.layers[0].mlp.down_proj.weight[0, 0] += 1e-3
@@ -98,7 +149,7 @@ def _engine_vs_trainer(model_dir: str, exact: bool, temperature: float = 1.0, pe
     finally:
         rollout.close()
     batch = _samples(gens).to_train_batch(0, torch.zeros(len(gens)))
-    trainer = TorchTrainBackend(model_dir, TrainConfig(device="cpu", precision="fp32", threads=1,
+    trainer = TorchTrainBackend(model_dir, TrainConfig(device="cpu", precision=precision, threads=1,
                                                        micro_batch_size=5), AlgorithmConfig(kl_coef=0.0),
                                 temperature=temperature, true_on_policy=exact)
     return trainer.forward_logprobs(batch), batch["old_logprobs"], batch["loss_mask"]
@@ -122,6 +173,17 @@ def test_engine_logprobs_equal_the_trainers(tmp_path, arch):
     diff = (train[mask > 0] - engine[mask > 0]).abs().max()
     print(f"{arch}: max |train - rollout| without the mode {float(diff):.3g}")  # shown with -s
     assert 0 < diff < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_engine_logprobs_equal_the_trainers_in_bf16(tmp_path, arch):
+    """The GPU's dtype on the CPU: bf16 engine weights against the trainer's bf16 compute over fp32 masters (its
+    casts, rotary and norms in bf16) are equal bit for bit with the mode, about 1e-3 apart without it."""
+    model = _model(tmp_path, arch)
+    train, rollout, mask = _engine_vs_trainer(model, exact=True, precision="bf16")
+    assert torch.equal(train[mask.bool()], rollout[mask.bool()])
+    train, rollout, mask = _engine_vs_trainer(model, exact=False, precision="bf16")
+    assert (train - rollout)[mask.bool()].abs().max() > 1e-5
 
 
 def test_planted_difference_is_caught(tmp_path):

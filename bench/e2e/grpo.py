@@ -106,7 +106,7 @@ def workload_overrides(work: Path, model: Path, mode: str, prompts: int, steps: 
         f"rollout.fn={rollout_fn}", f"rollout.prompts_per_step={prompts}",
         f"rollout.samples_per_prompt={SAMPLES_PER_PROMPT}", f"rollout.max_new_tokens={max_new_tokens}",
         f"train.device={device}", f"rollout.device={device}", "train.precision=bf16", "rollout.precision=bf16",
-        "train.micro_batch_tokens=8192", "train.activation_checkpointing=true", "train.mini_batches=1",
+        "train.micro_batch_tokens=8192", "train.activation_checkpointing=full", "train.mini_batches=1",
         "train.epochs=1", f"train.steps={steps}", "eval.every=0", "checkpoint.every=0",
         "checkpoint.save_rollouts=true", "cluster.cpus_per_worker=1", "cluster.num_cpus=8", *placement,
     ]

@@ -111,7 +111,7 @@ def main() -> None:
         precision="bf16" if dev == "cuda" else "fp32",
         lr=1e-5,
         micro_batch_tokens=a.micro_batch_tokens,
-        activation_checkpointing=True,
+        activation_checkpointing="full",
         threads=4,
     )
     report: dict = harness.report_header(__spec__.name, None) | {

@@ -11,7 +11,8 @@ longest sample), one sample per step of TOKENS tokens (a --prompt-token prompt, 
 covers), random ids, advantage 1. Each run TOKENSxN is N fresh processes (bench/ranks.py; rank r on GPU r), with
 train.context_parallel N (one data-parallel group; N = 1 runs without CP) and train.micro_batch_tokens TOKENS / N
 (rounded up), so the sample is one micro-batch whose stream each rank holds 1/N of; bf16 over fp32 master weights,
-activation checkpointing (--no-ckpt: off), --compile for train.compile. One warm-up step, then --steps timed steps,
+activation checkpointing (--ckpt full, the default; selective: the attention kernel's outputs kept, the rest of each
+layer recomputed; off, or --no-ckpt), --compile for train.compile. One warm-up step, then --steps timed steps,
 a step's time the slowest rank's. Reported per run: useful tokens/s in all and per GPU, MFU on useful tokens
 (bench/train/scale.flops_per_step, causal attention, over N GPUs' dense bf16 peak from harness.PEAK_BF16_TFLOPS),
 peak allocated memory per rank, and the loss (the same for every N: a check that the split changes nothing). A rank
@@ -115,7 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
     harness.add_smoke(p)
     p.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up); the median is reported")
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens of the sample (no loss on them)")
-    p.add_argument("--no-ckpt", dest="ckpt", action="store_false", help="no activation checkpointing")
+    p.add_argument("--ckpt", choices=["off", "full", "selective"], default="full",
+                   help="train.activation_checkpointing (selective: attention's outputs kept, the rest recomputed)")
+    p.add_argument("--no-ckpt", dest="ckpt", action="store_const", const="off", help="--ckpt off")
     p.add_argument("--compile", action="store_true", help="train.compile (each decoder layer compiled)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per run, model loading included")
     p.add_argument("--deadline", type=float, default=570, help="seconds for the whole script: later runs are skipped")

@@ -13,7 +13,8 @@ Each variant runs in a fresh process (its own peak memory), one warm-up step, th
   logits and log-softmax, a policy-gradient loss;
 - `rlflow-*`: TorchTrainBackend.train_step with precision bf16 (FSDP2 on one rank: fp32 master weights, bf16
   compute copies made per layer gather) and the named options (packing and chunked log-probs always; token
-  budget, activation checkpointing, torch.compile per layer, FSDP2 CPU offload); `*-lora`: train.lora, rank-16
+  budget, activation checkpointing (`-ckpt` full, `-sac` selective: attention's outputs kept), torch.compile per
+  layer, FSDP2 CPU offload); `*-lora`: train.lora, rank-16
   adapters on every linear of a frozen bf16 base (their MFU counts 4 FLOPs per frozen parameter and token, no
   weight gradients, plus the adapters' 6).
 `--shape 7b` takes Qwen2.5-7B's dims (vocab 152,064, hidden 3,584, 28 layers, 28 query / 4 KV heads, untied).
@@ -61,31 +62,35 @@ VARIANTS = {
     "rlflow-8k": {"micro_batch_tokens": 8192},
     "rlflow-16k": {"micro_batch_tokens": 16384},
     "rlflow-8k-eagerhead": {"micro_batch_tokens": 8192, "fused_head": False},  # the head's math as eager ops
-    "rlflow-8k-ckpt": {"micro_batch_tokens": 8192, "activation_checkpointing": True},
-    "rlflow-16k-ckpt": {"micro_batch_tokens": 16384, "activation_checkpointing": True},
-    "rlflow-32k-ckpt": {"micro_batch_tokens": 32768, "activation_checkpointing": True},
+    "rlflow-8k-ckpt": {"micro_batch_tokens": 8192, "activation_checkpointing": "full"},
+    "rlflow-16k-ckpt": {"micro_batch_tokens": 16384, "activation_checkpointing": "full"},
+    "rlflow-32k-ckpt": {"micro_batch_tokens": 32768, "activation_checkpointing": "full"},
     # MoE: per micro-batch costs that scale with all parameters (bf16 casts of the gathered weights, gradient
     # reduction and accumulation) are ten times the active FLOPs' share; fewer, larger micro-batches
-    "rlflow-64k-ckpt": {"micro_batch_tokens": 65536, "activation_checkpointing": True},
+    "rlflow-64k-ckpt": {"micro_batch_tokens": 65536, "activation_checkpointing": "full"},
+    # selective checkpointing: the layers are recomputed except the attention kernel, whose outputs are kept
+    "rlflow-16k-sac": {"micro_batch_tokens": 16384, "activation_checkpointing": "selective"},
+    "rlflow-64k-sac": {"micro_batch_tokens": 65536, "activation_checkpointing": "selective"},
     "rlflow-8k-compile": {"micro_batch_tokens": 8192, "compile": True},
     "rlflow-8k-noreshard": {"micro_batch_tokens": 8192, "reshard_after_forward": False},
     "rlflow-8k-liger": {"micro_batch_tokens": 8192, "kernels": "liger"},
     "rlflow-8k-compile-liger": {"micro_batch_tokens": 8192, "compile": True, "kernels": "liger"},
     "rlflow-16k-liger": {"micro_batch_tokens": 16384, "kernels": "liger"},
-    "rlflow-16k-ckpt-liger": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "kernels": "liger"},
+    "rlflow-16k-ckpt-liger": {"micro_batch_tokens": 16384, "activation_checkpointing": "full", "kernels": "liger"},
     "rlflow-16k-compile": {"micro_batch_tokens": 16384, "compile": True},
-    "rlflow-16k-ckpt-compile": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "compile": True},
-    "rlflow-32k-ckpt-compile": {"micro_batch_tokens": 32768, "activation_checkpointing": True, "compile": True},
+    "rlflow-16k-ckpt-compile": {"micro_batch_tokens": 16384, "activation_checkpointing": "full", "compile": True},
+    "rlflow-32k-ckpt-compile": {"micro_batch_tokens": 32768, "activation_checkpointing": "full", "compile": True},
     # train.lora (issue 23): rank-16 adapters on every linear of the frozen bf16 base, side by side with full FT
     "rlflow-8k-lora": {"micro_batch_tokens": 8192, "lora": {"rank": 16, "alpha": 32}},
     "rlflow-16k-lora": {"micro_batch_tokens": 16384, "lora": {"rank": 16, "alpha": 32}},
-    "rlflow-16k-ckpt-lora": {"micro_batch_tokens": 16384, "activation_checkpointing": True,
+    "rlflow-16k-ckpt-lora": {"micro_batch_tokens": 16384, "activation_checkpointing": "full",
                              "lora": {"rank": 16, "alpha": 32}},
     "rlflow-16k-liger-lora": {"micro_batch_tokens": 16384, "kernels": "liger", "lora": {"rank": 16, "alpha": 32}},
-    "rlflow-4k-ckpt-c1k": {"micro_batch_tokens": 4096, "activation_checkpointing": True, "logprob_chunk_tokens": 1024},
-    "rlflow-8k-ckpt-offload": {"micro_batch_tokens": 8192, "activation_checkpointing": True, "cpu_offload": True},
-    "rlflow-16k-ckpt-offload": {"micro_batch_tokens": 16384, "activation_checkpointing": True, "cpu_offload": True},
-    "rlflow-32k-ckpt-offload": {"micro_batch_tokens": 32768, "activation_checkpointing": True, "cpu_offload": True},
+    "rlflow-4k-ckpt-c1k": {"micro_batch_tokens": 4096, "activation_checkpointing": "full",
+                           "logprob_chunk_tokens": 1024},
+    "rlflow-8k-ckpt-offload": {"micro_batch_tokens": 8192, "activation_checkpointing": "full", "cpu_offload": True},
+    "rlflow-16k-ckpt-offload": {"micro_batch_tokens": 16384, "activation_checkpointing": "full", "cpu_offload": True},
+    "rlflow-32k-ckpt-offload": {"micro_batch_tokens": 32768, "activation_checkpointing": "full", "cpu_offload": True},
     "rlflow-16k-compile-offload": {"micro_batch_tokens": 16384, "compile": True, "cpu_offload": True},
     # the Megatron-core backend on the same batch (packed THD micro-batches by default; megatron.* options)
     "megatron-8k": {"backend": "megatron", "micro_batch_tokens": 8192},

@@ -103,7 +103,7 @@ def run(args, path: Path, images: int, trained_vision: bool, device: str, peak: 
     store = RunStore(StorageConfig(uri=str(path.parent / "store")), "vl")
     batch, lengths, pictures = batch_and_store(args, store, images)
     train = TrainConfig(device=device, precision="bf16", lr=1e-6, micro_batch_size=4096, threads=8,
-                        micro_batch_tokens=args.micro_batch_tokens, activation_checkpointing=True,
+                        micro_batch_tokens=args.micro_batch_tokens, activation_checkpointing="full",
                         freeze_vision=not trained_vision)
     backend = TorchTrainBackend(str(path), train, AlgorithmConfig(kl_coef=0.0),
                                 storage=StorageConfig(uri=str(path.parent / "store")), run="vl")

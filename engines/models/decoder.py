@@ -150,7 +150,7 @@ class DecoderLM:
         self._fused_at: tuple[int, ...] | None = None
         self.fp8: Fp8Projections | None = None  # rollout.precision fp8: the quantized projections
         self.exact = False  # rollout.true_on_policy: every op through engines/models/invariant.py (`true_on_policy`)
-        self._act = F.silu
+        self._act, self._norm = F.silu, rms_norm
         self.use_fused(True)
         # routing replay: per MoE layer, its index in a record; the store the engine reads records from (or None)
         self._moe_index = {id(r): n for n, r in enumerate(moe_routers(hf_model))}
@@ -165,7 +165,7 @@ class DecoderLM:
         if self.vision_language:
             raise ValueError(f"rollout.true_on_policy: not supported for vision-language models ({self.model_type})")
         invariant.make_invariant(self.model)
-        self.exact, self._act = True, invariant.silu
+        self.exact, self._act, self._norm = True, invariant.silu, invariant.rms_norm
         self.use_fused(False)
 
     def quantize_fp8(self) -> Fp8Projections:
@@ -296,7 +296,7 @@ class DecoderLM:
         attn, mlp = layer.self_attn, layer.mlp
         fp8 = self.fp8.layers[i] if self.fp8 is not None else {}
         bsz, t, _ = x.shape
-        h = rms_norm(x, layer.input_layernorm.weight, self.eps)
+        h = self._norm(x, layer.input_layernorm.weight, self.eps)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if "qkv" in fp8:
             q, k, v = fp8["qkv"](h).split([q_size, kv_size, kv_size], dim=-1)
@@ -308,13 +308,13 @@ class DecoderLM:
         k = k.view(bsz, t, self.num_kv_heads, self.head_dim)
         v = v.view(bsz, t, self.num_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm on q and k before rotary
-            q = rms_norm(q, attn.q_norm.weight, self.eps)
-            k = rms_norm(k, attn.k_norm.weight, self.eps)
+            q = self._norm(q, attn.q_norm.weight, self.eps)
+            k = self._norm(k, attn.k_norm.weight, self.eps)
         q = rotate(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
         k = rotate(k.transpose(1, 2), cos, sin)
         o = attend(q, k, v.transpose(1, 2))
         x = x + fp8.get("o", attn.o_proj)(o.transpose(1, 2).reshape(bsz, t, self.num_heads * self.head_dim))
-        h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
+        h = self._norm(x, layer.post_attention_layernorm.weight, self.eps)
         if _is_moe_block(mlp):
             return x + self._moe(mlp, h, route)
         if "gate_up" in fp8:
@@ -327,7 +327,7 @@ class DecoderLM:
 
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(rms_norm(x, self.body.norm.weight, self.eps)).float()
+        return self.model.lm_head(self._norm(x, self.body.norm.weight, self.eps)).float()
 
     @torch.no_grad()
     def prefill(self, cache: PagedKVCache, pieces: list[list[int]], starts: list[int], pages: list[list[int]],
@@ -369,16 +369,14 @@ class DecoderLM:
         group = self.num_heads // self.num_kv_heads
         route = self._route_prefill(lengths, [0] * len(pieces), owners, width)
         scale = self.head_dim**-0.5
+        causal = torch.arange(1, width + 1, device=self.device).expand(len(pieces), width) if self.exact else None
         x = self._embed(ids, [(b, im.pads_in(0, n)) for b, (n, im) in enumerate(zip(lengths, images, strict=True))
                               if im is not None])
         for i in range(len(self.body.layers)):
             def attend(q, k, v, i=i):
                 cache.write(i, index[2], index[3], k[index[0], :, index[1]], v[index[0], :, index[1]])
-                if self.exact:  # each real query against its own prefix; padding queries give 0
-                    out = torch.zeros_like(q)
-                    for b, n in enumerate(lengths):
-                        out[b, :, :n] = invariant.causal_attention(q[b, :, :n], k[b, :, :n], v[b, :, :n], scale)
-                    return out
+                if self.exact:  # each query against its own prefix (padding queries: their own, never read)
+                    return invariant.attention(q, k, v, causal, scale)
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
                 with sdpa_backends(q.device, flash=True):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -445,8 +443,8 @@ class DecoderLM:
             def attend(q, k, v, i=i):
                 cache.write(i, where[0], where[1], k[0].transpose(0, 1), v[0].transpose(0, 1))
                 if self.exact:
-                    keys, values = gather_pages(cache.k[i], table)[0], gather_pages(cache.v[i], table)[0]
-                    return invariant.causal_attention(q[0], keys, values, self.head_dim**-0.5, start)[None]
+                    return invariant.attention(q, gather_pages(cache.k[i], table), gather_pages(cache.v[i], table),
+                                               positions[None] + 1, self.head_dim**-0.5)
                 keys = gather_pages(cache.k[i], table)[:, :, :stop].repeat_interleave(group, dim=1)
                 values = gather_pages(cache.v[i], table)[:, :, :stop].repeat_interleave(group, dim=1)
                 with sdpa_backends(q.device, flash=False):
@@ -483,13 +481,13 @@ class DecoderLM:
         for i in range(len(self.body.layers)):
             def attend(q, k, v, i=i):
                 store_kv(cache.k[i], cache.v[i], table, positions, k[:, :, 0], v[:, :, 0])
-                if self.exact:  # each row against exactly its own prefix (reads the lengths on the host)
-                    return self._exact_decode_attention(q[:, :, 0], cache.k[i], cache.v[i], table, lengths,
-                                                        scale)[:, :, None]
+                if self.exact:  # each row against exactly its own prefix
+                    return invariant.attention(q, gather_pages(cache.k[i], table), gather_pages(cache.v[i], table),
+                                               lengths[:, None].long(), scale)
                 return attention(q[:, :, 0], cache.k[i], cache.v[i], table, lengths, scale)[:, :, None]
 
             x = self._layer(i, x, cos, sin, attend, route)
-        h = rms_norm(x[:, -1], self.body.norm.weight, self.eps)
+        h = self._norm(x[:, -1], self.body.norm.weight, self.eps)
         head = self.model.lm_head
         if self.exact:
             out[:rows] = invariant.linear(h, head.weight, head.bias)
@@ -497,15 +495,6 @@ class DecoderLM:
         torch.matmul(h, head.weight.t(), out=out[:rows])
         if head.bias is not None:
             out[:rows] += head.bias
-
-    @staticmethod
-    def _exact_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                                lengths: torch.Tensor, scale: float) -> torch.Tensor:
-        """True on-policy decode attention: row b's query [H, D] against the first lengths[b] keys of its pages
-        (invariant.attention_one, what the trainer runs for the same position)."""
-        keys, values = gather_pages(k_pool, table), gather_pages(v_pool, table)
-        return torch.stack([invariant.attention_one(q[b], keys[b, :, :n], values[b, :, :n], scale)
-                            for b, n in enumerate(lengths.tolist())])
 
     @property
     def vocab_size(self) -> int:

@@ -21,14 +21,16 @@ import torch
 
 from rlflow.engines.core.algorithms import entropy_from_logprobs
 from rlflow.engines.core.sampling import scaled_logits
+from rlflow.engines.models import invariant
 
 
-def head_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def head_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                  exact: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [n, V] (the head's matmul dtype), targets [n, M] -> (log p of each target [n, M], lse [n], entropy
-    [n] or zeros), all fp32. lse is what the backward needs to rebuild p without another reduction."""
+    [n] or zeros), all fp32. lse is what the backward needs to rebuild p without another reduction. `exact`
+    (rollout.true_on_policy): the logsumexp is invariant.logsumexp, whose bits do not depend on n."""
     z = scaled_logits(logits, temperature)
-    lse = torch.logsumexp(z, dim=-1)
+    lse = invariant.logsumexp(z) if exact else torch.logsumexp(z, dim=-1)
     logp = z - lse[:, None]
     entropy = entropy_from_logprobs(logp) if with_entropy else torch.zeros_like(lse)
     return logp.gather(-1, targets), lse, entropy

@@ -2,56 +2,82 @@
 both run under `rollout.true_on_policy`, so a token's log-prob is the same bits on both sides (docs/rollout.md,
 "True on-policy").
 
-Why each op: a result may depend on how many rows are computed together, not on the row alone. Measured with
-torch 2.13 on CPU (fp32, AVX512): `F.linear` gives other bits for a row computed alone (M=1 takes a GEMV), in a
-batch of 2-3 and in a batch of 5+ (other GEMM kernels), and `F.silu` computes the last elements of a buffer
-(its scalar tail) with another exp than the vectorised body, so a row's SiLU depends on where it lies in the
-batch. RMSNorm's mean, softmax, logsumexp, gather and the rotary tables are per row already (the end-to-end
-equality in tests/test_true_on_policy.py holds them to it). So:
-  - `linear`: every row is its own [1, K] @ [K, N] product (a batched matmul of single rows), whatever the number
-    of rows: its reduction over K never depends on the other rows. MKL's product also depends on the weight's
-    alignment (4 of 16 float offsets give the same bits), so a weight that is not 64-byte aligned (a view into
-    FSDP2's gathered buffer) is copied first.
-  - `silu`: x / (1 + exp(-x)), whose exp runs the vectorised path on every element, tail included.
-  - `attention_one`: one query against exactly its own prefix of keys, with fixed-shape contiguous operands: the
-    engine's decode of a token, its prefill of a prompt, and the trainer's forward of a whole sequence all call it
-    per query, so the sum over keys has the same length and order everywhere (no padding, no split over keys).
-These cost what per-row work costs (a GEMV per row instead of one GEMM, a call per query): the mode is opt-in.
-On a GPU the same contract needs kernels with a fixed reduction order (no split-K, one KV split per query), as
-Thinking Machines' batch_invariant_ops and SGLang's deterministic attention provide; this module is the place
-they go.
+Why: a result may depend on how many rows are computed together, not on the row alone. A GEMM library picks
+another kernel (another order of the sum over K) for another number of rows; a reduction kernel splits its sum
+over more threads when it has fewer rows to do (torch's CUDA reduce does for one row, so RMSNorm of a single
+decode row rounds differently than in a batch of 64); torch 2.13's CPU `F.silu` computes a buffer's scalar tail
+with another exp than its vectorised body. Two rules make every op here independent of its batch:
+  - **GEMMs have one shape.** `linear` runs [ROWS, K] @ [K, N] products only, the rows zero-padded to a
+    multiple of ROWS, every chunk's operands at aligned addresses: one shape is one kernel, whose sum over K for a row
+    does not depend on the other rows of its chunk (checked in tests/test_true_on_policy.py on the CPU; on a GPU,
+    cuBLAS picks one algorithm per shape and alignment). MKL's and cuBLAS's products also depend on the weight's
+    alignment, so a weight inside a flat buffer (FSDP2's gathered parameters) is copied to aligned memory first.
+  - **Every other sum is a fixed tree of elementwise adds** (`tree_sum`: halves added, the odd element carried),
+    whose order depends on the summed length alone. Elementwise ops round each element by itself, on any
+    device. RMSNorm's mean, the log-softmax's logsumexp and attention's two sums go through it.
+`attention` splits keys into blocks at fixed positions 0, KEY_BLOCK, 2 KEY_BLOCK, ... of the sequence: a query
+sums each block with `tree_sum` (its scores over D, its output over the block's keys) and folds the blocks in
+order with an online softmax, so a query's bits depend on its own prefix only: alone in a decode step, in a
+prefill or in the trainer's packed forward. Keys past its prefix count exactly 0 (a block wholly past it leaves
+the running sums unchanged, bit for bit), so how many blocks the batch needs does not matter either.
+
+The backward passes are plain GEMMs and SDPA: only the forward's bits must match the rollout engine's. The mode
+costs what padding, per-chunk launches and fp32 elementwise attention cost (docs/benchmarks.md): it is opt-in.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-ALIGN = 64  # bytes: torch's CPU allocations are aligned so; a weight elsewhere is copied (`linear`)
+ROWS = 64  # rows of every GEMM `linear` runs
+KEY_BLOCK = 64  # keys per attention block
+CHUNK_ELEMENTS = 1 << 25  # attention's largest fp32 temporary ([.., queries, KEY_BLOCK, D]): 128 MiB
+CHUNK_ELEMENTS_CUDA = 1 << 28  # 1 GiB on a GPU: fewer, larger launches (a decode step or a trainer's queries)
+ALIGN = 256  # bytes: a weight at another address is copied (`linear`)
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """The sum over `dim` as a fixed tree of elementwise adds: the first half plus the second, the odd element
+    carried, until one is left. Its order depends on the length of `dim` only."""
+    dim %= x.ndim
+    while (n := x.shape[dim]) > 1:
+        half = n // 2
+        summed = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+        x = summed if n % 2 == 0 else torch.cat([summed, x.narrow(dim, n - 1, 1)], dim)
+    return x if keepdim else x.squeeze(dim)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight.T (+ bias), each row computed on its own (its bits do not depend on the other rows). MKL's
-    product depends on the weight's alignment too, so a weight inside a flat buffer (FSDP2's gathered parameters)
-    is copied to fresh, aligned memory first."""
+    """x [..., K] @ weight.T (+ bias), each row's bits independent of the other rows (GEMMs of ROWS rows only)."""
     rows = x.reshape(-1, x.shape[-1])
     if weight.data_ptr() % ALIGN or not weight.is_contiguous():
         weight = weight.clone(memory_format=torch.contiguous_format)
-    out = _RowwiseLinear.apply(rows, weight)
+    out = _ChunkedLinear.apply(rows, weight)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-class _RowwiseLinear(torch.autograd.Function):
-    """rows [M, K] @ weight.T, each row its own [1, K] @ [K, N] product (a batched matmul of single rows). The
-    backward pass is plain GEMMs: only the forward's bits must match the rollout engine's, and the batched GEMV's
-    own gradient would materialise [M, K, N]."""
+class _ChunkedLinear(torch.autograd.Function):
+    """rows [M, K] @ weight.T as [ROWS, K] products, each chunk copied into fresh zeroed memory (one shape, one
+    alignment). The backward is plain GEMMs."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(rows, weight)
+        (m, k), n, size = rows.shape, weight.shape[0], rows.element_size()
+        padded = rows.new_zeros(-(-m // ROWS) * ROWS, k)
+        padded[:m] = rows
+        out = rows.new_empty(padded.shape[0], n)
+        aligned = (k * size) % ALIGN == 0 and (n * size) % ALIGN == 0  # every chunk's operands start aligned
         w = weight.t()
-        return torch.bmm(rows[:, None, :], w.expand(rows.shape[0], *w.shape))[:, 0]
+        for a in range(0, padded.shape[0], ROWS):
+            if aligned:
+                torch.matmul(padded[a:a + ROWS], w, out=out[a:a + ROWS])
+            else:
+                out[a:a + ROWS] = torch.matmul(padded[a:a + ROWS].clone(), w)
+        return out[:m]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -66,22 +92,91 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x))
 
 
-def attention_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query's attention over its prefix: q [H, D], k/v [KV, L, D] (the query's own key included, nothing
-    after it); returns [H, D]. The heads sharing a KV head are its query rows (grouped-query attention)."""
-    kv, length, d = k.shape
-    grouped = q.reshape(kv, q.shape[0] // kv, d).contiguous()
-    scores = torch.matmul(grouped, k.transpose(1, 2).contiguous()) * scale  # [KV, G, L]
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v.contiguous()).reshape(q.shape)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama/Qwen compute it (fp32, cast back, then scaled), its mean a `tree_sum`."""
+    dtype = x.dtype
+    x = x.float()
+    variance = tree_sum(x * x, -1, keepdim=True) / x.shape[-1]
+    return weight * (x * torch.rsqrt(variance + eps)).to(dtype)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, start: int = 0
+def logsumexp(z: torch.Tensor) -> torch.Tensor:
+    """log(sum(exp(z))) over the last dim: the max, then a `tree_sum` of the shifted exps."""
+    top = z.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return torch.log(tree_sum(torch.exp(z - top), -1)) + top[..., 0]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+              ) -> torch.Tensor:
+    """q [B, H, n, D] against k/v [B, KV, L, D] (KV divides H: grouped-query heads), query (b, i) seeing keys
+    0..visible[b, i] - 1 of row b (visible [B, n], at least 1); returns [B, H, n, D] in q's dtype, each query's
+    bits a function of its own prefix only. Differentiable: the backward is SDPA's under the same mask."""
+    return _ExactAttention.apply(q, k, v, visible.clamp(min=1), scale)
+
+
+class _ExactAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, visible, scale):
+        ctx.save_for_backward(q, k, v, visible)
+        ctx.scale = scale
+        batch, heads, n, d = q.shape
+        per_query = batch * heads * KEY_BLOCK * d
+        step = max(1, (CHUNK_ELEMENTS_CUDA if q.is_cuda else CHUNK_ELEMENTS) // per_query)
+        out = torch.empty_like(q)
+        for a in range(0, n, step):
+            out[:, :, a:a + step] = _attention_chunk(q[:, :, a:a + step], k, v, visible[:, a:a + step], scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, visible = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_(need) for t, need in zip((q, k, v), needs, strict=True))
+            mask = torch.arange(k.shape[2], device=q.device) < visible[..., None]  # [B, n, L]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=ctx.scale,
+                                                 enable_gqa=True)
+            grads = iter(torch.autograd.grad(out, [t for t in (q, k, v) if t.requires_grad], grad))
+        return (*(next(grads) if need else None for need in needs), None, None)
+
+
+def _attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
                      ) -> torch.Tensor:
-    """Causal attention of one sequence's queries at positions start..start+n-1: q [H, n, D]; k/v [KV, S, D] hold
-    the sequence's keys from position 0 (S >= start + n); returns [H, n, D], query i over keys 0..start+i."""
-    return torch.stack([attention_one(q[:, i], k[:, :start + i + 1], v[:, :start + i + 1], scale)
-                        for i in range(q.shape[1])], dim=1)
+    """`attention` for a few queries: key blocks folded in order with an online softmax, in fp32."""
+    batch, heads, n, d = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    qf = q.float().reshape(batch, kv_heads, heads // kv_heads, n, 1, d)
+    seen_by = visible[:, None, None, :, None]  # [B, 1, 1, n, 1]
+    row_keys = visible.amax(1)[:, None, None]  # [B, 1, 1]: a row's keys past this are never seen (may be garbage)
+    offsets = torch.arange(KEY_BLOCK, device=q.device)
+    blocks = -(-int(visible.max()) // KEY_BLOCK)
+    top = total = acc = None
+    for j in range(blocks):
+        lo = j * KEY_BLOCK
+        keys, values = _key_block(k, lo, length), _key_block(v, lo, length)  # [B, KV, KEY_BLOCK, D] fp32
+        values = torch.where((lo + offsets[:, None] < row_keys)[:, None], values, 0.0)
+        scores = tree_sum(qf * keys[:, :, None, None], -1) * scale  # [B, KV, G, n, KEY_BLOCK]
+        scores = torch.where(lo + offsets < seen_by, scores, float("-inf"))
+        new_top = scores.amax(-1) if top is None else torch.maximum(top, scores.amax(-1))
+        p = torch.exp(scores - new_top[..., None])
+        weighted = tree_sum(p[..., None] * values[:, :, None, None], -2)  # [B, KV, G, n, D]
+        if top is None:  # block 0 holds key 0, which every query sees: `new_top` is finite from here on
+            total, acc = tree_sum(p, -1), weighted
+        else:
+            rescale = torch.exp(top - new_top)
+            total = total * rescale + tree_sum(p, -1)
+            acc = acc * rescale[..., None] + weighted
+        top = new_top
+    return (acc / total[..., None]).reshape(batch, heads, n, d).to(q.dtype)
+
+
+def _key_block(x: torch.Tensor, lo: int, length: int) -> torch.Tensor:
+    """Keys or values lo..lo + KEY_BLOCK - 1 of every row, in fp32, zero past the end."""
+    block = x[:, :, lo:lo + KEY_BLOCK].float()
+    if block.shape[2] < KEY_BLOCK:
+        block = F.pad(block, (0, 0, 0, KEY_BLOCK - block.shape[2]))
+    return block
 
 
 class InvariantLinear(torch.nn.Linear):
@@ -92,6 +187,13 @@ class InvariantLinear(torch.nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+class InvariantRMSNorm(torch.nn.Module):
+    """A Llama/Qwen RMSNorm module (weight, variance_epsilon) through `rms_norm`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+
 class InvariantSiLU(torch.nn.Module):
     """The MLP activation as `silu`."""
 
@@ -100,9 +202,10 @@ class InvariantSiLU(torch.nn.Module):
 
 
 def make_invariant(model: torch.nn.Module) -> torch.nn.Module:
-    """Turn a loaded HF causal LM's projections (attention, MLP, LM head) into InvariantLinear and its MLP
-    activations into InvariantSiLU, in place; the trainer's and the engine's forwards then run the same ops.
-    Refuses what this module has no batch-invariant form of (an MoE block, another activation)."""
+    """Turn a loaded HF causal LM's projections (attention, MLP, LM head) into InvariantLinear, its RMSNorms into
+    InvariantRMSNorm and its MLP activations into InvariantSiLU, in place; the trainer's and the engine's forwards
+    then run the same ops. Refuses what this module has no batch-invariant form of (an MoE block, another
+    activation or norm)."""
     if getattr(model.config, "hidden_act", "silu") != "silu":
         raise ValueError(f"rollout.true_on_policy: model config hidden_act {model.config.hidden_act!r}; expected silu")
     if any(hasattr(layer.mlp, "experts") for layer in model.model.layers):
@@ -113,7 +216,15 @@ def make_invariant(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.__class__ = InvariantLinear
+        elif type(module).__name__ in RMS_NORMS:
+            module.__class__ = InvariantRMSNorm
+        elif "Norm" in type(module).__name__ and not isinstance(module, InvariantRMSNorm):
+            raise ValueError(f"rollout.true_on_policy: no batch-invariant form of {type(module).__name__} (Llama / "
+                             "Qwen2 / Qwen3 RMSNorm only)")
     return model
 
 
-__all__ = ["InvariantLinear", "InvariantSiLU", "attention_one", "causal_attention", "linear", "make_invariant", "silu"]
+RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
+
+__all__ = ["InvariantLinear", "InvariantRMSNorm", "InvariantSiLU", "attention", "linear", "logsumexp",
+           "make_invariant", "rms_norm", "silu", "tree_sum"]

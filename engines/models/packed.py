@@ -32,13 +32,14 @@ from transformers import AttentionInterface, AttentionMaskInterface
 
 from rlflow.engines.core.sampling import scaled_logits
 from rlflow.engines.models import invariant
+from rlflow.engines.models.checkpointing import checkpoint_kwargs
 from rlflow.engines.models.head_math import compiled, head_logits_grad, head_logprobs
 from rlflow.engines.models.transfer import tensor_to_device
 from rlflow.engines.models.ulysses import ContextSplit, exchange_heads, exchange_tokens, split_stream
 from rlflow.engines.models.vision_language import is_vision_language, mrope_positions
 
 ATTENTION = "rlflow_packed"
-ATTENTION_EXACT = "rlflow_packed_exact"  # rollout.true_on_policy: each query against its prefix (invariant.py)
+ATTENTION_EXACT = "rlflow_packed_exact"  # rollout.true_on_policy: invariant.attention over each sample
 
 try:  # torch >= 2.9 on CUDA: flash attention over cumulative sequence lengths, no padding, no mask
     from torch.nn.attention.varlen import varlen_attn
@@ -224,16 +225,23 @@ def _varlen(q, k, v, cu_seqlens, max_len, scale):
 
 def _exact_packed_attention(module, query, key, value, attention_mask, scaling=None,
                             packed: PackedRows | None = None, **_kwargs):
-    """rollout.true_on_policy's attention call: every token of every packed sample attends to its own prefix
-    through invariant.attention_one, the op the rollout engine's prefill and decode run for the same position."""
+    """rollout.true_on_policy's attention call: the samples back in right-padded rows, each query through
+    invariant.attention against its own prefix, the op the rollout engine's prefill and decode run for the same
+    position."""
     if packed is None:
         raise RuntimeError(f"attn_implementation {ATTENTION_EXACT!r} needs the packed layout (call it through "
                            "PackedLM)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    bounds = packed.cu_seqlens.tolist()
-    out = [invariant.causal_attention(query[0, :, a:b], key[0, :, a:b], value[0, :, a:b], scale)
-           for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    return torch.cat(out, dim=1).transpose(0, 1).unsqueeze(0), None
+    rows, cols, samples = packed.rows, packed.cols, len(packed.cu_seqlens) - 1
+
+    def padded(x):  # [1, heads, T, D] -> [samples, heads, max_len, D]
+        out = x.new_zeros(samples, x.shape[1], packed.max_len, x.shape[3])
+        out[rows, :, cols] = x[0].transpose(0, 1)
+        return out
+
+    causal = torch.arange(1, packed.max_len + 1, device=query.device).expand(samples, packed.max_len)
+    out = invariant.attention(padded(query), padded(key), padded(value), causal, scale)
+    return out[rows, :, cols].unsqueeze(0), None
 
 
 AttentionInterface.register(ATTENTION, _packed_attention)
@@ -250,9 +258,10 @@ class PackedLM(torch.nn.Module):
     (embeddings, final norm and head) with the decoder layers sharded one by one.
     """
 
-    def __init__(self, model: torch.nn.Module, chunk_tokens: int = 4096, checkpoint_layers: bool = False,
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int = 4096, checkpoint_layers: str = "off",
                  compile_layers: bool = False, fused_head: bool = False, true_on_policy: bool = False):
-        """`true_on_policy` (rollout.true_on_policy): the model's ops become engines/models/invariant.py's, as the
+        """`checkpoint_layers` (train.activation_checkpointing): "off", "full" or "selective" (checkpointing.py).
+        `true_on_policy` (rollout.true_on_policy): the model's ops become engines/models/invariant.py's, as the
         rollout engine's in that mode, so its log-probs equal the engine's bit for bit (unfused head math)."""
         super().__init__()
         self.model, self.chunk_tokens, self.fused_head = model, chunk_tokens, fused_head and not true_on_policy
@@ -269,8 +278,8 @@ class PackedLM(torch.nn.Module):
         self.critic = hasattr(model, "score")
         if not self.critic and model.lm_head.bias is not None:
             raise ValueError("PackedLM: an LM head with a bias is not supported (Llama/Qwen heads have none)")
-        if checkpoint_layers:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if checkpoint_layers != "off":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(checkpoint_layers))
         if compile_layers:  # each layer's forward alone (dynamic: the packed length changes every micro-batch);
             for layer in self.body.layers:  # FSDP2's gather hooks stay outside the compiled code
                 layer.forward = torch.compile(layer.forward, dynamic=True)
@@ -400,7 +409,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         columns = targets if targets.dim() == 2 else targets[:, None]
         logprobs, lse, entropy = _chunked_stats(lambda a, b: _head_matmul(hidden[a:b], weight, exact), columns,
-                                                temperature, chunk, with_entropy, fused, hidden)
+                                                temperature, chunk, with_entropy, fused, hidden, exact)
         ctx.save_for_backward(hidden, weight, columns, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.fused, ctx.exact = temperature, chunk, fused, exact
         return logprobs.reshape(targets.shape), entropy
@@ -459,9 +468,10 @@ class ChunkedLogitsLogprobs(torch.autograd.Function):
 
 
 def _chunked_stats(chunk_logits, columns: torch.Tensor, temperature: float, chunk: int, with_entropy: bool,
-                   fused: bool, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   fused: bool, like: torch.Tensor, exact: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """head_math.head_logprobs over `chunk` tokens at a time, `chunk_logits(a, b)` giving tokens a:b's logits:
-    (log p of `columns` [n, M], lse [n], entropy [n]), fp32, on `like`'s device."""
+    (log p of `columns` [n, M], lse [n], entropy [n]), fp32, on `like`'s device; `exact` as head_logprobs'."""
     n, device = columns.shape[0], like.device
     stats = _head_fn(head_logprobs, fused, like)
     logprobs = torch.empty(columns.shape, dtype=torch.float32, device=device)
@@ -469,7 +479,8 @@ def _chunked_stats(chunk_logits, columns: torch.Tensor, temperature: float, chun
     entropy = torch.zeros(n, dtype=torch.float32, device=device)
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
-        logprobs[a:b], lse[a:b], entropy[a:b] = stats(chunk_logits(a, b), columns[a:b], temperature, with_entropy)
+        logprobs[a:b], lse[a:b], entropy[a:b] = stats(chunk_logits(a, b), columns[a:b], temperature, with_entropy,
+                                                      exact)
     return logprobs, lse, entropy
 
 

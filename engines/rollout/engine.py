@@ -444,7 +444,7 @@ class ContinuousBatchEngine:
             logp = torch.log_softmax(scaled_logits(logits[rows], t), dim=-1)
             logp_tokens[rows] = logp.gather(-1, tokens[rows, None])[:, 0]
         if self.lm.exact:  # rollout.true_on_policy: the trainer's log-softmax (head_math), bit for bit
-            logp_tokens = head_logprobs(logits, tokens[:, None], temperature, False)[0][:, 0]
+            logp_tokens = head_logprobs(logits, tokens[:, None], temperature, False, exact=True)[0][:, 0]
         return tokens, logp_tokens
 
     @staticmethod

@@ -197,7 +197,7 @@ def teacher_kwargs(cfg: RLConfig, model_path: str):
         raise FileNotFoundError(f"distill.teacher_path: no Hugging Face model (config.json) in {d.teacher_path}")
     check_teacher_vocabulary(model_path, d.teacher_path)
     train = cfg.train.model_copy(update={"num_workers": d.num_workers, "precision": d.precision or cfg.train.precision,
-                                         "activation_checkpointing": False})
+                                         "activation_checkpointing": "off"})
 
     def make(rank: int) -> dict:
         return dict(model_path=d.teacher_path, train=train, algorithm=cfg.algorithm,

@@ -193,7 +193,7 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
         self._compute = (partial(lora.adapter_compute, train.device, DTYPES[train.precision]) if self.lora
                          else nullcontext)
         self.lm = fsdp.shard(
-            PackedLM(self.model, train.logprob_chunk_tokens, train.activation_checkpointing and not frozen,
+            PackedLM(self.model, train.logprob_chunk_tokens, "off" if frozen else train.activation_checkpointing,
                      train.compile, train.fused_head, self.true_on_policy), compute, train.cpu_offload,
             train.reshard_after_forward, mesh, expert_shards)
         self.ref_model = self.ref_lm = None

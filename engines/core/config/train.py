@@ -72,8 +72,12 @@ class TrainConfig(Section):
         "most chunk x vocab fp32 logits exist at once (torch backend: the head's matmul is chunked too; megatron: "
         "its output layer's bf16 logits are whole, their fp32 work chunked).",
     )
-    activation_checkpointing: bool = Field(
-        False, description="torch backend: recompute each decoder layer's activations in the backward pass.")
+    activation_checkpointing: Literal["off", "full", "selective"] = Field(
+        "off", description="torch backend: recompute decoder layers' activations in the backward pass instead of "
+        "keeping them. 'full': each layer's whole forward runs again (about half the memory). 'selective': the same "
+        "except the attention kernel, whose outputs are kept (about tokens x hidden per layer): at long samples "
+        "attention is most of a layer's FLOPs, so this spares most of full's recompute for a little more memory "
+        "(engines/models/checkpointing.py). true/false: full/off.")
     compile: bool = Field(False, description="torch.compile each decoder layer (dynamic shapes; casts, norms, "
                           "rotary and SwiGLU fused; the measured gains are in docs/native_trainer.md and "
                           "docs/megatron.md), for about half a minute of compiling in the first step. megatron: the "
@@ -123,6 +127,12 @@ class TrainConfig(Section):
     lora: LoraConfig | None = Field(
         None, description="torch backend: train LoRA adapters on a frozen base instead of every weight "
         "(docs/lora.md); needs weight_sync.transport adapter. Empty: full fine-tuning.")
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_bool(cls, v):
+        """Recipes from before the selective mode said true/false."""
+        return {True: "full", False: "off"}[v] if isinstance(v, bool) else v
 
 
 class CriticConfig(Section):
