@@ -155,7 +155,7 @@ def _engine_vs_trainer(model_dir: str, exact: bool, temperature: float = 1.0, pe
     return trainer.forward_logprobs(batch), batch["old_logprobs"], batch["loss_mask"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def test_engine_logprobs_equal_the_trainers(tmp_path, arch):
     """Generated tokens' log-probs: equal bit for bit with the mode (T=1, T=0.7, and with chunked prefill and
     preemption's re-prefill); apart without it (the mode is what makes them equal)."""
@@ -175,7 +175,7 @@ def test_engine_logprobs_equal_the_trainers(tmp_path, arch):
     assert 0 < diff < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe"])
 def test_engine_logprobs_equal_the_trainers_in_bf16(tmp_path, arch):
     """The GPU's dtype on the CPU: bf16 engine weights against the trainer's bf16 compute over fp32 masters (its
     casts, rotary and norms in bf16) are equal bit for bit with the mode, about 1e-3 apart without it."""

@@ -2,7 +2,7 @@
 a dense model of the same shape: the embedded engine samples (recording each token's experts), the native trainer
 scores the same tokens.
 
-    PYTHONUNBUFFERED=1 python -m bench.train.routing_replay --out routing_replay.json
+    PYTHONUNBUFFERED=1 python -m bench.train.routing_replay --out routing_replay.json [--true-on-policy]
 
 Reported: mean and 99th percentile of |log p_train - log p_rollout| over the response tokens, and the share of
 (token, MoE layer) routings the trainer picks differently from the engine when it routes live. Random weights (a
@@ -57,9 +57,11 @@ def build(shape: dict, out: Path, moe: bool, device: str) -> str:
     return str(out)
 
 
-def rollout(path: str, prompts: list[list[int]], new_tokens: int, device: str, record: bool) -> RolloutBatch:
+def rollout(path: str, prompts: list[list[int]], new_tokens: int, device: str, record: bool,
+            exact: bool = False) -> RolloutBatch:
     engine = TorchRolloutBackend(path, device=device, dtype=torch.bfloat16, batch_size=len(prompts),
-                                 context_len=len(prompts[0]) + new_tokens + 16, record_routing=record)
+                                 context_len=len(prompts[0]) + new_tokens + 16, record_routing=record,
+                                 true_on_policy=exact)
     gens = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True),
                            seed=3)
     engine.close()
@@ -82,6 +84,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--true-on-policy", action="store_true", help="also the MoE with rollout.true_on_policy on both "
+                    "sides (engines/models/invariant.py): expected exactly 0")
     ap.add_argument("--out", default="routing_replay.json")
     harness.add_smoke(ap)
     args = ap.parse_args()
@@ -112,7 +116,12 @@ def main() -> None:
     result["moe_live"] = mismatch(trainer, replace(batch, routed_experts=None, metadata={}))
     dense_trainer = TorchTrainBackend(dense, train, AlgorithmConfig())
     result["dense"] = mismatch(dense_trainer, rollout(dense, prompts, args.new_tokens, device, record=False))
-    print({k: result[k] for k in ("routing_flips", "moe_live", "moe_r3", "dense")}, flush=True)
+    if args.true_on_policy:
+        exact_trainer = TorchTrainBackend(moe, train, AlgorithmConfig(), true_on_policy=True)
+        result["moe_true_on_policy"] = mismatch(exact_trainer, rollout(moe, prompts, args.new_tokens, device,
+                                                                       record=False, exact=True))
+    print({k: result[k] for k in ("routing_flips", "moe_live", "moe_r3", "dense", "moe_true_on_policy")
+           if k in result}, flush=True)
     harness.write_json(args.out, result)
 
 

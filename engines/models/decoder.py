@@ -281,12 +281,15 @@ class DecoderLM:
         ids [B*T, k])` receives the choice of MoE layer n."""
         flat = h.reshape(-1, h.shape[-1])
         router, experts = mlp.gate, mlp.experts
-        logits = F.linear(flat, router.weight)
-        weights, ids = select_experts(logits, router.top_k, router_normalizes(router))
+        logits = invariant.linear(flat, router.weight) if self.exact else F.linear(flat, router.weight)
+        weights, ids = select_experts(logits, router.top_k, router_normalizes(router), exact=self.exact)
         if route is not None:
             route(self._moe_index[id(router)], ids)
-        out = experts_forward(flat, ids, weights.to(logits.dtype), experts.gate_up_proj, experts.down_proj,
-                              experts.act_fn)
+        if self.exact:  # rollout.true_on_policy: the trainer's experts (invariant.make_invariant)
+            out = invariant.experts(flat, ids, weights.to(logits.dtype), experts.gate_up_proj, experts.down_proj)
+        else:
+            out = experts_forward(flat, ids, weights.to(logits.dtype), experts.gate_up_proj, experts.down_proj,
+                                  experts.act_fn)
         return out.view(h.shape)
 
     def _layer(self, i: int, x: torch.Tensor, cos, sin, attend, route=None) -> torch.Tensor:

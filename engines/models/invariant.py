@@ -27,6 +27,8 @@ costs what padding, per-chunk launches and fp32 elementwise attention cost (docs
 
 from __future__ import annotations
 
+from types import MethodType
+
 import torch
 import torch.nn.functional as F
 
@@ -105,6 +107,29 @@ def logsumexp(z: torch.Tensor) -> torch.Tensor:
     top = z.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     return torch.log(tree_sum(torch.exp(z - top), -1)) + top[..., 0]
+
+
+def softmax(z: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim, in fp32, its denominator a `tree_sum` (a MoE router's probabilities)."""
+    z = z.float()
+    e = torch.exp(z - z.amax(-1, keepdim=True))
+    return e / tree_sum(e, -1, keepdim=True)
+
+
+def experts(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
+            down_proj: torch.Tensor) -> torch.Tensor:
+    """A MoE layer's experts (grouped_experts.experts_forward's math and weight layout: gate_up_proj [E, 2f, h],
+    down_proj [E, h, f], SiLU) with this module's ops: each expert's rows through `linear`, a token's k outputs
+    weighted and summed by a tree in fp32. A Python loop over the experts the batch reaches (a host sync)."""
+    tokens, k = ids.shape
+    flat = ids.reshape(-1)
+    rows = hidden.new_zeros(tokens * k, down_proj.shape[1])
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero()[:, 0]
+        gate, up = linear(hidden[pairs // k], gate_up_proj[e]).chunk(2, dim=-1)
+        rows[pairs] = linear(silu(gate) * up, down_proj[e])
+    weighted = weights.to(rows.dtype).float()[..., None] * rows.view(tokens, k, -1).float()
+    return tree_sum(weighted, 1).to(hidden.dtype)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
@@ -201,18 +226,32 @@ class InvariantSiLU(torch.nn.Module):
         return silu(x)
 
 
+def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    return experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+
 def make_invariant(model: torch.nn.Module) -> torch.nn.Module:
     """Turn a loaded HF causal LM's projections (attention, MLP, LM head) into InvariantLinear, its RMSNorms into
-    InvariantRMSNorm and its MLP activations into InvariantSiLU, in place; the trainer's and the engine's forwards
-    then run the same ops. Refuses what this module has no batch-invariant form of (an MoE block, another
-    activation or norm)."""
+    InvariantRMSNorm and its MLP activations into InvariantSiLU, in place; a MoE block's router (routing.py's
+    forward, as engines/models/hf.load_model installs it) computes with `linear` and `softmax`, its experts with
+    `experts`. The trainer's and the engine's forwards then run the same ops. Refuses what this module has no
+    batch-invariant form of (another activation or norm, a router load_model did not replace, jitter noise)."""
     if getattr(model.config, "hidden_act", "silu") != "silu":
         raise ValueError(f"rollout.true_on_policy: model config hidden_act {model.config.hidden_act!r}; expected silu")
-    if any(hasattr(layer.mlp, "experts") for layer in model.model.layers):
-        raise ValueError("rollout.true_on_policy: MoE layers have no batch-invariant form yet (dense Llama / Qwen2 / "
-                         "Qwen3 models only)")
+    if getattr(model.config, "router_jitter_noise", 0.0):
+        raise ValueError("rollout.true_on_policy: model config router_jitter_noise must be 0 (random noise on the "
+                         "router's input in training)")
     for layer in model.model.layers:
-        layer.mlp.act_fn = InvariantSiLU()
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):
+            if not hasattr(mlp.gate, "replay_ids") or not hasattr(mlp.experts, "gate_up_proj"):
+                raise ValueError(f"rollout.true_on_policy: {type(mlp).__name__} has no batch-invariant form (Qwen3-MoE "
+                                 "and Mixtral blocks loaded through engines/models/hf.load_model only)")
+            mlp.gate.exact = True
+            mlp.experts.forward = MethodType(_experts_forward, mlp.experts)
+        else:
+            mlp.act_fn = InvariantSiLU()
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.__class__ = InvariantLinear
@@ -220,11 +259,12 @@ def make_invariant(model: torch.nn.Module) -> torch.nn.Module:
             module.__class__ = InvariantRMSNorm
         elif "Norm" in type(module).__name__ and not isinstance(module, InvariantRMSNorm):
             raise ValueError(f"rollout.true_on_policy: no batch-invariant form of {type(module).__name__} (Llama / "
-                             "Qwen2 / Qwen3 RMSNorm only)")
+                             "Qwen2 / Qwen3 / Qwen3-MoE / Mixtral RMSNorm only)")
     return model
 
 
-RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
+RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm",
+                       "MixtralRMSNorm"})
 
-__all__ = ["InvariantLinear", "InvariantRMSNorm", "InvariantSiLU", "attention", "linear", "logsumexp",
-           "make_invariant", "rms_norm", "silu", "tree_sum"]
+__all__ = ["InvariantLinear", "InvariantRMSNorm", "InvariantSiLU", "attention", "experts", "linear", "logsumexp",
+           "make_invariant", "rms_norm", "silu", "softmax", "tree_sum"]

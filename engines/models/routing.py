@@ -30,16 +30,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rlflow.engines.models import invariant
+
 ROUTING_DTYPE = torch.int16  # expert ids as stored and shipped: 128-256 experts fit, at a quarter of int64's bytes
 NO_RECORD = -1
 
 
-def select_experts(logits: torch.Tensor, top_k: int, normalize: bool, replay: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(logits: torch.Tensor, top_k: int, normalize: bool, replay: torch.Tensor | None = None,
+                   exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32, expert ids [T, k] int64) from router logits [T, E], as transformers' Qwen3-MoE and
     Mixtral routers compute them (softmax in fp32, top-k, renormalised if `normalize`). `replay` [T, k] (any
-    integer dtype): the experts to use instead of the top-k, row by row; a row of -1 keeps the live choice."""
-    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    integer dtype): the experts to use instead of the top-k, row by row; a row of -1 keeps the live choice.
+    `exact` (rollout.true_on_policy): the sums through invariant.py's trees, so a row's bits do not depend on T."""
+    probs = invariant.softmax(logits) if exact else F.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if replay is not None:
         replay = replay.to(device=ids.device, dtype=torch.int64)
@@ -47,7 +50,8 @@ def select_experts(logits: torch.Tensor, top_k: int, normalize: bool, replay: to
         ids = torch.where(live, ids, replay)
         weights = probs.gather(-1, ids)
     if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (invariant.tree_sum(weights, -1, keepdim=True) if exact else
+                             weights.sum(dim=-1, keepdim=True))
     return weights, ids
 
 
@@ -69,12 +73,12 @@ def _router_forward(self: torch.nn.Module, hidden_states: torch.Tensor
     """transformers' router contract, (logits, weights, ids), through select_experts: replaying
     `self.replay_ids` if set, appending the choice to `self.recorded` if that is a list."""
     hidden_states = hidden_states.reshape(-1, self.weight.shape[1])
-    logits = F.linear(hidden_states, self.weight)
+    logits = invariant.linear(hidden_states, self.weight) if self.exact else F.linear(hidden_states, self.weight)
     replay = self.replay_ids
     if replay is not None and replay.shape[0] != hidden_states.shape[0]:
         raise ValueError(f"routing replay: {replay.shape[0]} recorded tokens for a forward over "
                          f"{hidden_states.shape[0]}")
-    weights, ids = select_experts(logits, self.top_k, router_normalizes(self), replay)
+    weights, ids = select_experts(logits, self.top_k, router_normalizes(self), replay, self.exact)
     if self.recorded is not None:
         self.recorded.append(ids.to(ROUTING_DTYPE))
     return logits, weights.to(logits.dtype), ids
@@ -85,7 +89,7 @@ def use_routing_replay(model: torch.nn.Module) -> int:
     replayed (`recording`, `replaying`); live routing is unchanged. Returns the number of routers."""
     routers = moe_routers(model)
     for r in routers:
-        r.replay_ids, r.recorded = None, None
+        r.replay_ids, r.recorded, r.exact = None, None, False  # exact: invariant.make_invariant sets it
         r.forward = MethodType(_router_forward, r)
     return len(routers)
 

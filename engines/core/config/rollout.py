@@ -138,7 +138,8 @@ class RolloutConfig(Section):
         "bit for bit (importance ratio exactly 1), and a step whose log-probs differ at all stops with "
         "OnPolicyMismatch. Costs decode and train throughput (docs/rollout.md, 'True on-policy'); needs "
         "rollout.backend and train.backend torch, one precision and device on both sides, max_staleness 0; refuses "
-        "fp8, compile, LoRA, liger kernels, context parallelism and MoE models; decodes without CUDA graphs.")
+        "fp8, compile, LoRA, liger kernels, context and expert parallelism and routing replay (dense and MoE models: "
+        "Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral); decodes without CUDA graphs.")
     max_staleness: int = Field(
         0, ge=0,
         description="How many weight versions rollout may run ahead of training (docs/rollout.md, asynchronous "

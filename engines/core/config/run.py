@@ -256,9 +256,9 @@ class RLConfig(Section):
                                        ("algorithm.routing_replay", self.algorithm.routing_replay != "off")) if on]
         if clash:
             raise ValueError(f"rollout.true_on_policy with {', '.join(clash)}: not supported together (samples from "
-                             "older weights are not on-policy; compiled or replaced modules and a split attention run "
-                             "other ops than engines/models/invariant.py's; MoE models have no batch-invariant form "
-                             "yet)")
+                             "older weights are not on-policy; compiled or replaced modules, a split attention and "
+                             "experts split over ranks run other ops than engines/models/invariant.py's; routing "
+                             "replay is moot: the engine's routing is the trainer's, bit for bit)")
 
     def _check_routing_replay(self) -> None:
         replay = self.algorithm.routing_replay
