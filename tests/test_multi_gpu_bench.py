@@ -301,3 +301,8 @@ def test_train_context_parallel_smoke_splits_one_sample_over_two_ranks(tmp_path)
     assert two["loss"] == pytest.approx(one["loss"], abs=1e-5)
     with pytest.raises(SystemExit):
         train_cp.main(["--smoke", "--runs", "97by2", "--out", str(out)])
+    assert train_cp.parse_runs("65536x2,65536x1+selective+cudnn") == [
+        {"name": "65536x2", "tokens": 65536, "gpus": 2},
+        {"name": "65536x1+selective+cudnn", "tokens": 65536, "gpus": 1, "ckpt": "selective", "kernel": "cudnn"}]
+    with pytest.raises(ValueError, match="unknown option 'sac'"):
+        train_cp.parse_runs("65536x1+sac")

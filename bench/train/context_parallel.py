@@ -5,6 +5,8 @@ split over N ranks. Commands:
         --out bench/results/train_context_parallel.json          # 64k tokens on 2 GPUs (CP=2), 128k on 4 (CP=4)
     python -m bench.train.context_parallel --runs 65536x1,65536x2 --out /tmp/cp.json   # CP=1 beside CP=2
     python -m bench.train.context_parallel --smoke --out /tmp/cp_smoke.json    # CPU, gloo: checks the script
+    python -m bench.train.context_parallel --runs 65536x1,65536x1+selective,65536x1+cudnn,65536x1+selective+cudnn \
+        --out /tmp/cp_levers.json                 # variants side by side: +off|full|selective, +flash|cudnn, +compile
 
 Workload: a Qwen2-1.5B-shaped model (bench/train/scale.py's shape, random weights, max positions raised to the
 longest sample), one sample per step of TOKENS tokens (a --prompt-token prompt, the rest a response that the loss
@@ -64,7 +66,7 @@ def cp_rank(rank: int, world: int, model_path: str, cfg: dict, job: dict, url: s
     batch = long_sample(cfg["vocab_size"], job["tokens"], job["prompt"])
     train = TrainConfig(device=device, precision="bf16", lr=1e-6, threads=8 if device == "cuda" else 1,
                         context_parallel=world, micro_batch_tokens=-(-job["tokens"] // world),
-                        activation_checkpointing=job["ckpt"], compile=job["compile"])
+                        activation_checkpointing=job["ckpt"], compile=job["compile"], attention_kernel=job["kernel"])
     with rank_result(out, rank) as result:
         backend = TorchTrainBackend(model_path, train, AlgorithmConfig(kl_coef=0.0), rank=rank, world_size=world,
                                     dist_url=url, collective_timeout_s=timeout)
@@ -77,20 +79,23 @@ def cp_rank(rank: int, world: int, model_path: str, cfg: dict, job: dict, url: s
     dist.destroy_process_group()
 
 
-def run_one(a, model: str, cfg: dict, tokens: int, n: int, work: Path) -> dict:
-    """One TOKENSxN run: the ranks' results combined (or the error that ended it)."""
+def run_one(a, model: str, cfg: dict, run: dict, work: Path) -> dict:
+    """One run (`parse_runs`): the ranks' results combined (or the error that ended it)."""
+    tokens, n = run["tokens"], run["gpus"]
     visible = torch.cuda.device_count() if torch.cuda.is_available() else n  # CPU: any number of gloo ranks
     if n > visible:
         return {"gpus": n, "tokens": tokens, "error": f"skipped: needs {n} GPUs, this machine shows {visible}"}
     limit = time_left(a.timeout, a.end)
     if limit < 10:
         return {"gpus": n, "tokens": tokens, "error": f"skipped: past --deadline {a.deadline:.0f} s"}
-    out = work / f"cp_{tokens}x{n}"
-    job = {"tokens": tokens, "prompt": a.prompt, "steps": a.steps, "ckpt": a.ckpt, "compile": a.compile}
+    out = work / f"cp_{run['name'].replace('+', '_')}"
+    job = {"tokens": tokens, "prompt": a.prompt, "steps": a.steps, "ckpt": run.get("ckpt", a.ckpt),
+           "compile": run.get("compile", a.compile), "kernel": run.get("kernel", a.attention_kernel)}
     t0 = time.perf_counter()
     ranks, error = run_and_collect(cp_rank, n, limit, str(out), model, cfg, job, rendezvous(str(out)), limit)
     flops = flops_per_step(cfg, torch.tensor([tokens]))
     result = {"gpus": n, "context_parallel": n, "tokens": tokens, "tokens_per_rank": -(-tokens // n),
+              "activation_checkpointing": job["ckpt"], "compile": job["compile"], "attention_kernel": job["kernel"],
               "wall_s": time.perf_counter() - t0, "error": error, "useful_tokens": tokens, "flops_per_step": flops,
               "ranks": ranks}
     if error is None and len(ranks) == n and all("step_s" in r for r in ranks):
@@ -98,14 +103,25 @@ def run_one(a, model: str, cfg: dict, tokens: int, n: int, work: Path) -> dict:
     return result
 
 
-def parse_runs(text: str) -> list[tuple[int, int]]:
-    """"65536x2,131072x4" -> [(65536, 2), (131072, 4)]."""
+RUN_OPTIONS = {"off": ("ckpt", "off"), "full": ("ckpt", "full"), "selective": ("ckpt", "selective"),
+               "flash": ("kernel", "flash"), "cudnn": ("kernel", "cudnn"), "compile": ("compile", True)}
+
+
+def parse_runs(text: str) -> list[dict]:
+    """"65536x2,65536x1+selective+cudnn" -> one dict per run: name, tokens, gpus, and the options given after
+    `+` (activation checkpointing off/full/selective, attention kernel flash/cudnn, compile), which override the
+    command line's for that run, so variants are measured side by side in one invocation."""
     runs = []
     for part in text.split(","):
-        tokens, _, n = part.strip().partition("x")
+        head, *options = part.strip().split("+")
+        tokens, _, n = head.partition("x")
         if not (tokens.isdigit() and n.isdigit() and int(n) > 0 and int(tokens) > 1):
-            raise ValueError(f"--runs: {part!r} is not TOKENSxGPUS (e.g. 65536x2)")
-        runs.append((int(tokens), int(n)))
+            raise ValueError(f"--runs: {part!r} is not TOKENSxGPUS[+option...] (e.g. 65536x2+selective)")
+        unknown = [o for o in options if o not in RUN_OPTIONS]
+        if unknown:
+            raise ValueError(f"--runs: {part!r}: unknown option {unknown[0]!r} (one of {', '.join(RUN_OPTIONS)})")
+        runs.append({"name": part.strip(), "tokens": int(tokens), "gpus": int(n)} | dict(RUN_OPTIONS[o]
+                                                                                         for o in options))
     return runs
 
 
@@ -120,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="train.activation_checkpointing (selective: attention's outputs kept, the rest recomputed)")
     p.add_argument("--no-ckpt", dest="ckpt", action="store_const", const="off", help="--ckpt off")
     p.add_argument("--compile", action="store_true", help="train.compile (each decoder layer compiled)")
+    p.add_argument("--attention-kernel", choices=["flash", "cudnn"], default="flash",
+                   help="train.attention_kernel (cudnn: the one-sample stream through cuDNN's SDPA)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per run, model loading included")
     p.add_argument("--deadline", type=float, default=570, help="seconds for the whole script: later runs are skipped")
     p.add_argument("--out", type=Path, required=True, help="JSON results (rewritten after each run)")
@@ -131,19 +149,19 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(str(e))
     if a.smoke:
         a.shape, a.prompt, a.steps = "smoke", 16, min(a.steps, 1)
-    cfg = SHAPES[a.shape] | {"max_position_embeddings": max(t for t, _ in runs)}
+    cfg = SHAPES[a.shape] | {"max_position_embeddings": max(r["tokens"] for r in runs)}
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the ranks inherit it
     report = harness.report_header(__spec__.name, argv, name_device=False) | {
         "shape": a.shape, "model": cfg, "prompt": a.prompt, "steps": a.steps, "activation_checkpointing": a.ckpt,
-        "compile": a.compile, "runs": {}}
+        "compile": a.compile, "attention_kernel": a.attention_kernel, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model = str(Path(tmp) / "model")
         run_ranks(_build, 1, time_left(a.timeout, a.end), cfg, model)
-        for tokens, n in runs:
-            r = run_one(a, model, cfg, tokens, n, Path(tmp))
-            report["runs"][f"{tokens}x{n}"] = r
+        for run in runs:
+            r = run_one(a, model, cfg, run, Path(tmp))
+            report["runs"][run["name"]] = r
             report["device"] = next((x["device"] for x in r.get("ranks", []) if "device" in x), report.get("device"))
-            print(f"[train_context_parallel] {tokens} tokens on {n}: " + json.dumps(
+            print(f"[train_context_parallel] {run['name']}: " + json.dumps(
                 {k: r.get(k) for k in ("tokens_per_s_per_gpu", "mfu", "peak_gib_per_rank", "step_s_median", "loss",
                                        "wall_s", "error")}), flush=True)
             harness.write_json(a.out, report)

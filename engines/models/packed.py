@@ -25,9 +25,11 @@ import dataclasses
 import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from rlflow.engines.core.sampling import scaled_logits
@@ -39,6 +41,7 @@ from rlflow.engines.models.ulysses import ContextSplit, exchange_heads, exchange
 from rlflow.engines.models.vision_language import is_vision_language, mrope_positions
 
 ATTENTION = "rlflow_packed"
+ATTENTION_CUDNN = "rlflow_packed_cudnn"  # train.attention_kernel cudnn: a one-sample stream through cuDNN's SDPA
 ATTENTION_EXACT = "rlflow_packed_exact"  # rollout.true_on_policy: invariant.attention over each sample
 
 try:  # torch >= 2.9 on CUDA: flash attention over cumulative sequence lengths, no padding, no mask
@@ -158,31 +161,35 @@ def _image_token_runs(ids: torch.Tensor, counts: list[int], image_token_id: int,
 
 
 def _packed_attention(module, query, key, value, attention_mask, scaling=None, packed: PackedRows | None = None,
-                      **_kwargs):
+                      cudnn: bool = False, **_kwargs):
     """transformers' attention call for one packed sequence: query [1, H, T, D], key/value [1, KV, T, D];
-    returns [1, T, H, D]. Each sample attends causally to itself only."""
+    returns [1, T, H, D]. Each sample attends causally to itself only. `cudnn`: as causal_varlen_attention's."""
     if packed is None:
         raise RuntimeError(f"attn_implementation {ATTENTION!r} needs the packed layout (call it through PackedLM)")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, heads, D]
     if packed.split is not None:  # context parallel: this rank's heads over the whole stream, then back
         q, k, v = exchange_heads(q, k, v, packed.split)
-        out = causal_varlen_attention(q, k, v, packed.cu_seqlens, packed.max_len, scaling)
+        out = causal_varlen_attention(q, k, v, packed.cu_seqlens, packed.max_len, scaling, cudnn=cudnn)
         return exchange_tokens(out, packed.split).unsqueeze(0), None
-    out = causal_varlen_attention(q, k, v, packed.cu_seqlens, packed.max_len, scaling, packed.rows, packed.cols)
+    out = causal_varlen_attention(q, k, v, packed.cu_seqlens, packed.max_len, scaling, packed.rows, packed.cols,
+                                  cudnn)
     return out.unsqueeze(0), None
 
 
 def causal_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_len: int, scale: float | None = None, rows: torch.Tensor | None = None,
-                            cols: torch.Tensor | None = None) -> torch.Tensor:
+                            cols: torch.Tensor | None = None, cudnn: bool = False) -> torch.Tensor:
     """Causal attention of packed samples, each seeing only itself: q [T, H, D], k/v [T, KV, D] (KV divides H),
     sample i at tokens cu_seqlens[i]:cu_seqlens[i+1]; returns [T, H, D]. Shared by every backend that packs.
 
-    On CUDA with 16-bit inputs (or under autocast): torch's variable-length flash attention. Elsewhere one exact
-    SDPA call over the samples re-padded; `rows`/`cols` (each token's sample and position) are derived from
-    cu_seqlens when not given."""
+    On CUDA with 16-bit inputs (or under autocast): torch's variable-length flash attention, or with `cudnn`
+    (train.attention_kernel) a stream of one sample through cuDNN's SDPA kernel. Elsewhere one exact SDPA call
+    over the samples re-padded; `rows`/`cols` (each token's sample and position) are derived from cu_seqlens when
+    not given."""
     half = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else (
         torch.get_autocast_dtype("cuda") if q.is_cuda and torch.is_autocast_enabled("cuda") else None)
+    if q.is_cuda and half is not None and cudnn and len(cu_seqlens) == 2:
+        return _cudnn_one_sample(q.to(half), k.to(half), v.to(half), scale)
     if q.is_cuda and varlen_attn is not None and half is not None:  # flash kernels take 16-bit inputs only
         return _varlen(q.to(half), k.to(half), v.to(half), cu_seqlens, max_len, scale)
     if rows is None or cols is None:
@@ -205,6 +212,20 @@ def _padded_sdpa(q, k, v, samples: int, max_len: int, rows, cols, scale):
     out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale,
                                          enable_gqa=True)
     return out.transpose(1, 2)[rows, cols]
+
+
+def _cudnn_one_sample(q, k, v, scale):
+    """One causal sequence [T, H, D] through SDPA with cuDNN's kernel first (flash 2 if cuDNN cannot take it):
+    without packing there is no varlen bookkeeping, and on Hopper cuDNN's fused attention is the faster kernel
+    (torch's varlen API keeps its cuDNN path switched off). Grouped-query heads are repeated: 2 x T x H x D more
+    bytes, small beside the T^2 work this is for."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def _varlen(q, k, v, cu_seqlens, max_len, scale):
@@ -246,6 +267,8 @@ def _exact_packed_attention(module, query, key, value, attention_mask, scaling=N
 
 AttentionInterface.register(ATTENTION, _packed_attention)
 AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)  # samples are split by cu_seqlens
+AttentionInterface.register(ATTENTION_CUDNN, partial(_packed_attention, cudnn=True))
+AttentionMaskInterface.register(ATTENTION_CUDNN, lambda *args, **kwargs: None)
 AttentionInterface.register(ATTENTION_EXACT, _exact_packed_attention)
 AttentionMaskInterface.register(ATTENTION_EXACT, lambda *args, **kwargs: None)
 
@@ -259,16 +282,18 @@ class PackedLM(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, chunk_tokens: int = 4096, checkpoint_layers: str = "off",
-                 compile_layers: bool = False, fused_head: bool = False, true_on_policy: bool = False):
+                 compile_layers: bool = False, fused_head: bool = False, true_on_policy: bool = False,
+                 attention_kernel: str = "flash"):
         """`checkpoint_layers` (train.activation_checkpointing): "off", "full" or "selective" (checkpointing.py).
         `true_on_policy` (rollout.true_on_policy): the model's ops become engines/models/invariant.py's, as the
-        rollout engine's in that mode, so its log-probs equal the engine's bit for bit (unfused head math)."""
+        rollout engine's in that mode, so its log-probs equal the engine's bit for bit (unfused head math).
+        `attention_kernel` (train.attention_kernel): "cudnn" runs one-sample streams through cuDNN's SDPA."""
         super().__init__()
         self.model, self.chunk_tokens, self.fused_head = model, chunk_tokens, fused_head and not true_on_policy
         self.exact = true_on_policy
         if true_on_policy:
             invariant.make_invariant(model)
-        attention = ATTENTION_EXACT if true_on_policy else ATTENTION
+        attention = ATTENTION_EXACT if true_on_policy else ATTENTION_CUDNN if attention_kernel == "cudnn" else ATTENTION
         # a vision-language model's vision tower keeps its own attention (its patches are not a causal stream)
         self.vision_language = is_vision_language(model.config)
         model.config._attn_implementation = {"": attention, "text_config": attention} if self.vision_language \

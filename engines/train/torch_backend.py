@@ -194,8 +194,8 @@ class TorchTrainBackend(TrainBackend, CriticBackend, TeacherBackend, StoreSender
                          else nullcontext)
         self.lm = fsdp.shard(
             PackedLM(self.model, train.logprob_chunk_tokens, "off" if frozen else train.activation_checkpointing,
-                     train.compile, train.fused_head, self.true_on_policy), compute, train.cpu_offload,
-            train.reshard_after_forward, mesh, expert_shards)
+                     train.compile, train.fused_head, self.true_on_policy, train.attention_kernel), compute,
+            train.cpu_offload, train.reshard_after_forward, mesh, expert_shards)
         self.ref_model = self.ref_lm = None
         # the KL penalty's reference: a frozen copy of the starting policy (with LoRA, the base: adapters off)
         self.has_reference = algorithm.kl_coef > 0 and role == "policy"
