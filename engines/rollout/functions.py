@@ -137,8 +137,10 @@ async def generate(router_url: str, input_ids: Sequence[int], sampling_params: d
         ids = collapse_image_pads(ids, image_pad_id)
     item = await _batcher(router_url).submit(ids, dict(sampling_params), return_logprob, return_routed_experts,
                                              list(image_data or []))
-    served = (item.get("meta_info") or {}).get("prompt_tokens")
-    if image_data and served is not None and served != len(input_ids) and not _aborted_early(item):
+    meta = item.get("meta_info") or {}
+    served, finish = meta.get("prompt_tokens"), (meta.get("finish_reason") or {}).get("type")
+    # an aborted item may never have reached a server (answered locally, `_aborted_item`): nothing to compare
+    if image_data and served is not None and served != len(input_ids) and finish != "abort":
         # the server expanded the pictures to another number of tokens than the trainer will see: its image
         # processor (min/max pixels) or tokenizer is not the model's, and its log-probs are of another prompt
         raise RuntimeError(f"/generate on {router_url}: the server ran a {served}-token prompt for a "
@@ -204,11 +206,6 @@ async def abort_tagged(router_url: str, tag: str) -> None:
 def end_tag(tag: str) -> None:
     _ABORTED.discard(tag)
     _OUTSTANDING.pop(tag, None)
-
-
-def _aborted_early(item: dict) -> bool:
-    """An item answered locally because its tag was aborted before it was sent (no server saw it)."""
-    return (item.get("meta_info") or {}).get("finish_reason", {}).get("message") == "aborted before it was sent"
 
 
 def _aborted_item(input_ids: list[int]) -> dict:
