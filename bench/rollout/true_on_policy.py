@@ -8,7 +8,8 @@ batch-invariant ops (engines/models/invariant.py) against the default ops, side 
 Per mode: one engine generates `batch` sequences of `new-tokens` tokens (ignore_eos) from short prompts (output
 tokens/s over the whole generate, the faster of two), then two train steps (forward + backward + optimizer step,
 packed micro-batches) on those sequences: the first gives the log-prob difference, the second's tokens/s counts.
-Compute dtype: bf16 on a GPU, fp32 on the CPU, the same on both sides.
+Compute dtype: bf16 on a GPU, fp32 on the CPU, the same on both sides. First, `op_checks`: each invariant op's rows
+alone against in a batch, on this device (which op breaks, if the end-to-end difference is not 0).
 
 `--smoke` runs a toy Qwen2 on the CPU: it checks the script, and on 2 cores gives the CPU ratio docs/rollout.md
 quotes.
@@ -29,6 +30,40 @@ from rlflow.engines.core.config import AlgorithmConfig, TrainConfig
 from rlflow.engines.core.sampling import SamplingParams
 from rlflow.engines.rollout.torch_backend import TorchRolloutBackend
 from rlflow.engines.train.torch_backend import TorchTrainBackend
+
+
+def op_checks(dev: str, dtype: torch.dtype, hidden: int = 1536, vocab: int = 151936) -> dict:
+    """Each invariant op on this device and dtype: does a row give the same bits alone, at another place in
+    another batch, and in the full batch? (What the end-to-end 0 rests on, op by op: if the end-to-end difference
+    is not 0, this says which op to look at.)"""
+    from rlflow.engines.models import invariant
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dev, dtype)
+
+    def rows_agree(fn, x: torch.Tensor) -> bool:
+        full = fn(x)
+        return all(torch.equal(fn(x[i:i + 1].clone())[0], full[i]) for i in (0, 1, 63, 64, x.shape[0] - 1)) and \
+            torch.equal(fn(x[37:].clone()), full[37:])
+
+    w, norm_w = rand(4 * hidden, hidden), rand(hidden)
+    checks = {"linear": rows_agree(lambda x: invariant.linear(x, w), rand(300, hidden)),
+              "rms_norm": rows_agree(lambda x: invariant.rms_norm(x, norm_w, 1e-6), rand(300, hidden)),
+              "logsumexp": rows_agree(invariant.logsumexp, rand(300, vocab).float())}
+    heads, kv, d, length = 12, 2, 128, 300
+    q, k, v = rand(1, heads, length, d), rand(1, kv, length, d), rand(1, kv, length, d)
+    prefill = invariant.attention(q, k, v, torch.arange(1, length + 1, device=dev)[None], d ** -0.5)
+    same = True
+    for pos in (0, 63, 64, 200, length - 1):
+        mates = rand(3, heads, 1, d), rand(3, kv, length, d), rand(3, kv, length, d)
+        out = invariant.attention(torch.cat([mates[0], q[:, :, pos:pos + 1]]), torch.cat([mates[1], k]),
+                                  torch.cat([mates[2], v]),
+                                  torch.tensor([[5], [100], [300], [pos + 1]], device=dev), d ** -0.5)
+        same &= torch.equal(out[3, :, 0], prefill[0, :, pos])
+    checks["attention"] = bool(same)
+    return checks
 
 
 def measure(model: Path, exact: bool, batch: int, new_tokens: int, dev: str, threads: int) -> dict:
@@ -83,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     size, batch, new = ("smoke", 16, 16) if args.smoke else (args.size, args.batch, args.new_tokens)
     results = harness.report_header(__spec__.name, argv) | {"size": size, "batch": batch, "new_tokens": new,
                                                             "modes": []}
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    results["op_checks"] = op_checks(dev, dtype, *((64, 512) if args.smoke else (1536, 151936)))
+    harness.say(f"row-invariance of each op ({dev}, {dtype}): {results['op_checks']}")
     with tempfile.TemporaryDirectory(prefix="rlflow-top-") as tmp:
         model = build_model(size, Path(tmp) / size, "cpu")
         for exact in (False, True):
