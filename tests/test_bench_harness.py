@@ -78,6 +78,7 @@ def test_fp8_decode_bench_runs_its_smoke_shape(tmp_path):
                    timeout=600, capture_output=True, cwd=REPO)
     point = json.loads(out.read_text())["sizes"]["smoke"]
     assert point["bf16"]["2"]["tokens_per_s"] > 0 and point["bf16"]["4"]["tokens_per_s"] > 0
+    assert len(point["bf16"]["4"]["prefill_seconds"]) == 1 and "decode_tokens_per_s" in point["bf16"]["4"]
     report = point["mismatch_vs_bf16_trainer"]["bf16"]
     assert report["tokens"] == 16 and 0 <= report["mean"] <= report["max"] < 0.1
 
