@@ -46,6 +46,8 @@ def test_invariant_ops_do_not_depend_on_the_batch(shape):
     full = invariant.linear(x, w)
     assert all(torch.equal(invariant.linear(x[i:i + 1].clone(), w)[0], full[i]) for i in range(rows + 3))
     assert torch.equal(invariant.linear(x[3:], w), full[3:])
+    order = torch.randperm(rows + 3)  # each row at another place in its chunk, among other rows
+    assert torch.equal(invariant.linear(x[order], w), full[order])
     h = torch.randn(rows + 3, width) * 3
     alone = torch.stack([invariant.silu(h[i:i + 1].clone())[0] for i in range(rows + 3)])
     assert torch.equal(invariant.silu(h), alone) and torch.equal(invariant.silu(h[3:]), alone[3:])
