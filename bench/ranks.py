@@ -124,6 +124,7 @@ def step_figures(ranks: list[dict], steps: int, useful_tokens: int, flops: float
         "tflops_per_gpu": tflops,
         "mfu": tflops / peak if peak else None,
         "loss": ranks[0].get("loss"),
+        "grad_norm": ranks[0].get("grad_norm"),  # with the loss: a kernel or layout that computes another step shows
         "peak_gib_per_rank": [r.get("peak_gib") for r in ranks],
     }
 

@@ -73,6 +73,7 @@ def test_attention_of_a_query_is_the_same_alone_in_a_batch_and_in_a_prefill():
     q, k, v = torch.randn(1, heads, length, d), torch.randn(1, kv, length, d), torch.randn(1, kv, length, d)
     causal = torch.arange(1, length + 1)[None]
     prefill = invariant.attention(q, k, v, causal, 0.25)
+    assert torch.equal(invariant.attention(q, k, v, None, 0.25), prefill)  # None: causal without a mask tensor
     for position in (0, 63, 64, 100, 149):
         garbage_k, garbage_v = torch.randn(1, kv, 200, d), torch.full((1, kv, 200, d), float("nan"))
         garbage_k[:, :, :position + 1], garbage_v[:, :, :position + 1] = k[:, :, :position + 1], v[:, :, :position + 1]
@@ -84,15 +85,16 @@ def test_attention_of_a_query_is_the_same_alone_in_a_batch_and_in_a_prefill():
                                     torch.cat([others[1], garbage_k]), torch.cat([others[2], garbage_v]),
                                     torch.tensor([[3], [30], [70], [130], [200], [position + 1]]), 0.25)
         assert torch.equal(batch[5, :, 0], prefill[0, :, position])
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    out = invariant.attention(qg, kg, vg, causal, 0.25)
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=0.25, enable_gqa=True)
-    assert torch.allclose(out, ref, atol=1e-5)
-    out.square().sum().backward()
-    ref.square().sum().backward()
-    for mine, theirs in ((qg, qr), (kg, kr), (vg, vr)):
-        assert torch.allclose(mine.grad, theirs.grad, atol=1e-4)
+    for visible in (causal, None):  # the backward: SDPA under a mask, or causal
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out = invariant.attention(qg, kg, vg, visible, 0.25)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=0.25, enable_gqa=True)
+        assert torch.allclose(out, ref, atol=1e-5)
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for mine, theirs in ((qg, qr), (kg, kr), (vg, vr)):
+            assert torch.allclose(mine.grad, theirs.grad, atol=1e-4)
 
 
 def test_norm_and_logsumexp_of_a_row_are_the_same_alone_and_in_a_batch():

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
             report["device"] = next((x["device"] for x in r.get("ranks", []) if "device" in x), report.get("device"))
             print(f"[train_context_parallel] {run['name']}: " + json.dumps(
                 {k: r.get(k) for k in ("tokens_per_s_per_gpu", "mfu", "peak_gib_per_rank", "step_s_median", "loss",
-                                       "wall_s", "error")}), flush=True)
+                                       "grad_norm", "wall_s", "error")}), flush=True)
             harness.write_json(a.out, report)
     return report
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from rlflow.engines.cluster.addresses import LOOPBACK, free_port, node_ip
 from rlflow.engines.cluster.placement import Placement, RoleDemand, place
@@ -228,9 +228,11 @@ def _raise_a_death_among(pending: list[Any], error: RayTaskError) -> None:
         for ref in done:
             try:
                 ray.get(ref)
+            except ActorUnavailableError:  # a rank Ray cannot reach for now: not a death
+                pass
             except RayActorError as death:
                 raise death from error
-            except RayTaskError:
+            except RayError:  # another rank's own failure: the first error stays the one raised
                 pass
 
 

@@ -372,14 +372,13 @@ class DecoderLM:
         group = self.num_heads // self.num_kv_heads
         route = self._route_prefill(lengths, [0] * len(pieces), owners, width)
         scale = self.head_dim**-0.5
-        causal = torch.arange(1, width + 1, device=self.device).expand(len(pieces), width) if self.exact else None
         x = self._embed(ids, [(b, im.pads_in(0, n)) for b, (n, im) in enumerate(zip(lengths, images, strict=True))
                               if im is not None])
         for i in range(len(self.body.layers)):
             def attend(q, k, v, i=i):
                 cache.write(i, index[2], index[3], k[index[0], :, index[1]], v[index[0], :, index[1]])
                 if self.exact:  # each query against its own prefix (padding queries: their own, never read)
-                    return invariant.attention(q, k, v, causal, scale)
+                    return invariant.attention(q, k, v, None, scale)
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
                 with sdpa_backends(q.device, flash=True):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -462,7 +461,8 @@ class DecoderLM:
         """One token for rows 0..R-1 (R = len(tokens)) of the page table: row b's token at positions[b], its
         key/value stored in the row's pages, attention over the row's first positions[b] + 1 tokens (within
         its first `pages` pages); the next-token logits go to out[:R] (model dtype). Nothing here waits for
-        the device, so a CUDA graph can capture it for a fixed (R, pages). Idle rows decode token 0 at
+        the device (except under rollout.true_on_policy, which decodes without graphs: its attention reads the
+        longest row's length), so a CUDA graph can capture it for a fixed (R, pages). Idle rows decode token 0 at
         position 0 of the scratch page. `offsets[b]` (M-RoPE models): row b's rotary position is positions[b] +
         offsets[b] (its sequence's delta; its cache position stays positions[b])."""
         rows = tokens.shape[0]

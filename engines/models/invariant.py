@@ -36,13 +36,15 @@ ROWS = 64  # rows of every GEMM `linear` runs
 KEY_BLOCK = 64  # keys per attention block
 CHUNK_ELEMENTS = 1 << 25  # attention's largest fp32 temporary ([.., queries, KEY_BLOCK, D]): 128 MiB
 CHUNK_ELEMENTS_CUDA = 1 << 28  # 1 GiB on a GPU: fewer, larger launches (a decode step or a trainer's queries)
-ALIGN = 256  # bytes: a weight at another address is copied (`linear`)
+ALIGN = {"cpu": 64, "cuda": 256}  # bytes: a weight at another address is copied for the product (`linear`)
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
     """The sum over `dim` as a fixed tree of elementwise adds: the first half plus the second, the odd element
     carried, until one is left. Its order depends on the length of `dim` only."""
     dim %= x.ndim
+    if x.shape[dim] == 0:
+        return x.sum(dim, keepdim=keepdim)
     while (n := x.shape[dim]) > 1:
         half = n // 2
         summed = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
@@ -53,8 +55,6 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight.T (+ bias), each row's bits independent of the other rows (GEMMs of ROWS rows only)."""
     rows = x.reshape(-1, x.shape[-1])
-    if weight.data_ptr() % ALIGN or not weight.is_contiguous():
-        weight = weight.clone(memory_format=torch.contiguous_format)
     out = _ChunkedLinear.apply(rows, weight)
     if bias is not None:
         out = out + bias
@@ -62,17 +62,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class _ChunkedLinear(torch.autograd.Function):
-    """rows [M, K] @ weight.T as [ROWS, K] products, each chunk copied into fresh zeroed memory (one shape, one
-    alignment). The backward is plain GEMMs."""
+    """rows [M, K] @ weight.T as [ROWS, K] products at aligned addresses (one shape, one alignment: a weight
+    elsewhere, a view into a flat buffer, is copied for the product only). The backward is plain GEMMs."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(rows, weight)
+        align = ALIGN.get(rows.device.type, 256)
+        if weight.data_ptr() % align or not weight.is_contiguous():
+            weight = weight.clone(memory_format=torch.contiguous_format)
         (m, k), n, size = rows.shape, weight.shape[0], rows.element_size()
         padded = rows.new_zeros(-(-m // ROWS) * ROWS, k)
         padded[:m] = rows
         out = rows.new_empty(padded.shape[0], n)
-        aligned = (k * size) % ALIGN == 0 and (n * size) % ALIGN == 0  # every chunk's operands start aligned
+        aligned = (k * size) % align == 0 and (n * size) % align == 0  # every chunk's operands start aligned
         w = weight.t()
         for a in range(0, padded.shape[0], ROWS):
             if aligned:
@@ -132,12 +135,15 @@ def experts(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate
     return tree_sum(weighted, 1).to(hidden.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float
               ) -> torch.Tensor:
     """q [B, H, n, D] against k/v [B, KV, L, D] (KV divides H: grouped-query heads), query (b, i) seeing keys
-    0..visible[b, i] - 1 of row b (visible [B, n], at least 1); returns [B, H, n, D] in q's dtype, each query's
-    bits a function of its own prefix only. Differentiable: the backward is SDPA's under the same mask."""
-    return _ExactAttention.apply(q, k, v, visible.clamp(min=1), scale)
+    0..visible[b, i] - 1 of row b (visible [B, n], at least 1; None: causal, query i sees keys 0..i, n == L);
+    returns [B, H, n, D] in q's dtype, each query's bits a function of its own prefix only. Differentiable: the
+    backward is SDPA's under the same mask (causal: `is_causal`, no mask tensor)."""
+    if visible is not None:
+        visible = visible.clamp(min=1)
+    return _ExactAttention.apply(q, k, v, visible, scale)
 
 
 class _ExactAttention(torch.autograd.Function):
@@ -150,7 +156,14 @@ class _ExactAttention(torch.autograd.Function):
         step = max(1, (CHUNK_ELEMENTS_CUDA if q.is_cuda else CHUNK_ELEMENTS) // per_query)
         out = torch.empty_like(q)
         for a in range(0, n, step):
-            out[:, :, a:a + step] = _attention_chunk(q[:, :, a:a + step], k, v, visible[:, a:a + step], scale)
+            b = min(a + step, n)
+            if visible is None:  # causal: queries a..b-1 see keys 0..b-1 at most (no device read)
+                seen = torch.arange(a + 1, b + 1, device=q.device).expand(batch, b - a)
+                blocks = -(-b // KEY_BLOCK)
+            else:
+                seen = visible[:, a:b]
+                blocks = -(-int(seen.max()) // KEY_BLOCK)
+            out[:, :, a:b] = _attention_chunk(q[:, :, a:b], k, v, seen, scale, blocks)
         return out
 
     @staticmethod
@@ -159,23 +172,26 @@ class _ExactAttention(torch.autograd.Function):
         needs = ctx.needs_input_grad[:3]
         with torch.enable_grad():
             q, k, v = (t.detach().requires_grad_(need) for t, need in zip((q, k, v), needs, strict=True))
-            mask = torch.arange(k.shape[2], device=q.device) < visible[..., None]  # [B, n, L]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=ctx.scale,
-                                                 enable_gqa=True)
+            if visible is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=ctx.scale, enable_gqa=True)
+            else:
+                mask = torch.arange(k.shape[2], device=q.device) < visible[..., None]  # [B, n, L]
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=ctx.scale,
+                                                     enable_gqa=True)
             grads = iter(torch.autograd.grad(out, [t for t in (q, k, v) if t.requires_grad], grad))
         return (*(next(grads) if need else None for need in needs), None, None)
 
 
-def _attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
-                     ) -> torch.Tensor:
-    """`attention` for a few queries: key blocks folded in order with an online softmax, in fp32."""
+def _attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+                     blocks: int) -> torch.Tensor:
+    """`attention` for a few queries: key blocks 0..blocks-1 (enough for the longest prefix) folded in order with
+    an online softmax, in fp32."""
     batch, heads, n, d = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     qf = q.float().reshape(batch, kv_heads, heads // kv_heads, n, 1, d)
     seen_by = visible[:, None, None, :, None]  # [B, 1, 1, n, 1]
     row_keys = visible.amax(1)[:, None, None]  # [B, 1, 1]: a row's keys past this are never seen (may be garbage)
     offsets = torch.arange(KEY_BLOCK, device=q.device)
-    blocks = -(-int(visible.max()) // KEY_BLOCK)
     top = total = acc = None
     for j in range(blocks):
         lo = j * KEY_BLOCK

@@ -42,7 +42,7 @@ from rlflow.engines.models.vision_language import is_vision_language, mrope_posi
 
 ATTENTION = "rlflow_packed"
 ATTENTION_CUDNN = "rlflow_packed_cudnn"  # train.attention_kernel cudnn: a one-sample stream through cuDNN's SDPA
-ATTENTION_EXACT = "rlflow_packed_exact"  # rollout.true_on_policy: invariant.attention over each sample
+ATTENTION_EXACT = "rlflow_packed_exact"  # rollout.true_on_policy: invariant.attention, sample by sample
 
 try:  # torch >= 2.9 on CUDA: flash attention over cumulative sequence lengths, no padding, no mask
     from torch.nn.attention.varlen import varlen_attn
@@ -246,23 +246,17 @@ def _varlen(q, k, v, cu_seqlens, max_len, scale):
 
 def _exact_packed_attention(module, query, key, value, attention_mask, scaling=None,
                             packed: PackedRows | None = None, **_kwargs):
-    """rollout.true_on_policy's attention call: the samples back in right-padded rows, each query through
-    invariant.attention against its own prefix, the op the rollout engine's prefill and decode run for the same
-    position."""
+    """rollout.true_on_policy's attention call: each sample of the stream on its own through invariant.attention
+    (causal over its own tokens, no padding to the longest), the op the rollout engine's prefill and decode run
+    for the same position."""
     if packed is None:
         raise RuntimeError(f"attn_implementation {ATTENTION_EXACT!r} needs the packed layout (call it through "
                            "PackedLM)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    rows, cols, samples = packed.rows, packed.cols, len(packed.cu_seqlens) - 1
-
-    def padded(x):  # [1, heads, T, D] -> [samples, heads, max_len, D]
-        out = x.new_zeros(samples, x.shape[1], packed.max_len, x.shape[3])
-        out[rows, :, cols] = x[0].transpose(0, 1)
-        return out
-
-    causal = torch.arange(1, packed.max_len + 1, device=query.device).expand(samples, packed.max_len)
-    out = invariant.attention(padded(query), padded(key), padded(value), causal, scale)
-    return out[rows, :, cols].unsqueeze(0), None
+    bounds = packed.cu_seqlens.tolist()
+    out = [invariant.attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, scale)
+           for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+    return torch.cat(out, dim=2).transpose(1, 2), None
 
 
 AttentionInterface.register(ATTENTION, _packed_attention)
