@@ -95,6 +95,24 @@ def test_compiled_layers_equal_eager_and_compile_once_for_every_layer_and_length
     assert torch._dynamo.utils.counters["frames"]["total"] == 1, dict(torch._dynamo.utils.counters["frames"])
 
 
+def test_the_cudnn_kernels_one_sample_call_lays_out_heads_and_tokens_as_the_varlen_path():
+    """train.attention_kernel cudnn's call (_cudnn_one_sample: [T, H, D] to SDPA's [1, H, T, D] and back, grouped
+    heads repeated), run here on the CPU's flash kernel (the backends it asks for, in order): the varlen path's
+    output for one causal sample, with its gradients. The cuDNN kernel itself needs a GPU."""
+    from rlflow.engines.models.packed import _cudnn_one_sample, causal_varlen_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(37, 4, 16), torch.randn(37, 2, 16), torch.randn(37, 2, 16)
+    ours = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = _cudnn_one_sample(*ours, 0.25)
+    want = causal_varlen_attention(*ref, torch.tensor([0, 37], dtype=torch.int32), 37, 0.25)
+    assert out.shape == (37, 4, 16) and torch.allclose(out, want, atol=1e-6)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    assert all(torch.allclose(a.grad, b.grad, atol=1e-5) for a, b in zip(ours, ref, strict=True))
+
+
 def test_packed_values_equal_padded(gqa_model_dir):
     ref, critic = load_value_model(gqa_model_dir), load_value_model(gqa_model_dir)
     head = torch.randn_like(ref.score.weight)  # a head that is not zero, so the comparison means something
