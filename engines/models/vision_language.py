@@ -130,12 +130,18 @@ class VisionProcessor:
     def __init__(self, path: str | Path, tokenizer=None):
         self.path = str(path)
         config = json.loads((Path(path) / "config.json").read_text())
-        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(self.path)
+        self._tokenizer = tokenizer  # loaded on first use: a train worker only turns pictures into pixels
         self.image_processor = AutoImageProcessor.from_pretrained(self.path)
         self.merge = int(self.image_processor.merge_size)
         self.image_token_id = int(config["image_token_id"])
         self._grids: dict[str, list[int]] = {}  # image digest -> its patch grid (grids_of)
         self.vision_start_id = int(config["vision_start_token_id"])
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+        return self._tokenizer
 
     def tokens_per_image(self, grid_thw: Sequence[int]) -> int:
         t, h, w = (int(x) for x in grid_thw)
