@@ -97,6 +97,30 @@ def test_attention_of_a_query_is_the_same_alone_in_a_batch_and_in_a_prefill():
             assert torch.allclose(mine.grad, theirs.grad, atol=1e-4)
 
 
+def test_the_trainers_exact_attention_groups_samples_without_changing_a_bit(monkeypatch):
+    """The trainer's exact attention pads samples in groups of similar length (packed.py): each token's output
+    equals the sample run alone through invariant.attention, bit for bit, whatever group it landed in (an empty
+    row included); a 200-token sample does not pad 31 short ones to its length."""
+    from rlflow.engines.models.packed import EXACT_GROUP_TOKENS, PackedRows, _exact_packed_attention, _length_groups
+
+    lengths = [200, *[9] * 31, 0, 150, 190]
+    assert _length_groups(lengths, 4096) == [[0, 34, 33], list(range(1, 32))]  # the long ones, then the short
+    assert _length_groups([100, 10, 90], 4096) == [[0, 2], [1]]
+    assert _length_groups([100, 10, 90], 150) == [[0], [2], [1]]  # the token cap (a sample alone may pass it)
+    monkeypatch.setitem(EXACT_GROUP_TOKENS, "cpu", 4096)  # groups on the CPU too (a GPU's setting)
+    mask = (torch.arange(200)[None] < torch.tensor(lengths)[:, None]).long()
+    packed = PackedRows.from_padded(torch.zeros_like(mask), mask)
+    torch.manual_seed(0)
+    total = sum(lengths)
+    q, k, v = torch.randn(1, 4, total, 16), torch.randn(1, 2, total, 16), torch.randn(1, 2, total, 16)
+    out, _ = _exact_packed_attention(None, q, k, v, None, scaling=0.25, packed=packed)  # [1, T, H, D]
+    bounds = packed.cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        if b > a:
+            alone = invariant.attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, 0.25)
+            assert torch.equal(out[0, a:b], alone[0].transpose(0, 1))
+
+
 def test_norm_and_logsumexp_of_a_row_are_the_same_alone_and_in_a_batch():
     """invariant.rms_norm and logsumexp: fixed-tree sums, so a row's bits do not depend on its batch; the values
     are torch's within rounding."""

@@ -244,19 +244,54 @@ def _varlen(q, k, v, cu_seqlens, max_len, scale):
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
 
 
+EXACT_PAD_SLACK = 1.25  # rollout.true_on_policy: padded tokens of a group of samples at most this x its real ones
+# ... and at most this many in all: on a GPU one call for many samples (a call per sample would be launch-bound);
+# on a CPU a sample at a time (a small call's temporaries stay in cache, a large one's do not)
+EXACT_GROUP_TOKENS = {"cuda": 1 << 16, "cpu": 0}
+
+
 def _exact_packed_attention(module, query, key, value, attention_mask, scaling=None,
                             packed: PackedRows | None = None, **_kwargs):
-    """rollout.true_on_policy's attention call: each sample of the stream on its own through invariant.attention
-    (causal over its own tokens, no padding to the longest), the op the rollout engine's prefill and decode run
-    for the same position."""
+    """rollout.true_on_policy's attention call: the samples in groups of similar length, each group right-padded
+    to its longest and run through invariant.attention (causal), the op the rollout engine's prefill and decode run
+    for the same position. A query's bits depend on its own prefix only, so the grouping changes nothing but the
+    work: one call per sample would be a launch-bound loop of thousands, one padded batch of all samples would pay
+    for the longest one in every row."""
     if packed is None:
         raise RuntimeError(f"attn_implementation {ATTENTION_EXACT!r} needs the packed layout (call it through "
                            "PackedLM)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     bounds = packed.cu_seqlens.tolist()
-    out = [invariant.attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, scale)
-           for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
-    return torch.cat(out, dim=2).transpose(1, 2), None
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    outputs: dict[int, torch.Tensor] = {}
+    for group in _length_groups(lengths, EXACT_GROUP_TOKENS.get(query.device.type, 0)):
+        width = lengths[group[0]]
+
+        def padded(x: torch.Tensor, group=group, width=width) -> torch.Tensor:  # [1, h, T, D] -> [n, h, width, D]
+            if len(group) == 1:
+                return x[:, :, bounds[group[0]]:bounds[group[0] + 1]]
+            return torch.stack([F.pad(x[0, :, bounds[i]:bounds[i + 1]], (0, 0, 0, width - lengths[i])) for i in group])
+
+        out = invariant.attention(padded(query), padded(key), padded(value), None, scale)
+        outputs |= {i: out[r, :, :lengths[i]] for r, i in enumerate(group)}
+    return torch.cat([outputs[i] for i in sorted(outputs)], dim=1).transpose(0, 1).unsqueeze(0), None
+
+
+def _length_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Sample indices, longest first, in groups whose padding to their first (longest) sample keeps the padded
+    tokens within EXACT_PAD_SLACK x the real ones and within `max_tokens` (a sample alone may exceed it); empty
+    samples are left out."""
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted((i for i, n in enumerate(lengths) if n), key=lambda i: -lengths[i]):
+        padded = (len(groups[-1]) + 1) * lengths[groups[-1][0]] if groups else 0
+        if groups and padded <= max_tokens and padded <= EXACT_PAD_SLACK * (real + lengths[i]):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
 
 
 AttentionInterface.register(ATTENTION, _packed_attention)
