@@ -78,6 +78,8 @@ VARIANTS = {
     "rlflow-16k-liger": {"micro_batch_tokens": 16384, "kernels": "liger"},
     "rlflow-16k-ckpt-liger": {"micro_batch_tokens": 16384, "activation_checkpointing": "full", "kernels": "liger"},
     "rlflow-16k-compile": {"micro_batch_tokens": 16384, "compile": True},
+    # MoE: the gathered bf16 weights kept from a micro-batch's forward to its backward (no second gather and cast)
+    "rlflow-16k-compile-noreshard": {"micro_batch_tokens": 16384, "compile": True, "reshard_after_forward": False},
     "rlflow-16k-ckpt-compile": {"micro_batch_tokens": 16384, "activation_checkpointing": "full", "compile": True},
     "rlflow-32k-ckpt-compile": {"micro_batch_tokens": 32768, "activation_checkpointing": "full", "compile": True},
     # train.lora (issue 23): rank-16 adapters on every linear of the frozen bf16 base, side by side with full FT
