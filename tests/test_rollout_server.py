@@ -409,6 +409,13 @@ def test_openai_client_completions_and_chat(server):
     whole = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "321"}], max_tokens=4,
                                            temperature=0, extra_body={"ignore_eos": True})
     assert text == whole.choices[0].message.content and pieces[-1].choices[0].finish_reason == "length"
+    parts = client.chat.completions.create(  # text content parts: joined, the same prompt as the string
+        model=model, messages=[{"role": "user", "content": [{"type": "text", "text": "321"}]}], max_tokens=4,
+        temperature=0, extra_body={"ignore_eos": True})
+    assert parts.choices[0].message.content == whole.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="not a vision-language model"):
+        client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])
 
 
 def test_session_starts_one_server_per_rollout_worker(recipe, tmp_path):

@@ -246,6 +246,29 @@ def test_generate_over_http_with_image_data(backend, processor, tmp_path):
         assert r.status_code == 400 and "image_data[0]" in r.json()["error"]["message"]
 
 
+def test_chat_completions_take_image_parts(backend, processor):
+    """/v1/chat/completions with OpenAI's image_url content parts (data URIs) runs the prompt /generate runs for the
+    same picture and text: the same expanded prompt ids and tokens; a URL to fetch or an unknown part is a 400
+    naming the part."""
+    image = png(84, 84, (160, 40, 40))
+    want = backend.generate([prompt_ids(processor, [image])], SamplingParams(max_new_tokens=5, temperature=1.0,
+                                                                             ignore_eos=True), seed=13,
+                            image_data=[[image]])[0]
+    content = [{"type": "image_url", "image_url": {"url": data_uri(image)}}, {"type": "text", "text": "count"}]
+    body = {"max_tokens": 5, "temperature": 1.0, "seed": 13, "ignore_eos": True, "return_token_ids": True}
+    with httpx.Client(base_url=backend.start_server(), timeout=120) as http:
+        r = http.post("/v1/chat/completions", json=body | {"messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["prompt_token_ids"] == want.prompt_ids and choice["token_ids"] == want.output_ids
+        assert want.prompt_ids.count(processor.image_token_id) > 1  # expanded from the template's one pad
+        for part, where in (({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+                             "messages[0].content[0].image_url.url"),
+                            ({"type": "input_audio"}, "messages[0].content[0]")):
+            r = http.post("/v1/chat/completions", json=body | {"messages": [{"role": "user", "content": [part]}]})
+            assert r.status_code == 400 and where in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("with_tokenizer", [False, True])
 def test_single_turn_sends_the_prompts_images(backend, processor, with_tokenizer):
     """The default rollout function sends PromptSample.image_data with each of its n requests (one batched

@@ -4,11 +4,13 @@ fields (top_k, min_p, stop_token_ids, ignore_eos) may come in the body (the clie
 A LoRA adapter is chosen as SGLang chooses it, by `"model": "<base>:<adapter name>"` (engines/rollout/lora_routes.py).
 Token in, token out for agent harnesses (docs/agents.md): `"return_token_ids": true` adds each choice's
 `prompt_token_ids` and `token_ids` (the engine's ids, never re-encoded text), as SGLang's OpenAI server does, and
-/v1/completions takes `prompt` as token ids (a list of ints, or a list of such lists).
+/v1/completions takes `prompt` as token ids (a list of ints, or a list of such lists). Chat messages may carry
+OpenAI's image_url content parts (data URIs) for a vision-language model (`chat_messages`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -123,16 +125,18 @@ def add_openai_routes(app: FastAPI, backend, client: EngineClient) -> None:
         body = await read_json(request)
         _check(body, CHAT_FIELDS, "/v1/chat/completions")
         check_adapter(backend, requested_adapter(body.get("model"), model_name), 1, "model")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages: expected a non-empty list of {role, content} objects")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
-                raise BadRequest(f"messages[{i}]: expected {{'role': str, 'content': str}}")
+        messages, images = chat_messages(body.get("messages"))
         want_ids = _token_ids(body, "/v1/chat/completions")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         params, seed = _params(body, max_tokens)
-        requests = client.requests([client.chat_prompt(messages)], params, seed)
+        if images and getattr(client.backend, "vision", None) is None:
+            raise BadRequest(f"messages: {len(images)} image part(s) for {model_name}, which is not a vision-language "
+                             "model (Qwen2-VL, Qwen2.5-VL)")
+        if images:  # decoding and processing pictures must not hold the event loop (as /generate's)
+            requests = await asyncio.to_thread(client.requests, [client.chat_prompt(messages)], params, seed, None,
+                                               [images])
+        else:
+            requests = client.requests([client.chat_prompt(messages)], params, seed)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.get("stream"):
             return StreamingResponse(_stream(client, requests, cid, created, model_name, chat=True, ids=want_ids),
@@ -151,6 +155,53 @@ def add_openai_routes(app: FastAPI, backend, client: EngineClient) -> None:
                 "logprobs": logprobs}, g, want_ids))
         return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": choices, "usage": _usage(gens)}
+
+
+def chat_messages(messages: Any) -> tuple[list[dict], list[str]]:
+    """OpenAI chat messages as the tokenizer's chat template takes them, and their images in order. A message's
+    content is a string or a list of parts: {"type": "text", "text"} and {"type": "image_url", "image_url": {"url":
+    "data:image/...;base64,..."}} (or the url as a string). With images, parts become the template's {"type":
+    "image"} / {"type": "text"} parts (a vision-language model's template places one image pad per picture; the
+    engine expands it). Without, a message's text parts are joined by newlines into one string, as text-only
+    templates expect. Only data URIs: this server fetches nothing from the network."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages: expected a non-empty list of {role, content} objects")
+    images: list[str] = []
+    parts_of: list[list[dict] | None] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}]: expected {{'role': str, 'content': str or a list of parts}}")
+        content = m.get("content")
+        if isinstance(content, str):
+            parts_of.append(None)
+            continue
+        if not isinstance(content, list):
+            raise BadRequest(f"messages[{i}].content: expected a string or a list of text / image_url parts")
+        parts = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url.startswith("data:"):
+                    raise BadRequest(f"{where}.image_url.url: expected a data URI (data:image/png;base64,...); this "
+                                     "server fetches no URLs")
+                images.append(url)
+                parts.append({"type": "image"})
+            else:
+                raise BadRequest(f"{where}: expected {{'type': 'text', 'text': str}} or {{'type': 'image_url', "
+                                 "'image_url': {'url': data URI}}")
+        parts_of.append(parts)
+    out = []
+    for m, parts in zip(messages, parts_of, strict=True):
+        if parts is None:
+            out.append({**m, "content": [{"type": "text", "text": m["content"]}]} if images else m)
+        else:
+            out.append({**m, "content": parts if images else "\n".join(p["text"] for p in parts)})
+    return out, images
 
 
 def _completion_prompts(client: EngineClient, prompt: Any) -> list[list[int]]:
