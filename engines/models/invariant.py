@@ -14,7 +14,8 @@ with another exp than its vectorised body. Two rules make every op here independ
     alignment, so a weight inside a flat buffer (FSDP2's gathered parameters) is copied to aligned memory first.
   - **Every other sum is a fixed tree of elementwise adds** (`tree_sum`: halves added, the odd element carried),
     whose order depends on the summed length alone. Elementwise ops round each element by itself, on any
-    device. RMSNorm's mean, the log-softmax's logsumexp and attention's two sums go through it.
+    device. RMSNorm's mean, the log-softmax's logsumexp, a MoE router's softmax and top-k renormalisation, a
+    token's sum over its experts and attention's two sums go through it.
 `attention` splits keys into blocks at fixed positions 0, KEY_BLOCK, 2 KEY_BLOCK, ... of the sequence: a query
 sums each block with `tree_sum` (its scores over D, its output over the block's keys) and folds the blocks in
 order with an online softmax, so a query's bits depend on its own prefix only: alone in a decode step, in a
