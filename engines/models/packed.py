@@ -265,16 +265,20 @@ def _exact_packed_attention(module, query, key, value, attention_mask, scaling=N
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     outputs: dict[int, torch.Tensor] = {}
     for group in _length_groups(lengths, EXACT_GROUP_TOKENS.get(query.device.type, 0)):
-        width = lengths[group[0]]
-
-        def padded(x: torch.Tensor, group=group, width=width) -> torch.Tensor:  # [1, h, T, D] -> [n, h, width, D]
-            if len(group) == 1:
-                return x[:, :, bounds[group[0]]:bounds[group[0] + 1]]
-            return torch.stack([F.pad(x[0, :, bounds[i]:bounds[i + 1]], (0, 0, 0, width - lengths[i])) for i in group])
-
-        out = invariant.attention(padded(query), padded(key), padded(value), None, scale)
+        q, k, v = (_padded_group(x, bounds, group) for x in (query, key, value))
+        out = invariant.attention(q, k, v, None, scale)
         outputs |= {i: out[r, :, :lengths[i]] for r, i in enumerate(group)}
     return torch.cat([outputs[i] for i in sorted(outputs)], dim=1).transpose(0, 1).unsqueeze(0), None
+
+
+def _padded_group(x: torch.Tensor, bounds: list[int], group: list[int]) -> torch.Tensor:
+    """The group's samples of a packed [1, heads, T, D] as right-padded rows [len(group), heads, longest, D] (the
+    first sample is the longest; a sample alone is a view of the stream)."""
+    if len(group) == 1:
+        return x[:, :, bounds[group[0]]:bounds[group[0] + 1]]
+    width = bounds[group[0] + 1] - bounds[group[0]]
+    return torch.stack([F.pad(x[0, :, bounds[i]:bounds[i + 1]], (0, 0, 0, width - (bounds[i + 1] - bounds[i])))
+                        for i in group])
 
 
 def _length_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:

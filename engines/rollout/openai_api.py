@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from rlflow.engines.models.vision_language import messages_with_images
 from rlflow.engines.rollout.http_api import BadRequest, EngineClient, finite, read_json, sampling_params, sse
 from rlflow.engines.rollout.lora_routes import check_adapter
 
@@ -195,13 +196,11 @@ def chat_messages(messages: Any) -> tuple[list[dict], list[str]]:
                 raise BadRequest(f"{where}: expected {{'type': 'text', 'text': str}} or {{'type': 'image_url', "
                                  "'image_url': {'url': data URI}}")
         parts_of.append(parts)
-    out = []
-    for m, parts in zip(messages, parts_of, strict=True):
-        if parts is None:
-            out.append({**m, "content": [{"type": "text", "text": m["content"]}]} if images else m)
-        else:
-            out.append({**m, "content": parts if images else "\n".join(p["text"] for p in parts)})
-    return out, images
+    if images:  # the content-parts form (string contents as one text part), as data rows' messages are placed
+        placed = [m if parts is None else {**m, "content": parts} for m, parts in zip(messages, parts_of, strict=True)]
+        return messages_with_images(placed, len(images), "messages"), images
+    return [m if parts is None else {**m, "content": "\n".join(p["text"] for p in parts)}
+            for m, parts in zip(messages, parts_of, strict=True)], images
 
 
 def _completion_prompts(client: EngineClient, prompt: Any) -> list[list[int]]:
