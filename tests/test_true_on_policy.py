@@ -136,6 +136,25 @@ def test_norm_and_logsumexp_of_a_row_are_the_same_alone_and_in_a_batch():
     assert invariant.tree_sum(torch.arange(7.0)) == 21.0
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_exact_decode_step_is_capturable_for_dense_models_only(tmp_path, arch):
+    """Under the mode a dense model's decode step reads nothing on the host (its attention folds every key block
+    it is given), so a GPU captures it as a CUDA graph; a MoE model's experts loop reads the routing, so it is not
+    captured. And the attention gives the same bits whether the blocks past every row's length are there or not."""
+    from rlflow.engines.models.decoder import DecoderLM
+    from rlflow.engines.models.hf import load_model
+
+    lm = DecoderLM(load_model(_arch_model(tmp_path, arch)).eval())
+    lm.true_on_policy()
+    assert lm.graph_safe is (arch == "qwen2")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, h, n, 16, generator=g) for h, n in ((4, 1), (2, 200), (2, 200)))
+    seen = torch.tensor([[5], [64], [130]])
+    short = invariant.attention(q, k[:, :, :130], v[:, :, :130], seen, 0.25)
+    k[:, :, 130:], v[:, :, 130:] = float("nan"), float("nan")
+    assert torch.equal(invariant.attention(q, k, v, seen, 0.25), short)
+
+
 def _samples(gens) -> RolloutBatch:
     """The engine's generations as a RolloutBatch (one group each), persisted to parquet and read back."""
     prompts = [SimpleNamespace(prompt="", label=None, prompt_ids=g.prompt_ids) for g in gens]

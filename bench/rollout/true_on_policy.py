@@ -66,6 +66,43 @@ def op_checks(dev: str, dtype: torch.dtype, hidden: int = 1536, vocab: int = 151
     return checks
 
 
+def op_timings(dev: str, dtype: torch.dtype, batch: int, length: int, hidden: int = 1536, ffn: int = 8960,
+               vocab: int = 151936, heads: int = 12, kv_heads: int = 2, d: int = 128) -> dict:
+    """Milliseconds of each invariant op beside the default op it replaces, at the shapes of one decode step
+    (`batch` rows, `length` keys) and of one trainer micro-batch (16,384 tokens in samples of `length`): where the
+    mode's cost goes."""
+    import torch.nn.functional as F
+
+    from rlflow.engines.models import invariant
+
+    def ms(fn) -> float:
+        return 1e3 * min(harness.timed(fn, 3, warmup=1, on=dev))
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=dev, dtype=dtype)
+
+    w, head, norm_w = rand(ffn, hidden), rand(vocab, hidden), rand(hidden)
+    tokens, samples = 16384, max(1, 16384 // length)
+    out = {}
+    for name, rows in (("decode", batch), ("train", tokens)):
+        x = rand(rows, hidden)
+        out[f"{name}_linear_{hidden}x{ffn}"] = (ms(lambda x=x: invariant.linear(x, w)), ms(lambda x=x: F.linear(x, w)))
+        out[f"{name}_rms_norm"] = (ms(lambda x=x: invariant.rms_norm(x, norm_w, 1e-6)),
+                                   ms(lambda x=x: F.rms_norm(x, (hidden,), norm_w, 1e-6)))
+    x = rand(batch, hidden)
+    out["decode_lm_head"] = (ms(lambda: invariant.linear(x, head)), ms(lambda: F.linear(x, head)))
+    z = rand(batch, vocab).float()
+    out["decode_logsumexp"] = (ms(lambda: invariant.logsumexp(z)), ms(lambda: torch.logsumexp(z, -1)))
+    q, k, v = rand(batch, heads, 1, d), rand(batch, kv_heads, length, d), rand(batch, kv_heads, length, d)
+    seen = torch.full((batch, 1), length, device=dev)
+    out["decode_attention"] = (ms(lambda: invariant.attention(q, k, v, seen, d ** -0.5)),
+                               ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)))
+    q, k, v = rand(samples, heads, length, d), rand(samples, kv_heads, length, d), rand(samples, kv_heads, length, d)
+    out["train_attention"] = (ms(lambda: invariant.attention(q, k, v, None, d ** -0.5)),
+                              ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)))
+    return {name: {"invariant_ms": a, "default_ms": b, "ratio": a / b} for name, (a, b) in out.items()}
+
+
 def measure(model: Path, exact: bool, batch: int, new_tokens: int, dev: str, threads: int) -> dict:
     """Decode tokens/s, train-step tokens/s and the max |train - rollout| log-prob difference of one mode."""
     dtype, precision = (torch.bfloat16, "bf16") if dev == "cuda" else (torch.float32, "fp32")
@@ -79,6 +116,7 @@ def measure(model: Path, exact: bool, batch: int, new_tokens: int, dev: str, thr
             t0 = time.perf_counter()
             gens = rollout.generate(prompts, params, seed=1)
             decode_s = min(decode_s, time.perf_counter() - t0)
+            harness.say(f"true_on_policy={exact}: generate {time.perf_counter() - t0:.2f} s")
     finally:
         rollout.close()
         del rollout
@@ -94,7 +132,10 @@ def measure(model: Path, exact: bool, batch: int, new_tokens: int, dev: str, thr
                               AlgorithmConfig(kl_coef=0.0), true_on_policy=exact)
     data = {"input_ids": ids, "attention_mask": mask, "loss_mask": loss, "old_logprobs": old,
             "advantages": torch.randn(batch)}
+    t0 = time.perf_counter()
     metrics = train.train_step(data)  # the rollout's weights: its log-prob difference is the mode's
+    harness.say(f"true_on_policy={exact}: first train step {time.perf_counter() - t0:.2f} s, "
+                f"max |train - rollout| {metrics['rollout_logprob_diff_max']}")
     t0 = time.perf_counter()
     train.train_step(data)  # warm (optimizer state made, kernels loaded): the one timed
     harness.sync(dev)
@@ -112,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--out", default="true_on_policy.json")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the engine and the trainer")
+    parser.add_argument("--modes", default="default,exact", help="default, exact (rollout.true_on_policy) or both")
+    parser.add_argument("--op-timings", action="store_true", help="also time each invariant op beside the default")
     harness.add_smoke(parser)
     args = parser.parse_args(argv)
     dev = "cpu" if args.smoke else harness.device()
@@ -121,13 +164,24 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     results["op_checks"] = op_checks(dev, dtype, *((64, 512) if args.smoke else (1536, 151936)))
     harness.say(f"row-invariance of each op ({dev}, {dtype}): {results['op_checks']}")
+    if args.op_timings:
+        results["op_timings"] = op_timings(dev, dtype, batch, 3 + new, *((64, 128, 512, 4, 2, 16) if args.smoke
+                                                                         else ()))
+        for name, row in results["op_timings"].items():
+            harness.say(f"{name}: {row}")
+        harness.write_json(args.out, results)
+    modes = [m.strip() for m in args.modes.split(",")]
+    if not modes or any(m not in ("default", "exact") for m in modes):
+        parser.error(f"--modes {args.modes!r}: expected default, exact or default,exact")
     with tempfile.TemporaryDirectory(prefix="rlflow-top-") as tmp:
         model = build_model(size, Path(tmp) / size, "cpu")
-        for exact in (False, True):
+        for exact in (m == "exact" for m in modes):
             row = measure(model, exact, batch, new, dev, args.threads)
             results["modes"].append(row)
             harness.say(str(row))
             harness.write_json(args.out, results)
+    if len(results["modes"]) != 2:
+        return 0
     base, top = results["modes"]
     results["decode_ratio"] = top["decode_tokens_per_s"] / base["decode_tokens_per_s"]
     results["train_ratio"] = top["train_tokens_per_s"] / base["train_tokens_per_s"]

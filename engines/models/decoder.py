@@ -244,7 +244,9 @@ class DecoderLM:
     def graph_safe(self) -> bool:
         """Whether a decode step can be captured as a CUDA graph: every MoE layer's experts must run on torch's
         grouped kernel (bf16 on CUDA, aligned rows), whose per-expert offsets stay on the device; the reference
-        loop over the experts reads them on the host."""
+        loop over the experts, and true on-policy's (invariant.experts), read them on the host."""
+        if self.exact and any(_is_moe_block(layer.mlp) for layer in self.body.layers):
+            return False
         probe = torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         return all(kernel_applies(probe, e.gate_up_proj.transpose(1, 2)) and kernel_applies(
             probe, e.down_proj.transpose(1, 2)) for e in (layer.mlp.experts for layer in self.body.layers
@@ -461,8 +463,8 @@ class DecoderLM:
         """One token for rows 0..R-1 (R = len(tokens)) of the page table: row b's token at positions[b], its
         key/value stored in the row's pages, attention over the row's first positions[b] + 1 tokens (within
         its first `pages` pages); the next-token logits go to out[:R] (model dtype). Nothing here waits for
-        the device (except under rollout.true_on_policy, which decodes without graphs: its attention reads the
-        longest row's length), so a CUDA graph can capture it for a fixed (R, pages). Idle rows decode token 0 at
+        the device (under rollout.true_on_policy too, a MoE model's experts excepted), so a CUDA graph can capture it
+        for a fixed (R, pages). Idle rows decode token 0 at
         position 0 of the scratch page. `offsets[b]` (M-RoPE models): row b's rotary position is positions[b] +
         offsets[b] (its sequence's delta; its cache position stays positions[b])."""
         rows = tokens.shape[0]
@@ -524,7 +526,8 @@ class DecodeRunner:
         self.lm, self.cache, self.out = lm, cache, out
         self.step = torch.compile(lm.decode_rows) if compile else lm.decode_rows
         self.use_graphs, self.max_graphs = graphs, max_graphs
-        self.full_span = uses_fast_kernel(lm.device, lm.head_dim)
+        # the Triton kernel reads each row's own length; true on-policy's attention folds every key block it is given
+        self.full_span = uses_fast_kernel(lm.device, lm.head_dim) and not lm.exact
         self.tokens = torch.zeros(cache.rows, dtype=torch.long, device=lm.device)
         self.positions = torch.zeros(cache.rows, dtype=torch.long, device=lm.device)
         # M-RoPE models: each row's rotary offset (its sequence's delta); None keeps a text model's step as it was

@@ -161,9 +161,9 @@ class _ExactAttention(torch.autograd.Function):
             if visible is None:  # causal: queries a..b-1 see keys 0..b-1 at most (no device read)
                 seen = torch.arange(a + 1, b + 1, device=q.device).expand(batch, b - a)
                 blocks = -(-b // KEY_BLOCK)
-            else:
+            else:  # every block of k (no device read: a decode step stays capturable); those past a query count 0
                 seen = visible[:, a:b]
-                blocks = -(-int(seen.max()) // KEY_BLOCK)
+                blocks = -(-k.shape[2] // KEY_BLOCK)
             out[:, :, a:b] = _attention_chunk(q[:, :, a:b], k, v, seen, scale, blocks)
         return out
 

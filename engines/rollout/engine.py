@@ -213,9 +213,10 @@ class ContinuousBatchEngine:
         self.prompt_tokens = 0
         self.finished: Counter[str] = Counter()  # by finish_reason type, and "error" for a failed request
         self._overlap = lm.device.type == "cuda"  # decode runs while the host reads the sampled tokens
-        # true on-policy decode reads each row's length on the host: no compiled or captured step
+        # true on-policy decode: captured (invariant.attention reads nothing on the host), never compiled (fusion
+        # would change the rounding the trainer's eager ops give)
         self.compile = compile and self._overlap and not lm.exact
-        self.cuda_graphs = cuda_graphs and not lm.exact
+        self.cuda_graphs = cuda_graphs
         self._stop = False
         self._paused = False
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
