@@ -312,3 +312,23 @@ def test_a_prompt_prefilled_again_after_a_tower_update_gets_the_new_embeddings(b
     encoder.clear()
     again = encoder.sequence(prompt)
     assert again is not first and encoder.calls == calls + 2
+
+
+def test_transformers_plain_forward_on_the_same_model_gives_the_engines_logprobs(vl_dir, backend, processor):
+    """The model loaded elsewhere: transformers' own forward, with the inputs its Qwen2-VL processor builds (the
+    chat template's text with the pad run expanded, the image processor's pixels and grid, the pad tokens marked
+    in `mm_token_type_ids`), gives the engine's log-probs for the same picture and sampled tokens."""
+    from transformers import AutoModelForImageTextToText
+
+    images = [png(84, 56, (200, 40, 40))]
+    ids = prompt_ids(processor, images)
+    gen = backend.generate([ids], SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True), seed=5,
+                           image_data=[images])[0]
+    model = AutoModelForImageTextToText.from_pretrained(vl_dir).eval()
+    pixels = processor.pixel_inputs([Image.open(io.BytesIO(b)).convert("RGB") for b in images])
+    tokens = torch.tensor([ids + gen.output_ids])
+    with torch.no_grad():
+        logits = model(input_ids=tokens, mm_token_type_ids=(tokens == processor.image_token_id).int(),
+                       **pixels).logits[0, len(ids) - 1:-1].float()
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(gen.output_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(gen.output_logprobs), ref, atol=1e-5), (gen.output_logprobs, ref.tolist())
