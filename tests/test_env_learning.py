@@ -3,9 +3,9 @@ multi-turn, token in / token out, through the environment protocol. The recipe's
 them with the CLI, here in the bare loop: SFT on tool transcripts, its weights saved as a Hugging Face folder, then
 GRPO from them through the environment.
 
-Measured (2 cores, 2026-11-29, 2.6 min in all): held-out reward (64 prompts, greedy) 0.031 before any update ->
-0.965 after SFT (100 steps, ~20 s) -> 0.904, 0.926, 0.926, 0.966 at GRPO steps 5, 10, 15, 20. The rise is SFT's:
-GRPO through the environment holds it (what GRPO does from a weaker SFT: docs/agents.md).
+Measured (2 cores, 2026-11-29, 6.7 min in all): held-out reward (64 prompts, greedy) 0.031 before any update ->
+0.680 after a short SFT (50 steps) -> 0.79, 0.81, 0.90, 0.90, 0.91, 0.92, 0.95, 0.94 every 10 GRPO steps through
+the environment (training reward 0.33 -> 0.84): GRPO carries it over 0.9.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from rlflow.engines.core.config import load_recipe
 from tests.learning import in_tmp, sft_then_grpo
 
-pytestmark = pytest.mark.slow  # ~3 min on 2 cores; the default suite's twin: tests/test_env.py's tool loop
+pytestmark = pytest.mark.slow  # ~7 min on 2 cores; the default suite's twin: tests/test_env.py's tool loop
 
 
 def test_mul_tool_recipe_learns_to_use_the_python_tool(tmp_path):
@@ -25,6 +25,7 @@ def test_mul_tool_recipe_learns_to_use_the_python_tool(tmp_path):
     print(f"held-out reward {run.before:.3f} -> {run.after_sft:.3f} (SFT) -> {run.evals} (GRPO); training reward "
           f"{run.rewards}; {run.minutes:.1f} min; env {stats}")
     assert run.before <= 0.2
+    assert run.after_sft <= 0.75  # the SFT is short: what crosses 0.9 is the RL through the environment
     assert run.evals[-1] >= 0.9
     assert stats["errors"] == 0 and stats["sandbox_peak"] >= 1
     assert run.minutes < 10
