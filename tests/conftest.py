@@ -84,6 +84,18 @@ def resume_one_rank_and_export(model_dir: str, out: str, rank: int, world: int, 
     weights = dict(resumed.named_tensors())
     if rank == 0:
         save_file({n: t.contiguous() for n, t in weights.items()}, f"{out}/resumed.safetensors")
+    end_ranks()
+
+
+def end_ranks() -> None:
+    """A spawned rank's last step: wait for the others, then take the process group down. A rank that exits with
+    the group still up can abort in its teardown ("terminate called without an active exception": gloo's threads
+    destroyed while running), which mp.spawn reports as the test's failure (seen once in CI)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def small_recipe(tmp_path, **sections) -> dict:

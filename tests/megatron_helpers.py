@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2
 
 from rlflow.engines.core.batch import TrainBatch, pack_samples, select, shard_for_workers
 from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig, TrainConfig
+from tests.conftest import end_ranks
 
 FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mixtral": MixtralConfig,
             "qwen3_moe": Qwen3MoeConfig}
@@ -91,6 +92,7 @@ def parallel_layouts_worker(rank: int, world: int, url: str, jobs: list[dict]) -
     groups over the same torch.distributed group for each."""
     for job in jobs:
         parallel_worker(rank, world, url=url, **job)
+    end_ranks()
 
 
 def parallel_worker(rank: int, world: int, tp: int, pp: int, url: str, model_dir: str, hf_dirs: dict[str, str],

@@ -23,7 +23,7 @@ from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.train import fsdp
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 from rlflow.engines.train.vision import ImageInputs
-from tests.conftest import assert_same_update, small_recipe
+from tests.conftest import assert_same_update, end_ranks, small_recipe
 
 RUN = "vl"
 TINY_VL = ModelConfig(arch="qwen2_vl", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -234,6 +234,7 @@ def two_rank_worker(rank: int, world: int, url: str, model_dir: str, store_uri: 
     weights = dict(backend.named_tensors())
     if rank == 0:
         save_file({n: t.contiguous() for n, t in weights.items()}, f"{out}/two.safetensors")
+    end_ranks()
 
 
 @pytest.mark.parametrize("freeze", [True, False], ids=["frozen", "trained"])
