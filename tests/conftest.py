@@ -77,6 +77,7 @@ def resume_one_rank_and_export(model_dir: str, out: str, rank: int, world: int, 
 
     from rlflow.engines.core.config import AlgorithmConfig, TrainConfig
     from rlflow.engines.train.torch_backend import TorchTrainBackend
+    from tests.spawned_ranks import end_ranks
 
     resumed = TorchTrainBackend(model_dir, TrainConfig(threads=1, mini_batches=1), AlgorithmConfig(), rank=rank,
                                 world_size=world, dist_url=url)
@@ -85,17 +86,6 @@ def resume_one_rank_and_export(model_dir: str, out: str, rank: int, world: int, 
     if rank == 0:
         save_file({n: t.contiguous() for n, t in weights.items()}, f"{out}/resumed.safetensors")
     end_ranks()
-
-
-def end_ranks() -> None:
-    """A spawned rank's last step: wait for the others, then take the process group down. A rank that exits with
-    the group still up can abort in its teardown ("terminate called without an active exception": gloo's threads
-    destroyed while running), which mp.spawn reports as the test's failure (seen once in CI)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def small_recipe(tmp_path, **sections) -> dict:

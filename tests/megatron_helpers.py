@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2
 
 from rlflow.engines.core.batch import TrainBatch, pack_samples, select, shard_for_workers
 from rlflow.engines.core.config import AlgorithmConfig, MegatronConfig, TrainConfig
-from tests.conftest import end_ranks
+from tests.spawned_ranks import end_ranks
 
 FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mixtral": MixtralConfig,
             "qwen3_moe": Qwen3MoeConfig}

@@ -327,8 +327,9 @@ def test_transformers_plain_forward_on_the_same_model_gives_the_engines_logprobs
     model = AutoModelForImageTextToText.from_pretrained(vl_dir).eval()
     pixels = processor.pixel_inputs([Image.open(io.BytesIO(b)).convert("RGB") for b in images])
     tokens = torch.tensor([ids + gen.output_ids])
+    marks = torch.zeros_like(tokens, dtype=torch.int)  # the prompt's pads, as the processor marks them (a generated
+    marks[0, :len(ids)] = tokens[0, :len(ids)] == processor.image_token_id  # pad id is text)
     with torch.no_grad():
-        logits = model(input_ids=tokens, mm_token_type_ids=(tokens == processor.image_token_id).int(),
-                       **pixels).logits[0, len(ids) - 1:-1].float()
+        logits = model(input_ids=tokens, mm_token_type_ids=marks, **pixels).logits[0, len(ids) - 1:-1].float()
     ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(gen.output_ids)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(gen.output_logprobs), ref, atol=1e-5), (gen.output_logprobs, ref.tolist())

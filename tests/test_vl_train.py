@@ -23,7 +23,8 @@ from rlflow.engines.store.run_store import RunStore
 from rlflow.engines.train import fsdp
 from rlflow.engines.train.torch_backend import TorchTrainBackend
 from rlflow.engines.train.vision import ImageInputs
-from tests.conftest import assert_same_update, end_ranks, small_recipe
+from tests.conftest import assert_same_update, small_recipe
+from tests.spawned_ranks import end_ranks
 
 RUN = "vl"
 TINY_VL = ModelConfig(arch="qwen2_vl", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--op-timings", action="store_true", help="also time each invariant op beside the default")
     harness.add_smoke(parser)
     args = parser.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",")]
+    if not modes or any(m not in ("default", "exact") for m in modes):
+        parser.error(f"--modes {args.modes!r}: expected default, exact or default,exact")
     dev = "cpu" if args.smoke else harness.device()
     size, batch, new = ("smoke", 16, 16) if args.smoke else (args.size, args.batch, args.new_tokens)
     results = harness.report_header(__spec__.name, argv) | {"size": size, "batch": batch, "new_tokens": new,
@@ -170,9 +173,6 @@ def main(argv: list[str] | None = None) -> int:
         for name, row in results["op_timings"].items():
             harness.say(f"{name}: {row}")
         harness.write_json(args.out, results)
-    modes = [m.strip() for m in args.modes.split(",")]
-    if not modes or any(m not in ("default", "exact") for m in modes):
-        parser.error(f"--modes {args.modes!r}: expected default, exact or default,exact")
     with tempfile.TemporaryDirectory(prefix="rlflow-top-") as tmp:
         model = build_model(size, Path(tmp) / size, "cpu")
         for exact in (m == "exact" for m in modes):

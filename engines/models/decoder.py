@@ -464,9 +464,9 @@ class DecoderLM:
         key/value stored in the row's pages, attention over the row's first positions[b] + 1 tokens (within
         its first `pages` pages); the next-token logits go to out[:R] (model dtype). Nothing here waits for
         the device (under rollout.true_on_policy too, a MoE model's experts excepted), so a CUDA graph can capture it
-        for a fixed (R, pages). Idle rows decode token 0 at
-        position 0 of the scratch page. `offsets[b]` (M-RoPE models): row b's rotary position is positions[b] +
-        offsets[b] (its sequence's delta; its cache position stays positions[b])."""
+        for a fixed (R, pages). Idle rows decode token 0 at position 0 of the scratch page. `offsets[b]` (M-RoPE
+        models): row b's rotary position is positions[b] + offsets[b] (its sequence's delta; its cache position
+        stays positions[b])."""
         rows = tokens.shape[0]
         table = cache.page_table[:rows, :pages]
         lengths = (positions + 1).to(torch.int32)
