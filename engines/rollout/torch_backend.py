@@ -91,7 +91,7 @@ class TorchRolloutBackend(RolloutBackend, StoreReceiver, DiskReceiver, IpcReceiv
         model's expert choice of every token, for /generate's return_routed_experts (routing replay, R3).
         `cuda_graphs`: off, decode steps run eagerly (SGLang's --disable-cuda-graph). `fp8`: the dense
         projections in e4m3 (rollout.precision fp8; CUDA, bf16 `dtype`). `true_on_policy`: every op batch-invariant
-        and the trainer's (DecoderLM.true_on_policy; rollout.true_on_policy), no CUDA graphs. `frozen_vision`: a
+        and the trainer's (DecoderLM.true_on_policy; rollout.true_on_policy), no compile. `frozen_vision`: a
         vision-language model's tower is frozen in the trainer (train.freeze_vision), so no sync sends it: it is
         no sync target, stays resident when the weights are released, and is not in a shared IPC buffer."""
         if fp8 and (device != "cuda" or dtype != torch.bfloat16):
